@@ -1,0 +1,15 @@
+"""mpk: a mega-kernel compiler and persistent GPU runtime for PyTorch.
+
+``torch.compile(model, backend="mpk", options={...})`` lowers a model into an SM-level task graph
+and runs it as one persistent kernel (or, with ``executor="cpu"``, on the CPU reference
+interpreter). See ``mpk.options.CompileOptions`` for the options.
+"""
+
+from mpk.backend import mpk_backend
+from mpk.errors import (CompileError, DeadlockError, ExecutorUnavailableError, MpkError, OptionError,
+                        RaceError, UnsupportedOpError)
+from mpk.options import CompileOptions
+
+__version__ = "0.1.0"
+__all__ = ["mpk_backend", "CompileOptions", "MpkError", "OptionError", "UnsupportedOpError", "CompileError",
+           "ExecutorUnavailableError", "DeadlockError", "RaceError", "__version__"]

@@ -1,0 +1,127 @@
+"""The ``torch.compile`` backend: Dynamo graph → AOTAutograd (functionalized ATen, parameters
+lifted, inference) → pattern fusion → OpGraph → tables → an executor.
+
+Registered as the ``mpk`` entry point of ``torch_dynamo_backends``, so
+``torch.compile(model, backend="mpk")`` works without importing mpk.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch.fx import GraphModule
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+
+from mpk.compiler import CompiledGraph, compile_graph
+from mpk.errors import ExecutorUnavailableError, MpkError, UnsupportedOpError
+from mpk.frontend import find_unsupported, fuse_patterns, lower
+from mpk.frontend.lower import describe_inputs, op_name, source_line
+from mpk.options import CompileOptions
+
+# Every CompiledGraph built in this process, newest last (inspection and tests read it).
+COMPILED: list[CompiledGraph] = []
+
+
+def mpk_backend(gm: GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None):
+    """Dynamo backend entry point (``torch.compile(model, backend="mpk", options={...})``)."""
+    opts = CompileOptions.parse(options)
+    dynamo_inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    lifted = [name for name, _ in gm.named_parameters()] + [name for name, _ in gm.named_buffers()]
+    names = lifted + [str(n.target) for n in dynamo_inputs]
+    flags = [True] * len(lifted) + [isinstance(x, torch.nn.Parameter) for x in example_inputs]
+
+    def fw_compiler(fx_gm: GraphModule, fw_inputs):
+        n_in = sum(1 for n in fx_gm.graph.nodes if n.op == "placeholder")
+        same = n_in == len(names)
+        return compile_fx(fx_gm, opts, flags if same else None, names if same else None)
+
+    return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=_no_training)
+
+
+def _no_training(gm, example_inputs):
+    raise MpkError("mpk compiles inference graphs only: call the compiled model under torch.no_grad() "
+                   "or torch.inference_mode() to run backward in eager PyTorch")
+
+
+def unsupported_report(failures) -> str:
+    lines = [f"mpk cannot lower {len(failures)} node(s):"]
+    for node, reason in failures:
+        lines.append(f"  - {op_name(node.target)} (node {node.name!r}): {reason}; inputs "
+                     f"{describe_inputs(node)}; source {source_line(node)}")
+    return "\n".join(lines)
+
+
+def compile_fx(gm: GraphModule, opts: CompileOptions, param_flags: list[bool] | None = None,
+               input_names: list[str] | None = None) -> Callable:
+    """Compile one functionalized ATen graph into a callable taking the graph's flat inputs."""
+    fuse_patterns(gm)
+    failures = find_unsupported(gm)
+    if not failures:
+        graph = lower(gm, param_flags, input_names)
+        compiled = compile_graph(graph, opts.num_workers, opts.partition,
+                                 {"executor": opts.executor})
+        COMPILED.append(compiled)
+        if opts.debug_dir:
+            from mpk.inspection import dump
+            dump(compiled, opts.debug_dir, f"graph{len(COMPILED) - 1}")
+        return make_runner(compiled, opts)
+    if opts.fallback == "error":
+        raise UnsupportedOpError(unsupported_report(failures) +
+                                 "\nPass options={'fallback': 'eager'} to run these parts in PyTorch.")
+    warnings.warn(unsupported_report(failures) + "\nThey run in eager PyTorch (fallback='eager').", stacklevel=2)
+    return _compile_with_fallback(gm, {n for n, _ in failures}, opts)
+
+
+class _Supported(OperatorSupportBase):
+    def __init__(self, unsupported):
+        self.unsupported = unsupported
+
+    def is_node_supported(self, submodules, node) -> bool:
+        return node.op == "call_function" and node not in self.unsupported
+
+
+class _CompiledSubgraph(torch.nn.Module):
+    def __init__(self, runner: Callable, single_output: bool):
+        super().__init__()
+        self.runner, self.single_output = runner, single_output
+
+    def forward(self, *args):
+        out = self.runner(*args)
+        return out[0] if self.single_output else tuple(out)
+
+
+def _compile_with_fallback(gm: GraphModule, unsupported: set, opts: CompileOptions) -> Callable:
+    parted = CapabilityBasedPartitioner(gm, _Supported(unsupported), allows_single_node_partition=True)
+    fused = parted.partition_and_fuse()
+    for node in fused.graph.nodes:
+        if node.op != "call_module":
+            continue
+        sub = getattr(fused, node.target)
+        out_node = next(n for n in sub.graph.nodes if n.op == "output")
+        single = not isinstance(out_node.args[0], (tuple, list))
+        if single:
+            out_node.args = ((out_node.args[0],),)
+            sub.recompile()
+        setattr(fused, node.target, _CompiledSubgraph(compile_fx(sub, opts), single))
+    fused.recompile()
+    return fused
+
+
+def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
+    if opts.executor == "gpu":
+        raise ExecutorUnavailableError(
+            "the GPU executor (the persistent megakernel runtime) is not part of this mpk build yet; "
+            "compile with options={'executor': 'cpu'} to run the tables on the CPU reference interpreter")
+    from mpk.megakernel import Interpreter
+
+    interp = Interpreter(compiled.tables, num_workers=opts.num_workers, check_races=opts.check_races)
+
+    def run(*args):
+        return interp.run(args, seed=opts.seed)
+
+    run.compiled = compiled  # type: ignore[attr-defined]
+    return run

@@ -1,0 +1,210 @@
+"""Step 7 — emit: the flat, versioned tables. THE contract between the compiler and both
+executors (the persistent GPU kernel and the CPU interpreter); nothing else crosses over.
+
+Layout, version 1 (little-endian, all ids 0-based, task/event ids are linear positions):
+
+``tasks`` (TASK_DTYPE, 20 bytes per task)
+    op          int32   index into ``ops``, or -1 for a dummy task (no work)
+    tile        int32   row-major tile index within the op's grid
+    dep_event   int32   the one event the task waits on
+    trig_event  int32   the one event the task increments when done
+    flags       uint32  bit 0: JIT (dispatched by a scheduler) else AOT (pre-queued)
+``events`` (EVENT_DTYPE)
+    num_triggers int32  arrivals per iteration; iteration k (1-based) fires at k·num_triggers
+                        (counters are never reset inside a launch)
+    first_task, last_task int32   launched task range [first_task, last_task)
+    flags       uint32  bit 0: global barrier (all earlier tasks are its ancestors)
+``ops`` (OP_DTYPE): type_id (registry), output buffer, first_input/num_inputs into
+    ``op_inputs`` (view ids), ndim, grid[MAX_DIMS], bounds_offset into ``bounds`` (per dim,
+    grid[d]+1 boundaries, dims concatenated), num_tiles. An op's tasks need not be contiguous
+    in linear order; a task finds its tile as ``tasks.tile`` within its op's grid.
+``buffers`` (BUFFER_DTYPE): role (0 input, 1 intermediate), dtype code (DTYPES), ndim,
+    shape[MAX_DIMS], input_index (argument position for inputs, -1 otherwise).
+``views`` (VIEW_DTYPE): buffer, ndim, offset, shape[MAX_DIMS], strides[MAX_DIMS] in elements
+    over the contiguous buffer.
+``op_inputs`` int32, ``bounds`` int64.
+``meta`` (JSON): version, start/end event ids, per-op kind / name / attrs / source, buffer
+    names, graph outputs (view id or a JSON constant), the options that shaped the tables.
+
+``Tables.to_bytes`` is deterministic (no timestamps, sorted JSON), so equal inputs give
+byte-identical tables; ``digest`` is its sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from mpk.compiler.taskgraph import DUMMY, TaskGraph
+from mpk.errors import CompileError
+from mpk.ir.views import View
+from mpk.ops import get_op
+
+TABLES_VERSION = 1
+MAX_DIMS = 8
+MAGIC = b"MPKTBL01"
+FLAG_JIT = 1
+FLAG_BARRIER = 1
+ROLE_INPUT, ROLE_INTERMEDIATE = 0, 1
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+          torch.int16, torch.int8, torch.uint8, torch.bool]
+DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
+
+TASK_DTYPE = np.dtype([("op", "<i4"), ("tile", "<i4"), ("dep_event", "<i4"), ("trig_event", "<i4"),
+                       ("flags", "<u4")])
+EVENT_DTYPE = np.dtype([("num_triggers", "<i4"), ("first_task", "<i4"), ("last_task", "<i4"),
+                        ("flags", "<u4")])
+OP_DTYPE = np.dtype([("type_id", "<i4"), ("output", "<i4"), ("first_input", "<i4"), ("num_inputs", "<i4"),
+                     ("ndim", "<i4"), ("grid", "<i4", (MAX_DIMS,)), ("bounds_offset", "<i4"),
+                     ("num_tiles", "<i4")])
+BUFFER_DTYPE = np.dtype([("role", "<i4"), ("dtype", "<i4"), ("ndim", "<i4"), ("shape", "<i8", (MAX_DIMS,)),
+                         ("input_index", "<i4")])
+VIEW_DTYPE = np.dtype([("buffer", "<i4"), ("ndim", "<i4"), ("offset", "<i8"), ("shape", "<i8", (MAX_DIMS,)),
+                       ("strides", "<i8", (MAX_DIMS,))])
+ARRAYS = {"tasks": TASK_DTYPE, "events": EVENT_DTYPE, "ops": OP_DTYPE, "buffers": BUFFER_DTYPE,
+          "views": VIEW_DTYPE, "op_inputs": np.dtype("<i4"), "bounds": np.dtype("<i8")}
+
+
+@dataclass
+class Tables:
+    tasks: np.ndarray
+    events: np.ndarray
+    ops: np.ndarray
+    buffers: np.ndarray
+    views: np.ndarray
+    op_inputs: np.ndarray
+    bounds: np.ndarray
+    meta: dict[str, Any]
+
+    @property
+    def start_event(self) -> int:
+        return self.meta["start_event"]
+
+    @property
+    def end_event(self) -> int:
+        return self.meta["end_event"]
+
+    def to_bytes(self) -> bytes:
+        header = json.dumps({"meta": self.meta, "counts": {k: len(getattr(self, k)) for k in ARRAYS}},
+                            sort_keys=True, separators=(",", ":")).encode()
+        body = b"".join(np.ascontiguousarray(getattr(self, k), dtype=dt).tobytes() for k, dt in ARRAYS.items())
+        return MAGIC + len(header).to_bytes(8, "little") + header + body
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Tables":
+        if data[:8] != MAGIC:
+            raise CompileError(f"not an mpk tables file (magic {data[:8]!r}, expected {MAGIC!r})")
+        n = int.from_bytes(data[8:16], "little")
+        header = json.loads(data[16:16 + n])
+        if header["meta"]["version"] != TABLES_VERSION:
+            raise CompileError(f"tables version {header['meta']['version']}, this mpk reads {TABLES_VERSION}")
+        pos, arrays = 16 + n, {}
+        for k, dt in ARRAYS.items():
+            count = header["counts"][k]
+            arrays[k] = np.frombuffer(data, dtype=dt, count=count, offset=pos).copy()
+            pos += count * dt.itemsize
+        return cls(meta=header["meta"], **arrays)
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_bytes()).hexdigest()
+
+
+def _json_value(x):
+    if isinstance(x, torch.dtype):
+        return str(x)[6:]
+    if isinstance(x, (list, tuple)):
+        return [_json_value(y) for y in x]
+    if isinstance(x, dict):
+        return {k: _json_value(v) for k, v in x.items()}
+    return x
+
+
+def emit(tg: TaskGraph, options: dict[str, Any] | None = None) -> Tables:
+    graph = tg.graph
+    new_task = {old: new for new, old in enumerate(tg.task_order)}
+    new_event = {old: new for new, old in enumerate(tg.event_order)}
+
+    events = np.zeros(len(tg.events), EVENT_DTYPE)
+    dep_event = [0] * tg.num_tasks
+    trig_event = [0] * tg.num_tasks
+    for old, e in enumerate(tg.events):
+        ne = new_event[old]
+        ids = [new_task[t] for t in e.launches]
+        if ids and ids != list(range(ids[0], ids[0] + len(ids))):
+            raise CompileError(f"event {ne} launches non-contiguous tasks {ids[:8]}…")
+        first = ids[0] if ids else (len(tg.task_order) if old == tg.end_event else 0)
+        events[ne] = (max(1, len(e.triggers)), first, first + len(ids), FLAG_BARRIER if tg.barrier[old] else 0)
+        for t in e.launches:
+            dep_event[t] = ne
+        for t in e.triggers:
+            trig_event[t] = ne
+
+    tasks = np.zeros(tg.num_tasks, TASK_DTYPE)
+    for new, old in enumerate(tg.task_order):
+        tasks[new] = (tg.task_op[old], tg.task_tile[old], dep_event[old], trig_event[old],
+                      FLAG_JIT if tg.jit[old] else 0)
+
+    views: list[View] = []
+    view_id: dict[View, int] = {}
+
+    def add_view(v: View) -> int:
+        if v not in view_id:
+            view_id[v] = len(views)
+            views.append(v)
+        return view_id[v]
+
+    ops = np.zeros(len(graph.ops), OP_DTYPE)
+    op_inputs: list[int] = []
+    bounds: list[int] = []
+    for t in tg.tiles:
+        op = graph.ops[t.op_id]
+        if len(t.grid) > MAX_DIMS:
+            raise CompileError(f"op {op.name!r} has a {len(t.grid)}-d output; tables hold at most {MAX_DIMS} dims")
+        grid = list(t.grid) + [1] * (MAX_DIMS - len(t.grid))
+        ops[op.id] = (get_op(op.kind).type_id, op.output, len(op_inputs), len(op.inputs), len(t.grid),
+                      grid, len(bounds), t.num_tasks)
+        op_inputs += [add_view(v) for v in op.inputs]
+        for b in t.bounds:
+            bounds += b
+    outputs = []
+    for o in graph.outputs:
+        outputs.append({"view": add_view(o.view)} if o.view is not None else {"value": _json_value(o.value)})
+
+    buffers = np.zeros(len(graph.buffers), BUFFER_DTYPE)
+    for b in graph.buffers:
+        if len(b.shape) > MAX_DIMS:
+            raise CompileError(f"buffer {b.name!r} is {len(b.shape)}-d; tables hold at most {MAX_DIMS} dims")
+        if b.dtype not in DTYPE_CODE:
+            raise CompileError(f"buffer {b.name!r} has dtype {b.dtype}; supported: {[str(d) for d in DTYPES]}")
+        buffers[b.id] = (ROLE_INPUT if b.role == "input" else ROLE_INTERMEDIATE, DTYPE_CODE[b.dtype], len(b.shape),
+                         list(b.shape) + [0] * (MAX_DIMS - len(b.shape)),
+                         b.input_index if b.input_index is not None else -1)
+
+    view_arr = np.zeros(len(views), VIEW_DTYPE)
+    for i, v in enumerate(views):
+        strides, offset = v.strided()
+        pad = [0] * (MAX_DIMS - v.ndim)
+        view_arr[i] = (v.buffer, v.ndim, offset, list(v.shape) + pad, list(strides) + pad)
+
+    meta = {
+        "version": TABLES_VERSION,
+        "start_event": new_event[tg.start_event],
+        "end_event": new_event[tg.end_event],
+        "ops": [{"kind": op.kind, "name": op.name, "attrs": _json_value(op.attrs), "source": op.source}
+                for op in graph.ops],
+        "buffers": [{"name": b.name, "is_param": b.is_param} for b in graph.buffers],
+        "outputs": outputs,
+        "options": _json_value(options or {}),
+    }
+    return Tables(tasks, events, ops, buffers, view_arr, np.array(op_inputs, "<i4"),
+                  np.array(bounds, "<i8"), meta)
+
+
+def dummy_count(tables: Tables) -> int:
+    return int((tables.tasks["op"] == DUMMY).sum())

@@ -1,0 +1,344 @@
+"""Lowering rules: ATen op → View (view ops) or registry op (compute ops).
+
+``HANDLERS`` maps an ATen overload (or a whole overload packet) to a function
+``(lowering, node, *args, **kwargs) -> value``; tensors arrive as ``View``s. A rule raises
+``Unsupported`` with the reason when an argument combination is outside what it lowers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+import mpk.frontend.fused_ops  # noqa: F401  (registers torch.ops.mpk.*)
+from mpk.frontend.lower import Unavailable, Unsupported
+from mpk.ir.views import View
+
+aten, prims, mpk_ops = torch.ops.aten, torch.ops.prims, torch.ops.mpk
+HANDLERS: dict[Any, Callable] = {}
+
+
+def lookup(target) -> Callable | None:
+    return HANDLERS.get(target) or HANDLERS.get(getattr(target, "overloadpacket", None))
+
+
+def handles(*targets):
+    def deco(fn):
+        for t in targets:
+            HANDLERS[t] = fn
+        return fn
+    return deco
+
+
+def _dim(d: int, ndim: int) -> int:
+    return d % ndim if ndim else 0
+
+
+def _shape(L: Lowering) -> tuple[int, ...]:
+    return tuple(int(s) for s in L.meta().shape)
+
+
+# --- views (no data moves) ---------------------------------------------------------------
+
+@handles(aten.view, aten._unsafe_view, aten.reshape, aten.unsqueeze, aten.squeeze, aten.flatten,
+         aten.view_as)
+def _reshape(L, node, x: View, *args, **kwargs):
+    return x.then(("reshape", _shape(L)))
+
+
+@handles(aten.permute)
+def _permute(L, node, x: View, dims):
+    return x.then(("permute", tuple(_dim(d, x.ndim) for d in dims)))
+
+
+@handles(aten.transpose.int)
+def _transpose(L, node, x: View, d0, d1):
+    perm = list(range(x.ndim))
+    a, b = _dim(d0, x.ndim), _dim(d1, x.ndim)
+    perm[a], perm[b] = perm[b], perm[a]
+    return x.then(("permute", tuple(perm)))
+
+
+@handles(aten.t)
+def _t(L, node, x: View):
+    return x.then(("permute", (1, 0))) if x.ndim == 2 else x
+
+
+@handles(aten.expand)
+def _expand(L, node, x: View, sizes, implicit=False):
+    out = _shape(L)
+    if len(out) > x.ndim:
+        x = x.then(("reshape", (1,) * (len(out) - x.ndim) + x.shape))
+    return x.then(("expand", out))
+
+
+def _slice_view(x: View, dim: int, start, end, step: int) -> View:
+    n = x.shape[dim]
+    start = 0 if start is None else (start + n if start < 0 else start)
+    end = n if end is None else (end + n if end < 0 else end)
+    start, end = max(0, min(start, n)), max(0, min(end, n))
+    end = max(end, start)
+    return x.then(("slice", dim, start, end, step))
+
+
+@handles(aten.slice.Tensor)
+def _slice(L, node, x: View, dim=0, start=None, end=None, step=1):
+    return _slice_view(x, _dim(dim, x.ndim), start, end, step)
+
+
+@handles(aten.select.int)
+def _select(L, node, x: View, dim, index):
+    d = _dim(dim, x.ndim)
+    index = index + x.shape[d] if index < 0 else index
+    return x.then(("slice", d, index, index + 1, 1)).then(("reshape", _shape(L)))
+
+
+@handles(aten.split.Tensor, aten.split_with_sizes)
+def _split(L, node, x: View, sizes, dim=0):
+    d = _dim(dim, x.ndim)
+    n = x.shape[d]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, n - i) for i in range(0, n, sizes)]
+    out, lo = [], 0
+    for s in sizes:
+        out.append(_slice_view(x, d, lo, lo + s, 1))
+        lo += s
+    return tuple(out)
+
+
+@handles(aten.unbind.int)
+def _unbind(L, node, x: View, dim=0):
+    d = _dim(dim, x.ndim)
+    shape = x.shape[:d] + x.shape[d + 1:]
+    return tuple(x.then(("slice", d, i, i + 1, 1)).then(("reshape", shape)) for i in range(x.shape[d]))
+
+
+@handles(aten.alias, aten.detach, aten.lift_fresh_copy, aten.clone, aten.contiguous)
+def _alias(L, node, x: View, *args, **kwargs):
+    # The graph is functional: a clone holds the same values, so it may share the buffer.
+    return x
+
+
+@handles(aten._to_copy, prims.convert_element_type)
+def _to(L, node, x: View, *args, **kwargs):
+    dtype = L.meta().dtype
+    if L.meta().device.type != "meta" and kwargs.get("device") not in (None, L.meta().device):
+        raise Unsupported("device transfers inside the graph are not supported")
+    if dtype == L.graph.buffers[x.buffer].dtype:
+        return x
+    return L.emit("pointwise", [x], {"fn": "cast", "args": [["in", 0]]})
+
+
+@handles(getattr(__import__("operator"), "getitem"))
+def _getitem(L, node, seq, index):
+    return seq[index]
+
+
+# --- pointwise ---------------------------------------------------------------------------
+
+def _pointwise(fn: str, **extra):
+    def handler(L, node, *args, **kwargs):
+        inputs: list[View] = []
+        spec: list[list] = []
+        for a in args:
+            if isinstance(a, View):
+                spec.append(["in", len(inputs)])
+                inputs.append(a)
+            elif isinstance(a, (int, float, bool)):
+                spec.append(["c", a])
+            else:
+                raise Unsupported(f"argument {a!r} of type {type(a).__name__} is not a tensor or number")
+        alpha = kwargs.get("alpha", 1)
+        if alpha != 1:
+            raise Unsupported(f"alpha={alpha} (only alpha=1 is lowered)")
+        if kwargs.get("rounding_mode"):
+            raise Unsupported(f"rounding_mode={kwargs['rounding_mode']!r}")
+        if not inputs:
+            raise Unsupported("no tensor operand")
+        return L.emit("pointwise", inputs, {"fn": fn, "args": spec, **extra})
+    return handler
+
+
+for _fn, _targets in {
+    "add": (aten.add.Tensor, aten.add.Scalar), "sub": (aten.sub.Tensor, aten.sub.Scalar),
+    "mul": (aten.mul.Tensor, aten.mul.Scalar), "div": (aten.div.Tensor, aten.div.Scalar),
+    "pow": (aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor), "neg": (aten.neg.default,),
+    "exp": (aten.exp.default,), "rsqrt": (aten.rsqrt.default,), "sqrt": (aten.sqrt.default,),
+    "silu": (aten.silu.default,), "sigmoid": (aten.sigmoid.default,),
+    "tanh": (aten.tanh.default,), "relu": (aten.relu.default,),
+}.items():
+    handles(*_targets)(_pointwise(_fn))
+
+
+@handles(aten.rsub.Scalar, aten.rsub.Tensor)
+def _rsub(L, node, x, other, alpha=1):
+    return _pointwise("sub")(L, node, other, x, alpha=alpha)
+
+
+@handles(aten.gelu.default)
+def _gelu(L, node, x: View, approximate="none"):
+    fn = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
+    if fn is None:
+        raise Unsupported(f"approximate={approximate!r}, expected 'none' or 'tanh'")
+    return _pointwise(fn)(L, node, x)
+
+
+# --- reductions and row ops --------------------------------------------------------------
+
+def _last_dim_only(x: View, dims) -> None:
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    if [_dim(d, x.ndim) for d in dims] != [x.ndim - 1]:
+        raise Unsupported(f"reduction over dims {dims} of a {x.ndim}-d tensor; only the last dim is lowered")
+
+
+def _reduce(fn: str):
+    def handler(L, node, x: View, dims=None, keepdim=False, *, dtype=None):
+        _last_dim_only(x, dims)
+        return L.emit("reduce", [x], {"fn": fn, "keepdim": bool(keepdim)})
+    return handler
+
+
+handles(aten.sum.dim_IntList)(_reduce("sum"))
+handles(aten.mean.dim)(_reduce("mean"))
+handles(aten.amax.default)(_reduce("amax"))
+
+
+@handles(aten.argmax.default)
+def _argmax(L, node, x: View, dim=None, keepdim=False):
+    if dim is None:
+        raise Unsupported("argmax over all elements (dim=None); pass dim=-1")
+    _last_dim_only(x, dim)
+    return L.emit("reduce", [x], {"fn": "argmax", "keepdim": bool(keepdim)})
+
+
+@handles(aten._softmax.default, aten.softmax.int)
+def _softmax(L, node, x: View, dim, half_to_float=False, **kwargs):
+    _last_dim_only(x, dim)
+    return L.emit("softmax", [x])
+
+
+@handles(aten.native_layer_norm.default, aten.layer_norm.default)
+def _layer_norm(L, node, x: View, normalized_shape, weight=None, bias=None, eps=1e-5, *args):
+    if len(normalized_shape) != 1:
+        raise Unsupported(f"normalized_shape={list(normalized_shape)}; only the last dim is lowered")
+    ins = [x] + [t for t in (weight, bias) if t is not None]
+    out = L.emit("layer_norm", ins, {"eps": float(eps), "has_weight": weight is not None,
+                                     "has_bias": bias is not None})
+    if node.target is aten.native_layer_norm.default:
+        return out, Unavailable("the mean output of layer_norm"), Unavailable("the rstd output of layer_norm")
+    return out
+
+
+@handles(mpk_ops.rms_norm.default)
+def _rms_norm(L, node, x: View, weight, eps, compute_dtype, norm_dtype):
+    ins = [x] + ([weight] if weight is not None else [])
+    return L.emit("rms_norm", ins, {"eps": float(eps), "has_weight": weight is not None,
+                                    "compute_dtype": str(compute_dtype)[6:],
+                                    "norm_dtype": str(norm_dtype)[6:]})
+
+
+@handles(mpk_ops.rope.default)
+def _rope(L, node, x: View, cos: View, sin: View):
+    if x.shape[-1] % 2:
+        raise Unsupported(f"rotary embedding over an odd last dim ({x.shape[-1]})")
+    return L.emit("rope", [x, cos, sin])
+
+
+@handles(mpk_ops.silu_mul.default)
+def _silu_mul(L, node, gate: View, up: View):
+    return L.emit("silu_mul", [gate, up])
+
+
+# --- linear algebra ------------------------------------------------------------------------
+
+@handles(aten.mm.default, aten.bmm.default)
+def _mm(L, node, a: View, b: View):
+    return L.emit("matmul", [a, b])
+
+
+@handles(aten.addmm.default)
+def _addmm(L, node, bias: View, a: View, b: View, *, beta=1, alpha=1):
+    return L.emit("matmul", [a, b, bias], {"alpha": alpha, "beta": beta})
+
+
+@handles(aten.linear.default)
+def _linear(L, node, x: View, w: View, bias=None):
+    ins = [x, w.then(("permute", (1, 0)))] + ([bias] if bias is not None else [])
+    return L.emit("matmul", ins)
+
+
+@handles(aten.embedding.default)
+def _embedding(L, node, weight: View, ids: View, *args):
+    return L.emit("embedding", [weight, ids])
+
+
+@handles(aten.cat.default)
+def _cat(L, node, tensors, dim=0):
+    tensors = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)]
+    d = _dim(dim, tensors[0].ndim)
+    return L.emit("cat", tensors, {"dim": d})
+
+
+# --- attention ---------------------------------------------------------------------------
+
+def _strip_head_repeat(v: View) -> View:
+    """Undo HF ``repeat_kv`` (unsqueeze → expand → merge) so GQA reads the kv heads directly."""
+    if len(v.steps) < 3 or [s[0] for s in v.steps[-3:]] != ["reshape", "expand", "reshape"]:
+        return v
+    before, unsqueezed, expanded, merged = ((v.base_shape,) + v.shapes)[-4:]
+    if len(before) != 4:
+        return v
+    b, hkv, s, d = before
+    rep = expanded[2]
+    if unsqueezed != (b, hkv, 1, s, d) or expanded != (b, hkv, rep, s, d) or merged != (b, hkv * rep, s, d):
+        return v
+    return View(v.buffer, v.base_shape, v.steps[:-3], v.shapes[:-3])
+
+
+def _attention(L, q: View, k: View, v: View, mask, dropout, causal, scale):
+    if dropout:
+        raise Unsupported(f"dropout_p={dropout} (inference only: expected 0)")
+    if causal and mask is not None:
+        raise Unsupported("both attn_mask and is_causal")
+    k, v = _strip_head_repeat(k), _strip_head_repeat(v)
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise Unsupported(f"q/k/v of ranks {q.ndim}/{k.ndim}/{v.ndim}; expected [B, H, S, D] each")
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        raise Unsupported(f"{q.shape[1]} query heads over {k.shape[1]} key / {v.shape[1]} value heads")
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    ins = [q, k, v] + ([mask] if mask is not None else [])
+    out_shape = q.shape[:3] + (v.shape[-1],)
+    return L.emit("attention", ins, {"causal": bool(causal), "scale": scale},
+                  shape=out_shape, dtype=L.meta().dtype)
+
+
+@handles(aten.scaled_dot_product_attention.default)
+def _sdpa(L, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return _attention(L, q, k, v, attn_mask, dropout_p, is_causal, scale)
+
+
+@handles(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def _sdpa_flash_cpu(L, node, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    out = _attention(L, q, k, v, attn_mask, dropout_p, is_causal, scale)
+    return out, Unavailable("the logsumexp output of attention")
+
+
+@handles(aten._scaled_dot_product_flash_attention.default)
+def _sdpa_flash(L, node, q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+    out = _attention(L, q, k, v, None, dropout_p, is_causal, scale)
+    return (out,) + tuple(Unavailable("an auxiliary output of flash attention") for _ in range(8))
+
+
+@handles(aten._scaled_dot_product_efficient_attention.default)
+def _sdpa_efficient(L, node, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
+    out = _attention(L, q, k, v, attn_bias, dropout_p, is_causal, scale)
+    return (out,) + tuple(Unavailable("an auxiliary output of efficient attention") for _ in range(3))
+
+
+@handles(aten._scaled_dot_product_cudnn_attention.default)
+def _sdpa_cudnn(L, node, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
+                return_debug_mask=False, *, scale=None):
+    out = _attention(L, q, k, v, attn_bias, dropout_p, is_causal, scale)
+    return (out,) + tuple(Unavailable("an auxiliary output of cudnn attention") for _ in range(8))

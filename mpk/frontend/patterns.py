@@ -1,0 +1,145 @@
+"""Pattern fusion on the ATen FX graph: RMSNorm, rotary embedding and SiLU·mul.
+
+Each matcher looks for the decomposed form PyTorch produces for the usual model code and
+replaces the root node by one call of an ``torch.ops.mpk`` fused op; intermediates left without
+users are removed by dead-code elimination. Matchers accept operand order swaps and the dtype
+casts Llama/Qwen code inserts. (Attention needs no FX pattern: SDPA arrives as one ATen op.)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.fx import GraphModule, Node
+
+import mpk.frontend.fused_ops  # noqa: F401  (registers torch.ops.mpk.*)
+
+aten = torch.ops.aten
+_CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+
+
+def _is(node, *targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def _val(node) -> torch.Tensor | None:
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def _last_dim(node: Node, dim) -> bool:
+    ndim = _val(node).dim()
+    dims = dim if isinstance(dim, (list, tuple)) else [dim]
+    return len(dims) == 1 and dims[0] % ndim == ndim - 1
+
+
+def _strip_cast(node):
+    """(source, cast dtype or None) for a dtype cast node, else (node, None)."""
+    if _is(node, *_CASTS) and not node.kwargs.get("device") and len(node.users) == 1:
+        return node.args[0], _val(node).dtype
+    return node, None
+
+
+def _commuted(node: Node, pred: Callable[[object], bool]):
+    """For a binary node, (matching operand, other operand) or None."""
+    a, b = node.args[:2]
+    if pred(a):
+        return a, b
+    if pred(b):
+        return b, a
+    return None
+
+
+def _match_rms_norm(node: Node):
+    if not _is(node, aten.rsqrt.default):
+        return None
+    add = node.args[0]
+    if not _is(add, aten.add.Scalar, aten.add.Tensor) or isinstance(add.args[1], Node):
+        return None
+    mean = add.args[0]
+    if not (_is(mean, aten.mean.dim) and len(mean.args) > 2 and mean.args[2] and _last_dim(mean.args[0], mean.args[1])):
+        return None
+    sq = mean.args[0]
+    if not (_is(sq, aten.pow.Tensor_Scalar) and sq.args[1] == 2):
+        return None
+    x32 = sq.args[0]
+    muls = [u for u in node.users if _is(u, aten.mul.Tensor) and x32 in u.args[:2]]
+    if len(muls) != 1:
+        return None
+    root, norm_dtype = muls[0], _val(muls[0]).dtype
+    nxt = next(iter(root.users)) if len(root.users) == 1 else None
+    if nxt is not None and _is(nxt, *_CASTS) and not nxt.kwargs.get("device"):
+        root, norm_dtype = nxt, _val(nxt).dtype
+        nxt = next(iter(root.users)) if len(root.users) == 1 else None
+    weight = None
+    if nxt is not None and _is(nxt, aten.mul.Tensor):
+        other = nxt.args[1] if nxt.args[0] is root else nxt.args[0]
+        d = _val(x32).shape[-1]
+        if isinstance(other, Node) and _val(other) is not None and _val(other).dim() == 1 and _val(other).shape[0] == d:
+            root, weight = nxt, other
+    x, _ = _strip_cast(x32)
+    replacement = (torch.ops.mpk.rms_norm.default,
+                   (x, weight, float(add.args[1]), _val(x32).dtype, norm_dtype))
+    return root, replacement
+
+
+def _match_rope(node: Node):
+    if not _is(node, aten.add.Tensor) or len(node.args) > 2 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    for first, second in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+        if not (_is(first, aten.mul.Tensor) and _is(second, aten.mul.Tensor)):
+            continue
+        rot = _commuted(second, lambda n: _is(n, aten.cat.default))
+        if rot is None:
+            continue
+        cat, sin = rot
+        parts, dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else 0
+        if len(parts) != 2 or not _is(parts[0], aten.neg.default):
+            continue
+        hi, lo = parts[0].args[0], parts[1]
+        if not (_is(hi, aten.slice.Tensor) and _is(lo, aten.slice.Tensor)) or hi.args[0] is not lo.args[0]:
+            continue
+        x = hi.args[0]
+        d = _val(x).shape[-1]
+        if not (_last_dim(x, dim) and _last_dim(x, hi.args[1]) and _last_dim(x, lo.args[1])):
+            continue
+        if (hi.args[2], min(hi.args[3], d)) != (d // 2, d) or (lo.args[2], min(lo.args[3], d)) != (0, d // 2):
+            continue
+        direct = _commuted(first, lambda n: n is x)
+        if direct is None:
+            continue
+        return node, (torch.ops.mpk.rope.default, (x, direct[1], sin))
+    return None
+
+
+def _match_silu_mul(node: Node):
+    if not _is(node, aten.mul.Tensor):
+        return None
+    m = _commuted(node, lambda n: _is(n, aten.silu.default) and len(n.users) == 1)
+    if m is None or not isinstance(m[1], Node):
+        return None
+    return node, (torch.ops.mpk.silu_mul.default, (m[0].args[0], m[1]))
+
+
+MATCHERS = (_match_rms_norm, _match_rope, _match_silu_mul)
+
+
+def fuse_patterns(gm: GraphModule) -> dict[str, int]:
+    """Rewrite every match in place; returns how many of each pattern were fused."""
+    counts = {m.__name__[len("_match_"):]: 0 for m in MATCHERS}
+    for matcher in MATCHERS:
+        for node in list(gm.graph.nodes):
+            if getattr(node, "_erased", False):  # removed by an earlier rewrite
+                continue
+            found = matcher(node)
+            if found is None:
+                continue
+            root, (target, args) = found
+            with gm.graph.inserting_after(root):
+                new = gm.graph.call_function(target, args)
+            new.meta = dict(root.meta)
+            root.replace_all_uses_with(new)
+            gm.graph.eliminate_dead_code()
+            counts[matcher.__name__[len("_match_"):]] += 1
+    gm.recompile()
+    return counts

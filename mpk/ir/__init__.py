@@ -1,0 +1,1 @@
+"""Intermediate representations shared by the stages: regions, views, the OpGraph."""

@@ -1,0 +1,5 @@
+"""Executors of the tables: the CPU reference interpreter (and, next, the persistent GPU kernel)."""
+
+from mpk.megakernel.interpreter import Interpreter
+
+__all__ = ["Interpreter"]

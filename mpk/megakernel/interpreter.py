@@ -1,0 +1,260 @@
+"""The CPU reference executor: runs the tables with the runtime's event semantics.
+
+It reads nothing but the tables (and the op registry for each kind's tile kernel), so it
+checks the compiler through the same contract the GPU kernel uses:
+
+* events are counters that are never reset; in iteration k an event fires at k·num_triggers
+  arrivals and releases its task range;
+* AOT tasks are pre-placed round-robin on ``num_workers`` queues and run in queue order, each
+  once its dependent event fired (a worker blocks on its queue head, as on the GPU); JIT tasks
+  run on any worker once released;
+* among everything runnable the next task is drawn at random (seeded), so repeated runs explore
+  different legal schedules;
+* each tile is computed with PyTorch from exactly the input slices its op kind declares.
+
+It fails loudly: ``DeadlockError`` when tasks remain and none can run, ``RaceError`` when a task
+reads an element no task has written yet in this iteration or writes one already written.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from mpk.compiler.tables import DTYPES, FLAG_JIT, ROLE_INPUT, Tables
+from mpk.errors import DeadlockError, ExecutorUnavailableError, RaceError
+from mpk.ir.regions import Rect
+from mpk.ops import OpDef, OpSig, op_by_type_id
+
+
+@dataclass
+class _Op:
+    name: str
+    opdef: OpDef
+    sig: OpSig
+    inputs: list[int]  # view ids
+    output: int  # buffer id
+    grid: tuple[int, ...]
+    bounds: list[tuple[int, ...]]
+
+    def tile_rect(self, tile: int) -> Rect:
+        rect = []
+        for d in reversed(range(len(self.grid))):
+            tile, i = divmod(tile, self.grid[d])
+            rect.append((self.bounds[d][i], self.bounds[d][i + 1]))
+        return tuple(reversed(rect))
+
+
+class Interpreter:
+    """Executes ``tables`` on the CPU. ``check_races`` adds per-element write tracking."""
+
+    def __init__(self, tables: Tables, num_workers: int = 8, check_races: bool = True):
+        self.t, self.num_workers, self.check_races = tables, num_workers, check_races
+        meta = tables.meta
+        self.buf_shape = [tuple(int(s) for s in b["shape"][: b["ndim"]]) for b in tables.buffers]
+        self.buf_dtype = [DTYPES[b["dtype"]] for b in tables.buffers]
+        self.views = [(int(v["buffer"]), tuple(int(s) for s in v["shape"][: v["ndim"]]),
+                       tuple(int(s) for s in v["strides"][: v["ndim"]]), int(v["offset"])) for v in tables.views]
+        self.ops: list[_Op] = []
+        for i, o in enumerate(tables.ops):
+            ins = [int(x) for x in tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]]
+            nd = int(o["ndim"])
+            grid = tuple(int(g) for g in o["grid"][:nd])
+            bounds, pos = [], int(o["bounds_offset"])
+            for g in grid:
+                bounds.append(tuple(int(b) for b in tables.bounds[pos: pos + g + 1]))
+                pos += g + 1
+            out = int(o["output"])
+            sig = OpSig(tuple(self.views[v][1] for v in ins), self.buf_shape[out], self.buf_dtype[out],
+                        meta["ops"][i]["attrs"])
+            self.ops.append(_Op(meta["ops"][i]["name"], op_by_type_id(int(o["type_id"])), sig, ins, out, grid, bounds))
+        self._index_cache: dict[int, torch.Tensor] = {}
+
+    # --- helpers ---------------------------------------------------------------------------
+    def _bind(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        bufs: list[torch.Tensor | None] = [None] * len(self.buf_shape)
+        n_inputs = int((self.t.buffers["role"] == ROLE_INPUT).sum())
+        if len(args) != n_inputs:
+            raise ValueError(f"the compiled graph takes {n_inputs} tensor arguments, got {len(args)}")
+        for b, rec in enumerate(self.t.buffers):
+            if rec["role"] == ROLE_INPUT:
+                arg = args[int(rec["input_index"])]
+                if not isinstance(arg, torch.Tensor) or tuple(arg.shape) != self.buf_shape[b] \
+                        or arg.dtype != self.buf_dtype[b]:
+                    got = f"{tuple(arg.shape)} {arg.dtype}" if isinstance(arg, torch.Tensor) else type(arg).__name__
+                    raise ValueError(f"argument {int(rec['input_index'])} ({self.t.meta['buffers'][b]['name']}) is "
+                                     f"{got}, expected {self.buf_shape[b]} {self.buf_dtype[b]}")
+                if arg.device.type != "cpu":
+                    raise ExecutorUnavailableError(f"the CPU interpreter got a tensor on {arg.device}; "
+                                                   "move inputs to the CPU or use the gpu executor")
+                bufs[b] = arg.detach().contiguous().view(-1)
+            else:
+                n = 1
+                for s in self.buf_shape[b]:
+                    n *= s
+                dtype = self.buf_dtype[b]
+                fill = float("nan") if dtype.is_floating_point else -1
+                bufs[b] = torch.full((n,), fill, dtype=dtype)
+        return bufs
+
+    def _view(self, bufs, v: int) -> torch.Tensor:
+        b, shape, strides, offset = self.views[v]
+        return bufs[b].as_strided(shape, strides, offset)
+
+    def _element_ids(self, v: int) -> torch.Tensor:
+        """Flat buffer index of every element of view ``v`` (for the race detector)."""
+        if v not in self._index_cache:
+            b, shape, strides, offset = self.views[v]
+            n = 1
+            for s in self.buf_shape[b]:
+                n *= s
+            self._index_cache[v] = torch.arange(n).as_strided(shape, strides, offset)
+        return self._index_cache[v]
+
+    def _describe_task(self, tid: int) -> str:
+        rec = self.t.tasks[tid]
+        if rec["op"] < 0:
+            return f"task {tid} (dummy)"
+        op = self.ops[int(rec["op"])]
+        return f"task {tid} (op {op.name!r} tile {op.tile_rect(int(rec['tile']))})"
+
+    def _owner(self, buffer: int, flat: int) -> str:
+        """Which task is meant to write element ``flat`` of ``buffer``, from the tables."""
+        coord, rest = [], flat
+        for s in reversed(self.buf_shape[buffer]):
+            rest, i = divmod(rest, s)
+            coord.append(i)
+        coord = tuple(reversed(coord))
+        for tid, rec in enumerate(self.t.tasks):
+            if rec["op"] >= 0 and self.ops[int(rec["op"])].output == buffer:
+                rect = self.ops[int(rec["op"])].tile_rect(int(rec["tile"]))
+                if all(a <= c < b for c, (a, b) in zip(coord, rect)):
+                    return f"element {coord}, written by {self._describe_task(tid)}"
+        return f"element {coord}, which no task writes"
+
+    # --- execution ---------------------------------------------------------------------------
+    def _run_task(self, tid: int, bufs, writer, iteration: int) -> None:
+        rec = self.t.tasks[tid]
+        if rec["op"] < 0:
+            return
+        op = self.ops[int(rec["op"])]
+        rect = op.tile_rect(int(rec["tile"]))
+        index = tuple(slice(a, b) for a, b in rect)
+        slices: list[torch.Tensor | None] = []
+        for v, region in zip(op.inputs, op.opdef.input_regions(op.sig, rect)):
+            if region is None:
+                slices.append(None)
+                continue
+            sl = tuple(slice(a, b) for a, b in region)
+            buf = self.views[v][0]
+            if writer is not None and writer[buf] is not None:
+                ids = self._element_ids(v)[sl].reshape(-1)
+                unwritten = writer[buf][ids] < 0
+                if bool(unwritten.any()):
+                    flat = int(ids[unwritten.nonzero()[0, 0]])
+                    raise RaceError(
+                        f"race in iteration {iteration}: {self._describe_task(tid)} read buffer "
+                        f"{self.t.meta['buffers'][buf]['name']!r} {self._owner(buf, flat)}, before that task ran "
+                        f"(its dependent event {int(rec['dep_event'])} does not cover the producer)")
+            slices.append(self._view(bufs, v)[sl])
+        result = op.opdef.cpu(op.sig, rect, slices)
+        shape = tuple(b - a for a, b in rect)
+        if tuple(result.shape) != shape:
+            raise RuntimeError(f"{op.opdef.kind} kernel returned {tuple(result.shape)} for tile {rect}, expected {shape}")
+        out = bufs[op.output].view(self.buf_shape[op.output])
+        if writer is not None:
+            ids = torch.arange(out.numel()).view(out.shape)[index].reshape(-1)
+            prev = writer[op.output][ids]
+            if bool((prev >= 0).any()):
+                other = int(prev[prev >= 0][0])
+                raise RaceError(f"race in iteration {iteration}: {self._describe_task(tid)} and "
+                                f"{self._describe_task(other)} both write buffer "
+                                f"{self.t.meta['buffers'][op.output]['name']!r}")
+            writer[op.output][ids] = tid
+        out[index] = result
+
+    def run(self, args: Sequence[torch.Tensor], seed: int = 0, iterations: int = 1) -> list[Any]:
+        """Run ``iterations`` iterations in one 'launch'; returns the graph outputs."""
+        rng = random.Random(seed)
+        tasks, events = self.t.tasks, self.t.events
+        bufs = self._bind(args)
+        num_tasks = len(tasks)
+        jit = (tasks["flags"] & FLAG_JIT) != 0
+        aot_ids = [t for t in range(num_tasks) if not jit[t]]
+        queues = [aot_ids[w::self.num_workers] for w in range(self.num_workers)]
+        counters = [0] * len(events)
+        start, end = self.t.start_event, self.t.end_event
+        for k in range(1, iterations + 1):
+            writer = None
+            if self.check_races:
+                writer = [None if r["role"] == ROLE_INPUT else torch.full((b.numel(),), -1, dtype=torch.int64)
+                          for r, b in zip(self.t.buffers, bufs)]
+            released = [False] * num_tasks
+            done = 0
+            heads = [0] * self.num_workers
+            ready: list[tuple[int, int]] = []  # (task, worker or -1 for JIT)
+            owner = {t: w for w, q in enumerate(queues) for t in q}
+
+            def fire(e: int):
+                lo, hi = int(events[e]["first_task"]), int(events[e]["last_task"])
+                for t in range(lo, hi):
+                    released[t] = True
+                    if jit[t]:
+                        ready.append((t, -1))
+                    else:
+                        w = owner[t]
+                        if queues[w][heads[w]] == t:
+                            ready.append((t, w))
+
+            def arrive(e: int):
+                counters[e] += 1
+                if counters[e] == k * int(events[e]["num_triggers"]):
+                    fire(e)
+
+            arrive(start)
+            while done < num_tasks:
+                if not ready:
+                    raise DeadlockError(self._deadlock_report(k, released, counters, queues, heads, done))
+                t, w = ready.pop(rng.randrange(len(ready)))
+                self._run_task(t, bufs, writer, k)
+                done += 1
+                if w >= 0:
+                    heads[w] += 1
+                    if heads[w] < len(queues[w]) and released[queues[w][heads[w]]]:
+                        ready.append((queues[w][heads[w]], w))
+                arrive(int(tasks[t]["trig_event"]))
+            if counters[end] != k * int(events[end]["num_triggers"]) and num_tasks:
+                raise DeadlockError(f"iteration {k}: all {num_tasks} tasks ran but the end event {end} "
+                                    f"has {counters[end]} of {k * int(events[end]['num_triggers'])} arrivals")
+            if writer is not None:
+                for b, w in enumerate(writer):
+                    if w is not None and bool((w < 0).any()):
+                        raise RaceError(f"iteration {k}: buffer {self.t.meta['buffers'][b]['name']!r} has "
+                                        f"{int((w < 0).sum())} elements no task wrote")
+        return self._outputs(bufs)
+
+    def _outputs(self, bufs) -> list[Any]:
+        out = []
+        for o in self.t.meta["outputs"]:
+            out.append(self._view(bufs, o["view"]) if "view" in o else o["value"])
+        return out
+
+    def _deadlock_report(self, k, released, counters, queues, heads, done) -> str:
+        tasks, events = self.t.tasks, self.t.events
+        pending = [t for t in range(len(tasks)) if not released[t]]
+        lines = [f"deadlock in iteration {k}: {done} of {len(tasks)} tasks ran, nothing is runnable."]
+        waits = {}
+        for t in pending:
+            waits.setdefault(int(tasks[t]["dep_event"]), []).append(t)
+        for e, ts in list(waits.items())[:10]:
+            need = k * int(events[e]["num_triggers"])
+            lines.append(f"  event {e}: {counters[e]}/{need} arrivals; waiting tasks {ts[:6]}"
+                         f"{' …' if len(ts) > 6 else ''} ({self._describe_task(ts[0])})")
+        blocked = [(w, q[heads[w]]) for w, q in enumerate(queues) if heads[w] < len(q) and not released[q[heads[w]]]]
+        for w, t in blocked[:10]:
+            lines.append(f"  worker {w} blocked on AOT {self._describe_task(t)} waiting for event "
+                         f"{int(tasks[t]['dep_event'])}")
+        return "\n".join(lines)

@@ -1,0 +1,58 @@
+"""``matmul`` (mm / bmm / addmm / linear, batch dims broadcast) and ``embedding``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mpk.ops.registry import OpDef, OpSig, broadcast_region, register
+
+
+def _matmul_regions(sig: OpSig, rect):
+    a_shape, b_shape, *bias = sig.in_shapes
+    out = sig.out_shape
+    batch_out, m, n = out[:-2], rect[-2], rect[-1]
+    a = broadcast_region(a_shape[:-2], batch_out, rect[:-2]) + (m, (0, a_shape[-1]))
+    b = broadcast_region(b_shape[:-2], batch_out, rect[:-2]) + ((0, b_shape[-2]), n)
+    return [a, b] + [broadcast_region(s, out, rect) for s in bias]
+
+
+def _matmul_cpu(sig: OpSig, rect, xs):
+    a, b, *bias = xs
+    alpha, beta = sig.attrs.get("alpha", 1), sig.attrs.get("beta", 1)
+    out = torch.matmul(a, b)
+    if alpha != 1:
+        out = out * alpha
+    if bias:
+        out = out + (bias[0] * beta if beta != 1 else bias[0])
+    return out.to(sig.out_dtype)
+
+
+def _matmul_order(sig: OpSig) -> list[int]:
+    # Decode is weight-bound: split N first so each weight column is streamed by one task,
+    # then M, then batch dims (each extra M / batch split re-reads the weight tile).
+    nd = len(sig.out_shape)
+    return [nd - 1, nd - 2] + list(range(nd - 2))
+
+
+register(OpDef(
+    kind="matmul", type_id=20, input_regions=_matmul_regions, cpu=_matmul_cpu,
+    split_order=_matmul_order, min_tile_elems=16,
+    doc="out = alpha·(a @ b) + beta·bias; a [..., M, K], b [..., K, N], bias broadcast to out",
+))
+
+
+def _embedding_regions(sig: OpSig, rect):
+    w_shape, ids_shape = sig.in_shapes
+    return [((0, w_shape[0]), rect[-1]), rect[:-1]]
+
+
+def _embedding_cpu(sig: OpSig, rect, xs):
+    w, ids = xs
+    return F.embedding(ids, w).to(sig.out_dtype)
+
+
+register(OpDef(
+    kind="embedding", type_id=21, input_regions=_embedding_regions, cpu=_embedding_cpu,
+    doc="out[..., :] = weight[ids[...], :]",
+))

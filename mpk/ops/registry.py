@@ -1,0 +1,95 @@
+"""The op registry: every op kind mpk knows, as data.
+
+An ``OpDef`` says, for one kind, everything the later stages need and nothing about FX:
+
+* ``splittable``: which output dims a tile may split (the rest are reduced over / needed whole);
+* ``input_regions``: for an output tile, the rect of each input view it reads (None: not read);
+* ``cpu``: the tile computed with PyTorch from exactly those input slices (the CPU
+  interpreter passes nothing else, so a kernel cannot read outside its declared regions);
+* partition hints (``split_order``, ``min_extent``) and ``data_dependent`` (JIT launch).
+
+Both the compiler and the executors read op kinds through this registry; the tables carry the
+kind's ``type_id`` and the op's attrs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from mpk.ir.regions import Rect
+from mpk.ir.views import Shape
+
+
+@dataclass(frozen=True)
+class OpSig:
+    """What an op looks like from the outside: input/output shapes, output dtype, attrs."""
+
+    in_shapes: tuple[Shape, ...]
+    out_shape: Shape
+    out_dtype: torch.dtype
+    attrs: dict[str, Any] = field(default_factory=dict, hash=False)
+
+
+def _all_dims(sig: OpSig) -> tuple[bool, ...]:
+    return tuple(True for _ in sig.out_shape)
+
+
+def _largest_first(sig: OpSig) -> list[int]:
+    return sorted(range(len(sig.out_shape)), key=lambda d: (-sig.out_shape[d], d))
+
+
+@dataclass(frozen=True)
+class OpDef:
+    kind: str
+    type_id: int
+    input_regions: Callable[[OpSig, Rect], list[Rect | None]]
+    cpu: Callable[[OpSig, Rect, list[torch.Tensor | None]], torch.Tensor]
+    splittable: Callable[[OpSig], tuple[bool, ...]] = _all_dims
+    split_order: Callable[[OpSig], list[int]] = _largest_first
+    min_tile_elems: int = 1024  # default partitioning keeps tiles at least this large
+    data_dependent: bool = False
+    doc: str = ""
+
+
+REGISTRY: dict[str, OpDef] = {}
+_BY_TYPE_ID: dict[int, OpDef] = {}
+
+
+def register(opdef: OpDef) -> OpDef:
+    if opdef.kind in REGISTRY or opdef.type_id in _BY_TYPE_ID:
+        raise ValueError(f"op kind {opdef.kind!r} / type id {opdef.type_id} registered twice")
+    REGISTRY[opdef.kind] = opdef
+    _BY_TYPE_ID[opdef.type_id] = opdef
+    return opdef
+
+
+def get_op(kind: str) -> OpDef:
+    try:
+        return REGISTRY[kind]
+    except KeyError:
+        raise KeyError(f"unknown op kind {kind!r}; known: {sorted(REGISTRY)}") from None
+
+
+def op_by_type_id(type_id: int) -> OpDef:
+    return _BY_TYPE_ID[type_id]
+
+
+# --- region helpers shared by op kinds ---------------------------------------------------------
+
+def broadcast_region(in_shape: Shape, out_shape: Shape, rect: Rect) -> Rect:
+    """Rect of a right-aligned broadcast input read by output ``rect``."""
+    lead = len(out_shape) - len(in_shape)
+    return tuple((0, 1) if n == 1 and out_shape[lead + i] != 1 else rect[lead + i]
+                 for i, n in enumerate(in_shape))
+
+
+def rows_region(in_shape: Shape, out_shape: Shape, rect: Rect) -> Rect:
+    """Broadcast read of the leading dims, whole last dim (row-wise ops)."""
+    return broadcast_region(in_shape[:-1], out_shape[:-1], rect[:-1]) + ((0, in_shape[-1]),)
+
+
+def all_but_last(sig: OpSig) -> tuple[bool, ...]:
+    return tuple(d != len(sig.out_shape) - 1 for d in range(len(sig.out_shape)))

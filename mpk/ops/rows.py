@@ -1,0 +1,95 @@
+"""Row-wise op kinds: each output row needs its whole input row (the last dim).
+
+``reduce`` (sum / mean / amax / argmax over the last dim), ``softmax``, ``layer_norm``,
+``rms_norm`` and ``rope`` (rotate-half rotary embedding). Tiles split rows, never the last dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mpk.ops.registry import OpDef, OpSig, all_but_last, register, rows_region
+
+REDUCE_FNS = {
+    "sum": lambda x, k: torch.sum(x, dim=-1, keepdim=k),
+    "mean": lambda x, k: torch.mean(x, dim=-1, keepdim=k),
+    "amax": lambda x, k: torch.amax(x, dim=-1, keepdim=k),
+    "argmax": lambda x, k: torch.argmax(x, dim=-1, keepdim=k),
+}
+
+
+def _reduce_regions(sig: OpSig, rect):
+    lead = rect[:-1] if sig.attrs["keepdim"] else rect
+    (x_shape,) = sig.in_shapes
+    return [tuple(lead) + ((0, x_shape[-1]),)]
+
+
+def _reduce_cpu(sig: OpSig, rect, xs):
+    return REDUCE_FNS[sig.attrs["fn"]](xs[0], sig.attrs["keepdim"]).to(sig.out_dtype)
+
+
+register(OpDef(
+    kind="reduce", type_id=10, input_regions=_reduce_regions, cpu=_reduce_cpu,
+    min_tile_elems=8, doc="out = fn(x, dim=-1, keepdim)",
+))
+
+
+def _row_regions(sig: OpSig, rect):
+    """First input row-wise; further inputs (weights, tables) are broadcast row-wise too."""
+    return [rows_region(s, sig.out_shape, rect) for s in sig.in_shapes]
+
+
+def _softmax_cpu(sig: OpSig, rect, xs):
+    return torch.softmax(xs[0], dim=-1).to(sig.out_dtype)
+
+
+register(OpDef(
+    kind="softmax", type_id=11, input_regions=_row_regions, cpu=_softmax_cpu,
+    splittable=all_but_last, min_tile_elems=256, doc="out = softmax(x, dim=-1)",
+))
+
+
+def _layer_norm_cpu(sig: OpSig, rect, xs):
+    x, *wb = xs
+    a = sig.attrs
+    w = wb[0] if a["has_weight"] else None
+    b = wb[-1] if a["has_bias"] else None
+    return F.layer_norm(x, (x.shape[-1],), w, b, a["eps"]).to(sig.out_dtype)
+
+
+register(OpDef(
+    kind="layer_norm", type_id=12, input_regions=_row_regions, cpu=_layer_norm_cpu,
+    splittable=all_but_last, min_tile_elems=256,
+    doc="out = layer_norm(x, [weight], [bias], eps) over the last dim",
+))
+
+
+def _rms_norm_cpu(sig: OpSig, rect, xs):
+    a = sig.attrs
+    x = xs[0].to(getattr(torch, a["compute_dtype"]))
+    y = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + a["eps"])).to(getattr(torch, a["norm_dtype"]))
+    if a["has_weight"]:
+        y = y * xs[1]
+    return y.to(sig.out_dtype)
+
+
+register(OpDef(
+    kind="rms_norm", type_id=13, input_regions=_row_regions, cpu=_rms_norm_cpu,
+    splittable=all_but_last, min_tile_elems=256,
+    doc="y = x·rsqrt(mean(x²)+eps) in compute_dtype, cast to norm_dtype, times [weight]",
+))
+
+
+def _rope_cpu(sig: OpSig, rect, xs):
+    x, cos, sin = xs
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos + rotated * sin).to(sig.out_dtype)
+
+
+register(OpDef(
+    kind="rope", type_id=14, input_regions=_row_regions, cpu=_rope_cpu,
+    splittable=all_but_last, min_tile_elems=256,
+    doc="out = x·cos + rotate_half(x)·sin (rotate_half(x) = cat(-x[half:], x[:half]))",
+))

@@ -1,0 +1,77 @@
+"""Options of ``torch.compile(model, backend="mpk", options={...})``, parsed and checked."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from mpk.errors import OptionError
+
+EXECUTORS = ("gpu", "cpu")
+FALLBACKS = ("error", "eager")
+DEFAULT_SCHEDULER_SMS = 4  # the seed layout on a 132-SM H100: 128 worker SMs + 4 scheduler SMs
+
+_warned_cpu_default = False
+
+
+def default_num_workers() -> int:
+    """One worker per SM not reserved for schedulers; 128 (the H100 seed layout) without CUDA."""
+    if torch.cuda.is_available():
+        return max(1, torch.cuda.get_device_properties(0).multi_processor_count - DEFAULT_SCHEDULER_SMS)
+    return 128
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """
+    executor     "gpu" (persistent kernel) | "cpu" (reference interpreter). Default: gpu when
+                 CUDA is available, else cpu with a one-time warning.
+    partition    {op name or op kind: tiles per output dim (list) or {dim: tiles}}.
+    fallback     "error" (default): unsupported ops raise; "eager": they run in PyTorch.
+    debug_dir    directory to dump the OpGraph, tables, summary, DOT and JSON of each graph.
+    num_workers  worker count the default partitioning targets (one wave of tasks per op).
+    seed         schedule seed of the cpu executor (which legal order it picks).
+    check_races  cpu executor: track every element read/written (default True).
+    """
+
+    executor: str = "cpu"
+    partition: dict[str, Any] = field(default_factory=dict)
+    fallback: str = "error"
+    debug_dir: str | None = None
+    num_workers: int = 128
+    seed: int = 0
+    check_races: bool = True
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any] | None) -> "CompileOptions":
+        global _warned_cpu_default
+        opts = dict(options or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(opts) - known)
+        if unknown:
+            raise OptionError(f"unknown mpk option(s) {unknown}; valid options: {sorted(known)}")
+        if "executor" not in opts:
+            if torch.cuda.is_available():
+                opts["executor"] = "gpu"
+            else:
+                opts["executor"] = "cpu"
+                if not _warned_cpu_default:
+                    warnings.warn("mpk: CUDA is not available; running compiled graphs on the CPU reference "
+                                  "interpreter (options={'executor': 'cpu'} silences this)", stacklevel=3)
+                    _warned_cpu_default = True
+        if opts["executor"] not in EXECUTORS:
+            raise OptionError(f"executor={opts['executor']!r}; expected one of {EXECUTORS}")
+        if opts.get("fallback", "error") not in FALLBACKS:
+            raise OptionError(f"fallback={opts['fallback']!r}; expected one of {FALLBACKS}")
+        opts.setdefault("num_workers", default_num_workers())
+        n = opts["num_workers"]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise OptionError(f"num_workers={n!r}; expected a positive int")
+        part = opts.get("partition", {})
+        if not isinstance(part, Mapping):
+            raise OptionError(f"partition={part!r}; expected a dict mapping op name or kind to tile counts")
+        opts["partition"] = dict(part)
+        return cls(**opts)
