@@ -20,6 +20,7 @@ from mpk.compiler import CompiledGraph, compile_graph
 from mpk.errors import ExecutorUnavailableError, MpkError, UnsupportedOpError
 from mpk.frontend import find_unsupported, fuse_patterns, lower
 from mpk.frontend.lower import describe_inputs, op_name, source_line
+from mpk.inspection import dump, pretty_input_name
 from mpk.options import CompileOptions
 
 # Every CompiledGraph built in this process, newest last (inspection and tests read it).
@@ -31,7 +32,7 @@ def mpk_backend(gm: GraphModule, example_inputs: Sequence[Any], options: Mapping
     opts = CompileOptions.parse(options)
     dynamo_inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     lifted = [name for name, _ in gm.named_parameters()] + [name for name, _ in gm.named_buffers()]
-    names = lifted + [str(n.target) for n in dynamo_inputs]
+    names = lifted + [pretty_input_name(str(n.target)) for n in dynamo_inputs]
     flags = [True] * len(lifted) + [isinstance(x, torch.nn.Parameter) for x in example_inputs]
 
     def fw_compiler(fx_gm: GraphModule, fw_inputs):
@@ -66,7 +67,6 @@ def compile_fx(gm: GraphModule, opts: CompileOptions, param_flags: list[bool] | 
                                  {"executor": opts.executor})
         COMPILED.append(compiled)
         if opts.debug_dir:
-            from mpk.inspection import dump
             dump(compiled, opts.debug_dir, f"graph{len(COMPILED) - 1}")
         return make_runner(compiled, opts)
     if opts.fallback == "error":

@@ -4,8 +4,10 @@ AOT tasks are placed on workers' queues ahead of time and wait there for their d
 event; JIT tasks are handed to an idle worker by a scheduler when their event fires. Tasks of
 data-dependent ops (attention: its work depends on sequence lengths known only at run time)
 are JIT, and so is everything launched downstream of a JIT task until a global barrier: an
-event whose ancestors are every task linearized before it, so that no earlier work can still be
-in flight when it fires. After a barrier, static placement is exact again.
+event whose ancestors include every JIT task linearized before it. When such an event fires
+no data-dependent work can still be in flight, so static placement is exact again. (Requiring
+*all* earlier tasks as ancestors would almost never hold: independent work, such as copies that
+depend only on the start event, is linearized first and feeds later layers.)
 """
 
 from __future__ import annotations
@@ -23,25 +25,20 @@ def assign_modes(tg: TaskGraph) -> TaskGraph:
         for t in e.launches:
             dep_event[t] = ei
     position = {t: i for i, t in enumerate(tg.task_order)}
-    first_position = {}
-    for ei in tg.event_order:
-        launches = tg.events[ei].launches
-        first_position[ei] = position[launches[0]] if launches else len(tg.task_order)
-    # Ancestor sets as bitsets over linear positions, one per event, built in BFS order.
-    ancestors: dict[int, int] = {}
-    need_barriers = any(jit)
+    ancestors: dict[int, int] = {}  # per event: bitset over linear positions
+    jit_before = 0  # bitset of JIT tasks at positions already emitted
     for ei in tg.event_order:
         e = tg.events[ei]
-        if need_barriers:
-            bits = 0
-            for t in e.triggers:
-                bits |= ancestors[dep_event[t]] | (1 << position[t])
-            ancestors[ei] = bits
-            barrier[ei] = bits.bit_count() == first_position[ei]
-        jit_trigger = any(jit[t] for t in e.triggers)
-        if jit_trigger and not barrier[ei]:
+        bits = 0
+        for t in e.triggers:
+            bits |= ancestors[dep_event[t]] | (1 << position[t])
+        ancestors[ei] = bits
+        barrier[ei] = bits & jit_before == jit_before
+        if not barrier[ei] and any(jit[t] for t in e.triggers):
             for t in e.launches:
                 jit[t] = True
+        for t in e.launches:
+            if jit[t]:
+                jit_before |= 1 << position[t]
     tg.jit, tg.barrier = jit, barrier
     return tg
-

@@ -11,6 +11,7 @@ from mpk.compiler.fuse import fuse
 from mpk.compiler.linearize import linearize
 from mpk.compiler.modes import assign_modes
 from mpk.compiler.normalize import normalize
+from mpk.compiler.prune import prune
 from mpk.compiler.partition import PartitionSpec, decompose
 from mpk.compiler.tables import Tables, emit
 from mpk.compiler.taskgraph import DUMMY, TaskGraph
@@ -26,6 +27,7 @@ class CompileStats:
     num_tasks: int
     num_dummy_tasks: int
     num_edges: int
+    num_pruned_edges: int
     events_before_fusion: int
     events_after_fusion: int
     events_after_normalization: int
@@ -42,7 +44,7 @@ class CompileStats:
         lines = [
             f"tasks: {self.num_tasks} ({self.num_tasks - self.num_dummy_tasks} compute, "
             f"{self.num_dummy_tasks} dummy = {100 * self.dummy_share:.1f}%)",
-            f"dependency edges: {self.num_edges}",
+            f"dependency edges: {self.num_edges} ({self.num_pruned_edges} more were implied by other paths and pruned)",
             f"events: {self.events_before_fusion} before fusion (one per edge) -> "
             f"{self.events_after_fusion} after fusion -> {self.events_after_normalization} after normalization",
             f"launch modes: {self.num_jit_tasks} JIT, {self.num_aot_tasks} AOT; {self.num_barriers} global barriers",
@@ -76,6 +78,7 @@ def compile_graph(graph: OpGraph, num_workers: int = 128,
 
     tg = timed("decompose", decompose, graph, num_workers, partition)
     timed("depend", depend, tg)
+    timed("prune", prune, tg)
     timed("fuse", fuse, tg)
     timed("normalize", normalize, tg)
     timed("linearize", linearize, tg)
@@ -87,6 +90,7 @@ def compile_graph(graph: OpGraph, num_workers: int = 128,
         tasks_per_op={graph.ops[t.op_id].name: t.num_tasks for t in tg.tiles},
         partitions={graph.ops[t.op_id].name: t.grid for t in tg.tiles},
         num_tasks=tg.num_tasks, num_dummy_tasks=num_dummy, num_edges=tg.num_edges,
+        num_pruned_edges=tg.num_pruned_edges,
         events_before_fusion=tg.events_before_fusion, events_after_fusion=tg.events_after_fusion,
         events_after_normalization=len(tg.events), num_jit_tasks=jit, num_aot_tasks=tg.num_tasks - jit,
         num_barriers=sum(tg.barrier), seconds=seconds,

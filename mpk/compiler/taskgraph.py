@@ -51,7 +51,8 @@ class TaskGraph:
     task_op: list[int]  # op id per task, DUMMY for dummy tasks
     task_tile: list[int]
     preds: list[tuple[int, ...]] = field(default_factory=list)  # step 2, per real task
-    num_edges: int = 0
+    num_edges: int = 0  # after step 2b
+    num_pruned_edges: int = 0  # removed by step 2b (implied by another path)
     events: list[Event] = field(default_factory=list)  # steps 3–4
     start_event: int = -1
     end_event: int = -1

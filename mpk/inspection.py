@@ -1,0 +1,119 @@
+"""Inspection: compile a module without running it, report the task graph, write DOT/SVG/JSON.
+
+``compile_module(model, args)`` traces with ``torch.export`` (works on meta tensors, so
+models larger than host memory can be inspected) and runs the same frontend and compiler as
+the ``torch.compile`` backend.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from mpk.compiler import CompiledGraph, compile_graph
+from mpk.compiler.tables import FLAG_BARRIER, FLAG_JIT
+from mpk.frontend import fuse_patterns, lower
+from mpk.options import CompileOptions
+
+
+def pretty_input_name(name: str) -> str:
+    """'L_self_modules_layers_modules_0_modules_mlp_parameters_weight_' → 'layers.0.mlp.weight'."""
+    name = re.sub(r"^L_(self_)?", "", name).rstrip("_")
+    name = re.sub(r"^(modules|parameters|buffers)_", "", name)
+    return re.sub(r"_(modules|parameters|buffers)_", ".", name)
+
+
+def compile_module(model: torch.nn.Module, args: Sequence[Any],
+                   options: Mapping[str, Any] | None = None) -> CompiledGraph:
+    """Trace ``model(*args)`` with torch.export and compile it to tables (nothing is executed)."""
+    opts = CompileOptions.parse(dict(options or {}, executor="cpu"))
+    with torch.no_grad():
+        ep = torch.export.export(model, tuple(args)).run_decompositions({})
+    gm = ep.graph_module
+    specs = ep.graph_signature.input_specs
+    flags = [s.kind.name in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR") for s in specs]
+    names = [s.target if s.target else s.arg.name for s in specs]
+    fuse_patterns(gm)
+    graph = lower(gm, flags, names)
+    return compile_graph(graph, opts.num_workers, opts.partition)
+
+
+def to_json(compiled: CompiledGraph) -> dict:
+    t = compiled.tables
+    return {
+        "meta": t.meta,
+        "stats": {k: v for k, v in vars(compiled.stats).items()},
+        "tasks": [{"id": i, "op": int(r["op"]), "tile": int(r["tile"]), "dep_event": int(r["dep_event"]),
+                   "trig_event": int(r["trig_event"]), "jit": bool(r["flags"] & FLAG_JIT)}
+                  for i, r in enumerate(t.tasks)],
+        "events": [{"id": i, "num_triggers": int(r["num_triggers"]), "launches": [int(r["first_task"]),
+                    int(r["last_task"])], "barrier": bool(r["flags"] & FLAG_BARRIER)}
+                   for i, r in enumerate(t.events)],
+    }
+
+
+def to_dot(compiled: CompiledGraph, max_tasks: int = 3000) -> str:
+    """The task graph: tasks (boxes, one cluster per op; JIT ones orange, dummies grey) and
+    events (diamonds; barriers double). Past ``max_tasks`` tasks, one node per op instead."""
+    t = compiled.tables
+    ops = t.meta["ops"]
+    lines = ["digraph mpk {", "  rankdir=TB; node [fontsize=9]; edge [arrowsize=0.5];"]
+    if len(t.tasks) <= max_tasks:
+        by_op: dict[int, list[int]] = {}
+        for i, r in enumerate(t.tasks):
+            by_op.setdefault(int(r["op"]), []).append(i)
+        for op, ids in sorted(by_op.items()):
+            label = ops[op]["name"] if op >= 0 else "dummy tasks"
+            lines.append(f'  subgraph cluster_op{op + 1} {{ label="{label}"; style=rounded;')
+            for i in ids:
+                r = t.tasks[i]
+                color = "grey80" if op < 0 else ("orange" if r["flags"] & FLAG_JIT else "lightblue")
+                lines.append(f'    t{i} [shape=box style=filled fillcolor={color} label="t{i}"];')
+            lines.append("  }")
+        for e, r in enumerate(t.events):
+            shape = "doublecircle" if r["flags"] & FLAG_BARRIER else "diamond"
+            lines.append(f'  e{e} [shape={shape} label="e{e}\\n×{int(r["num_triggers"])}"];')
+            for i in range(int(r["first_task"]), int(r["last_task"])):
+                lines.append(f"  e{e} -> t{i};")
+        for i, r in enumerate(t.tasks):
+            lines.append(f"  t{i} -> e{int(r['trig_event'])};")
+    else:
+        tg = compiled.taskgraph
+        prod_op = {tg.graph.ops[x.op_id].output: x.op_id for x in tg.tiles}
+        for x in tg.tiles:
+            op = tg.graph.ops[x.op_id]
+            lines.append(f'  op{op.id} [shape=box label="{op.name}\\n{op.kind} ×{x.num_tasks}"];')
+            for v in op.inputs:
+                if v.buffer in prod_op:
+                    lines.append(f"  op{prod_op[v.buffer]} -> op{op.id};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def dump(compiled: CompiledGraph, directory: str | Path, stem: str = "graph") -> dict[str, Path]:
+    """Write summary, OpGraph, tables, JSON, DOT (and SVG if graphviz's ``dot`` is installed)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "summary": d / f"{stem}.summary.txt",
+        "opgraph": d / f"{stem}.opgraph.txt",
+        "tables": d / f"{stem}.tables",
+        "json": d / f"{stem}.json",
+        "dot": d / f"{stem}.dot",
+    }
+    paths["summary"].write_text(compiled.stats.summary() + "\n")
+    paths["opgraph"].write_text(compiled.graph.describe() + "\n")
+    paths["tables"].write_bytes(compiled.tables.to_bytes())
+    paths["json"].write_text(json.dumps(to_json(compiled), indent=1, default=str))
+    paths["dot"].write_text(to_dot(compiled))
+    if shutil.which("dot"):
+        svg = d / f"{stem}.svg"
+        subprocess.run(["dot", "-Tsvg", str(paths["dot"]), "-o", str(svg)], check=True, timeout=300)
+        paths["svg"] = svg
+    return paths

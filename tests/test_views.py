@@ -1,0 +1,326 @@
+"""Property tests for ``mpk.ir.views`` and ``mpk.ir.regions`` against torch ground truth.
+
+Random view chains (permute / slice with step 1 or 2 / expand of size-1 dims / reshape that
+splits, merges, unsqueezes, squeezes or refactors dims) are applied both to an ``mpk`` ``View``
+and, with the matching torch ops, to ``torch.arange(numel).view(base_shape)``; the torch result
+holds, at every position, the id of the base element the view reads there.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+import pytest
+import torch
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+from mpk.ir import regions
+from mpk.ir.views import _MAX_STEP_PIECES, View
+
+SETTINGS = settings(max_examples=200, deadline=None)
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def factorizations(draw, n: int, max_dims: int = 4) -> tuple[int, ...]:
+    """A random shape of 1..max_dims dims whose product is ``n`` (size-1 dims allowed)."""
+    k = draw(st.integers(1, max_dims))
+    dims, rest = [], n
+    for _ in range(k - 1):
+        d = draw(st.sampled_from(_divisors(rest)))
+        dims.append(d)
+        rest //= d
+    dims.append(rest)
+    return tuple(draw(st.permutations(dims)))
+
+
+@st.composite
+def view_chains(draw) -> tuple[tuple[int, ...], list[tuple]]:
+    """(base_shape, steps): 1-4 base dims of size 1-6, then 1-4 valid steps."""
+    ndim = draw(st.integers(1, 4))
+    base = tuple(draw(st.lists(st.integers(1, 6), min_size=ndim, max_size=ndim)))
+    shape = base
+    steps: list[tuple] = []
+    for _ in range(draw(st.integers(1, 4))):
+        kinds = ["permute", "unsqueeze", "reshape_any"]
+        if shape:
+            kinds.append("slice")
+        if len(shape) >= 2:
+            kinds.append("merge")
+        if any(len(_divisors(n)) > 2 for n in shape):
+            kinds.append("split")
+        if 1 in shape:
+            kinds += ["squeeze", "expand"]
+        kind = draw(st.sampled_from(kinds))
+        if kind == "permute":
+            perm = tuple(draw(st.permutations(range(len(shape)))))
+            step, shape = ("permute", perm), tuple(shape[p] for p in perm)
+        elif kind == "slice":
+            dim = draw(st.integers(0, len(shape) - 1))
+            start = draw(st.integers(0, shape[dim] - 1))
+            stop = draw(st.integers(start + 1, shape[dim]))
+            stride = draw(st.sampled_from([1, 2]))
+            step = ("slice", dim, start, stop, stride)
+            shape = shape[:dim] + (-(-(stop - start) // stride),) + shape[dim + 1:]
+        elif kind == "expand":
+            new = tuple(draw(st.integers(1, 4)) if n == 1 else n for n in shape)
+            step, shape = ("expand", new), new
+        else:
+            if kind == "split":
+                dim = draw(st.sampled_from([i for i, n in enumerate(shape) if len(_divisors(n)) > 2]))
+                a = draw(st.sampled_from(_divisors(shape[dim])[1:-1]))
+                new = shape[:dim] + (a, shape[dim] // a) + shape[dim + 1:]
+            elif kind == "merge":
+                i = draw(st.integers(0, len(shape) - 2))
+                j = draw(st.integers(i + 2, min(len(shape), i + 3)))
+                new = shape[:i] + (prod(shape[i:j]),) + shape[j:]
+            elif kind == "unsqueeze":
+                i = draw(st.integers(0, len(shape)))
+                new = shape[:i] + (1,) + shape[i:]
+            elif kind == "squeeze":
+                i = draw(st.sampled_from([i for i, n in enumerate(shape) if n == 1]))
+                new = shape[:i] + shape[i + 1:]
+            else:  # reshape_any: an arbitrary refactorisation (not just split / merge)
+                new = draw(factorizations(prod(shape)))
+            step, shape = ("reshape", new), new
+        steps.append(step)
+    return base, steps
+
+
+@st.composite
+def sub_rects(draw, shape: tuple[int, ...]) -> regions.Rect:
+    """A non-empty sub-rect of ``shape``, often covering whole dims."""
+    rect = []
+    for n in shape:
+        if draw(st.booleans()):
+            rect.append((0, n))
+        else:
+            a = draw(st.integers(0, n - 1))
+            rect.append((a, draw(st.integers(a + 1, n))))
+    return tuple(rect)
+
+
+# --------------------------------------------------------------------------- ground truth
+
+
+def _torch_step(t: torch.Tensor, step: tuple, use_view: bool) -> torch.Tensor:
+    kind = step[0]
+    if kind == "permute":
+        return t.permute(*step[1]) if step[1] else t
+    if kind == "slice":
+        _, dim, start, stop, stride = step
+        return t[(slice(None),) * dim + (slice(start, stop, stride),)]
+    if kind == "expand":
+        return t.expand(*step[1])
+    return t.view(step[1]) if use_view else t.reshape(step[1])
+
+
+def torch_chain(base: tuple[int, ...], steps, use_view: bool = False) -> torch.Tensor:
+    """Element ids the chain reads; with ``use_view`` reshapes use ``.view`` (may raise)."""
+    t = torch.arange(prod(base)).view(base)
+    for step in steps:
+        t = _torch_step(t, step, use_view)
+    return t
+
+
+def build_views(base, steps) -> list[View]:
+    """The mpk view after each prefix of ``steps`` (index 0: the bare buffer)."""
+    views = [View(0, base)]
+    for step in steps:
+        views.append(views[-1].then(step))
+    return views
+
+
+def _slices(rect: regions.Rect) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in rect)
+
+
+def _mask_of(shape: tuple[int, ...], ids: torch.Tensor) -> torch.Tensor:
+    mask = torch.zeros(prod(shape), dtype=torch.bool)
+    mask[ids.reshape(-1)] = True
+    return mask
+
+
+def _affine(ids: torch.Tensor) -> bool:
+    """Whether ``ids`` is offset + sum_d stride_d * index_d for some integer strides/offset."""
+    if ids.dim() == 0:
+        return True
+    offset = ids[(0,) * ids.dim()]
+    expect = offset.clone()
+    for d, n in enumerate(ids.shape):
+        if n == 1:
+            continue
+        e = [0] * ids.dim()
+        e[d] = 1
+        stride = ids[tuple(e)] - offset
+        shape = [1] * ids.dim()
+        shape[d] = n
+        expect = expect + stride * torch.arange(n).view(shape)
+    return torch.equal(expect.expand(ids.shape), ids)
+
+
+# --------------------------------------------------------------------------- view tests
+
+
+@SETTINGS
+@given(view_chains())
+def test_view_shape_matches_torch(chain):
+    base, steps = chain
+    note(f"base={base} steps={steps}")
+    views = build_views(base, steps)
+    for k, v in enumerate(views):
+        assert v.shape == tuple(torch_chain(base, steps[:k]).shape), f"prefix {k}"
+    assert views[-1].base_shape == base
+
+
+def _exactness_expected(views: list[View], pieces: regions.RectList) -> bool:
+    """Conservative: exact when fewer than MAX_PIECES pieces came back and no strided slice could
+    have been bounded (a step>1 slice is only bounded when its rect range exceeds
+    ``_MAX_STEP_PIECES`` elements, which needs the sliced output dim to be that long)."""
+    if len(pieces) >= regions.MAX_PIECES:
+        return False
+    for prev, cur in zip(views, views[1:]):
+        if cur is prev:
+            continue
+        step = cur.steps[-1]
+        if step[0] == "slice" and step[4] > 1 and cur.shape[step[1]] > _MAX_STEP_PIECES:
+            return False
+    return True
+
+
+@SETTINGS
+@given(st.data())
+def test_base_regions_cover_exactly(data):
+    base, steps = data.draw(view_chains())
+    views = build_views(base, steps)
+    view = views[-1]
+    rect = data.draw(sub_rects(view.shape))
+    note(f"base={base} steps={steps} rect={rect}")
+    pieces = view.base_regions(rect)
+    note(f"pieces={pieces}")
+
+    assert pieces, "no pieces for a non-empty rect"
+    got = torch.zeros(base, dtype=torch.bool) if base else torch.zeros((), dtype=torch.bool)
+    for p in pieces:
+        assert len(p) == len(base)
+        assert all(0 <= a < b <= n for (a, b), n in zip(p, base)), f"piece {p} empty or outside {base}"
+        got[_slices(p)] = True
+    got = got.reshape(-1)
+
+    want = _mask_of(base, torch_chain(base, steps)[_slices(rect)])
+    missing = want & ~got
+    assert not missing.any(), f"ids read but not covered: {missing.nonzero().flatten().tolist()}"
+    if _exactness_expected(views, pieces):
+        extra = got & ~want
+        assert not extra.any(), f"ids covered but not read: {extra.nonzero().flatten().tolist()}"
+
+
+@SETTINGS
+@given(view_chains())
+def test_strided_matches_torch(chain):
+    base, steps = chain
+    note(f"base={base} steps={steps}")
+    views = build_views(base, steps)
+    view = views[-1]
+    truth = torch_chain(base, steps)
+    res = view.strided()
+    note(f"strided={res}")
+    if res is not None:
+        strides, offset = res
+        assert len(strides) == view.ndim
+        got = torch.arange(prod(base)).as_strided(view.shape, strides, offset)
+        assert torch.equal(got, truth)
+        return
+    # No strided form. ``strided()`` is chain-level: it gives up at the first step whose output
+    # is not strided, even if later steps would make the ids strided again (e.g. permute, flatten,
+    # un-flatten), because lowering copies the prefix at that point (frontend/lower.py). So the
+    # sound claims are: (a) torch's ``.view`` of the same chain fails as well -- if it succeeded,
+    # torch would have found strides for every step, i.e. a strided form that ``strided()``
+    # missed; (b) at the first prefix where ``strided()`` is None, the ids that prefix reads
+    # are really not affine in the index (a brute-force check independent of torch's
+    # view algorithm). Claim (b) is NOT made for the full chain, which may be affine again.
+    with pytest.raises(RuntimeError):
+        torch_chain(base, steps, use_view=True)
+    first = next(k for k, v in enumerate(views) if v.strided() is None)
+    assert not _affine(torch_chain(base, steps[:first])), f"prefix {first} is strided"
+
+
+# --------------------------------------------------------------------------- regions tests
+
+
+@st.composite
+def dims_and_interval(draw):
+    dims = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=4)))
+    n = prod(dims)
+    lo = draw(st.integers(0, n - 1))
+    return dims, lo, draw(st.integers(lo + 1, n))
+
+
+@SETTINGS
+@given(dims_and_interval())
+def test_interval_to_rects_exact_disjoint(args):
+    dims, lo, hi = args
+    rects = regions.interval_to_rects(lo, hi, dims)
+    note(f"rects={rects}")
+    assert 1 <= len(rects) <= 2 * len(dims) - 1
+    count = torch.zeros(dims, dtype=torch.int64)
+    for r in rects:
+        assert len(r) == len(dims)
+        assert all(0 <= a < b <= n for (a, b), n in zip(r, dims)), f"rect {r} empty or outside {dims}"
+        count[_slices(r)] += 1
+    count = count.reshape(-1)
+    assert count.max() <= 1, "rects overlap"
+    want = torch.zeros(prod(dims), dtype=torch.int64)
+    want[lo:hi] = 1
+    assert torch.equal(count, want)
+
+
+def test_interval_to_rects_zero_dims():
+    assert regions.interval_to_rects(0, 1, ()) == [()]
+    assert regions.rect_to_intervals((), ()) == [(0, 1)]
+
+
+@st.composite
+def dims_and_rect(draw):
+    dims = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=5)))
+    return dims, draw(sub_rects(dims))
+
+
+@SETTINGS
+@given(dims_and_rect())
+def test_rect_to_intervals_round_trip(args):
+    dims, rect = args
+    intervals = regions.rect_to_intervals(rect, dims)
+    note(f"intervals={intervals}")
+    n = prod(dims)
+    want = torch.zeros(dims, dtype=torch.bool)
+    want[_slices(rect)] = True
+    want = want.reshape(-1)
+
+    lin = torch.zeros(n, dtype=torch.int64)
+    back = torch.zeros(dims, dtype=torch.bool)
+    for (lo, hi), nxt in zip(intervals, intervals[1:] + [None]):
+        assert 0 <= lo < hi <= n
+        if nxt is not None:
+            assert hi < nxt[0], "intervals unsorted, overlapping or not merged"
+        lin[lo:hi] += 1
+        for r in regions.interval_to_rects(lo, hi, dims):
+            back[_slices(r)] = True
+    back = back.reshape(-1)
+    # the rects round-trip to exactly the intervals' elements
+    assert torch.equal(back, lin.bool())
+    assert not (want & ~back).any(), "rect elements missing from its intervals"
+    # Exact unless the leading index combinations exceed MAX_PIECES, and then it must have fallen
+    # back to one bounding interval (trailing full dims fold into the runs, so a rect with many
+    # leading combinations may still be exact: only "exact or a single interval" is asserted).
+    if prod(b - a for a, b in rect[:-1]) <= regions.MAX_PIECES:
+        assert torch.equal(back, want)
+    else:
+        assert torch.equal(back, want) or len(intervals) == 1
