@@ -38,7 +38,9 @@ def _override_grid(op: Op, sig: OpSig, spec: PartitionSpec) -> tuple[int, ...]:
                            f"{sig.out_shape} has {ndim} dims (give one tile count per dim, or a dict dim -> count)")
     splittable = get_op(op.kind).splittable(sig)
     for d, n in items:
-        if not -ndim <= d < ndim:
+        if isinstance(d, str) and d.lstrip("-").isdigit():  # JSON object keys are strings
+            d = int(d)
+        if not isinstance(d, int) or not -ndim <= d < ndim:
             raise CompileError(f"partition for op {op.name!r}: dim {d} out of range for output {sig.out_shape}")
         d %= ndim
         if not isinstance(n, int) or not 1 <= n <= sig.out_shape[d]:

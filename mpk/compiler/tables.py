@@ -208,3 +208,41 @@ def emit(tg: TaskGraph, options: dict[str, Any] | None = None) -> Tables:
 
 def dummy_count(tables: Tables) -> int:
     return int((tables.tasks["op"] == DUMMY).sum())
+
+
+def validate(tables: Tables) -> None:
+    """Check the structural invariants both executors rely on; raises CompileError naming the
+    offending task or event. Event ranges partition the tasks in order, each task's dep_event
+    is the event whose range holds it, trigger counts match, every event launches only tasks
+    linearized after all of its triggers (topological order), and the end event is last."""
+    tasks, events = tables.tasks, tables.events
+    n = len(tasks)
+    start, end = tables.start_event, tables.end_event
+    covered = 0
+    for e, r in enumerate(events):
+        lo, hi = int(r["first_task"]), int(r["last_task"])
+        if not 0 <= lo <= hi <= n:
+            raise CompileError(f"event {e} launches [{lo}, {hi}) outside the {n} tasks")
+        deps = tasks["dep_event"][lo:hi]
+        if (deps != e).any():
+            t = lo + int((deps != e).nonzero()[0][0])
+            raise CompileError(f"task {t} lies in event {e}'s range but depends on event {int(tasks['dep_event'][t])}")
+        covered += hi - lo
+    if covered != n:
+        raise CompileError(f"event ranges cover {covered} task slots for {n} tasks (each task exactly once)")
+    counts = np.bincount(tasks["trig_event"], minlength=len(events)) if n else np.zeros(len(events), int)
+    for e, r in enumerate(events):
+        expected = 1 if e == start else int(counts[e])
+        if e != start and counts[e] == 0 and e != end:
+            raise CompileError(f"event {e} has no triggering task: it can never fire")
+        if int(r["num_triggers"]) != max(1, expected):
+            raise CompileError(f"event {e} expects {int(r['num_triggers'])} triggers, {expected} tasks trigger it")
+        if e == start and counts[e]:
+            raise CompileError(f"start event {e} is triggered by tasks; only the runtime triggers it")
+    for t in range(n):
+        trig = int(tasks["trig_event"][t])
+        if trig != end and int(events[trig]["first_task"]) <= t:
+            raise CompileError(f"task {t} triggers event {trig}, which launches tasks from "
+                               f"{int(events[trig]['first_task'])}: not after the task (order not topological)")
+    if int(events[end]["first_task"]) != n:
+        raise CompileError(f"end event {end} must launch nothing at the end of the task list")

@@ -131,11 +131,6 @@ def _to(L, node, x: View, *args, **kwargs):
     return L.emit("pointwise", [x], {"fn": "cast", "args": [["in", 0]]})
 
 
-@handles(aten._assert_tensor_metadata.default)
-def _assert_metadata(L, node, *args, **kwargs):
-    return None  # torch.export's shape/dtype guard; shapes are static here
-
-
 @handles(getattr(__import__("operator"), "getitem"))
 def _getitem(L, node, seq, index):
     return seq[index]

@@ -24,8 +24,8 @@ from typing import Any, Sequence
 
 import torch
 
-from mpk.compiler.tables import DTYPES, FLAG_JIT, ROLE_INPUT, Tables
-from mpk.errors import DeadlockError, ExecutorUnavailableError, RaceError
+from mpk.compiler.tables import DTYPES, FLAG_JIT, ROLE_INPUT, Tables, validate
+from mpk.errors import DeadlockError, ExecutorUnavailableError, RaceError, ScheduleError
 from mpk.ir.regions import Rect
 from mpk.ops import OpDef, OpSig, op_by_type_id
 
@@ -49,9 +49,13 @@ class _Op:
 
 
 class Interpreter:
-    """Executes ``tables`` on the CPU. ``check_races`` adds per-element write tracking."""
+    """Executes ``tables`` on the CPU. ``check_races`` adds per-element write tracking;
+    ``validate_tables`` checks the structural invariants first (off only to study broken tables)."""
 
-    def __init__(self, tables: Tables, num_workers: int = 8, check_races: bool = True):
+    def __init__(self, tables: Tables, num_workers: int = 8, check_races: bool = True,
+                 validate_tables: bool = True):
+        if validate_tables:
+            validate(tables)
         self.t, self.num_workers, self.check_races = tables, num_workers, check_races
         meta = tables.meta
         self.buf_shape = [tuple(int(s) for s in b["shape"][: b["ndim"]]) for b in tables.buffers]
@@ -229,6 +233,12 @@ class Interpreter:
             if counters[end] != k * int(events[end]["num_triggers"]) and num_tasks:
                 raise DeadlockError(f"iteration {k}: all {num_tasks} tasks ran but the end event {end} "
                                     f"has {counters[end]} of {k * int(events[end]['num_triggers'])} arrivals")
+            wrong = [e for e in range(len(events)) if counters[e] != k * int(events[e]["num_triggers"])]
+            if wrong:
+                e = wrong[0]
+                raise ScheduleError(f"iteration {k}: event {e} got {counters[e]} arrivals, expected "
+                                    f"{k * int(events[e]['num_triggers'])} (num_triggers disagrees with the "
+                                    f"tasks that trigger it; {len(wrong)} event(s) affected)")
             if writer is not None:
                 for b, w in enumerate(writer):
                     if w is not None and bool((w < 0).any()):

@@ -1,6 +1,7 @@
-"""Small model definitions the tests compile: Llama- and Qwen3-style decoder stacks written the
-way Hugging Face writes them (RMSNorm with fp32 upcast, rotate-half RoPE, repeat_kv or
-enable_gqa, SiLU-gated MLP), a GELU/LayerNorm MLP block, and the seed paper's example."""
+"""Toy models for tests, examples and inspection presets: Llama- and Qwen3-style decoder stacks
+written the way Hugging Face writes them (RMSNorm with fp32 upcast, rotate-half RoPE, repeat_kv
+or enable_gqa, SiLU-gated MLP), a GELU/LayerNorm MLP block, and the seed paper's example.
+Random weights; real checkpoints arrive with the LLM models."""
 
 from __future__ import annotations
 

@@ -1,0 +1,35 @@
+"""``mpk inspect``: report, DOT, JSON and tables on disk, consistent with each other."""
+
+from __future__ import annotations
+
+import json
+
+from mpk.cli import main
+from mpk.compiler.tables import Tables, validate
+
+
+def test_inspect_preset_writes_report_dot_json_tables(tmp_path, capsys):
+    assert main(["inspect", "qwen3-toy", "--out", str(tmp_path), "--workers", "8", "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("tasks:", "dummy", "before fusion", "after fusion", "after normalization", "JIT", "AOT",
+                   "tasks per op:"):
+        assert needle in out
+    tables = Tables.from_bytes((tmp_path / "qwen3-toy.tables").read_bytes())
+    validate(tables)
+    doc = json.loads((tmp_path / "qwen3-toy.json").read_text())
+    assert len(doc["tasks"]) == len(tables.tasks) and len(doc["events"]) == len(tables.events)
+    assert doc["stats"]["num_tasks"] == len(tables.tasks)
+    dot = (tmp_path / "qwen3-toy.dot").read_text()
+    assert dot.startswith("digraph mpk") and dot.count("shape=box") == len(tables.tasks)
+
+
+def test_inspect_factory_file(tmp_path, capsys):
+    src = tmp_path / "m.py"
+    src.write_text("import torch\n"
+                   "def make():\n"
+                   "    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))\n"
+                   "    return m, (torch.randn(2, 16),)\n")
+    assert main(["inspect", f"{src}:make", "--out", str(tmp_path / "o"), "--workers", "4",
+                 "--partition", '{"matmul": {"-1": 2}}']) == 0
+    out = capsys.readouterr().out
+    assert "grid (1, 2)" in out

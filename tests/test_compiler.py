@@ -1,0 +1,235 @@
+"""Compiler mechanics: determinism, partition overrides, options, errors, fallback, the
+interpreter's deadlock and race reports, the tables' round trip."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from helpers import check_dependencies, compile_with, relative_error, trace_graph
+from mpk import CompileError, DeadlockError, OptionError, RaceError, UnsupportedOpError
+from mpk.errors import ScheduleError
+from mpk.compiler.tables import Tables, validate
+from mpk.errors import ExecutorUnavailableError
+from mpk.inspection import compile_module
+from mpk.megakernel import Interpreter
+from mpk.models.toy import QWEN3, Decoder, randomize, rope_tables
+
+
+def _qwen(seed=0, batch=2, seq=3):
+    g = torch.Generator().manual_seed(seed)
+    model = randomize(Decoder(QWEN3), g).eval()
+    ids = torch.randint(0, QWEN3.vocab, (batch, seq), generator=g)
+    cos, sin = rope_tables(QWEN3, torch.arange(seq))
+    return model, (ids, cos, sin)
+
+
+def _chain(x, w):
+    h = torch.relu(x @ w)
+    return torch.softmax(h + x, dim=-1)
+
+
+def _chain_args(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(6, 8, generator=g), torch.randn(8, 8, generator=g)]
+
+
+def test_compilation_is_deterministic():
+    model, args = _qwen()
+    a = compile_module(model, args, {"num_workers": 24}).tables.to_bytes()
+    b = compile_module(model, args, {"num_workers": 24}).tables.to_bytes()
+    assert a == b
+    c = compile_module(model, args, {"num_workers": 25}).tables.to_bytes()
+    assert a != c  # the digest does depend on what shapes the tables
+
+
+def test_tables_round_trip():
+    model, args = _qwen()
+    tables = compile_module(model, args, {"num_workers": 8}).tables
+    again = Tables.from_bytes(tables.to_bytes())
+    assert again.to_bytes() == tables.to_bytes() and again.digest() == tables.digest()
+    for name in ("tasks", "events", "ops", "buffers", "views", "op_inputs", "bounds"):
+        assert np.array_equal(getattr(again, name), getattr(tables, name))
+    with pytest.raises(CompileError, match="not an mpk tables file"):
+        Tables.from_bytes(b"garbage" * 4)
+
+
+def test_task_record_is_small():
+    from mpk.compiler.tables import TASK_DTYPE
+    assert TASK_DTYPE.itemsize <= 64
+
+
+def test_partition_overrides_by_name_and_kind():
+    args = _chain_args()
+    graph = trace_graph(_chain, args)
+    mm = next(op.name for op in graph.ops if op.kind == "matmul")
+    compiled = compile_with(graph, partition={mm: [3, 2], "softmax": {0: 6}})
+    assert compiled.stats.partitions[mm] == (3, 2)
+    assert compiled.stats.tasks_per_op[mm] == 6
+    sm = next(op.name for op in graph.ops if op.kind == "softmax")
+    assert compiled.stats.partitions[sm] == (6, 1)
+    out = Interpreter(compiled.tables).run(args)[0]
+    assert relative_error(out, _chain(*args)) <= 1e-5
+
+
+@pytest.mark.parametrize("partition,message", [
+    ({"softmax": [2, 2]}, "dim 1 cannot be split"),
+    ({"softmax": [2]}, "has 1 entries; its output"),
+    ({"softmax": {5: 2}}, "dim 5 out of range"),
+    ({"softmax": {0: 7}}, "7 tiles for dim 0 of size 6"),
+    ({"no_such_op": [1]}, r"name \['no_such_op'\], which match no op"),
+])
+def test_bad_partition_overrides_are_named(partition, message):
+    graph = trace_graph(_chain, _chain_args())
+    with pytest.raises(CompileError, match=message):
+        compile_with(graph, partition=partition)
+
+
+def test_default_partition_targets_workers():
+    graph = trace_graph(lambda x, w: x @ w, [torch.randn(1, 256), torch.randn(256, 4096)])
+    compiled = compile_with(graph, num_workers=128)
+    # decode-shaped matmul: N split into one wave of 128 tiles, M (= 1) untouched
+    assert compiled.stats.partitions[graph.ops[0].name] == (1, 128)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"executor": "tpu"}, "executor='tpu'; expected one of"),
+    ({"fallback": "maybe"}, "fallback='maybe'"),
+    ({"num_workers": 0}, "num_workers=0; expected a positive int"),
+    ({"partiton": {}}, r"unknown mpk option\(s\) \['partiton'\]"),
+])
+def test_bad_options_are_named(options, message):
+    with pytest.raises(Exception, match=message) as info:
+        torch.compile(nn.Linear(4, 4), backend="mpk", options=options)(torch.randn(2, 4))
+    assert isinstance(info.value, OptionError) or isinstance(info.value.__cause__, OptionError) \
+        or "OptionError" in str(info.value)
+
+
+def test_gpu_executor_says_it_is_not_built():
+    with pytest.raises(Exception, match="GPU executor .* not part of this mpk build") as info:
+        torch.compile(nn.Linear(4, 4), backend="mpk", options={"executor": "gpu"})(torch.randn(2, 4))
+    assert "ExecutorUnavailableError" in str(info.value) or isinstance(info.value, ExecutorUnavailableError)
+
+
+def test_default_executor_without_cuda_warns_once(monkeypatch):
+    import mpk.options as o
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(o, "_warned_cpu_default", False)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert o.CompileOptions.parse({}).executor == "cpu"
+        assert o.CompileOptions.parse({}).executor == "cpu"
+    assert sum("CUDA is not available" in str(w.message) for w in rec) == 1
+
+
+class _Cumsum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = torch.relu(self.lin(x))
+        return torch.cumsum(y, dim=-1) * 2 + y  # aten.cumsum has no mpk lowering
+
+
+def test_unsupported_op_error_names_op_shapes_and_source():
+    with pytest.raises(Exception) as info:
+        with torch.no_grad():
+            torch.compile(_Cumsum(), backend="mpk", options={"executor": "cpu"})(torch.randn(3, 8))
+    msg = str(info.value)
+    assert "UnsupportedOpError" in msg or isinstance(info.value, UnsupportedOpError)
+    assert "aten::cumsum" in msg
+    assert "(3, 8) float32" in msg
+    assert re.search(r"test_compiler\.py:\d+: return torch\.cumsum", msg), msg
+    assert "fallback" in msg
+
+
+def test_eager_fallback_runs_the_rest_in_mpk():
+    model = _Cumsum().eval()
+    x = torch.randn(3, 8)
+    from mpk.backend import COMPILED
+    before = len(COMPILED)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        out = torch.compile(model, backend="mpk", options={"executor": "cpu", "fallback": "eager"})(x)
+        ref = model(x)
+    assert relative_error(out, ref) <= 1e-5
+    assert any("aten::cumsum" in str(w.message) and "eager" in str(w.message) for w in rec)
+    assert len(COMPILED) - before == 2  # the parts before and after cumsum are mpk graphs
+
+
+def test_symbolic_shapes_are_refused_clearly():
+    with pytest.raises(Exception, match="static shapes only"):
+        torch.compile(nn.Linear(4, 4), backend="mpk", dynamic=True,
+                      options={"executor": "cpu"})(torch.randn(3, 4))
+
+
+def _compiled_chain():
+    args = _chain_args()
+    graph = trace_graph(_chain, args)
+    return compile_with(graph, partition={"matmul": [2, 2], "pointwise": [2, 2], "softmax": [1, 1]}), args
+
+
+def test_deadlock_is_reported_with_task_and_event_ids():
+    compiled, args = _compiled_chain()
+    t = compiled.tables
+    # the end event expects one more arrival than there are triggering tasks: never fires
+    t.events["num_triggers"][t.end_event] += 1
+    with pytest.raises(Exception):
+        validate(t)
+    interp = Interpreter(t, validate_tables=False)  # exercise the runtime's own report
+    with pytest.raises(DeadlockError, match=r"end event \d+ has \d+ of \d+ arrivals"):
+        interp.run(args)
+
+
+def test_deadlock_on_a_never_firing_event():
+    compiled, args = _compiled_chain()
+    t = compiled.tables
+    # make an inner event wait for one extra trigger: the tasks it launches never start
+    inner = next(e for e in range(len(t.events)) if e not in (t.start_event, t.end_event))
+    t.events["num_triggers"][inner] += 1
+    interp = Interpreter(t, validate_tables=False)
+    with pytest.raises(DeadlockError) as info:
+        interp.run(args)
+    msg = str(info.value)
+    assert f"event {inner}:" in msg and "waiting tasks" in msg and "arrivals" in msg
+
+
+def test_race_is_reported_when_a_dependency_is_missing():
+    compiled, args = _compiled_chain()
+    t = compiled.tables
+    # let the softmax's event fire after one of its producers instead of all of them
+    sm_op = next(i for i, o in enumerate(t.meta["ops"]) if o["kind"] == "softmax")
+    sm_task = int(np.nonzero(t.tasks["op"] == sm_op)[0][0])
+    e = int(t.tasks["dep_event"][sm_task])
+    assert t.events["num_triggers"][e] > 1
+    t.events["num_triggers"][e] = 1
+    with pytest.raises(AssertionError, match="no event path orders them"):
+        check_dependencies(t)
+    races = surplus = 0
+    for seed in range(20):
+        interp = Interpreter(t, validate_tables=False)
+        try:
+            interp.run(args, seed=seed)
+        except RaceError as exc:  # the consumer ran before a producer
+            races += 1
+            assert "read buffer" in str(exc) and "before that task ran" in str(exc)
+        except ScheduleError as exc:  # producers all ran first: the surplus arrival is caught
+            surplus += 1
+            assert "arrivals, expected" in str(exc)
+    assert races + surplus == 20 and races > 0
+
+
+def test_double_write_is_a_race():
+    compiled, args = _compiled_chain()
+    t = compiled.tables
+    mm_op = next(i for i, o in enumerate(t.meta["ops"]) if o["kind"] == "matmul")
+    ids = np.nonzero(t.tasks["op"] == mm_op)[0]
+    t.tasks["tile"][ids[1]] = t.tasks["tile"][ids[0]]  # two tasks compute the same tile
+    with pytest.raises(RaceError, match="both write buffer"):
+        Interpreter(t).run(args)
