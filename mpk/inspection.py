@@ -66,7 +66,9 @@ def to_dot(compiled: CompiledGraph, max_tasks: int = 3000) -> str:
     events (diamonds; barriers double). Past ``max_tasks`` tasks, one node per op instead."""
     t = compiled.tables
     ops = t.meta["ops"]
-    lines = ["digraph mpk {", "  rankdir=TB; node [fontsize=9]; edge [arrowsize=0.5];"]
+    lines = ["digraph mpk {", "  rankdir=TB; node [fontsize=9]; edge [arrowsize=0.5];",
+             '  labelloc=b; fontsize=10; label="tasks: blue AOT, orange JIT, grey dummy; '
+             'events: diamonds (×num_triggers), double circles = global barriers";']
     if len(t.tasks) <= max_tasks:
         by_op: dict[int, list[int]] = {}
         for i, r in enumerate(t.tasks):

@@ -233,3 +233,21 @@ def test_double_write_is_a_race():
     t.tasks["tile"][ids[1]] = t.tasks["tile"][ids[0]]  # two tasks compute the same tile
     with pytest.raises(RaceError, match="both write buffer"):
         Interpreter(t).run(args)
+
+
+def test_backend_entry_point_needs_no_import(tmp_path):
+    """A fresh interpreter that never imports mpk finds the backend through the entry point."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()\n"
+            "x = torch.randn(2, 8)\n"
+            "assert 'mpk' not in sys.modules\n"
+            "with torch.no_grad():\n"
+            "    out = torch.compile(m, backend='mpk', options={'executor': 'cpu'})(x)\n"
+            "    assert torch.allclose(out, m(x), rtol=1e-5, atol=1e-6)\n"
+            "print('ok', 'mpk' in sys.modules)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "ok True"

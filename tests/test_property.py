@@ -36,12 +36,13 @@ def build_program(rng: random.Random):
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     args = [torch.randn(b, m, n, generator=gen), torch.randn(b, m, n, generator=gen),
             torch.randn(n, generator=gen) + 1.0, torch.randn(n, n, generator=gen) / n ** 0.5]
-    steps = [rng.randrange(11) for _ in range(rng.randint(2, 7))]
+    steps = [rng.randrange(13) for _ in range(rng.randint(2, 7))]
+    picks = [rng.randrange(i + 2) for i in range(len(steps))]  # second operand: any earlier value
 
     def fn(x, y, w, mat):
         live = [x, y]
-        for s in steps:
-            a, c = live[-1], live[rng_pick(len(live), s)]
+        for s, pick in zip(steps, picks):
+            a, c = live[-1], live[pick]
             if s == 0:
                 out = a + c
             elif s == 1:
@@ -63,17 +64,20 @@ def build_program(rng: random.Random):
                 out = F.layer_norm(a, (a.shape[-1],), w, None, 1e-5)
             elif s == 9:
                 out = F.silu(a) * c
-            else:
+            elif s == 10:
                 bb, mm, nn_ = a.shape
                 out = a.reshape(bb, mm * nn_).tanh().reshape(bb, mm, nn_) + c
+            elif s == 11:  # two heads of causal attention, GQA-free: [b, m, n] -> [b, 2, m, n/2]
+                bb, mm, nn_ = a.shape
+                q = a.view(bb, mm, 2, nn_ // 2).transpose(1, 2)
+                kv = c.view(bb, mm, 2, nn_ // 2).transpose(1, 2)
+                out = F.scaled_dot_product_attention(q, kv, kv, is_causal=True).transpose(1, 2).reshape(bb, mm, nn_)
+            else:  # batched matmul against a transposed view
+                out = torch.bmm(a, c.transpose(1, 2)) @ c
             live.append(out)
         return live[-1], live[len(live) // 2], live[-1].sum(-1)
 
     return fn, args
-
-
-def rng_pick(n: int, salt: int) -> int:
-    return (salt * 7 + 3) % n
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -14,7 +14,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import given, note, settings
+from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 from mpk.ir import regions, views as views_mod
@@ -51,7 +51,8 @@ def view_chains(draw, tricky: bool = False) -> tuple[tuple[int, ...], list[tuple
     merging or refactoring reshape -- the chains that may have no strided form.
     """
     ndim = draw(st.integers(2 if tricky else 1, 4))
-    base = tuple(draw(st.lists(st.integers(1, 6), min_size=ndim, max_size=ndim)))
+    # size 1 drawn twice as often: it is what expand, squeeze and the size-1 stride rules act on
+    base = tuple(draw(st.lists(st.sampled_from([1, 1, 2, 3, 4, 5, 6]), min_size=ndim, max_size=ndim)))
     shape = base
     steps: list[tuple] = []
     nsteps = draw(st.integers(2 if tricky else 1, 4))
@@ -302,6 +303,12 @@ def test_base_regions_exact_despite_intermediate_fallback(base, steps, rect):
 
 @SETTINGS
 @given(st.one_of(view_chains(), view_chains(tricky=True)))
+@example(((1, 1), [("expand", (2, 3)), ("reshape", (6,))]))  # merged stride-0 dims: strided
+@example(((2, 1), [("expand", (2, 3)), ("reshape", (6,))]))  # expanded dim merged: None
+@example(((2, 3), [("permute", (1, 0)), ("reshape", (6,))]))  # transposed flatten: None
+# None although the full chain reads affine ids again (transpose): the chain-level semantics
+@example(((2, 3), [("permute", (1, 0)), ("reshape", (6,)), ("reshape", (3, 2))]))
+@example(((4, 3), [("slice", 0, 0, 4, 2), ("reshape", (6,))]))  # step-2 rows merged: None
 def test_strided_matches_torch(chain):
     base, steps = chain
     note(f"base={base} steps={steps}")

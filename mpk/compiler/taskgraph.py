@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mpk.ir.opgraph import OpGraph
-from mpk.ir.regions import Rect
+from mpk.ir.regions import Rect, tile_rect
 from mpk.ops import OpSig
 
 DUMMY = -1  # task_op of a dummy task (normalization): no work, only event plumbing
@@ -29,11 +29,7 @@ class OpTiles:
         return n
 
     def tile_rect(self, tile: int) -> Rect:
-        rect = []
-        for d in reversed(range(len(self.grid))):
-            tile, i = divmod(tile, self.grid[d])
-            rect.append((self.bounds[d][i], self.bounds[d][i + 1]))
-        return tuple(reversed(rect))
+        return tile_rect(self.grid, self.bounds, tile)
 
 
 @dataclass

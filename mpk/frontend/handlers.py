@@ -124,8 +124,8 @@ def _alias(L, node, x: View, *args, **kwargs):
 @handles(aten._to_copy, prims.convert_element_type)
 def _to(L, node, x: View, *args, **kwargs):
     dtype = L.meta().dtype
-    if L.meta().device.type != "meta" and kwargs.get("device") not in (None, L.meta().device):
-        raise Unsupported("device transfers inside the graph are not supported")
+    if kwargs.get("device") is not None and kwargs["device"] != node.args[0].meta["val"].device:
+        raise Unsupported(f"a device transfer to {kwargs['device']} inside the graph")
     if dtype == L.graph.buffers[x.buffer].dtype:
         return x
     return L.emit("pointwise", [x], {"fn": "cast", "args": [["in", 0]]})

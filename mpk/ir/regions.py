@@ -105,3 +105,13 @@ def interval_to_rects(lo: int, hi: int, dims: tuple[int, ...]) -> RectList:
     if hi % inner:
         rects += [((a1, a1 + 1),) + r for r in interval_to_rects(0, hi % inner, dims[1:])]
     return rects
+
+
+def tile_rect(grid: tuple[int, ...], bounds, tile: int) -> Rect:
+    """Rect of tile number ``tile`` (row-major over ``grid``); ``bounds[d]`` holds the
+    grid[d] + 1 boundaries of dim d."""
+    rect = []
+    for d in reversed(range(len(grid))):
+        tile, i = divmod(tile, grid[d])
+        rect.append((bounds[d][i], bounds[d][i + 1]))
+    return tuple(reversed(rect))

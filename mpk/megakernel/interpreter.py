@@ -26,7 +26,7 @@ import torch
 
 from mpk.compiler.tables import DTYPES, FLAG_JIT, ROLE_INPUT, Tables, validate
 from mpk.errors import DeadlockError, ExecutorUnavailableError, RaceError, ScheduleError
-from mpk.ir.regions import Rect
+from mpk.ir.regions import Rect, tile_rect
 from mpk.ops import OpDef, OpSig, op_by_type_id
 
 
@@ -41,11 +41,7 @@ class _Op:
     bounds: list[tuple[int, ...]]
 
     def tile_rect(self, tile: int) -> Rect:
-        rect = []
-        for d in reversed(range(len(self.grid))):
-            tile, i = divmod(tile, self.grid[d])
-            rect.append((self.bounds[d][i], self.bounds[d][i + 1]))
-        return tuple(reversed(rect))
+        return tile_rect(self.grid, self.bounds, tile)
 
 
 class Interpreter:
