@@ -8,6 +8,7 @@ Registered as the ``mpk`` entry point of ``torch_dynamo_backends``, so
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -17,7 +18,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from mpk.compiler import CompiledGraph, compile_graph
-from mpk.errors import ExecutorUnavailableError, MpkError, UnsupportedOpError
+from mpk.errors import MpkError, UnsupportedOpError
 from mpk.frontend import find_unsupported, fuse_patterns, lower
 from mpk.frontend.lower import describe_inputs, op_name, source_line
 from mpk.inspection import dump, pretty_input_name
@@ -113,15 +114,24 @@ def _compile_with_fallback(gm: GraphModule, unsupported: set, opts: CompileOptio
 
 def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
     if opts.executor == "gpu":
-        raise ExecutorUnavailableError(
-            "the GPU executor (the persistent megakernel runtime) is not part of this mpk build yet; "
-            "compile with options={'executor': 'cpu'} to run the tables on the CPU reference interpreter")
-    from mpk.megakernel import Interpreter
+        from mpk.megakernel.gpu import GpuExecutor
 
-    interp = Interpreter(compiled.tables, num_workers=opts.num_workers, check_races=opts.check_races)
+        executor = GpuExecutor(compiled.tables, timeout_s=opts.timeout_s, profile=opts.profile_dir is not None)
 
-    def run(*args):
-        return interp.run(args, seed=opts.seed)
+        def run(*args):
+            out = executor.run(args)
+            if opts.profile_dir:
+                path = Path(opts.profile_dir) / f"trace{COMPILED.index(compiled)}.json"
+                Path(opts.profile_dir).mkdir(parents=True, exist_ok=True)
+                executor.trace(path)
+            return out
+    else:
+        from mpk.megakernel import Interpreter
+
+        interp = Interpreter(compiled.tables, num_workers=opts.num_workers, check_races=opts.check_races)
+
+        def run(*args):
+            return interp.run(args, seed=opts.seed)
 
     run.compiled = compiled  # type: ignore[attr-defined]
     return run

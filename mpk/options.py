@@ -35,6 +35,8 @@ class CompileOptions:
     num_workers  worker count the default partitioning targets (one wave of tasks per op).
     seed         schedule seed of the cpu executor (which legal order it picks).
     check_races  cpu executor: track every element read/written (default True).
+    timeout_s    gpu executor: watchdog limit per launch in seconds (default 30).
+    profile_dir  gpu executor: write a Chrome/Perfetto trace of each launch there.
     """
 
     executor: str = "cpu"
@@ -44,6 +46,8 @@ class CompileOptions:
     num_workers: int = 128
     seed: int = 0
     check_races: bool = True
+    timeout_s: float = 30.0
+    profile_dir: str | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None) -> "CompileOptions":

@@ -82,8 +82,9 @@ def view_chains(draw, tricky: bool = False) -> tuple[tuple[int, ...], list[tuple
             step, shape = ("permute", perm), tuple(shape[p] for p in perm)
         elif kind == "slice":
             dim = draw(st.integers(0, len(shape) - 1))
-            start = draw(st.integers(0, shape[dim] - 1))
-            stop = draw(st.integers(start + 1, shape[dim]))
+            length = draw(st.integers(1, shape[dim]))
+            start = draw(st.integers(0, shape[dim] - length))
+            stop = start + length
             stride = 2 if tricky and k == 0 else draw(st.sampled_from([1, 2]))
             step = ("slice", dim, start, stop, stride)
             shape = shape[:dim] + (-(-(stop - start) // stride),) + shape[dim + 1:]
@@ -120,8 +121,9 @@ def sub_rects(draw, shape: tuple[int, ...]) -> regions.Rect:
         if draw(st.booleans()):
             rect.append((0, n))
         else:
-            a = draw(st.integers(0, n - 1))
-            rect.append((a, draw(st.integers(a + 1, n))))
+            length = draw(st.integers(1, n))
+            a = draw(st.integers(0, n - length))
+            rect.append((a, a + length))
     return tuple(rect)
 
 
@@ -188,14 +190,12 @@ def _affine(ids: torch.Tensor) -> bool:
 
 
 @SETTINGS
-@given(view_chains())
+@given(st.one_of(view_chains(), view_chains(tricky=True)))
 def test_view_shape_matches_torch(chain):
     base, steps = chain
     note(f"base={base} steps={steps}")
-    views = build_views(base, steps)
-    for k, v in enumerate(views):
+    for k, v in enumerate(build_views(base, steps)):
         assert v.shape == tuple(torch_chain(base, steps[:k]).shape), f"prefix {k}"
-    assert views[-1].base_shape == base
 
 
 def _exactness_expected(views: list[View], pieces: regions.RectList) -> bool:
@@ -325,7 +325,8 @@ def test_strided_matches_torch(chain):
         return
     # No strided form. ``strided()`` is chain-level: it gives up at the first step whose output
     # is not strided, even if later steps would make the ids strided again (e.g. permute, flatten,
-    # un-flatten), because lowering copies the prefix at that point (frontend/lower.py). So the
+    # un-flatten), and lowering copies the prefix before that step (Lowerer.strided in
+    # frontend/lower.py). So "None => the final ids are not affine" is NOT sound; the
     # sound claims are: (a) torch's ``.view`` of the same chain fails as well -- if it succeeded,
     # torch would have found strides for every step, i.e. a strided form that ``strided()``
     # missed; (b) at the first prefix where ``strided()`` is None, the ids that prefix reads
@@ -380,6 +381,10 @@ def dims_and_rect(draw):
 
 @SETTINGS
 @given(dims_and_rect())
+# more than MAX_PIECES leading index combinations: the bounding-interval fallback
+@example(((6, 6, 6, 6, 6), ((0, 6), (0, 6), (0, 6), (1, 6), (2, 4))))
+@example(((300, 2), ((0, 300), (0, 1))))
+@example(((3, 4), ((0, 3), (0, 3))))  # runs one element apart must not merge
 def test_rect_to_intervals_round_trip(args):
     dims, rect = args
     intervals = regions.rect_to_intervals(rect, dims)
@@ -394,7 +399,7 @@ def test_rect_to_intervals_round_trip(args):
     for (lo, hi), nxt in zip(intervals, intervals[1:] + [None]):
         assert 0 <= lo < hi <= n
         if nxt is not None:
-            assert hi < nxt[0], "intervals unsorted, overlapping or not merged"
+            assert hi <= nxt[0], "intervals unsorted or overlapping"
         lin[lo:hi] += 1
         for r in regions.interval_to_rects(lo, hi, dims):
             back[_slices(r)] = True

@@ -1,0 +1,8 @@
+// Every task family; the generated dispatch includes this.
+#pragma once
+#include "attention.cuh"
+#include "data_movement.cuh"
+#include "diagnostic.cuh"
+#include "linalg.cuh"
+#include "pointwise.cuh"
+#include "rows.cuh"

@@ -1,0 +1,177 @@
+// Shared by every task family: per-op constants (generated from the tables), strided views,
+// dtype-generic loads/stores, and the tile → element index arithmetic.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace mpk {
+
+constexpr int kMaxDims = 8;
+constexpr int kMaxInputs = 8;
+
+// dtype codes: the order of mpk.compiler.tables.DTYPES
+enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kF64 = 3, kI64 = 4, kI32 = 5, kI16 = 6, kI8 = 7, kU8 = 8, kBool = 9 };
+
+// A strided view of a buffer (tables: VIEW_DTYPE), resolved to its buffer's dtype.
+struct ViewC {
+  int buffer;
+  int dtype;
+  int ndim;
+  long long offset;
+  long long shape[kMaxDims];
+  long long stride[kMaxDims];
+};
+
+// One op's constants (tables: OP_DTYPE + attrs), emitted by mpk/megakernel/codegen.py.
+struct OpC {
+  int type;      // registry type_id
+  int variant;   // kind-specific (pointwise fn, reduce fn, …)
+  int out_buffer;
+  int out_dtype;
+  int ndim;
+  long long out_shape[kMaxDims];
+  int grid[kMaxDims];
+  int bounds_offset;  // into kBounds: per dim grid[d] + 1 boundaries
+  int num_inputs;
+  ViewC in[kMaxInputs];
+  long long iparam[8];
+  float fparam[4];
+};
+
+struct Rect {
+  long long lo[kMaxDims];
+  long long hi[kMaxDims];
+};
+
+__device__ __forceinline__ float load_f(const void* base, int dtype, long long i) {
+  switch (dtype) {
+    case kF32: return static_cast<const float*>(base)[i];
+    case kF16: return __half2float(static_cast<const __half*>(base)[i]);
+    case kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+    case kF64: return static_cast<float>(static_cast<const double*>(base)[i]);
+    case kI64: return static_cast<float>(static_cast<const long long*>(base)[i]);
+    case kI32: return static_cast<float>(static_cast<const int*>(base)[i]);
+    case kI16: return static_cast<float>(static_cast<const short*>(base)[i]);
+    case kI8: return static_cast<float>(static_cast<const signed char*>(base)[i]);
+    case kU8: return static_cast<float>(static_cast<const unsigned char*>(base)[i]);
+    default: return static_cast<const bool*>(base)[i] ? 1.f : 0.f;
+  }
+}
+
+__device__ __forceinline__ long long load_i(const void* base, int dtype, long long i) {
+  switch (dtype) {
+    case kI64: return static_cast<const long long*>(base)[i];
+    case kI32: return static_cast<const int*>(base)[i];
+    case kI16: return static_cast<const short*>(base)[i];
+    case kI8: return static_cast<const signed char*>(base)[i];
+    case kU8: return static_cast<const unsigned char*>(base)[i];
+    case kBool: return static_cast<const bool*>(base)[i];
+    default: return static_cast<long long>(load_f(base, dtype, i));
+  }
+}
+
+__device__ __forceinline__ void store_f(void* base, int dtype, long long i, float v) {
+  switch (dtype) {
+    case kF32: static_cast<float*>(base)[i] = v; break;
+    case kF16: static_cast<__half*>(base)[i] = __float2half(v); break;
+    case kBF16: static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16(v); break;
+    case kF64: static_cast<double*>(base)[i] = v; break;
+    case kI64: static_cast<long long*>(base)[i] = static_cast<long long>(v); break;
+    case kI32: static_cast<int*>(base)[i] = static_cast<int>(v); break;
+    case kI16: static_cast<short*>(base)[i] = static_cast<short>(v); break;
+    case kI8: static_cast<signed char*>(base)[i] = static_cast<signed char>(v); break;
+    case kU8: static_cast<unsigned char*>(base)[i] = static_cast<unsigned char>(v); break;
+    default: static_cast<bool*>(base)[i] = v != 0.f; break;
+  }
+}
+
+__device__ __forceinline__ void store_i(void* base, int dtype, long long i, long long v) {
+  if (dtype == kI64) static_cast<long long*>(base)[i] = v;
+  else if (dtype == kI32) static_cast<int*>(base)[i] = static_cast<int>(v);
+  else store_f(base, dtype, i, static_cast<float>(v));
+}
+
+__device__ __forceinline__ bool is_int(int dtype) { return dtype >= kI64 && dtype <= kU8; }
+
+// Copy one element between dtypes; integer to integer stays exact (no float round trip).
+__device__ __forceinline__ void move_elem(const void* src, int sdt, long long si, void* dst, int ddt, long long di) {
+  if (is_int(sdt) && is_int(ddt)) store_i(dst, ddt, di, load_i(src, sdt, si));
+  else store_f(dst, ddt, di, load_f(src, sdt, si));
+}
+
+// Round a float through a storage dtype (what a cast to that dtype and back does).
+__device__ __forceinline__ float round_to(int dtype, float v) {
+  if (dtype == kBF16) return __bfloat162float(__float2bfloat16(v));
+  if (dtype == kF16) return __half2float(__float2half(v));
+  return v;
+}
+
+// Element index of a view at a multi-index; dims of size 1 broadcast (index ignored), and a
+// view of lower rank than the index is right-aligned against it (numpy broadcasting).
+__device__ __forceinline__ long long view_index(const ViewC& v, const long long* idx, int idx_ndim) {
+  long long off = v.offset;
+  const int lead = idx_ndim - v.ndim;
+  for (int d = 0; d < v.ndim; ++d) {
+    const long long i = v.shape[d] == 1 ? 0 : idx[lead + d];
+    off += i * v.stride[d];
+  }
+  return off;
+}
+
+// Tile rect of ``tile`` for op ``c`` (row-major over its grid).
+__device__ __forceinline__ Rect tile_rect(const OpC& c, const long long* bounds, int tile) {
+  Rect r;
+  int pos = c.bounds_offset;
+  int offsets[kMaxDims];
+  for (int d = 0; d < c.ndim; ++d) {
+    offsets[d] = pos;
+    pos += c.grid[d] + 1;
+  }
+  for (int d = c.ndim - 1; d >= 0; --d) {
+    const int i = tile % c.grid[d];
+    tile /= c.grid[d];
+    r.lo[d] = bounds[offsets[d] + i];
+    r.hi[d] = bounds[offsets[d] + i + 1];
+  }
+  return r;
+}
+
+__device__ __forceinline__ long long rect_numel(const Rect& r, int ndim) {
+  long long n = 1;
+  for (int d = 0; d < ndim; ++d) n *= r.hi[d] - r.lo[d];
+  return n;
+}
+
+// The k-th element (row-major) of rect ``r`` over the first ``ndim`` dims, as a multi-index.
+__device__ __forceinline__ void rect_unravel(const Rect& r, int ndim, long long k, long long* idx) {
+  for (int d = ndim - 1; d >= 0; --d) {
+    const long long ext = r.hi[d] - r.lo[d];
+    idx[d] = r.lo[d] + k % ext;
+    k /= ext;
+  }
+}
+
+__device__ __forceinline__ long long ravel(const long long* idx, const long long* shape, int ndim) {
+  long long f = 0;
+  for (int d = 0; d < ndim; ++d) f = f * shape[d] + idx[d];
+  return f;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Everything a task needs besides its op constants.
+struct TaskEnv {
+  void* const* buffers;
+  const long long* bounds;
+};
+
+}  // namespace mpk

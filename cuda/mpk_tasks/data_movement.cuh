@@ -1,0 +1,43 @@
+// Task family: data movement. ``copy`` (out = reshape(view, out_shape): the i-th element in
+// row-major order of the output is the i-th of the input view) and ``cat`` along a dim.
+#pragma once
+#include "common.cuh"
+
+namespace mpk {
+
+__device__ void task_copy(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const ViewC& x = c.in[0];
+  const long long n = rect_numel(r, c.ndim);
+  for (long long e = threadIdx.x; e < n; e += blockDim.x) {
+    long long idx[kMaxDims], src[kMaxDims];
+    rect_unravel(r, c.ndim, e, idx);
+    long long f = ravel(idx, c.out_shape, c.ndim);
+    const long long o = f;
+    for (int d = x.ndim - 1; d >= 0; --d) {
+      src[d] = f % x.shape[d];
+      f /= x.shape[d];
+    }
+    long long off = x.offset;
+    for (int d = 0; d < x.ndim; ++d) off += src[d] * x.stride[d];
+    move_elem(env.buffers[x.buffer], x.dtype, off, env.buffers[c.out_buffer], c.out_dtype, o);
+  }
+}
+
+// iparam[0]: the cat dim.
+__device__ void task_cat(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const int dim = static_cast<int>(c.iparam[0]);
+  const long long n = rect_numel(r, c.ndim);
+  for (long long e = threadIdx.x; e < n; e += blockDim.x) {
+    long long idx[kMaxDims];
+    rect_unravel(r, c.ndim, e, idx);
+    const long long o = ravel(idx, c.out_shape, c.ndim);
+    long long pos = idx[dim];
+    int i = 0;
+    while (pos >= c.in[i].shape[dim]) pos -= c.in[i++].shape[dim];
+    idx[dim] = pos;
+    const ViewC& x = c.in[i];
+    move_elem(env.buffers[x.buffer], x.dtype, view_index(x, idx, c.ndim), env.buffers[c.out_buffer], c.out_dtype, o);
+  }
+}
+
+}  // namespace mpk

@@ -1,0 +1,143 @@
+// Task family: row-wise ops, one warp per output row (the whole last dim): reduce
+// (sum/mean/amax/argmax), softmax, layer_norm, rms_norm, rope.
+#pragma once
+#include "common.cuh"
+
+namespace mpk {
+
+enum ReduceFn : int { kSum, kMean, kAmax, kArgmax };
+
+// Rows of the tile: the rect over all dims but the last (whose extent is the row length).
+#define MPK_FOR_ROWS(c, r, idx)                                                         \
+  const int lane = threadIdx.x & 31;                                                    \
+  const long long nrows = rect_numel(r, (c).ndim - 1);                                  \
+  for (long long row = threadIdx.x >> 5; row < nrows; row += blockDim.x >> 5)           \
+    if (long long idx[kMaxDims]; (rect_unravel(r, (c).ndim - 1, row, idx), true))
+
+__device__ __forceinline__ float ld(const OpC& c, const TaskEnv& env, int input, long long* idx) {
+  const ViewC& v = c.in[input];
+  return load_f(env.buffers[v.buffer], v.dtype, view_index(v, idx, c.ndim));
+}
+
+// reduce: the input has the output's leading dims plus the reduced last dim.
+__device__ void task_reduce(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const ViewC& x = c.in[0];
+  const int lead = x.ndim - 1;
+  const long long len = x.shape[x.ndim - 1];
+  const int out_rows_ndim = c.iparam[0] ? c.ndim - 1 : c.ndim;  // keepdim leaves a size-1 dim
+  const int lane = threadIdx.x & 31;
+  const long long nrows = rect_numel(r, out_rows_ndim);
+  for (long long row = threadIdx.x >> 5; row < nrows; row += blockDim.x >> 5) {
+    long long idx[kMaxDims];
+    rect_unravel(r, out_rows_ndim, row, idx);
+    float acc = c.variant == kAmax || c.variant == kArgmax ? -INFINITY : 0.f;
+    long long arg = 0;
+    for (long long j = lane; j < len; j += 32) {
+      idx[lead] = j;
+      const float v = load_f(env.buffers[x.buffer], x.dtype, view_index(x, idx, x.ndim));
+      if (c.variant == kArgmax) {
+        if (v > acc || (v != v && acc == acc)) { acc = v; arg = j; }  // first max; NaN wins like torch
+      } else if (c.variant == kAmax) {
+        acc = fmaxf(acc, v);
+      } else {
+        acc += v;
+      }
+    }
+    if (c.variant == kArgmax) {
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, acc, o);
+        const long long oa = __shfl_xor_sync(0xffffffffu, arg, o);
+        if (ov > acc || (ov == acc && oa < arg)) { acc = ov; arg = oa; }
+      }
+    } else {
+      acc = c.variant == kAmax ? warp_max(acc) : warp_sum(acc);
+    }
+    if (lane == 0) {
+      if (c.iparam[0]) idx[c.ndim - 1] = 0;
+      const long long o = ravel(idx, c.out_shape, c.ndim);
+      if (c.variant == kArgmax) store_i(env.buffers[c.out_buffer], c.out_dtype, o, arg);
+      else store_f(env.buffers[c.out_buffer], c.out_dtype, o, c.variant == kMean ? acc / len : acc);
+    }
+  }
+}
+
+__device__ void task_softmax(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const long long len = c.out_shape[c.ndim - 1];
+  void* out = env.buffers[c.out_buffer];
+  MPK_FOR_ROWS(c, r, idx) {
+    float m = -INFINITY;
+    for (long long j = lane; j < len; j += 32) { idx[c.ndim - 1] = j; m = fmaxf(m, ld(c, env, 0, idx)); }
+    m = warp_max(m);
+    float s = 0.f;
+    for (long long j = lane; j < len; j += 32) { idx[c.ndim - 1] = j; s += expf(ld(c, env, 0, idx) - m); }
+    s = warp_sum(s);
+    for (long long j = lane; j < len; j += 32) {
+      idx[c.ndim - 1] = j;
+      store_f(out, c.out_dtype, ravel(idx, c.out_shape, c.ndim), expf(ld(c, env, 0, idx) - m) / s);
+    }
+  }
+}
+
+// layer_norm: fparam[0] eps; iparam[0] has weight, iparam[1] has bias.
+__device__ void task_layer_norm(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const long long len = c.out_shape[c.ndim - 1];
+  void* out = env.buffers[c.out_buffer];
+  const int wi = c.iparam[0] ? 1 : -1, bi = c.iparam[1] ? (c.iparam[0] ? 2 : 1) : -1;
+  MPK_FOR_ROWS(c, r, idx) {
+    float s = 0.f;
+    for (long long j = lane; j < len; j += 32) { idx[c.ndim - 1] = j; s += ld(c, env, 0, idx); }
+    const float mean = warp_sum(s) / len;
+    float q = 0.f;
+    for (long long j = lane; j < len; j += 32) {
+      idx[c.ndim - 1] = j;
+      const float d = ld(c, env, 0, idx) - mean;
+      q += d * d;
+    }
+    const float rstd = rsqrtf(warp_sum(q) / len + c.fparam[0]);
+    for (long long j = lane; j < len; j += 32) {
+      idx[c.ndim - 1] = j;
+      float y = (ld(c, env, 0, idx) - mean) * rstd;
+      if (wi >= 0) y *= ld(c, env, wi, idx);
+      if (bi >= 0) y += ld(c, env, bi, idx);
+      store_f(out, c.out_dtype, ravel(idx, c.out_shape, c.ndim), y);
+    }
+  }
+}
+
+// rms_norm: fparam[0] eps; iparam[0] has weight; iparam[1] dtype the normalised value is cast to.
+__device__ void task_rms_norm(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const long long len = c.out_shape[c.ndim - 1];
+  void* out = env.buffers[c.out_buffer];
+  MPK_FOR_ROWS(c, r, idx) {
+    float q = 0.f;
+    for (long long j = lane; j < len; j += 32) {
+      idx[c.ndim - 1] = j;
+      const float v = ld(c, env, 0, idx);
+      q += v * v;
+    }
+    const float rstd = rsqrtf(warp_sum(q) / len + c.fparam[0]);
+    for (long long j = lane; j < len; j += 32) {
+      idx[c.ndim - 1] = j;
+      float y = round_to(static_cast<int>(c.iparam[1]), ld(c, env, 0, idx) * rstd);
+      if (c.iparam[0]) y *= ld(c, env, 1, idx);
+      store_f(out, c.out_dtype, ravel(idx, c.out_shape, c.ndim), y);
+    }
+  }
+}
+
+// rope (rotate-half): out = x·cos + cat(-x[half:], x[:half])·sin; inputs x, cos, sin.
+__device__ void task_rope(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const long long len = c.out_shape[c.ndim - 1], half = len / 2;
+  void* out = env.buffers[c.out_buffer];
+  MPK_FOR_ROWS(c, r, idx) {
+    for (long long j = lane; j < len; j += 32) {
+      idx[c.ndim - 1] = j < half ? j + half : j - half;
+      const float partner = ld(c, env, 0, idx);
+      idx[c.ndim - 1] = j;
+      const float y = ld(c, env, 0, idx) * ld(c, env, 1, idx) + (j < half ? -partner : partner) * ld(c, env, 2, idx);
+      store_f(out, c.out_dtype, ravel(idx, c.out_shape, c.ndim), y);
+    }
+  }
+}
+
+}  // namespace mpk

@@ -1,0 +1,93 @@
+"""The few CUDA driver calls the executor needs (module load, cooperative launch, occupancy),
+through ctypes on libcuda: no compiled host extension, so one cubin serves any Python."""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+from mpk.errors import MpkError
+
+
+class CudaDriverError(MpkError):
+    """A CUDA driver call failed; the message names the call and the driver's error."""
+
+
+@lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise CudaDriverError(f"cannot load the CUDA driver (libcuda.so.1): {exc}") from None
+
+
+def check(result: int, call: str) -> None:
+    if result != 0:
+        msg = ctypes.c_char_p()
+        _lib().cuGetErrorString(result, ctypes.byref(msg))
+        raise CudaDriverError(f"{call} failed: CUDA error {result} ({(msg.value or b'?').decode()})")
+
+
+class Module:
+    """A loaded cubin; ``function(name)`` returns a CUfunction handle."""
+
+    def __init__(self, image: bytes):
+        self._image = ctypes.create_string_buffer(image)  # the driver reads it during load
+        self.handle = ctypes.c_void_p()
+        check(_lib().cuModuleLoadData(ctypes.byref(self.handle), self._image), "cuModuleLoadData")
+
+    def function(self, name: str) -> ctypes.c_void_p:
+        fn = ctypes.c_void_p()
+        check(_lib().cuModuleGetFunction(ctypes.byref(fn), self.handle, name.encode()), f"cuModuleGetFunction({name})")
+        return fn
+
+    def __del__(self):
+        if getattr(self, "handle", None) and self.handle.value:
+            _lib().cuModuleUnload(self.handle)
+
+
+def max_blocks_per_sm(fn: ctypes.c_void_p, threads: int, smem: int = 0) -> int:
+    n = ctypes.c_int()
+    check(_lib().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), fn, threads, ctypes.c_size_t(smem)),
+          "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    return n.value
+
+
+def _params(values: list) -> ctypes.Array:
+    holders = [v if isinstance(v, ctypes._SimpleCData) else ctypes.c_void_p(v) for v in values]
+    arr = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
+    arr._holders = holders  # keep alive until the launch call returns
+    return arr
+
+
+def launch(fn, grid: int, threads: int, stream: int, params: list, cooperative: bool = False) -> None:
+    p = _params(params)
+    if cooperative:
+        check(_lib().cuLaunchCooperativeKernel(fn, grid, 1, 1, threads, 1, 1, 0, ctypes.c_void_p(stream), p),
+              "cuLaunchCooperativeKernel")
+    else:
+        check(_lib().cuLaunchKernel(fn, grid, 1, 1, threads, 1, 1, 0, ctypes.c_void_p(stream), p, None),
+              "cuLaunchKernel")
+
+
+class MappedHostBuffer:
+    """Pinned host memory mapped into the device's address space: the host reads and writes it
+    (``array``) while a kernel runs, the kernel through ``device_ptr`` — the watchdog's channel."""
+
+    def __init__(self, num_ints: int):
+        import numpy as np
+
+        self.nbytes = 4 * max(1, num_ints)
+        self.host = ctypes.c_void_p()
+        check(_lib().cuMemHostAlloc(ctypes.byref(self.host), ctypes.c_size_t(self.nbytes), 0x02),
+              "cuMemHostAlloc(DEVICEMAP)")
+        dptr = ctypes.c_uint64()
+        check(_lib().cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), self.host, 0), "cuMemHostGetDevicePointer")
+        self.device_ptr = dptr.value
+        buf = (ctypes.c_int32 * (self.nbytes // 4)).from_address(self.host.value)
+        self.array = np.ctypeslib.as_array(buf)
+        self.array[:] = 0
+
+    def __del__(self):
+        if getattr(self, "host", None) and self.host.value:
+            _lib().cuMemFreeHost(self.host)

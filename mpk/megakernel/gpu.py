@@ -1,0 +1,300 @@
+"""The GPU executor: tables → generated CUDA → cubin (cached) → one cooperative launch.
+
+``GpuExecutor(tables).run(args, iterations=k)`` binds the inputs, runs k iterations of the
+task graph inside ONE persistent kernel and returns the graph outputs. While the kernel runs
+the host watches it: past ``timeout_s`` it raises ``WatchdogTimeout`` with each stuck worker's
+task, queue positions and the unfired events it waits on (counts read from device memory).
+The kernel's wait loops observe an abort flag the watchdog sets, so the kernel exits and the
+process stays usable (the graph's intermediate buffers then hold partial results).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from mpk.compiler.tables import DTYPES, FLAG_JIT, ROLE_INPUT, Tables, validate
+from mpk.errors import ExecutorUnavailableError, MpkError
+from mpk.megakernel import cuda_driver as drv
+from mpk.megakernel.build import build_cubin
+from mpk.megakernel.codegen import generate
+
+THREADS = 256
+SCHED_WARPS_PER_CTA = 4
+STATUS_WORDS = 8  # runtime/mpk_runtime/types.cuh: StatusWord
+EVENT_HAS_JIT = 2
+STATES = {0: "starting", 1: "waiting for its AOT task", 2: "idle (no AOT work left)", 3: "exited", 4: "aborted"}
+
+
+class WatchdogTimeout(MpkError):
+    """The persistent kernel did not finish in time; the message is the watchdog's report."""
+
+
+class _Args(ctypes.Structure):
+    """Mirror of mpk::RuntimeArgs (runtime/mpk_runtime/types.cuh)."""
+
+    _fields_ = [(n, ctypes.c_void_p) for n in (
+        "tasks", "events", "counters", "aot_offsets", "aot_tasks", "jit_values", "jit_seq", "jit_reserve",
+        "jit_head", "sched_values", "sched_seq", "sched_reserve", "sched_head", "next_worker", "done",
+        "buffers", "status", "abort_flag", "profile", "profile_count")] + [(n, ctypes.c_int) for n in (
+        "profile_capacity", "num_workers", "num_schedulers", "num_tasks", "num_events", "start_event",
+        "end_event", "iterations", "jit_capacity", "sched_capacity")]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(4, (max(1, n) - 1).bit_length())
+
+
+def _dev(a: np.ndarray, device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a).view(np.uint8).copy()).to(device)
+
+
+class GpuExecutor:
+    """Runs ``tables`` as one persistent kernel on the current CUDA device.
+
+    ``num_workers``: worker CTAs (default: SMs − scheduler CTAs); ``scheduler_ctas``: CTAs
+    holding 4 scheduler warps each (default 4, the seed layout: 128 workers + 16 schedulers on
+    a 132-SM H100); ``profile``: record per-task spans; ``timeout_s``: watchdog limit;
+    ``debug``: build with bounded spins (a hang traps instead of spinning forever).
+    """
+
+    def __init__(self, tables: Tables, num_workers: int | None = None, scheduler_ctas: int = 4,
+                 profile: bool = False, profile_capacity: int = 1 << 16, timeout_s: float = 30.0,
+                 debug: bool = False, arch: str | None = None, validate_tables: bool = True):
+        if not torch.cuda.is_available():
+            raise ExecutorUnavailableError("the gpu executor needs a CUDA device; use executor='cpu'")
+        if validate_tables:
+            validate(tables)
+        self.t, self.timeout_s, self.device = tables, timeout_s, torch.device("cuda", torch.cuda.current_device())
+        self._context = torch.empty(1, device=self.device)  # the driver calls below need a current context
+        props = torch.cuda.get_device_properties(self.device)
+        if arch is None:
+            major, minor = props.major, props.minor
+            arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
+        self.cubin_path = build_cubin(generate(tables), arch, debug)
+        self.module = drv.Module(Path(self.cubin_path).read_bytes())
+        self.kernel = self.module.function("mpk_persistent_kernel")
+        self.tile_kernel = self.module.function("mpk_tile_kernel")
+        if drv.max_blocks_per_sm(self.kernel, THREADS) < 1:
+            raise MpkError("the persistent kernel cannot fit one CTA per SM (registers/shared memory)")
+        sms = props.multi_processor_count
+        self.scheduler_ctas = scheduler_ctas
+        self.num_workers = num_workers or sms - scheduler_ctas
+        self.grid = self.num_workers + scheduler_ctas
+        if self.grid > sms:
+            raise MpkError(f"{self.num_workers} workers + {scheduler_ctas} scheduler CTAs = {self.grid} CTAs, but the "
+                           f"device has {sms} SMs (a cooperative launch needs every CTA resident)")
+        self.num_schedulers = scheduler_ctas * SCHED_WARPS_PER_CTA
+        self._setup(profile, profile_capacity)
+
+    # --- device state ---------------------------------------------------------------------
+    def _setup(self, profile: bool, profile_capacity: int) -> None:
+        t, dev = self.t, self.device
+        n_tasks, n_events = len(t.tasks), len(t.events)
+        jit = (t.tasks["flags"] & FLAG_JIT) != 0
+        events = t.events.copy()
+        for e in range(n_events):
+            lo, hi = int(events[e]["first_task"]), int(events[e]["last_task"])
+            if jit[lo:hi].any():
+                events[e]["flags"] |= EVENT_HAS_JIT
+        # AOT tasks are placed round-robin in linear order, as the CPU interpreter does.
+        aot = np.nonzero(~jit)[0].astype(np.int32)
+        per_worker = [aot[w::self.num_workers] for w in range(self.num_workers)]
+        offsets = np.zeros(self.num_workers + 1, np.int32)
+        offsets[1:] = np.cumsum([len(p) for p in per_worker])
+        self.jit_capacity = _pow2(int(jit.sum()))
+        self.sched_capacity = _pow2(n_events)
+        W, S = self.num_workers, self.num_schedulers
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.d_tasks = _dev(t.tasks, dev)
+        self.d_events = _dev(events, dev)
+        self.d_aot_offsets = torch.from_numpy(offsets).to(dev)
+        self.d_aot_tasks = torch.from_numpy(np.concatenate(per_worker + [np.zeros(1, np.int32)])).to(dev)
+        # Everything reset before each launch lives in one zeroed block.
+        self._zero_layout = {"counters": n_events, "jit_seq": W * self.jit_capacity, "jit_reserve": 16 * W,
+                             "jit_head": 16 * W, "sched_seq": S * self.sched_capacity, "sched_reserve": 16 * S,
+                             "sched_head": 16 * S, "next_worker": 1, "done": 1, "profile_count": W}
+        self.d_zero = torch.zeros(sum(self._zero_layout.values()), **i64)
+        self.zero_ptr, pos = {}, 0
+        for name, n in self._zero_layout.items():
+            self.zero_ptr[name] = self.d_zero.data_ptr() + 8 * pos
+            pos += n
+        self.d_jit_values = torch.zeros(W * self.jit_capacity, dtype=torch.int32, device=dev)
+        self.d_sched_values = torch.zeros(S * self.sched_capacity, dtype=torch.int32, device=dev)
+        # host-mapped status words and abort flag: readable and writable while the kernel runs
+        self.h_status = drv.MappedHostBuffer((W + S) * STATUS_WORDS)
+        self.h_abort = drv.MappedHostBuffer(1)
+        self.profile_capacity = profile_capacity if profile else 0
+        self.d_profile = torch.zeros(W * max(1, self.profile_capacity) * 3, **i64) if profile else None
+        # buffers: intermediates allocated once; inputs bound per run
+        self.buf_shape = [tuple(int(s) for s in b["shape"][: b["ndim"]]) for b in t.buffers]
+        self.buf_dtype = [DTYPES[b["dtype"]] for b in t.buffers]
+        self.buffers: list[torch.Tensor | None] = [
+            None if b["role"] == ROLE_INPUT else torch.empty(self.buf_shape[i], dtype=self.buf_dtype[i], device=dev)
+            for i, b in enumerate(t.buffers)]
+        self.d_buffer_ptrs = torch.zeros(max(1, len(t.buffers)), **i64)
+        self.d_args = torch.zeros(ctypes.sizeof(_Args), dtype=torch.uint8, device=dev)
+
+    def _write_args(self, iterations: int) -> None:
+        z = self.zero_ptr
+        args = _Args(
+            tasks=self.d_tasks.data_ptr(), events=self.d_events.data_ptr(), counters=z["counters"],
+            aot_offsets=self.d_aot_offsets.data_ptr(), aot_tasks=self.d_aot_tasks.data_ptr(),
+            jit_values=self.d_jit_values.data_ptr(), jit_seq=z["jit_seq"], jit_reserve=z["jit_reserve"],
+            jit_head=z["jit_head"], sched_values=self.d_sched_values.data_ptr(), sched_seq=z["sched_seq"],
+            sched_reserve=z["sched_reserve"], sched_head=z["sched_head"], next_worker=z["next_worker"],
+            done=z["done"], buffers=self.d_buffer_ptrs.data_ptr(), status=self.h_status.device_ptr,
+            abort_flag=self.h_abort.device_ptr,
+            profile=self.d_profile.data_ptr() if self.d_profile is not None else None,
+            profile_count=z["profile_count"], profile_capacity=self.profile_capacity,
+            num_workers=self.num_workers, num_schedulers=self.num_schedulers, num_tasks=len(self.t.tasks),
+            num_events=len(self.t.events), start_event=self.t.start_event, end_event=self.t.end_event,
+            iterations=iterations, jit_capacity=self.jit_capacity, sched_capacity=self.sched_capacity)
+        host = torch.frombuffer(bytearray(bytes(args)), dtype=torch.uint8)
+        self.d_args.copy_(host)
+
+    def _bind(self, args: Sequence[torch.Tensor]) -> None:
+        n_inputs = int((self.t.buffers["role"] == ROLE_INPUT).sum())
+        if len(args) != n_inputs:
+            raise ValueError(f"the compiled graph takes {n_inputs} tensor arguments, got {len(args)}")
+        for b, rec in enumerate(self.t.buffers):
+            if rec["role"] != ROLE_INPUT:
+                continue
+            i = int(rec["input_index"])
+            a = args[i]
+            if tuple(a.shape) != self.buf_shape[b] or a.dtype != self.buf_dtype[b]:
+                raise ValueError(f"argument {i} ({self.t.meta['buffers'][b]['name']}) is {tuple(a.shape)} {a.dtype}, "
+                                 f"expected {self.buf_shape[b]} {self.buf_dtype[b]}")
+            if a.device != self.device:
+                raise ValueError(f"argument {i} is on {a.device}; the kernel runs on {self.device}")
+            self.buffers[b] = a.detach().contiguous()
+        ptrs = [buf.data_ptr() if buf is not None else 0 for buf in self.buffers]
+        self.d_buffer_ptrs[: len(ptrs)].copy_(torch.tensor(ptrs, dtype=torch.int64))
+
+    # --- running ------------------------------------------------------------------------------
+    def launch(self, args: Sequence[torch.Tensor], iterations: int = 1) -> torch.cuda.Event:
+        """Bind, reset and launch asynchronously on the current stream; returns a done-event."""
+        if iterations < 1:
+            raise ValueError(f"iterations={iterations}; expected >= 1")
+        self._bind(args)
+        self._write_args(iterations)
+        self.d_zero.zero_()
+        self.d_zero[self._offset("counters") + self.t.start_event] = 1  # iteration 1 starts at once
+        self.h_status.array[:] = 0
+        self.h_abort.array[:] = 0
+        stream = torch.cuda.current_stream(self.device)
+        drv.launch(self.kernel, self.grid, THREADS, stream.cuda_stream, [self.d_args.data_ptr()], cooperative=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+        return done
+
+    def _offset(self, name: str) -> int:
+        return (self.zero_ptr[name] - self.d_zero.data_ptr()) // 8
+
+    def run(self, args: Sequence[torch.Tensor], iterations: int = 1) -> list[Any]:
+        """Run ``iterations`` iterations in one launch under the watchdog; returns the outputs."""
+        done = self.launch(args, iterations)
+        self.wait(done, iterations)
+        return self.outputs()
+
+    def wait(self, done: torch.cuda.Event, iterations: int = 1) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise WatchdogTimeout(self._abort_and_report(done, iterations))
+            time.sleep(0.0005)
+        torch.cuda.synchronize(self.device)  # surfaces any device-side fault of the launch
+
+    def outputs(self) -> list[Any]:
+        out = []
+        for o in self.t.meta["outputs"]:
+            if "value" in o:
+                out.append(o["value"])
+                continue
+            v = self.t.views[o["view"]]
+            nd = int(v["ndim"])
+            buf = self.buffers[int(v["buffer"])]
+            out.append(buf.reshape(-1).as_strided([int(s) for s in v["shape"][:nd]],
+                                                  [int(s) for s in v["strides"][:nd]], int(v["offset"])))
+        return out
+
+    def run_tile_kernel(self, op: int, args: Sequence[torch.Tensor]) -> None:
+        """Test wrapper: every tile of op ``op`` alone, one CTA per tile (inputs must be bound)."""
+        self._bind(args)
+        n_tiles = int(self.t.ops[op]["num_tiles"])
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        drv.launch(self.tile_kernel, n_tiles, THREADS, stream, [self.d_buffer_ptrs.data_ptr(), ctypes.c_int(op)])
+        torch.cuda.synchronize(self.device)
+
+    # --- watchdog ------------------------------------------------------------------------------
+    def _abort_and_report(self, done: torch.cuda.Event, iterations: int) -> str:
+        status = self.h_status.array.reshape(-1, STATUS_WORDS).copy()
+        self.h_abort.array[0] = 1
+        deadline = time.monotonic() + 10.0
+        while not done.query() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        exited = done.query()
+        lines = [f"mpk watchdog: the persistent kernel did not finish within {self.timeout_s:.1f} s "
+                 f"({len(self.t.tasks)} tasks, {iterations} iteration(s), {self.num_workers} workers, "
+                 f"{self.num_schedulers} schedulers)."]
+        counters = None
+        if exited:
+            counters = self.d_zero[self._offset("counters"): self._offset("counters") + len(self.t.events)].cpu().numpy()
+        waited: dict[int, list[int]] = {}
+        for w in range(self.num_workers):
+            st = status[w]
+            if st[0] == 1:  # waiting on an AOT task
+                task, e = int(st[1]), int(st[2])
+                waited.setdefault(e, []).append(w)
+                lines.append(f"  worker {w}: stuck before task {task} ({self._describe(task)}), AOT position "
+                             f"{int(st[5])}, JIT queue head {int(st[6])}; waits on event {e} "
+                             f"({int(st[3])}/{int(st[4])} arrivals)")
+        idle = sum(1 for w in range(self.num_workers) if status[w][0] == 2)
+        lines.append(f"  {idle} worker(s) idle with no AOT work left; "
+                     f"{self.num_workers - idle - sum(len(v) for v in waited.values())} other(s)")
+        if counters is not None:
+            lines.append("  unfired events with waiting workers (counters read from device memory after abort):")
+            for e, ws in sorted(waited.items()):
+                n = int(self.t.events[e]["num_triggers"])
+                lines.append(f"    event {e}: counter {int(counters[e])}, fires at multiples of {n}; "
+                             f"workers {ws[:8]}{' …' if len(ws) > 8 else ''}")
+            lines.append("  the kernel observed the abort flag and exited: the process and its CUDA context "
+                         "stay usable (intermediate buffers hold partial results).")
+        else:
+            lines.append("  the kernel did not exit within 10 s of the abort request (a task itself does not "
+                         "terminate); the CUDA context may be unusable until the process exits.")
+        return "\n".join(lines)
+
+    def _describe(self, task: int) -> str:
+        op = int(self.t.tasks[task]["op"])
+        if op < 0:
+            return "dummy"
+        return f"op {self.t.meta['ops'][op]['name']!r} tile {int(self.t.tasks[task]['tile'])}"
+
+    # --- profiler --------------------------------------------------------------------------
+    def trace(self, path: str | Path | None = None) -> dict:
+        """Chrome/Perfetto trace of the last profiled launch: one track per SM."""
+        if self.d_profile is None:
+            raise MpkError("profiling is off: construct GpuExecutor(..., profile=True)")
+        counts = self.d_zero[self._offset("profile_count"): self._offset("profile_count") + self.num_workers].cpu()
+        recs = self.d_profile.view(self.num_workers, self.profile_capacity, 3).cpu().numpy()
+        events, t0 = [], None
+        for w in range(self.num_workers):
+            for task_sm, start, end in recs[w, : int(counts[w])]:
+                t0 = start if t0 is None else min(t0, start)
+        for w in range(self.num_workers):
+            for task_sm, start, end in recs[w, : int(counts[w])]:
+                task, sm = int(task_sm) & 0xFFFFFFFF, int(task_sm) >> 32
+                events.append({"name": self._describe(task), "ph": "X", "pid": 0, "tid": sm,
+                               "ts": (int(start) - t0) / 1e3, "dur": max(0.0, (int(end) - int(start)) / 1e3),
+                               "args": {"task": task, "worker": w}})
+        doc = {"traceEvents": events, "displayTimeUnit": "ns"}
+        if path is not None:
+            Path(path).write_text(json.dumps(doc))
+        return doc

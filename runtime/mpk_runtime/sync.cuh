@@ -1,0 +1,113 @@
+// Memory ordering, back-off and the MPSC queues the runtime is built from. Queues are circular
+// buffers in device memory: a producer reserves a position with one atomic, writes the slot
+// and publishes it with a release store of its sequence number; the single consumer
+// acquire-loads the sequence, reads the value and release-stores its head (so producers can
+// tell when a slot is free again).
+#pragma once
+#include <cuda/atomic>
+
+#include "types.cuh"
+
+namespace mpk {
+
+using dev_atomic_u64 = cuda::atomic_ref<unsigned long long, cuda::thread_scope_device>;
+using dev_atomic_u32 = cuda::atomic_ref<unsigned, cuda::thread_scope_device>;
+
+__device__ __forceinline__ unsigned long long load_acquire(unsigned long long* p) {
+  return dev_atomic_u64(*p).load(cuda::memory_order_acquire);
+}
+
+__device__ __forceinline__ void store_release(unsigned long long* p, unsigned long long v) {
+  dev_atomic_u64(*p).store(v, cuda::memory_order_release);
+}
+
+__device__ __forceinline__ unsigned long long add_release(unsigned long long* p, unsigned long long v) {
+  return dev_atomic_u64(*p).fetch_add(v, cuda::memory_order_acq_rel);
+}
+
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ int sm_id() {
+  int s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+}
+
+// Spin bookkeeping for one wait: exponential __nanosleep back-off; every 1024 polls the waiter
+// publishes what it waits on (host-mapped, for the watchdog) and checks the abort flag. Debug
+// builds (MPK_DEBUG) trap after MPK_MAX_SPINS polls so a hang becomes an error.
+#ifndef MPK_MAX_SPINS
+#define MPK_MAX_SPINS (1LL << 26)
+#endif
+
+struct Spin {
+  long long polls = 0;
+  unsigned sleep_ns = 32;
+
+  // Returns true when the wait must be abandoned (abort requested).
+  __device__ __forceinline__ bool pause(const RuntimeArgs& a, volatile int* status) {
+    ++polls;
+    if (polls > 8) {
+      __nanosleep(sleep_ns);
+      if (sleep_ns < 1024) sleep_ns <<= 1;
+    }
+    if ((polls & 1023) == 0) {
+      if (status) status[kStSpins] = static_cast<int>(polls >> 10);
+      if (*a.abort_flag) return true;
+#ifdef MPK_DEBUG
+      if (polls > MPK_MAX_SPINS) {
+        if (status) status[kStState] = kStateAborted;
+        __trap();
+      }
+#endif
+    }
+    return false;
+  }
+  __device__ __forceinline__ void reset() {
+    polls = 0;
+    sleep_ns = 32;
+  }
+};
+
+// Multi-producer single-consumer queue number q of a family (values/seq: q × capacity).
+struct QueueRef {
+  int* values;
+  unsigned long long* seq;
+  unsigned long long* reserve;
+  unsigned long long* head;
+  int capacity;
+
+  __device__ __forceinline__ static QueueRef at(int* values, unsigned long long* seq, unsigned long long* reserve,
+                                                unsigned long long* head, int capacity, int q) {
+    return QueueRef{values + static_cast<long long>(q) * capacity, seq + static_cast<long long>(q) * capacity,
+                    reserve + 16LL * q, head + 16LL * q, capacity};
+  }
+
+  // Producer side (any thread). Waits only if the consumer is a full ring behind.
+  __device__ __forceinline__ void push(int v, const RuntimeArgs& a) {
+    const unsigned long long pos = dev_atomic_u64(*reserve).fetch_add(1, cuda::memory_order_relaxed);
+    Spin spin;
+    while (pos - load_acquire(head) >= static_cast<unsigned long long>(capacity)) {
+      if (spin.pause(a, nullptr)) return;
+    }
+    const int slot = static_cast<int>(pos & (capacity - 1));
+    values[slot] = v;
+    store_release(seq + slot, pos + 1);
+  }
+
+  // Consumer side (one thread). ``h`` is the consumer's private head.
+  __device__ __forceinline__ bool try_pop(unsigned long long& h, int& v) {
+    const int slot = static_cast<int>(h & (capacity - 1));
+    if (load_acquire(seq + slot) != h + 1) return false;
+    v = values[slot];
+    ++h;
+    store_release(head, h);
+    return true;
+  }
+};
+
+}  // namespace mpk

@@ -1,0 +1,70 @@
+// Device-side mirror of the tables (mpk/compiler/tables.py, version 1) and the runtime state
+// one launch works on. Layouts here and in mpk/megakernel/gpu.py (ctypes) must agree.
+#pragma once
+#include <stdint.h>
+
+namespace mpk {
+
+struct TaskDesc {  // TASK_DTYPE, 20 bytes
+  int op;          // -1: dummy task
+  int tile;
+  int dep_event;
+  int trig_event;
+  unsigned flags;  // bit 0: JIT
+};
+
+struct EventDesc {  // EVENT_DTYPE
+  int num_triggers;
+  int first_task;
+  int last_task;
+  unsigned flags;  // bit 0: global barrier; bit 1 (runtime): launches at least one JIT task
+};
+
+constexpr unsigned kTaskJit = 1u;
+constexpr unsigned kEventHasJit = 2u;
+
+// Worker status words published to host-mapped memory while a worker waits (watchdog).
+enum StatusWord : int { kStState, kStTask, kStEvent, kStCountLo, kStNeedLo, kStAotPos, kStJitHead, kStSpins, kStatusWords };
+enum WorkerState : int { kStateStarting = 0, kStateWaitingAot = 1, kStateIdle = 2, kStateExited = 3, kStateAborted = 4 };
+
+struct ProfileRecord {
+  int task;
+  int sm;
+  unsigned long long start_ns;
+  unsigned long long end_ns;
+};
+
+struct RuntimeArgs {
+  const TaskDesc* tasks;
+  const EventDesc* events;
+  unsigned long long* counters;      // per event; never reset within a launch
+  const int* aot_offsets;            // per worker CSR into aot_tasks: [w, w+1)
+  const int* aot_tasks;
+  int* jit_values;                   // num_workers × jit_capacity
+  unsigned long long* jit_seq;
+  unsigned long long* jit_reserve;   // per worker, stride 16 (own cache line)
+  unsigned long long* jit_head;      // per worker, stride 16
+  int* sched_values;                 // num_schedulers × sched_capacity
+  unsigned long long* sched_seq;
+  unsigned long long* sched_reserve;
+  unsigned long long* sched_head;
+  unsigned long long* next_worker;   // round-robin JIT placement
+  unsigned* done;                    // set once the last iteration's end event fired
+  void* const* buffers;              // per buffer id
+  volatile int* status;              // host-mapped: kStatusWords per worker, then per scheduler
+  volatile int* abort_flag;          // host-mapped: the watchdog asks everyone to stop
+  ProfileRecord* profile;            // null unless profiling: profile_capacity per worker
+  unsigned* profile_count;
+  int profile_capacity;
+  int num_workers;
+  int num_schedulers;
+  int num_tasks;
+  int num_events;
+  int start_event;
+  int end_event;
+  int iterations;
+  int jit_capacity;                  // powers of two
+  int sched_capacity;
+};
+
+}  // namespace mpk

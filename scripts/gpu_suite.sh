@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Everything GPU-side in one call (for the lent device): install, GPU tests, benchmarks,
+# a short table last. Logs and JSON go to $OUT (or ./gpu-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MPK_CACHE_DIR=${MPK_CACHE_DIR:-/tmp/mpk-cache}
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || echo "pip install failed (see install.log)"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -m pytest -m gpu -q -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+test_rc=${PIPESTATUS[0]}
+python3 benchmarks/runtime_overhead.py --out "$OUT/runtime_overhead.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -8
+echo "gpu tests exit code: $test_rc"

@@ -1,0 +1,75 @@
+"""Generated CUDA: compiles with nvcc for sm_90a (on CI, which has nvcc but no GPU), the build
+cache skips nvcc the second time, and build errors name the file and nvcc's message."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+
+import pytest
+import torch
+
+from helpers import compile_with, random_partition, trace_graph
+from mpk.inspection import compile_module
+from mpk.megakernel import build
+from mpk.megakernel.codegen import generate
+from mpk.megakernel.stress import random_dag, stamp_graph
+from mpk.models.toy import QWEN3, Decoder, GeluMLPBlock, randomize, rope_tables
+
+needs_nvcc = pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed")
+
+
+def _graphs():
+    g = torch.Generator().manual_seed(0)
+    model = randomize(Decoder(QWEN3), g).eval()
+    ids = torch.randint(0, QWEN3.vocab, (2, 4), generator=g)
+    cos, sin = rope_tables(QWEN3, torch.arange(4))
+    yield "qwen3-toy", compile_module(model, (ids, cos, sin), {"num_workers": 16}).tables
+    past = [torch.randn(1, QWEN3.kv_heads, 5, QWEN3.head_dim) for _ in range(2 * QWEN3.layers)]
+    yield "qwen3-toy-decode", compile_module(model, (ids[:1, :1], cos[:1], sin[:1], past), {"num_workers": 16}).tables
+    yield "gelu-mlp", compile_module(randomize(GeluMLPBlock(), g), (torch.randn(3, 48),), {"num_workers": 8}).tables
+    args = [torch.randn(4, 8), torch.randn(8, 8)]
+    graph = trace_graph(lambda x, w: torch.softmax(torch.relu(x @ w) + x, -1), args)
+    yield "chain", compile_with(graph, random_partition(graph, random.Random(0))).tables
+    yield "stamp-dag", stamp_graph(random_dag(300, random.Random(0)), iterations=3, busy_ns=100)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name,tables", list(_graphs()), ids=lambda x: x if isinstance(x, str) else "")
+def test_generated_cuda_compiles_for_sm90a(name, tables, tmp_path, monkeypatch):
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
+    src = generate(tables)
+    assert src == generate(tables)  # deterministic
+    cubin = build.build_cubin(src, "sm_90a")
+    data = cubin.read_bytes()
+    assert data[:4] == b"\x7fELF" and b"mpk_persistent_kernel" in data and b"mpk_tile_kernel" in data
+
+
+@needs_nvcc
+def test_second_identical_build_skips_nvcc(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
+    tables = stamp_graph(random_dag(50, random.Random(1)), iterations=2)
+    src = generate(tables)
+    first = build.build_cubin(src)
+    calls = []
+    real_run = subprocess.run
+
+    def spy(cmd, *a, **k):
+        calls.append(cmd)
+        return real_run(cmd, *a, **k)
+
+    monkeypatch.setattr(build.subprocess, "run", spy)
+    assert build.build_cubin(src) == first
+    assert not any("nvcc" in str(c[0]) and "--version" not in c for c in calls)
+    # a different flag set is a different cache entry
+    assert build.build_cubin(src, debug=True) != first
+    assert any("-DMPK_DEBUG" in c for c in calls)
+
+
+@needs_nvcc
+def test_build_error_names_file_and_nvcc_message(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
+    with pytest.raises(build.BuildError) as info:
+        build.build_cubin("this is not CUDA;\n")
+    msg = str(info.value)
+    assert str(tmp_path) in msg and ".cu" in msg and "error" in msg
