@@ -116,14 +116,17 @@ def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
     if opts.executor == "gpu":
         from mpk.megakernel.gpu import GpuExecutor
 
-        executor = GpuExecutor(compiled.tables, timeout_s=opts.timeout_s, profile=opts.profile_dir is not None)
+        state: dict[str, GpuExecutor] = {}
 
         def run(*args):
-            out = executor.run(args)
+            # Built on first call: the compiler runs under fake tensors, the executor needs real ones.
+            if "ex" not in state:
+                state["ex"] = GpuExecutor(compiled.tables, timeout_s=opts.timeout_s,
+                                          profile=opts.profile_dir is not None)
+            out = state["ex"].run(args)
             if opts.profile_dir:
-                path = Path(opts.profile_dir) / f"trace{COMPILED.index(compiled)}.json"
                 Path(opts.profile_dir).mkdir(parents=True, exist_ok=True)
-                executor.trace(path)
+                state["ex"].trace(Path(opts.profile_dir) / f"trace{COMPILED.index(compiled)}.json")
             return out
     else:
         from mpk.megakernel import Interpreter

@@ -8,8 +8,9 @@ namespace mpk {
 
 // iparam[0]: maximum busy time in ns (0: empty tasks); each task spins a pseudo-random share
 // of it, fixed per tile, so fan-in waits on producers of different lengths.
+// iparam[1]: 0 for an empty task that returns at once (runtime-overhead benchmarks).
 __device__ void task_stamp(const OpC& c, const Rect& r, const TaskEnv& env) {
-  if (threadIdx.x != 0) return;
+  if (threadIdx.x != 0 || c.iparam[1] == 0) return;
   auto* clock = static_cast<unsigned long long*>(env.buffers[c.in[0].buffer]);
   auto* runs = static_cast<unsigned long long*>(env.buffers[c.in[1].buffer]);
   auto* log = static_cast<long long*>(env.buffers[c.in[2].buffer]);

@@ -53,7 +53,7 @@ ENCODERS: dict[str, Callable[[dict], Params]] = {
     "attention": lambda a: (0, [int(a["causal"])], [a["scale"]]),
     "copy": lambda a: (0, [], []),
     "cat": lambda a: (0, [a["dim"]], []),
-    "stamp": lambda a: (0, [int(a.get("busy_ns", 0))], []),
+    "stamp": lambda a: (0, [int(a["busy_ns"]), int(a["record"])], []),
 }
 
 

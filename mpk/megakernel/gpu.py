@@ -28,7 +28,7 @@ from mpk.megakernel.codegen import generate
 THREADS = 256
 SCHED_WARPS_PER_CTA = 4
 STATUS_WORDS = 8  # runtime/mpk_runtime/types.cuh: StatusWord
-EVENT_HAS_JIT = 2
+EVENT_HAS_JIT, EVENT_ALL_JIT = 2, 4
 STATES = {0: "starting", 1: "waiting for its AOT task", 2: "idle (no AOT work left)", 3: "exited", 4: "aborted"}
 
 
@@ -103,6 +103,8 @@ class GpuExecutor:
             lo, hi = int(events[e]["first_task"]), int(events[e]["last_task"])
             if jit[lo:hi].any():
                 events[e]["flags"] |= EVENT_HAS_JIT
+            if hi > lo and jit[lo:hi].all():
+                events[e]["flags"] |= EVENT_ALL_JIT
         # AOT tasks are placed round-robin in linear order, as the CPU interpreter does.
         aot = np.nonzero(~jit)[0].astype(np.int32)
         per_worker = [aot[w::self.num_workers] for w in range(self.num_workers)]

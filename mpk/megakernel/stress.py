@@ -18,15 +18,16 @@ from mpk.ir.opgraph import GraphOutput, OpGraph
 from mpk.ir.views import identity_view
 
 
-def stamp_graph(preds: list[tuple[int, ...]], iterations: int, busy_ns: int = 0) -> Tables:
-    """Tables for len(preds) stamp tasks; task t waits for the tasks in preds[t] (all < t)."""
+def stamp_graph(preds: list[tuple[int, ...]], iterations: int, busy_ns: int = 0, record: bool = True) -> Tables:
+    """Tables for len(preds) stamp tasks; task t waits for the tasks in preds[t] (all < t).
+    ``record=False`` makes empty tasks (nothing logged) for overhead measurements."""
     n = len(preds)
     g = OpGraph()
     clock = g.add_buffer("clock", (1,), torch.int64, "input", input_index=0)
     runs = g.add_buffer("runs", (n,), torch.int64, "input", input_index=1)
     log = g.add_buffer("log", (iterations, n, 2), torch.int64, "input", input_index=2)
     views = tuple(identity_view(b.id, b.shape) for b in (clock, runs, log))
-    op = g.add_op("stamp", views, (n,), torch.int64, {"busy_ns": busy_ns}, "stamp")
+    op = g.add_op("stamp", views, (n,), torch.int64, {"busy_ns": busy_ns, "record": record}, "stamp")
     g.outputs.append(GraphOutput(view=identity_view(op.output, (n,))))
     tg = decompose(g, num_workers=n, overrides={"stamp": [n]})
     tg.preds = [tuple(sorted(p)) for p in preds]

@@ -4,7 +4,7 @@ Each task appends (start, end) positions of a device-wide clock to a log for the
 element, spinning a pseudo-random share (fixed per tile) of ``busy_ns`` in between; dependencies come from the caller (the stress test
 sets them directly), not from regions. Inputs: clock [1] int64, runs [N] int64, log [I, N, 2]
 int64 (written in place, outside the functional model: a test harness op). Output [N] int64:
-the number of times each task ran.
+the number of times each task ran. ``record=False``: empty tasks that do nothing.
 """
 
 from __future__ import annotations

@@ -20,104 +20,163 @@ constexpr int kThreads = 256;
 constexpr int kSchedWarpsPerCta = 4;
 constexpr int kExit = -2;
 
-__device__ __forceinline__ void notify_event(const RuntimeArgs& a, int e) {
-  if (a.events[e].flags & kEventHasJit) {
+__device__ __forceinline__ void notify_event(const RuntimeArgs& a, int e, unsigned flags) {
+  if (flags & kEventHasJit) {
     QueueRef::at(a.sched_values, a.sched_seq, a.sched_reserve, a.sched_head, a.sched_capacity, e % a.num_schedulers)
         .push(e, a);
   }
 }
 
-__device__ __forceinline__ void complete_task(const RuntimeArgs& a, int task) {
-  const int e = a.tasks[task].trig_event;
-  const unsigned long long n = static_cast<unsigned long long>(a.events[e].num_triggers);
-  const unsigned long long now = add_release(a.counters + e, 1) + 1;
+// What a worker needs of a task, loaded once (descriptors are read-only: __ldg).
+struct TaskInfo {
+  int task, op, tile, trig;
+};
+
+__device__ __forceinline__ TaskInfo load_task(const RuntimeArgs& a, int t) {
+  const TaskDesc* d = a.tasks + t;
+  return TaskInfo{t, __ldg(&d->op), __ldg(&d->tile), __ldg(&d->trig_event)};
+}
+
+// ``count`` arrivals at event e (release); the add that reaches a multiple of num_triggers fires it.
+__device__ __forceinline__ void arrive(const RuntimeArgs& a, int e, unsigned count) {
+  const unsigned long long n = static_cast<unsigned long long>(__ldg(&a.events[e].num_triggers));
+  const unsigned long long now = add_release(a.counters + e, count) + count;
   if (now % n != 0) return;
   if (e != a.end_event) {
-    notify_event(a, e);
+    notify_event(a, e, __ldg(&a.events[e].flags));
     return;
   }
   if (now / n < static_cast<unsigned long long>(a.iterations)) {
     add_release(a.counters + a.start_event, 1);
-    notify_event(a, a.start_event);
+    notify_event(a, a.start_event, __ldg(&a.events[a.start_event].flags));
   } else {
     dev_atomic_u32(*a.done).store(1u, cuda::memory_order_release);
   }
 }
 
-// Thread 0 of a worker: the next task to run, or kExit.
-__device__ int next_task(const RuntimeArgs& a, int w, long long& aot_pos, unsigned long long& jit_head) {
-  const int aot_begin = a.aot_offsets[w];
-  const long long n_aot = a.aot_offsets[w + 1] - aot_begin;
-  const long long aot_total = n_aot * a.iterations;
+// Arrivals a worker owes one event, added in one atomic: consecutive tasks of a worker that
+// trigger the same event (a fan-in) cost one atomic, not one each. Flushed before the worker
+// runs a task that triggers another event and before it waits, so no event is held back
+// while anyone waits for it.
+struct Pending {
+  int event = -1;
+  unsigned count = 0;
+
+  __device__ __forceinline__ void add(const RuntimeArgs& a, int e) {
+    if (e != event) flush(a);
+    event = e;
+    ++count;
+  }
+  __device__ __forceinline__ void flush(const RuntimeArgs& a) {
+    if (count) arrive(a, event, count);
+    count = 0;
+  }
+};
+
+// A worker's AOT list, with the head's descriptors loaded ahead of time so that waiting for it
+// polls one counter and nothing else.
+struct AotCursor {
+  long long pos, total;
+  int begin, count;
+  TaskInfo head;
+  int dep;
+  unsigned long long need;
+
+  __device__ __forceinline__ void load(const RuntimeArgs& a) {
+    if (pos >= total) return;
+    head = load_task(a, __ldg(a.aot_tasks + begin + pos % count));
+    dep = __ldg(&a.tasks[head.task].dep_event);
+    need = static_cast<unsigned long long>(pos / count + 1) * static_cast<unsigned long long>(__ldg(&a.events[dep].num_triggers));
+  }
+};
+
+// Thread 0 of a worker: the next task (JIT queue first, then the AOT head once its event fired).
+__device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsigned long long& jit_head,
+                              Pending& pending) {
   QueueRef jit = QueueRef::at(a.jit_values, a.jit_seq, a.jit_reserve, a.jit_head, a.jit_capacity, w);
   volatile int* status = a.status + static_cast<long long>(w) * kStatusWords;
+  if (!(aot.pos < aot.total && aot.head.trig == pending.event)) pending.flush(a);
   Spin spin;
   while (true) {
-    int task;
-    if (jit.try_pop(jit_head, task)) return task;
-    if (aot_pos < aot_total) {
-      task = a.aot_tasks[aot_begin + aot_pos % n_aot];
-      const int e = a.tasks[task].dep_event;
-      const unsigned long long need =
-          static_cast<unsigned long long>(aot_pos / n_aot + 1) * static_cast<unsigned long long>(a.events[e].num_triggers);
-      const unsigned long long have = load_acquire(a.counters + e);
-      if (have >= need) {
-        ++aot_pos;
-        return task;
+    int t;
+    if (jit.try_pop(jit_head, t)) return load_task(a, t);
+    if (aot.pos < aot.total) {
+      const unsigned long long have = load_acquire(a.counters + aot.dep);
+      if (have < aot.need) pending.flush(a);  // about to wait: owe nothing to anyone
+      else {
+        const TaskInfo ready = aot.head;
+        ++aot.pos;
+        aot.load(a);  // the next head's descriptors load while this task runs
+        return ready;
       }
       if ((spin.polls & 1023) == 1023) {
         status[kStState] = kStateWaitingAot;
-        status[kStTask] = task;
-        status[kStEvent] = e;
+        status[kStTask] = aot.head.task;
+        status[kStEvent] = aot.dep;
         status[kStCountLo] = static_cast<int>(have);
-        status[kStNeedLo] = static_cast<int>(need);
-        status[kStAotPos] = static_cast<int>(aot_pos);
+        status[kStNeedLo] = static_cast<int>(aot.need);
+        status[kStAotPos] = static_cast<int>(aot.pos);
         status[kStJitHead] = static_cast<int>(jit_head);
       }
     } else {
-      if (dev_atomic_u32(*a.done).load(cuda::memory_order_acquire)) return kExit;
+      pending.flush(a);
+      if (dev_atomic_u32(*a.done).load(cuda::memory_order_acquire)) return TaskInfo{kExit, -1, 0, 0};
       if ((spin.polls & 1023) == 1023) {
         status[kStState] = kStateIdle;
-        status[kStAotPos] = static_cast<int>(aot_pos);
+        status[kStAotPos] = static_cast<int>(aot.pos);
         status[kStJitHead] = static_cast<int>(jit_head);
       }
     }
     if (spin.pause(a, status)) {
       status[kStState] = kStateAborted;
-      return kExit;
+      return TaskInfo{kExit, -1, 0, 0};
     }
   }
 }
 
 __device__ void worker_loop(const RuntimeArgs& a, int w) {
-  __shared__ int s_task;
-  long long aot_pos = 0;
+  __shared__ TaskInfo s_task;
+  AotCursor aot;
+  aot.begin = a.aot_offsets[w];
+  aot.count = a.aot_offsets[w + 1] - aot.begin;
+  aot.total = static_cast<long long>(aot.count) * a.iterations;
+  aot.pos = 0;
   unsigned long long jit_head = 0;
+  Pending pending;
   unsigned n_profiled = 0;
   unsigned long long t0 = 0;
+  if (threadIdx.x == 0) aot.load(a);
   while (true) {
     if (threadIdx.x == 0) {
-      s_task = next_task(a, w, aot_pos, jit_head);
+      TaskInfo t = next_task(a, w, aot, jit_head, pending);
+      while (t.task != kExit && t.op < 0) {  // dummy tasks need no block: thread 0 completes them
+        if (a.profile && n_profiled < static_cast<unsigned>(a.profile_capacity)) {
+          const unsigned long long now = globaltimer_ns();
+          a.profile[static_cast<long long>(w) * a.profile_capacity + n_profiled++] = ProfileRecord{t.task, sm_id(), now, now};
+        }
+        pending.add(a, t.trig);
+        t = next_task(a, w, aot, jit_head, pending);
+      }
+      s_task = t;
       if (a.profile) t0 = globaltimer_ns();
     }
     __syncthreads();
-    const int task = s_task;
-    if (task == kExit) break;
-    const int op = a.tasks[task].op;
-    if (op >= 0) mpk_execute_task(op, a.tasks[task].tile, a.buffers);
+    const TaskInfo t = s_task;
+    if (t.task == kExit) break;
+    mpk_execute_task(t.op, t.tile, a.buffers);
     __syncthreads();
     if (threadIdx.x == 0) {
       if (a.profile && n_profiled < static_cast<unsigned>(a.profile_capacity)) {
         a.profile[static_cast<long long>(w) * a.profile_capacity + n_profiled++] =
-            ProfileRecord{task, sm_id(), t0, globaltimer_ns()};
+            ProfileRecord{t.task, sm_id(), t0, globaltimer_ns()};
       }
-      complete_task(a, task);
+      pending.add(a, t.trig);
     }
   }
   if (threadIdx.x == 0) {
     volatile int* status = a.status + static_cast<long long>(w) * kStatusWords;
     if (status[kStState] != kStateAborted) status[kStState] = kStateExited;
-    status[kStAotPos] = static_cast<int>(aot_pos);
+    status[kStAotPos] = static_cast<int>(aot.pos);
     if (a.profile) a.profile_count[w] = n_profiled;
   }
 }
@@ -142,11 +201,15 @@ __device__ void scheduler_loop(const RuntimeArgs& a, int s) {
     e = __shfl_sync(0xffffffffu, e, 0);
     if (e == kExit) return;
     if (e < 0) continue;
-    const EventDesc ev = a.events[e];
-    for (int t = ev.first_task + lane; t < ev.last_task; t += 32) {
-      if (a.tasks[t].flags & kTaskJit) {
-        const int w = static_cast<int>(dev_atomic_u64(*a.next_worker).fetch_add(1, cuda::memory_order_relaxed) %
-                                       static_cast<unsigned long long>(a.num_workers));
+    const int first = __ldg(&a.events[e].first_task), last = __ldg(&a.events[e].last_task);
+    const bool all_jit = __ldg(&a.events[e].flags) & kEventAllJit;
+    // one atomic per event reserves consecutive workers for its tasks (round-robin overall)
+    unsigned long long base = 0;
+    if (lane == 0) base = dev_atomic_u64(*a.next_worker).fetch_add(last - first, cuda::memory_order_relaxed);
+    base = __shfl_sync(0xffffffffu, base, 0);
+    for (int t = first + lane; t < last; t += 32) {
+      if (all_jit || (__ldg(&a.tasks[t].flags) & kTaskJit)) {
+        const int w = static_cast<int>((base + (t - first)) % static_cast<unsigned long long>(a.num_workers));
         QueueRef::at(a.jit_values, a.jit_seq, a.jit_reserve, a.jit_head, a.jit_capacity, w).push(t, a);
       }
     }
@@ -165,7 +228,8 @@ extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1) mpk_persistent_ke
   const int s = (blockIdx.x - a.num_workers) * mpk::kSchedWarpsPerCta + warp;
   if (warp < mpk::kSchedWarpsPerCta && s < a.num_schedulers) {
     if (blockIdx.x == a.num_workers && warp == 0 && (threadIdx.x & 31) == 0) {
-      mpk::notify_event(a, a.start_event);  // iteration 1's start event: host set its counter to 1
+      // iteration 1's start event: the host set its counter to 1
+      mpk::notify_event(a, a.start_event, a.events[a.start_event].flags);
     }
     __syncwarp();
     mpk::scheduler_loop(a, s);

@@ -17,11 +17,12 @@ struct EventDesc {  // EVENT_DTYPE
   int num_triggers;
   int first_task;
   int last_task;
-  unsigned flags;  // bit 0: global barrier; bit 1 (runtime): launches at least one JIT task
+  unsigned flags;  // bit 0: global barrier; set by the host: bit 1 launches a JIT task, bit 2 only JIT tasks
 };
 
 constexpr unsigned kTaskJit = 1u;
 constexpr unsigned kEventHasJit = 2u;
+constexpr unsigned kEventAllJit = 4u;
 
 // Worker status words published to host-mapped memory while a worker waits (watchdog).
 enum StatusWord : int { kStState, kStTask, kStEvent, kStCountLo, kStNeedLo, kStAotPos, kStJitHead, kStSpins, kStatusWords };
