@@ -20,6 +20,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from mpk.compiler import CompiledGraph, compile_graph
 from mpk.errors import MpkError, UnsupportedOpError
 from mpk.frontend import find_unsupported, fuse_patterns, lower
+from mpk.frontend.patterns import route_attention
 from mpk.frontend.lower import describe_inputs, op_name, source_line
 from mpk.inspection import dump, pretty_input_name
 from mpk.options import CompileOptions
@@ -31,6 +32,7 @@ COMPILED: list[CompiledGraph] = []
 def mpk_backend(gm: GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None):
     """Dynamo backend entry point (``torch.compile(model, backend="mpk", options={...})``)."""
     opts = CompileOptions.parse(options)
+    route_attention(gm)
     dynamo_inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     lifted = [name for name, _ in gm.named_parameters()] + [name for name, _ in gm.named_buffers()]
     names = lifted + [pretty_input_name(str(n.target)) for n in dynamo_inputs]

@@ -62,3 +62,17 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def _(gate, up):
     return gate.new_empty(torch.broadcast_shapes(gate.shape, up.shape),
                           dtype=torch.promote_types(gate.dtype, up.dtype))
+
+
+@torch.library.custom_op("mpk::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+              is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` kept whole through AOTAutograd (which would otherwise
+    pick a backend-specific kernel or decompose it into matmuls and a softmax)."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+@attention.register_fake
+def _(q, k, v, attn_mask, is_causal, scale, enable_gqa):
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))

@@ -314,6 +314,11 @@ def _attention(L, q: View, k: View, v: View, mask, dropout, causal, scale):
                   shape=out_shape, dtype=L.meta().dtype)
 
 
+@handles(mpk_ops.attention.default)
+def _mpk_attention(L, node, q, k, v, attn_mask, is_causal, scale, enable_gqa):
+    return _attention(L, q, k, v, attn_mask, 0.0, is_causal, scale)
+
+
 @handles(aten.scaled_dot_product_attention.default)
 def _sdpa(L, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     return _attention(L, q, k, v, attn_mask, dropout_p, is_causal, scale)

@@ -143,3 +143,32 @@ def fuse_patterns(gm: GraphModule) -> dict[str, int]:
             counts[matcher.__name__[len("_match_"):]] += 1
     gm.recompile()
     return counts
+
+
+_SDPA = {torch.nn.functional.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def route_attention(gm: GraphModule) -> int:
+    """On a Dynamo (torch-level) graph, turn ``F.scaled_dot_product_attention`` calls into
+    ``torch.ops.mpk.attention`` so AOTAutograd keeps them whole on every device. Calls with
+    dropout are left alone (they are then refused or run eagerly). Returns how many."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _SDPA:
+            continue
+        bound = dict(zip(_SDPA_ARGS, node.args))
+        bound.update(node.kwargs)
+        if bound.get("dropout_p", 0.0) not in (0, 0.0):
+            continue
+        args = (bound["query"], bound["key"], bound["value"], bound.get("attn_mask"), bool(bound.get("is_causal", False)),
+                bound.get("scale"), bool(bound.get("enable_gqa", False)))
+        with gm.graph.inserting_after(node):
+            new = gm.graph.call_function(torch.ops.mpk.attention.default, args)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        count += 1
+    if count:
+        gm.recompile()
+    return count

@@ -40,8 +40,8 @@ class _Args(ctypes.Structure):
     """Mirror of mpk::RuntimeArgs (runtime/mpk_runtime/types.cuh)."""
 
     _fields_ = [(n, ctypes.c_void_p) for n in (
-        "tasks", "events", "counters", "aot_offsets", "aot_tasks", "jit_values", "jit_seq", "jit_reserve",
-        "jit_head", "sched_values", "sched_seq", "sched_reserve", "sched_head", "next_worker", "done",
+        "tasks", "events", "counters", "aot_offsets", "aot_entries", "jit_values", "jit_seq", "jit_reserve",
+        "jit_head", "sched_values", "sched_seq", "sched_reserve", "sched_head", "done",
         "buffers", "status", "abort_flag", "profile", "profile_count")] + [(n, ctypes.c_int) for n in (
         "profile_capacity", "num_workers", "num_schedulers", "num_tasks", "num_events", "start_event",
         "end_event", "iterations", "jit_capacity", "sched_capacity")]
@@ -117,17 +117,25 @@ class GpuExecutor:
         self.d_tasks = _dev(t.tasks, dev)
         self.d_events = _dev(events, dev)
         self.d_aot_offsets = torch.from_numpy(offsets).to(dev)
-        self.d_aot_tasks = torch.from_numpy(np.concatenate(per_worker + [np.zeros(1, np.int32)])).to(dev)
+        # AOT entries (runtime/mpk_runtime/types.cuh: AotEntry): task, op, tile, trig, dep, dep's num_triggers
+        order = np.concatenate(per_worker + [np.zeros(0, np.int32)])
+        entries = np.zeros((max(1, len(order)), 6), np.int32)
+        if len(order):
+            tk = t.tasks[order]
+            entries[:, 0], entries[:, 1], entries[:, 2] = order, tk["op"], tk["tile"]
+            entries[:, 3], entries[:, 4] = tk["trig_event"], tk["dep_event"]
+            entries[:, 5] = t.events["num_triggers"][tk["dep_event"]]
+        self.d_aot_entries = torch.from_numpy(entries).to(dev)
         # Everything reset before each launch lives in one zeroed block.
         self._zero_layout = {"counters": n_events, "jit_seq": W * self.jit_capacity, "jit_reserve": 16 * W,
                              "jit_head": 16 * W, "sched_seq": S * self.sched_capacity, "sched_reserve": 16 * S,
-                             "sched_head": 16 * S, "next_worker": 1, "done": 1, "profile_count": W}
+                             "sched_head": 16 * S, "done": 1, "profile_count": W}
         self.d_zero = torch.zeros(sum(self._zero_layout.values()), **i64)
         self.zero_ptr, pos = {}, 0
         for name, n in self._zero_layout.items():
             self.zero_ptr[name] = self.d_zero.data_ptr() + 8 * pos
             pos += n
-        self.d_jit_values = torch.zeros(W * self.jit_capacity, dtype=torch.int32, device=dev)
+        self.d_jit_values = torch.zeros(W * self.jit_capacity * 4, dtype=torch.int32, device=dev)  # TaskInfo
         self.d_sched_values = torch.zeros(S * self.sched_capacity, dtype=torch.int32, device=dev)
         # host-mapped status words and abort flag: readable and writable while the kernel runs
         self.h_status = drv.MappedHostBuffer((W + S) * STATUS_WORDS)
@@ -147,11 +155,10 @@ class GpuExecutor:
         z = self.zero_ptr
         args = _Args(
             tasks=self.d_tasks.data_ptr(), events=self.d_events.data_ptr(), counters=z["counters"],
-            aot_offsets=self.d_aot_offsets.data_ptr(), aot_tasks=self.d_aot_tasks.data_ptr(),
+            aot_offsets=self.d_aot_offsets.data_ptr(), aot_entries=self.d_aot_entries.data_ptr(),
             jit_values=self.d_jit_values.data_ptr(), jit_seq=z["jit_seq"], jit_reserve=z["jit_reserve"],
             jit_head=z["jit_head"], sched_values=self.d_sched_values.data_ptr(), sched_seq=z["sched_seq"],
-            sched_reserve=z["sched_reserve"], sched_head=z["sched_head"], next_worker=z["next_worker"],
-            done=z["done"], buffers=self.d_buffer_ptrs.data_ptr(), status=self.h_status.device_ptr,
+            sched_reserve=z["sched_reserve"], sched_head=z["sched_head"], done=z["done"], buffers=self.d_buffer_ptrs.data_ptr(), status=self.h_status.device_ptr,
             abort_flag=self.h_abort.device_ptr,
             profile=self.d_profile.data_ptr() if self.d_profile is not None else None,
             profile_count=z["profile_count"], profile_capacity=self.profile_capacity,

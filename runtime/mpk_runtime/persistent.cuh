@@ -8,8 +8,9 @@
 // completes a multiple of num_triggers fires the event: its JIT tasks go to a scheduler, the
 // end event starts the next iteration (start counter += 1) or, after the last, sets ``done``.
 //
-// Scheduler warp: pops fired events from its queue and hands the event's JIT tasks,
-// round-robin over all workers, to the workers' JIT queues (lanes push in parallel).
+// Scheduler warp: pops fired events from its queue and hands the event's JIT tasks (with
+// their descriptors, so a worker needs no lookup), round-robin over all workers, to the
+// workers' JIT queues (lanes push in parallel).
 #pragma once
 #include "sync.cuh"
 #include "types.cuh"
@@ -22,19 +23,9 @@ constexpr int kExit = -2;
 
 __device__ __forceinline__ void notify_event(const RuntimeArgs& a, int e, unsigned flags) {
   if (flags & kEventHasJit) {
-    QueueRef::at(a.sched_values, a.sched_seq, a.sched_reserve, a.sched_head, a.sched_capacity, e % a.num_schedulers)
-        .push(e, a);
+    QueueRef<int>::at(a.sched_values, a.sched_seq, a.sched_reserve, a.sched_head, a.sched_capacity, e % a.num_schedulers)
+        .push(e);
   }
-}
-
-// What a worker needs of a task, loaded once (descriptors are read-only: __ldg).
-struct TaskInfo {
-  int task, op, tile, trig;
-};
-
-__device__ __forceinline__ TaskInfo load_task(const RuntimeArgs& a, int t) {
-  const TaskDesc* d = a.tasks + t;
-  return TaskInfo{t, __ldg(&d->op), __ldg(&d->tile), __ldg(&d->trig_event)};
 }
 
 // ``count`` arrivals at event e (release); the add that reaches a multiple of num_triggers fires it.
@@ -73,48 +64,52 @@ struct Pending {
   }
 };
 
-// A worker's AOT list, with the head's descriptors loaded ahead of time so that waiting for it
-// polls one counter and nothing else.
+// A worker's AOT list: the head and the entry after it are in registers; consuming the head
+// issues the load of the one after next, which lands while tasks run.
 struct AotCursor {
   long long pos, total;
   int begin, count;
-  TaskInfo head;
-  int dep;
-  unsigned long long need;
+  AotEntry head, next;
 
-  __device__ __forceinline__ void load(const RuntimeArgs& a) {
-    if (pos >= total) return;
-    head = load_task(a, __ldg(a.aot_tasks + begin + pos % count));
-    dep = __ldg(&a.tasks[head.task].dep_event);
-    need = static_cast<unsigned long long>(pos / count + 1) * static_cast<unsigned long long>(__ldg(&a.events[dep].num_triggers));
+  __device__ __forceinline__ AotEntry entry(const RuntimeArgs& a, long long p) const {
+    return p < total ? a.aot_entries[begin + p % count] : AotEntry{};
+  }
+  __device__ __forceinline__ void start(const RuntimeArgs& a) {
+    head = entry(a, 0);
+    next = entry(a, 1);
+  }
+  __device__ __forceinline__ unsigned long long need() const {
+    return static_cast<unsigned long long>(pos / count + 1) * static_cast<unsigned long long>(head.dep_triggers);
+  }
+  __device__ __forceinline__ TaskInfo consume(const RuntimeArgs& a) {
+    const TaskInfo ready{head.task, head.op, head.tile, head.trig};
+    ++pos;
+    head = next;
+    next = entry(a, pos + 1);
+    return ready;
   }
 };
 
 // Thread 0 of a worker: the next task (JIT queue first, then the AOT head once its event fired).
 __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsigned long long& jit_head,
                               Pending& pending) {
-  QueueRef jit = QueueRef::at(a.jit_values, a.jit_seq, a.jit_reserve, a.jit_head, a.jit_capacity, w);
+  QueueRef<TaskInfo> jit = QueueRef<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_reserve, a.jit_head, a.jit_capacity, w);
   volatile int* status = a.status + static_cast<long long>(w) * kStatusWords;
   if (!(aot.pos < aot.total && aot.head.trig == pending.event)) pending.flush(a);
   Spin spin;
   while (true) {
-    int t;
-    if (jit.try_pop(jit_head, t)) return load_task(a, t);
+    TaskInfo t;
+    if (jit.try_pop(jit_head, t)) return t;
     if (aot.pos < aot.total) {
-      const unsigned long long have = load_acquire(a.counters + aot.dep);
-      if (have < aot.need) pending.flush(a);  // about to wait: owe nothing to anyone
-      else {
-        const TaskInfo ready = aot.head;
-        ++aot.pos;
-        aot.load(a);  // the next head's descriptors load while this task runs
-        return ready;
-      }
+      const unsigned long long have = load_acquire(a.counters + aot.head.dep);
+      if (have >= aot.need()) return aot.consume(a);
+      pending.flush(a);  // about to wait: owe nothing to anyone
       if ((spin.polls & 1023) == 1023) {
         status[kStState] = kStateWaitingAot;
         status[kStTask] = aot.head.task;
-        status[kStEvent] = aot.dep;
+        status[kStEvent] = aot.head.dep;
         status[kStCountLo] = static_cast<int>(have);
-        status[kStNeedLo] = static_cast<int>(aot.need);
+        status[kStNeedLo] = static_cast<int>(aot.need());
         status[kStAotPos] = static_cast<int>(aot.pos);
         status[kStJitHead] = static_cast<int>(jit_head);
       }
@@ -145,7 +140,7 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
   Pending pending;
   unsigned n_profiled = 0;
   unsigned long long t0 = 0;
-  if (threadIdx.x == 0) aot.load(a);
+  if (threadIdx.x == 0) aot.start(a);
   while (true) {
     if (threadIdx.x == 0) {
       TaskInfo t = next_task(a, w, aot, jit_head, pending);
@@ -183,7 +178,8 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
 
 __device__ void scheduler_loop(const RuntimeArgs& a, int s) {
   const int lane = threadIdx.x & 31;
-  QueueRef q = QueueRef::at(a.sched_values, a.sched_seq, a.sched_reserve, a.sched_head, a.sched_capacity, s);
+  QueueRef<int> q = QueueRef<int>::at(a.sched_values, a.sched_seq, a.sched_reserve, a.sched_head, a.sched_capacity, s);
+  long long rr = static_cast<long long>(s) * a.num_workers / a.num_schedulers;  // schedulers start spread out
   volatile int* status = a.status + static_cast<long long>(a.num_workers + s) * kStatusWords;
   unsigned long long head = 0;
   Spin spin;
@@ -203,16 +199,16 @@ __device__ void scheduler_loop(const RuntimeArgs& a, int s) {
     if (e < 0) continue;
     const int first = __ldg(&a.events[e].first_task), last = __ldg(&a.events[e].last_task);
     const bool all_jit = __ldg(&a.events[e].flags) & kEventAllJit;
-    // one atomic per event reserves consecutive workers for its tasks (round-robin overall)
-    unsigned long long base = 0;
-    if (lane == 0) base = dev_atomic_u64(*a.next_worker).fetch_add(last - first, cuda::memory_order_relaxed);
-    base = __shfl_sync(0xffffffffu, base, 0);
+    // round-robin over all workers from this scheduler's own cursor (no shared atomic)
     for (int t = first + lane; t < last; t += 32) {
-      if (all_jit || (__ldg(&a.tasks[t].flags) & kTaskJit)) {
-        const int w = static_cast<int>((base + (t - first)) % static_cast<unsigned long long>(a.num_workers));
-        QueueRef::at(a.jit_values, a.jit_seq, a.jit_reserve, a.jit_head, a.jit_capacity, w).push(t, a);
+      const TaskDesc* d = a.tasks + t;
+      if (all_jit || (__ldg(&d->flags) & kTaskJit)) {
+        const int w = static_cast<int>((rr + (t - first)) % a.num_workers);
+        QueueRef<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_reserve, a.jit_head, a.jit_capacity, w)
+            .push(TaskInfo{t, __ldg(&d->op), __ldg(&d->tile), __ldg(&d->trig_event)});
       }
     }
+    rr += last - first;
   }
 }
 

@@ -47,11 +47,12 @@ __device__ __forceinline__ int sm_id() {
 struct Spin {
   long long polls = 0;
 
-  // Returns true when the wait must be abandoned (abort requested). The first polls spin
-  // freely (a hop's latency is what the runtime is for); later ones sleep briefly.
+  // Returns true when the wait must be abandoned (abort requested). Polls spin freely (a hop's
+  // latency is what the runtime is for, and the persistent kernel owns the GPU); after ~16K
+  // polls, long idle stretches sleep briefly between polls.
   __device__ __forceinline__ bool pause(const RuntimeArgs& a, volatile int* status) {
     ++polls;
-    if (polls > 256) __nanosleep(polls > 4096 ? 256 : 32);
+    if (polls > (1 << 14)) __nanosleep(64);
     if ((polls & 1023) == 0) {
       if (status) status[kStSpins] = static_cast<int>(polls >> 10);
       if (*a.abort_flag) return true;
@@ -68,14 +69,15 @@ struct Spin {
 };
 
 // Multi-producer single-consumer queue number q of a family (values/seq: q × capacity).
+template <typename V>
 struct QueueRef {
-  int* values;
+  V* values;
   unsigned long long* seq;
   unsigned long long* reserve;
   unsigned long long* head;
   int capacity;
 
-  __device__ __forceinline__ static QueueRef at(int* values, unsigned long long* seq, unsigned long long* reserve,
+  __device__ __forceinline__ static QueueRef at(V* values, unsigned long long* seq, unsigned long long* reserve,
                                                 unsigned long long* head, int capacity, int q) {
     return QueueRef{values + static_cast<long long>(q) * capacity, seq + static_cast<long long>(q) * capacity,
                     reserve + 16LL * q, head + 16LL * q, capacity};
@@ -84,7 +86,7 @@ struct QueueRef {
   // Producer side (any thread). The host sizes every ring to hold all pushes of one
   // iteration, and an iteration's pushes are all consumed before the next one's start, so a
   // ring never overflows; debug builds check it.
-  __device__ __forceinline__ void push(int v, const RuntimeArgs& a) {
+  __device__ __forceinline__ void push(const V& v) {
     const unsigned long long pos = dev_atomic_u64(*reserve).fetch_add(1, cuda::memory_order_relaxed);
 #ifdef MPK_DEBUG
     if (pos - load_acquire(head) >= static_cast<unsigned long long>(capacity)) __trap();
@@ -95,7 +97,7 @@ struct QueueRef {
   }
 
   // Consumer side (one thread). ``h`` is the consumer's private head.
-  __device__ __forceinline__ bool try_pop(unsigned long long& h, int& v) {
+  __device__ __forceinline__ bool try_pop(unsigned long long& h, V& v) {
     const int slot = static_cast<int>(h & (capacity - 1));
     if (load_acquire(seq + slot) != h + 1) return false;
     v = values[slot];

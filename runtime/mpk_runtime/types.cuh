@@ -28,6 +28,17 @@ constexpr unsigned kEventAllJit = 4u;
 enum StatusWord : int { kStState, kStTask, kStEvent, kStCountLo, kStNeedLo, kStAotPos, kStJitHead, kStSpins, kStatusWords };
 enum WorkerState : int { kStateStarting = 0, kStateWaitingAot = 1, kStateIdle = 2, kStateExited = 3, kStateAborted = 4 };
 
+// What a worker needs to run a task: one load, no dependent lookups on the hot path.
+struct __align__(16) TaskInfo {
+  int task, op, tile, trig;
+};
+
+// A worker's AOT list entry (built by the host): the task plus its dependent event and that
+// event's num_triggers, so waiting for it polls one counter.
+struct __align__(8) AotEntry {
+  int task, op, tile, trig, dep, dep_triggers;
+};
+
 struct ProfileRecord {
   int task;
   int sm;
@@ -39,9 +50,9 @@ struct RuntimeArgs {
   const TaskDesc* tasks;
   const EventDesc* events;
   unsigned long long* counters;      // per event; never reset within a launch
-  const int* aot_offsets;            // per worker CSR into aot_tasks: [w, w+1)
-  const int* aot_tasks;
-  int* jit_values;                   // num_workers × jit_capacity
+  const int* aot_offsets;            // per worker CSR into aot_entries: [w, w+1)
+  const AotEntry* aot_entries;
+  TaskInfo* jit_values;              // num_workers × jit_capacity
   unsigned long long* jit_seq;
   unsigned long long* jit_reserve;   // per worker, stride 16 (own cache line)
   unsigned long long* jit_head;      // per worker, stride 16
@@ -49,13 +60,12 @@ struct RuntimeArgs {
   unsigned long long* sched_seq;
   unsigned long long* sched_reserve;
   unsigned long long* sched_head;
-  unsigned long long* next_worker;   // round-robin JIT placement
   unsigned* done;                    // set once the last iteration's end event fired
   void* const* buffers;              // per buffer id
   volatile int* status;              // host-mapped: kStatusWords per worker, then per scheduler
   volatile int* abort_flag;          // host-mapped: the watchdog asks everyone to stop
   ProfileRecord* profile;            // null unless profiling: profile_capacity per worker
-  unsigned* profile_count;
+  unsigned long long* profile_count;
   int profile_capacity;
   int num_workers;
   int num_schedulers;
