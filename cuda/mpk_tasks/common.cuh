@@ -32,7 +32,6 @@ struct OpC {
   int ndim;
   long long out_shape[kMaxDims];
   int grid[kMaxDims];
-  int bounds_offset;  // into kBounds: per dim grid[d] + 1 boundaries
   int num_inputs;
   ViewC in[kMaxInputs];
   long long iparam[8];
@@ -119,20 +118,17 @@ __device__ __forceinline__ long long view_index(const ViewC& v, const long long*
   return off;
 }
 
-// Tile rect of ``tile`` for op ``c`` (row-major over its grid).
-__device__ __forceinline__ Rect tile_rect(const OpC& c, const long long* bounds, int tile) {
+// Tile rect of ``tile`` for op ``c`` (row-major over its grid). Tiles are the balanced split
+// of mpk.compiler.partition.split_bounds: boundary i of a dim of extent n in g parts is
+// i·n / g (codegen checks the tables agree), so no boundary table is read on the hot path.
+__device__ __forceinline__ Rect tile_rect(const OpC& c, int tile) {
   Rect r;
-  int pos = c.bounds_offset;
-  int offsets[kMaxDims];
-  for (int d = 0; d < c.ndim; ++d) {
-    offsets[d] = pos;
-    pos += c.grid[d] + 1;
-  }
   for (int d = c.ndim - 1; d >= 0; --d) {
-    const int i = tile % c.grid[d];
-    tile /= c.grid[d];
-    r.lo[d] = bounds[offsets[d] + i];
-    r.hi[d] = bounds[offsets[d] + i + 1];
+    const int g = c.grid[d];
+    const long long i = tile % g, n = c.out_shape[d];
+    tile /= g;
+    r.lo[d] = i * n / g;
+    r.hi[d] = (i + 1) * n / g;
   }
   return r;
 }
@@ -171,7 +167,6 @@ __device__ __forceinline__ float warp_max(float v) {
 // Everything a task needs besides its op constants.
 struct TaskEnv {
   void* const* buffers;
-  const long long* bounds;
 };
 
 }  // namespace mpk

@@ -70,6 +70,8 @@ struct AotCursor {
   long long pos, total;
   int begin, count;
   AotEntry head, next;
+  int seen_event = -1;  // counters only grow: once seen_event reached seen_need, it stays there
+  unsigned long long seen_need = 0;
 
   __device__ __forceinline__ AotEntry entry(const RuntimeArgs& a, long long p) const {
     return p < total ? a.aot_entries[begin + p % count] : AotEntry{};
@@ -99,10 +101,21 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
   Spin spin;
   while (true) {
     TaskInfo t;
-    if (jit.try_pop(jit_head, t)) return t;
-    if (aot.pos < aot.total) {
-      const unsigned long long have = load_acquire(a.counters + aot.head.dep);
-      if (have >= aot.need()) return aot.consume(a);
+    const bool aot_left = aot.pos < aot.total;
+    const unsigned long long need = aot_left ? aot.need() : 0;
+    const bool known = aot_left && aot.head.dep == aot.seen_event && need <= aot.seen_need;
+    // both polls are issued before either is used: one round trip per round, not two
+    const unsigned long long peeked = jit.peek(jit_head);
+    const unsigned long long have = aot_left && !known ? load_relaxed(a.counters + aot.head.dep) : 0;
+    if (jit.try_pop(jit_head, t, peeked)) return t;
+    if (aot_left) {
+      if (known) return aot.consume(a);
+      if (have >= need) {
+        fence_acquire();
+        aot.seen_event = aot.head.dep;
+        aot.seen_need = have;
+        return aot.consume(a);
+      }
       pending.flush(a);  // about to wait: owe nothing to anyone
       if ((spin.polls & 1023) == 1023) {
         status[kStState] = kStateWaitingAot;
@@ -186,7 +199,7 @@ __device__ void scheduler_loop(const RuntimeArgs& a, int s) {
   while (true) {
     int e = -1;
     if (lane == 0) {
-      if (!q.try_pop(head, e)) {
+      if (!q.try_pop(head, e, q.peek(head))) {
         if (dev_atomic_u32(*a.done).load(cuda::memory_order_acquire)) e = kExit;
         else if (spin.pause(a, status)) e = kExit;
         if (e == kExit) status[kStState] = kStateExited;

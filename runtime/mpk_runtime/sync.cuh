@@ -17,6 +17,16 @@ __device__ __forceinline__ unsigned long long load_acquire(unsigned long long* p
   return dev_atomic_u64(*p).load(cuda::memory_order_acquire);
 }
 
+// Polls use relaxed loads (several can be in flight; an acquire load would serialise them and
+// invalidate L1 each time); the poll that succeeds is followed by one acquire fence.
+__device__ __forceinline__ unsigned long long load_relaxed(unsigned long long* p) {
+  return dev_atomic_u64(*p).load(cuda::memory_order_relaxed);
+}
+
+__device__ __forceinline__ void fence_acquire() {
+  cuda::atomic_thread_fence(cuda::memory_order_acquire, cuda::thread_scope_device);
+}
+
 __device__ __forceinline__ void store_release(unsigned long long* p, unsigned long long v) {
   dev_atomic_u64(*p).store(v, cuda::memory_order_release);
 }
@@ -96,10 +106,15 @@ struct QueueRef {
     store_release(seq + slot, pos + 1);
   }
 
-  // Consumer side (one thread). ``h`` is the consumer's private head.
-  __device__ __forceinline__ bool try_pop(unsigned long long& h, V& v) {
+  // Consumer side (one thread). ``h`` is the consumer's private head; ``peek`` is a relaxed
+  // load of the slot's sequence the caller issued (see ready()).
+  __device__ __forceinline__ unsigned long long peek(unsigned long long h) const {
+    return load_relaxed(seq + (h & (capacity - 1)));
+  }
+  __device__ __forceinline__ bool try_pop(unsigned long long& h, V& v, unsigned long long peeked) {
+    if (peeked != h + 1) return false;
+    fence_acquire();
     const int slot = static_cast<int>(h & (capacity - 1));
-    if (load_acquire(seq + slot) != h + 1) return false;
     v = values[slot];
     ++h;
     store_release(head, h);
