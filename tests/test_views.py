@@ -251,13 +251,24 @@ def _covered(base: tuple[int, ...], pieces: regions.RectList) -> torch.Tensor:
     return got.reshape(-1)
 
 
+@st.composite
+def chains_with_rect(draw):
+    base, steps = draw(st.one_of(view_chains(), view_chains(tricky=True)))
+    return base, steps, draw(sub_rects(build_views(base, steps)[-1].shape))
+
+
 @SETTINGS
-@given(st.data())
-def test_base_regions_cover_exactly(data):
-    base, steps = data.draw(st.one_of(view_chains(), view_chains(tricky=True)))
+@given(chains_with_rect())
+@example(((6,), [("slice", 0, 1, 5, 1)], ((0, 4),)))
+@example(((2, 6), [("slice", 1, 1, 6, 2)], ((0, 2), (1, 3))))
+@example(((2, 3, 4), [("permute", (2, 0, 1))], ((1, 3), (0, 1), (1, 3))))
+@example(((3, 1), [("expand", (3, 4))], ((1, 3), (2, 4))))
+@example(((2, 3, 4), [("reshape", (4, 6))], ((1, 3), (2, 5))))
+@example(((4, 6), [("permute", (1, 0)), ("reshape", (24,))], ((5, 19),)))
+def test_base_regions_cover_exactly(args):
+    base, steps, rect = args
     views = build_views(base, steps)
     view = views[-1]
-    rect = data.draw(sub_rects(view.shape))
     note(f"base={base} steps={steps} rect={rect}")
     with spy_fallbacks() as fallbacks:
         pieces = view.base_regions(rect)
