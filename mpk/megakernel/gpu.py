@@ -40,7 +40,7 @@ class _Args(ctypes.Structure):
     """Mirror of mpk::RuntimeArgs (runtime/mpk_runtime/types.cuh)."""
 
     _fields_ = [(n, ctypes.c_void_p) for n in (
-        "tasks", "events", "counters", "aot_offsets", "aot_entries", "jit_values", "jit_seq", "jit_reserve",
+        "tasks", "events", "counters", "aot_offsets", "aot_entries", "task_infos", "jit_values", "jit_seq", "jit_reserve",
         "jit_head", "sched_values", "sched_seq", "sched_reserve", "sched_head", "done",
         "buffers", "status", "abort_flag", "profile", "profile_count")] + [(n, ctypes.c_int) for n in (
         "profile_capacity", "num_workers", "num_schedulers", "num_tasks", "num_events", "start_event",
@@ -117,14 +117,23 @@ class GpuExecutor:
         self.d_tasks = _dev(t.tasks, dev)
         self.d_events = _dev(events, dev)
         self.d_aot_offsets = torch.from_numpy(offsets).to(dev)
-        # AOT entries (runtime/mpk_runtime/types.cuh: AotEntry): task, op, tile, trig, dep, dep's num_triggers
+        # runtime/mpk_runtime/types.cuh: TaskInfo (12 int32: task, op, tile, pad, then the trigger
+        # event's EventRef: id, num_triggers, first, last, flags, pad×3) and AotEntry (TaskInfo, dep,
+        # dep's num_triggers, pad×2)
+        infos = np.zeros((max(1, n_tasks), 12), np.int32)
+        if n_tasks:
+            trig = t.tasks["trig_event"]
+            infos[:n_tasks, 0], infos[:n_tasks, 1], infos[:n_tasks, 2] = np.arange(n_tasks), t.tasks["op"], t.tasks["tile"]
+            infos[:n_tasks, 4], infos[:n_tasks, 5] = trig, events["num_triggers"][trig]
+            infos[:n_tasks, 6], infos[:n_tasks, 7] = events["first_task"][trig], events["last_task"][trig]
+            infos[:n_tasks, 8] = events["flags"][trig].astype(np.int32)
         order = np.concatenate(per_worker + [np.zeros(0, np.int32)])
-        entries = np.zeros((max(1, len(order)), 6), np.int32)
+        entries = np.zeros((max(1, len(order)), 16), np.int32)
         if len(order):
-            tk = t.tasks[order]
-            entries[:, 0], entries[:, 1], entries[:, 2] = order, tk["op"], tk["tile"]
-            entries[:, 3], entries[:, 4] = tk["trig_event"], tk["dep_event"]
-            entries[:, 5] = t.events["num_triggers"][tk["dep_event"]]
+            dep = t.tasks["dep_event"][order]
+            entries[: len(order), :12] = infos[order]
+            entries[: len(order), 12], entries[: len(order), 13] = dep, events["num_triggers"][dep]
+        self.d_task_infos = torch.from_numpy(infos).to(dev)
         self.d_aot_entries = torch.from_numpy(entries).to(dev)
         # Everything reset before each launch lives in one zeroed block.
         self._zero_layout = {"counters": n_events, "jit_seq": W * self.jit_capacity, "jit_reserve": 16 * W,
@@ -135,8 +144,8 @@ class GpuExecutor:
         for name, n in self._zero_layout.items():
             self.zero_ptr[name] = self.d_zero.data_ptr() + 8 * pos
             pos += n
-        self.d_jit_values = torch.zeros(W * self.jit_capacity * 4, dtype=torch.int32, device=dev)  # TaskInfo
-        self.d_sched_values = torch.zeros(S * self.sched_capacity, dtype=torch.int32, device=dev)
+        self.d_jit_values = torch.zeros(W * self.jit_capacity * 12, dtype=torch.int32, device=dev)  # TaskInfo
+        self.d_sched_values = torch.zeros(S * self.sched_capacity * 8, dtype=torch.int32, device=dev)  # EventRef
         # host-mapped status words and abort flag: readable and writable while the kernel runs
         self.h_status = drv.MappedHostBuffer((W + S) * STATUS_WORDS)
         self.h_abort = drv.MappedHostBuffer(1)
@@ -156,6 +165,7 @@ class GpuExecutor:
         args = _Args(
             tasks=self.d_tasks.data_ptr(), events=self.d_events.data_ptr(), counters=z["counters"],
             aot_offsets=self.d_aot_offsets.data_ptr(), aot_entries=self.d_aot_entries.data_ptr(),
+            task_infos=self.d_task_infos.data_ptr(),
             jit_values=self.d_jit_values.data_ptr(), jit_seq=z["jit_seq"], jit_reserve=z["jit_reserve"],
             jit_head=z["jit_head"], sched_values=self.d_sched_values.data_ptr(), sched_seq=z["sched_seq"],
             sched_reserve=z["sched_reserve"], sched_head=z["sched_head"], done=z["done"], buffers=self.d_buffer_ptrs.data_ptr(), status=self.h_status.device_ptr,

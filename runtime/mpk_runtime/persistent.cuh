@@ -21,25 +21,33 @@ constexpr int kThreads = 256;
 constexpr int kSchedWarpsPerCta = 4;
 constexpr int kExit = -2;
 
-__device__ __forceinline__ void notify_event(const RuntimeArgs& a, int e, unsigned flags) {
-  if (flags & kEventHasJit) {
-    QueueRef<int>::at(a.sched_values, a.sched_seq, a.sched_reserve, a.sched_head, a.sched_capacity, e % a.num_schedulers)
+__device__ __forceinline__ void notify_event(const RuntimeArgs& a, const EventRef& e) {
+  if (e.flags & kEventHasJit) {
+    QueueRef<EventRef>::at(a.sched_values, a.sched_seq, a.sched_reserve, a.sched_head, a.sched_capacity,
+                           e.id % a.num_schedulers)
         .push(e);
   }
 }
 
-// ``count`` arrivals at event e (release); the add that reaches a multiple of num_triggers fires it.
-__device__ __forceinline__ void arrive(const RuntimeArgs& a, int e, unsigned count) {
-  const unsigned long long n = static_cast<unsigned long long>(__ldg(&a.events[e].num_triggers));
-  const unsigned long long now = add_release(a.counters + e, count) + count;
+// ``count`` arrivals at event e (release); the add that reaches a multiple of num_triggers fires
+// it. An event nobody has to be told about (one trigger, no JIT tasks, not the end event) gets a
+// fire-and-forget reduction: its waiters poll the counter.
+__device__ __forceinline__ void arrive(const RuntimeArgs& a, const EventRef& e, unsigned count) {
+  if (e.num_triggers == 1 && !(e.flags & kEventHasJit) && e.id != a.end_event) {
+    dev_atomic_u64(a.counters[e.id]).fetch_add(count, cuda::memory_order_release);  // result unused: RED
+    return;
+  }
+  const unsigned long long n = static_cast<unsigned long long>(e.num_triggers);
+  const unsigned long long now = add_release(a.counters + e.id, count) + count;
   if (now % n != 0) return;
-  if (e != a.end_event) {
-    notify_event(a, e, __ldg(&a.events[e].flags));
+  if (e.id != a.end_event) {
+    notify_event(a, e);
     return;
   }
   if (now / n < static_cast<unsigned long long>(a.iterations)) {
     add_release(a.counters + a.start_event, 1);
-    notify_event(a, a.start_event, __ldg(&a.events[a.start_event].flags));
+    const EventDesc& sd = a.events[a.start_event];
+    notify_event(a, EventRef{a.start_event, sd.num_triggers, sd.first_task, sd.last_task, sd.flags});
   } else {
     dev_atomic_u32(*a.done).store(1u, cuda::memory_order_release);
   }
@@ -50,11 +58,11 @@ __device__ __forceinline__ void arrive(const RuntimeArgs& a, int e, unsigned cou
 // runs a task that triggers another event and before it waits, so no event is held back
 // while anyone waits for it.
 struct Pending {
-  int event = -1;
+  EventRef event{-1};
   unsigned count = 0;
 
-  __device__ __forceinline__ void add(const RuntimeArgs& a, int e) {
-    if (e != event) flush(a);
+  __device__ __forceinline__ void add(const RuntimeArgs& a, const EventRef& e) {
+    if (e.id != event.id) flush(a);
     event = e;
     ++count;
   }
@@ -84,7 +92,7 @@ struct AotCursor {
     return static_cast<unsigned long long>(pos / count + 1) * static_cast<unsigned long long>(head.dep_triggers);
   }
   __device__ __forceinline__ TaskInfo consume(const RuntimeArgs& a) {
-    const TaskInfo ready{head.task, head.op, head.tile, head.trig};
+    const TaskInfo ready = head.info;
     ++pos;
     head = next;
     next = entry(a, pos + 1);
@@ -97,7 +105,7 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
                               Pending& pending) {
   QueueRef<TaskInfo> jit = QueueRef<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_reserve, a.jit_head, a.jit_capacity, w);
   volatile int* status = a.status + static_cast<long long>(w) * kStatusWords;
-  if (!(aot.pos < aot.total && aot.head.trig == pending.event)) pending.flush(a);
+  if (!(aot.pos < aot.total && aot.head.info.trig.id == pending.event.id)) pending.flush(a);
   Spin spin;
   while (true) {
     TaskInfo t;
@@ -119,7 +127,7 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
       pending.flush(a);  // about to wait: owe nothing to anyone
       if ((spin.polls & 1023) == 1023) {
         status[kStState] = kStateWaitingAot;
-        status[kStTask] = aot.head.task;
+        status[kStTask] = aot.head.info.task;
         status[kStEvent] = aot.head.dep;
         status[kStCountLo] = static_cast<int>(have);
         status[kStNeedLo] = static_cast<int>(aot.need());
@@ -128,7 +136,7 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
       }
     } else {
       pending.flush(a);
-      if (dev_atomic_u32(*a.done).load(cuda::memory_order_acquire)) return TaskInfo{kExit, -1, 0, 0};
+      if (dev_atomic_u32(*a.done).load(cuda::memory_order_acquire)) return TaskInfo{kExit, -1};
       if ((spin.polls & 1023) == 1023) {
         status[kStState] = kStateIdle;
         status[kStAotPos] = static_cast<int>(aot.pos);
@@ -137,7 +145,7 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
     }
     if (spin.pause(a, status)) {
       status[kStState] = kStateAborted;
-      return TaskInfo{kExit, -1, 0, 0};
+      return TaskInfo{kExit, -1};
     }
   }
 }
@@ -191,34 +199,34 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
 
 __device__ void scheduler_loop(const RuntimeArgs& a, int s) {
   const int lane = threadIdx.x & 31;
-  QueueRef<int> q = QueueRef<int>::at(a.sched_values, a.sched_seq, a.sched_reserve, a.sched_head, a.sched_capacity, s);
+  QueueRef<EventRef> q =
+      QueueRef<EventRef>::at(a.sched_values, a.sched_seq, a.sched_reserve, a.sched_head, a.sched_capacity, s);
   long long rr = static_cast<long long>(s) * a.num_workers / a.num_schedulers;  // schedulers start spread out
   volatile int* status = a.status + static_cast<long long>(a.num_workers + s) * kStatusWords;
   unsigned long long head = 0;
   Spin spin;
   while (true) {
-    int e = -1;
+    EventRef ev{-1};
     if (lane == 0) {
-      if (!q.try_pop(head, e, q.peek(head))) {
-        if (dev_atomic_u32(*a.done).load(cuda::memory_order_acquire)) e = kExit;
-        else if (spin.pause(a, status)) e = kExit;
-        if (e == kExit) status[kStState] = kStateExited;
+      if (!q.try_pop(head, ev, q.peek(head))) {
+        if (dev_atomic_u32(*a.done).load(cuda::memory_order_acquire)) ev.id = kExit;
+        else if (spin.pause(a, status)) ev.id = kExit;
+        if (ev.id == kExit) status[kStState] = kStateExited;
       } else {
         spin.reset();
       }
     }
-    e = __shfl_sync(0xffffffffu, e, 0);
+    const int e = __shfl_sync(0xffffffffu, ev.id, 0);
     if (e == kExit) return;
     if (e < 0) continue;
-    const int first = __ldg(&a.events[e].first_task), last = __ldg(&a.events[e].last_task);
-    const bool all_jit = __ldg(&a.events[e].flags) & kEventAllJit;
+    const int first = __shfl_sync(0xffffffffu, ev.first_task, 0), last = __shfl_sync(0xffffffffu, ev.last_task, 0);
+    const bool all_jit = __shfl_sync(0xffffffffu, ev.flags, 0) & kEventAllJit;
     // round-robin over all workers from this scheduler's own cursor (no shared atomic)
     for (int t = first + lane; t < last; t += 32) {
-      const TaskDesc* d = a.tasks + t;
-      if (all_jit || (__ldg(&d->flags) & kTaskJit)) {
+      if (all_jit || (__ldg(&a.tasks[t].flags) & kTaskJit)) {
         const int w = static_cast<int>((rr + (t - first)) % a.num_workers);
         QueueRef<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_reserve, a.jit_head, a.jit_capacity, w)
-            .push(TaskInfo{t, __ldg(&d->op), __ldg(&d->tile), __ldg(&d->trig_event)});
+            .push(a.task_infos[t]);
       }
     }
     rr += last - first;
@@ -238,7 +246,8 @@ extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1) mpk_persistent_ke
   if (warp < mpk::kSchedWarpsPerCta && s < a.num_schedulers) {
     if (blockIdx.x == a.num_workers && warp == 0 && (threadIdx.x & 31) == 0) {
       // iteration 1's start event: the host set its counter to 1
-      mpk::notify_event(a, a.start_event, a.events[a.start_event].flags);
+      const mpk::EventDesc& sd = a.events[a.start_event];
+      mpk::notify_event(a, mpk::EventRef{a.start_event, sd.num_triggers, sd.first_task, sd.last_task, sd.flags});
     }
     __syncwarp();
     mpk::scheduler_loop(a, s);

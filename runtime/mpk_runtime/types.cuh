@@ -28,15 +28,24 @@ constexpr unsigned kEventAllJit = 4u;
 enum StatusWord : int { kStState, kStTask, kStEvent, kStCountLo, kStNeedLo, kStAotPos, kStJitHead, kStSpins, kStatusWords };
 enum WorkerState : int { kStateStarting = 0, kStateWaitingAot = 1, kStateIdle = 2, kStateExited = 3, kStateAborted = 4 };
 
-// What a worker needs to run a task: one load, no dependent lookups on the hot path.
-struct __align__(16) TaskInfo {
-  int task, op, tile, trig;
+// An event as its triggering tasks need it: arriving, deciding whether the arrival fired it,
+// and handing its task range to a scheduler need no further lookup.
+struct __align__(16) EventRef {
+  int id, num_triggers, first_task, last_task;
+  unsigned flags;
+  int pad[3];
 };
 
-// A worker's AOT list entry (built by the host): the task plus its dependent event and that
-// event's num_triggers, so waiting for it polls one counter.
-struct __align__(8) AotEntry {
-  int task, op, tile, trig, dep, dep_triggers;
+// What a worker needs to run a task and report it done: one load, no dependent lookups.
+struct __align__(16) TaskInfo {
+  int task, op, tile, pad;
+  EventRef trig;
+};
+
+// A worker's AOT list entry (built by the host): the task plus the event it waits on.
+struct __align__(16) AotEntry {
+  TaskInfo info;
+  int dep, dep_triggers, pad[2];
 };
 
 struct ProfileRecord {
@@ -52,11 +61,12 @@ struct RuntimeArgs {
   unsigned long long* counters;      // per event; never reset within a launch
   const int* aot_offsets;            // per worker CSR into aot_entries: [w, w+1)
   const AotEntry* aot_entries;
+  const TaskInfo* task_infos;        // per task (schedulers copy them into JIT queues)
   TaskInfo* jit_values;              // num_workers × jit_capacity
   unsigned long long* jit_seq;
   unsigned long long* jit_reserve;   // per worker, stride 16 (own cache line)
   unsigned long long* jit_head;      // per worker, stride 16
-  int* sched_values;                 // num_schedulers × sched_capacity
+  EventRef* sched_values;            // num_schedulers × sched_capacity
   unsigned long long* sched_seq;
   unsigned long long* sched_reserve;
   unsigned long long* sched_head;
