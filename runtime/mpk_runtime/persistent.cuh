@@ -208,8 +208,10 @@ __device__ void scheduler_loop(const RuntimeArgs& a, int s) {
   while (true) {
     EventRef ev{-1};
     if (lane == 0) {
-      if (!q.try_pop(head, ev, q.peek(head))) {
-        if (dev_atomic_u32(*a.done).load(cuda::memory_order_acquire)) ev.id = kExit;
+      const unsigned long long peeked = q.peek(head);  // both loads in flight together
+      const unsigned done = dev_atomic_u32(*a.done).load(cuda::memory_order_relaxed);
+      if (!q.try_pop(head, ev, peeked)) {
+        if (done) ev.id = kExit;
         else if (spin.pause(a, status)) ev.id = kExit;
         if (ev.id == kExit) status[kStState] = kStateExited;
       } else {
