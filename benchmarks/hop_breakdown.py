@@ -36,7 +36,9 @@ def main() -> None:
     p.add_argument("--n", type=int, default=2000)
     ns = p.parse_args()
     print(f"{'case':22s} {'span ns':>9s} {'gap ns':>9s} {'per task ns':>12s}")
-    for name, jit, workers in (("aot", False, None), ("aot, one worker", False, 1), ("jit", True, None)):
+    cases = (("aot", False, None), ("aot, 8 workers", False, 8), ("aot, one worker", False, 1), ("jit", True, None),
+             ("jit, 8 workers", True, 8))
+    for name, jit, workers in cases:
         r = breakdown(ns.n, jit, workers)
         print(f"{name:22s} {r['span_ns']:9.0f} {r['gap_ns']:9.0f} {r['per_task_ns']:12.0f}", flush=True)
 

@@ -44,7 +44,7 @@ class _Args(ctypes.Structure):
         "jit_head", "sched_values", "sched_seq", "sched_reserve", "sched_head", "done",
         "buffers", "status", "abort_flag", "profile", "profile_count")] + [(n, ctypes.c_int) for n in (
         "profile_capacity", "num_workers", "num_schedulers", "num_tasks", "num_events", "start_event",
-        "end_event", "iterations", "jit_capacity", "sched_capacity")]
+        "end_event", "iterations", "any_jit", "jit_capacity", "sched_capacity")]
 
 
 def _pow2(n: int) -> int:
@@ -110,6 +110,7 @@ class GpuExecutor:
         per_worker = [aot[w::self.num_workers] for w in range(self.num_workers)]
         offsets = np.zeros(self.num_workers + 1, np.int32)
         offsets[1:] = np.cumsum([len(p) for p in per_worker])
+        self.any_jit = bool(jit.any())
         self.jit_capacity = _pow2(int(jit.sum()))
         self.sched_capacity = _pow2(n_events)
         W, S = self.num_workers, self.num_schedulers
@@ -174,7 +175,7 @@ class GpuExecutor:
             profile_count=z["profile_count"], profile_capacity=self.profile_capacity,
             num_workers=self.num_workers, num_schedulers=self.num_schedulers, num_tasks=len(self.t.tasks),
             num_events=len(self.t.events), start_event=self.t.start_event, end_event=self.t.end_event,
-            iterations=iterations, jit_capacity=self.jit_capacity, sched_capacity=self.sched_capacity)
+            iterations=iterations, any_jit=int(self.any_jit), jit_capacity=self.jit_capacity, sched_capacity=self.sched_capacity)
         host = torch.frombuffer(bytearray(bytes(args)), dtype=torch.uint8)
         self.d_args.copy_(host)
 

@@ -75,27 +75,33 @@ struct Pending {
 // A worker's AOT list: the head and the entry after it are in registers; consuming the head
 // issues the load of the one after next, which lands while tasks run.
 struct AotCursor {
-  long long pos, total;
-  int begin, count;
+  int begin, count, idx = 0, iter = 1, iterations;  // head = entry idx of iteration iter (1-based)
   AotEntry head, next;
   int seen_event = -1;  // counters only grow: once seen_event reached seen_need, it stays there
   unsigned long long seen_need = 0;
 
-  __device__ __forceinline__ AotEntry entry(const RuntimeArgs& a, long long p) const {
-    return p < total ? a.aot_entries[begin + p % count] : AotEntry{};
+  __device__ __forceinline__ bool left() const { return count > 0 && iter <= iterations; }
+  __device__ __forceinline__ long long pos() const { return static_cast<long long>(iter - 1) * count + idx; }
+  __device__ __forceinline__ AotEntry entry(const RuntimeArgs& a, int i, int it) const {
+    return it <= iterations ? a.aot_entries[begin + i] : AotEntry{};
   }
   __device__ __forceinline__ void start(const RuntimeArgs& a) {
-    head = entry(a, 0);
-    next = entry(a, 1);
+    if (count == 0) return;
+    head = entry(a, 0, 1);
+    next = count > 1 ? entry(a, 1, 1) : entry(a, 0, 2);
   }
   __device__ __forceinline__ unsigned long long need() const {
-    return static_cast<unsigned long long>(pos / count + 1) * static_cast<unsigned long long>(head.dep_triggers);
+    return static_cast<unsigned long long>(iter) * static_cast<unsigned long long>(head.dep_triggers);
   }
   __device__ __forceinline__ TaskInfo consume(const RuntimeArgs& a) {
     const TaskInfo ready = head.info;
-    ++pos;
+    if (++idx == count) {
+      idx = 0;
+      ++iter;
+    }
     head = next;
-    next = entry(a, pos + 1);
+    // the entry after the new head: idx + 1 in this iteration, or the first of the next
+    next = idx + 1 < count ? entry(a, idx + 1, iter) : entry(a, 0, iter + 1);
     return ready;
   }
 };
@@ -105,21 +111,21 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
                               Pending& pending) {
   QueueRef<TaskInfo> jit = QueueRef<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_reserve, a.jit_head, a.jit_capacity, w);
   volatile int* status = a.status + static_cast<long long>(w) * kStatusWords;
-  if (!(aot.pos < aot.total && aot.head.info.trig.id == pending.event.id)) pending.flush(a);
+  if (!(aot.left() && aot.head.info.trig.id == pending.event.id)) pending.flush(a);
   Spin spin;
   while (true) {
     TaskInfo t;
-    const bool aot_left = aot.pos < aot.total;
+    const bool aot_left = aot.left();
     const unsigned long long need = aot_left ? aot.need() : 0;
     const bool known = aot_left && aot.head.dep == aot.seen_event && need <= aot.seen_need;
-    // both polls are issued before either is used: one round trip per round, not two
-    const unsigned long long peeked = jit.peek(jit_head);
-    const unsigned long long have = aot_left && !known ? load_relaxed(a.counters + aot.head.dep) : 0;
-    if (jit.try_pop(jit_head, t, peeked)) return t;
+    // The JIT ring is peeked (relaxed) before the counter's acquire load, so both are in
+    // flight together; graphs without JIT tasks skip the peek.
+    const unsigned long long peeked = a.any_jit ? jit.peek(jit_head) : 0;
+    const unsigned long long have = aot_left && !known ? load_acquire(a.counters + aot.head.dep) : 0;
+    if (a.any_jit && jit.try_pop(jit_head, t, peeked)) return t;
     if (aot_left) {
       if (known) return aot.consume(a);
       if (have >= need) {
-        fence_acquire();
         aot.seen_event = aot.head.dep;
         aot.seen_need = have;
         return aot.consume(a);
@@ -131,7 +137,7 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
         status[kStEvent] = aot.head.dep;
         status[kStCountLo] = static_cast<int>(have);
         status[kStNeedLo] = static_cast<int>(aot.need());
-        status[kStAotPos] = static_cast<int>(aot.pos);
+        status[kStAotPos] = static_cast<int>(aot.pos());
         status[kStJitHead] = static_cast<int>(jit_head);
       }
     } else {
@@ -139,7 +145,7 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
       if (dev_atomic_u32(*a.done).load(cuda::memory_order_acquire)) return TaskInfo{kExit, -1};
       if ((spin.polls & 1023) == 1023) {
         status[kStState] = kStateIdle;
-        status[kStAotPos] = static_cast<int>(aot.pos);
+        status[kStAotPos] = static_cast<int>(aot.pos());
         status[kStJitHead] = static_cast<int>(jit_head);
       }
     }
@@ -155,8 +161,7 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
   AotCursor aot;
   aot.begin = a.aot_offsets[w];
   aot.count = a.aot_offsets[w + 1] - aot.begin;
-  aot.total = static_cast<long long>(aot.count) * a.iterations;
-  aot.pos = 0;
+  aot.iterations = a.iterations;
   unsigned long long jit_head = 0;
   Pending pending;
   unsigned n_profiled = 0;
@@ -192,7 +197,7 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
   if (threadIdx.x == 0) {
     volatile int* status = a.status + static_cast<long long>(w) * kStatusWords;
     if (status[kStState] != kStateAborted) status[kStState] = kStateExited;
-    status[kStAotPos] = static_cast<int>(aot.pos);
+    status[kStAotPos] = static_cast<int>(aot.pos());
     if (a.profile) a.profile_count[w] = n_profiled;
   }
 }

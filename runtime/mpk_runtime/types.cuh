@@ -84,6 +84,7 @@ struct RuntimeArgs {
   int start_event;
   int end_event;
   int iterations;
+  int any_jit;                       // 0: no JIT task at all, workers skip the JIT ring
   int jit_capacity;                  // powers of two
   int sched_capacity;
 };
