@@ -118,6 +118,7 @@ def generate(tables: Tables) -> str:
             f"{_arr([int(x) for x in ip], 8)},{_arr(fp, 4, _float)}}}")
         kinds[int(o["type_id"])] = kind
     space = "__constant__" if len(ops) * OPC_BYTES <= CONSTANT_BUDGET else "__device__"
+    bspace = "__constant__" if len(ops) * OPC_BYTES + 8 * len(tables.buffers) <= CONSTANT_BUDGET else "__device__"
     cases = "\n".join(f"    case {t}: mpk::task_{kinds[t]}(c, r, env); return;  // {kinds[t]}" for t in sorted(kinds))
     return (
         GENERATED_HEADER
@@ -126,11 +127,13 @@ def generate(tables: Tables) -> str:
         + f"// {space} memory: the constant cache when the table fits, else global\n"
         + f"{space} const mpk::OpC kOps[{max(1, len(ops))}] = {{\n" + (",\n".join(ops) or "  {}") + "\n};\n"
         + "}  // namespace mpk_gen\n\n"
+        + "// Buffer base addresses, written by the host before each launch (constant bank when it fits).\n"
+        + f'extern "C" {{ {bspace} void* mpk_buffers[{max(1, len(tables.buffers))}]; }}\n\n'
         + "// Task dispatch over the op types of this graph (the variant is decided inside each task).\n"
-        + "__device__ __noinline__ void mpk_execute_task(int op, int tile, void* const* buffers) {\n"
+        + "__device__ __noinline__ void mpk_execute_task(int op, int tile) {\n"
         + "  const mpk::OpC& c = mpk_gen::kOps[op];\n"
         + "  const mpk::Rect r = mpk::tile_rect(c, tile);\n"
-        + "  const mpk::TaskEnv env{buffers};\n"
+        + "  const mpk::TaskEnv env{mpk_buffers};\n"
         + "  switch (c.type) {\n" + cases + "\n    default: __trap();\n  }\n}\n\n"
         + '#include "mpk_runtime/persistent.cuh"\n'
     )

@@ -41,9 +41,21 @@ class Module:
         check(_lib().cuModuleGetFunction(ctypes.byref(fn), self.handle, name.encode()), f"cuModuleGetFunction({name})")
         return fn
 
+    def global_ptr(self, name: str) -> tuple[int, int]:
+        """(device address, size in bytes) of a module-scope variable with C linkage."""
+        ptr, size = ctypes.c_uint64(), ctypes.c_size_t()
+        check(_lib().cuModuleGetGlobal_v2(ctypes.byref(ptr), ctypes.byref(size), self.handle, name.encode()),
+              f"cuModuleGetGlobal({name})")
+        return ptr.value, size.value
+
     def __del__(self):
         if getattr(self, "handle", None) and self.handle.value:
             _lib().cuModuleUnload(self.handle)
+
+
+def copy_device_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    check(_lib().cuMemcpyDtoDAsync_v2(ctypes.c_uint64(dst), ctypes.c_uint64(src), ctypes.c_size_t(nbytes),
+                                      ctypes.c_void_p(stream)), "cuMemcpyDtoDAsync")
 
 
 def max_blocks_per_sm(fn: ctypes.c_void_p, threads: int, smem: int = 0) -> int:
@@ -54,7 +66,7 @@ def max_blocks_per_sm(fn: ctypes.c_void_p, threads: int, smem: int = 0) -> int:
 
 
 def _params(values: list) -> ctypes.Array:
-    holders = [v if isinstance(v, ctypes._SimpleCData) else ctypes.c_void_p(v) for v in values]
+    holders = [v if isinstance(v, (ctypes._SimpleCData, ctypes.Structure)) else ctypes.c_void_p(v) for v in values]
     arr = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
     arr._holders = holders  # keep alive until the launch call returns
     return arr

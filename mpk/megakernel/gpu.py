@@ -41,8 +41,7 @@ class _Args(ctypes.Structure):
 
     _fields_ = [(n, ctypes.c_void_p) for n in (
         "tasks", "events", "counters", "aot_offsets", "aot_entries", "task_infos", "jit_values", "jit_seq", "jit_reserve",
-        "jit_head", "sched_values", "sched_seq", "sched_reserve", "sched_head", "done",
-        "buffers", "status", "abort_flag", "profile", "profile_count")] + [(n, ctypes.c_int) for n in (
+        "jit_head", "sched_values", "sched_seq", "sched_reserve", "sched_head", "done", "status", "abort_flag", "profile", "profile_count")] + [(n, ctypes.c_int) for n in (
         "profile_capacity", "num_workers", "num_schedulers", "num_tasks", "num_events", "start_event",
         "end_event", "iterations", "any_jit", "jit_capacity", "sched_capacity")]
 
@@ -159,7 +158,6 @@ class GpuExecutor:
             None if b["role"] == ROLE_INPUT else torch.empty(self.buf_shape[i], dtype=self.buf_dtype[i], device=dev)
             for i, b in enumerate(t.buffers)]
         self.d_buffer_ptrs = torch.zeros(max(1, len(t.buffers)), **i64)
-        self.d_args = torch.zeros(ctypes.sizeof(_Args), dtype=torch.uint8, device=dev)
 
     def _write_args(self, iterations: int) -> None:
         z = self.zero_ptr
@@ -176,8 +174,7 @@ class GpuExecutor:
             num_workers=self.num_workers, num_schedulers=self.num_schedulers, num_tasks=len(self.t.tasks),
             num_events=len(self.t.events), start_event=self.t.start_event, end_event=self.t.end_event,
             iterations=iterations, any_jit=int(self.any_jit), jit_capacity=self.jit_capacity, sched_capacity=self.sched_capacity)
-        host = torch.frombuffer(bytearray(bytes(args)), dtype=torch.uint8)
-        self.d_args.copy_(host)
+        self.args = args  # passed by value at launch (a __grid_constant__ parameter)
 
     def _bind(self, args: Sequence[torch.Tensor]) -> None:
         n_inputs = int((self.t.buffers["role"] == ROLE_INPUT).sum())
@@ -196,6 +193,10 @@ class GpuExecutor:
             self.buffers[b] = a.detach().contiguous()
         ptrs = [buf.data_ptr() if buf is not None else 0 for buf in self.buffers]
         self.d_buffer_ptrs[: len(ptrs)].copy_(torch.tensor(ptrs, dtype=torch.int64))
+        # into the module's buffer table (constant bank), ordered on the stream before the launch
+        dst, nbytes = self.module.global_ptr("mpk_buffers")
+        drv.copy_device_async(dst, self.d_buffer_ptrs.data_ptr(), min(nbytes, 8 * len(ptrs)),
+                              torch.cuda.current_stream(self.device).cuda_stream)
 
     # --- running ------------------------------------------------------------------------------
     def launch(self, args: Sequence[torch.Tensor], iterations: int = 1) -> torch.cuda.Event:
@@ -209,7 +210,7 @@ class GpuExecutor:
         self.h_status.array[:] = 0
         self.h_abort.array[:] = 0
         stream = torch.cuda.current_stream(self.device)
-        drv.launch(self.kernel, self.grid, THREADS, stream.cuda_stream, [self.d_args.data_ptr()], cooperative=True)
+        drv.launch(self.kernel, self.grid, THREADS, stream.cuda_stream, [self.args], cooperative=True)
         done = torch.cuda.Event()
         done.record(stream)
         return done
@@ -249,7 +250,7 @@ class GpuExecutor:
         self._bind(args)
         n_tiles = int(self.t.ops[op]["num_tiles"])
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        drv.launch(self.tile_kernel, n_tiles, THREADS, stream, [self.d_buffer_ptrs.data_ptr(), ctypes.c_int(op)])
+        drv.launch(self.tile_kernel, n_tiles, THREADS, stream, [ctypes.c_int(op)])
         torch.cuda.synchronize(self.device)
 
     # --- watchdog ------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 // The persistent kernel: one cooperative launch, one CTA per SM. CTAs [0, num_workers) are
 // workers; the rest host scheduler warps (kSchedWarpsPerCta each). Include this after the
-// generated code has defined ``mpk_execute_task(op, tile, buffers)``.
+// generated code has defined ``mpk_execute_task(op, tile)`` (over its own buffer table).
 //
 // Worker (thread 0 decides, the CTA executes): JIT queue first; else the head of its AOT list
 // once that task's dependent event reached iteration·num_triggers; else back off. After a task
@@ -184,7 +184,7 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
     __syncthreads();
     const TaskInfo t = s_task;
     if (t.task == kExit) break;
-    mpk_execute_task(t.op, t.tile, a.buffers);
+    mpk_execute_task(t.op, t.tile);
     __syncthreads();
     if (threadIdx.x == 0) {
       if (a.profile && n_profiled < static_cast<unsigned>(a.profile_capacity)) {
@@ -242,8 +242,11 @@ __device__ void scheduler_loop(const RuntimeArgs& a, int s) {
 
 }  // namespace mpk
 
-extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1) mpk_persistent_kernel(const mpk::RuntimeArgs* args) {
-  const mpk::RuntimeArgs& a = *args;
+// The arguments travel by value in the kernel's parameter bank (__grid_constant__): the constant
+// cache serves them, and the acquire operations that invalidate L1 on every hop cannot evict them.
+extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1)
+    mpk_persistent_kernel(const __grid_constant__ mpk::RuntimeArgs args) {
+  const mpk::RuntimeArgs& a = args;
   if (static_cast<int>(blockIdx.x) < a.num_workers) {
     mpk::worker_loop(a, blockIdx.x);
     return;
@@ -262,6 +265,6 @@ extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1) mpk_persistent_ke
 }
 
 // Test wrapper: every tile of one op, one CTA per tile, no scheduling (task families alone).
-extern "C" __global__ void __launch_bounds__(mpk::kThreads) mpk_tile_kernel(void* const* buffers, int op) {
-  mpk_execute_task(op, blockIdx.x, buffers);
+extern "C" __global__ void __launch_bounds__(mpk::kThreads) mpk_tile_kernel(int op) {
+  mpk_execute_task(op, blockIdx.x);
 }

@@ -71,7 +71,6 @@ struct RuntimeArgs {
   unsigned long long* sched_reserve;
   unsigned long long* sched_head;
   unsigned* done;                    // set once the last iteration's end event fired
-  void* const* buffers;              // per buffer id
   volatile int* status;              // host-mapped: kStatusWords per worker, then per scheduler
   volatile int* abort_flag;          // host-mapped: the watchdog asks everyone to stop
   ProfileRecord* profile;            // null unless profiling: profile_capacity per worker
