@@ -124,11 +124,17 @@ __device__ __forceinline__ long long view_index(const ViewC& v, const long long*
 __device__ __forceinline__ Rect tile_rect(const OpC& c, int tile) {
   Rect r;
   for (int d = c.ndim - 1; d >= 0; --d) {
-    const int g = c.grid[d];
-    const long long i = tile % g, n = c.out_shape[d];
-    tile /= g;
-    r.lo[d] = i * n / g;
-    r.hi[d] = (i + 1) * n / g;
+    const unsigned g = static_cast<unsigned>(c.grid[d]);
+    const unsigned i = static_cast<unsigned>(tile) % g;
+    tile = static_cast<int>(static_cast<unsigned>(tile) / g);
+    const unsigned long long n = static_cast<unsigned long long>(c.out_shape[d]);
+    if (n * g < (1ULL << 32)) {  // the common case: 32-bit division (64-bit is a slow subroutine)
+      r.lo[d] = static_cast<unsigned>(i * n) / g;
+      r.hi[d] = static_cast<unsigned>((i + 1) * n) / g;
+    } else {
+      r.lo[d] = static_cast<long long>(i * n / g);
+      r.hi[d] = static_cast<long long>((i + 1) * n / g);
+    }
   }
   return r;
 }

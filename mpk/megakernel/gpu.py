@@ -117,7 +117,7 @@ class GpuExecutor:
         self.d_tasks = _dev(t.tasks, dev)
         self.d_events = _dev(events, dev)
         self.d_aot_offsets = torch.from_numpy(offsets).to(dev)
-        # runtime/mpk_runtime/types.cuh: TaskInfo (12 int32: task, op, tile, pad, then the trigger
+        # runtime/mpk_runtime/types.cuh: TaskInfo (12 int32: task, op, tile, iter (0: set at run time), then the trigger
         # event's EventRef: id, num_triggers, first, last, flags, pad×3) and AotEntry (TaskInfo, dep,
         # dep's num_triggers, pad×2)
         infos = np.zeros((max(1, n_tasks), 12), np.int32)

@@ -32,9 +32,12 @@ __device__ __forceinline__ void notify_event(const RuntimeArgs& a, const EventRe
 // ``count`` arrivals at event e (release); the add that reaches a multiple of num_triggers fires
 // it. An event nobody has to be told about (one trigger, no JIT tasks, not the end event) gets a
 // fire-and-forget reduction: its waiters poll the counter.
-__device__ __forceinline__ void arrive(const RuntimeArgs& a, const EventRef& e, unsigned count) {
+// An AOT task that alone triggers such an event knows the counter's next value (its
+// iteration): a release store, cheaper than a read-modify-write.
+__device__ __forceinline__ void arrive(const RuntimeArgs& a, const EventRef& e, unsigned count, int iter) {
   if (e.num_triggers == 1 && !(e.flags & kEventHasJit) && e.id != a.end_event) {
-    dev_atomic_u64(a.counters[e.id]).fetch_add(count, cuda::memory_order_release);  // result unused: RED
+    if (iter > 0) store_release(a.counters + e.id, static_cast<unsigned long long>(iter));
+    else dev_atomic_u64(a.counters[e.id]).fetch_add(count, cuda::memory_order_release);  // result unused: RED
     return;
   }
   const unsigned long long n = static_cast<unsigned long long>(e.num_triggers);
@@ -60,14 +63,16 @@ __device__ __forceinline__ void arrive(const RuntimeArgs& a, const EventRef& e, 
 struct Pending {
   EventRef event{-1};
   unsigned count = 0;
+  int iter = 0;
 
-  __device__ __forceinline__ void add(const RuntimeArgs& a, const EventRef& e) {
-    if (e.id != event.id) flush(a);
-    event = e;
+  __device__ __forceinline__ void add(const RuntimeArgs& a, const TaskInfo& t) {
+    if (t.trig.id != event.id) flush(a);
+    event = t.trig;
+    iter = t.iter;
     ++count;
   }
   __device__ __forceinline__ void flush(const RuntimeArgs& a) {
-    if (count) arrive(a, event, count);
+    if (count) arrive(a, event, count, iter);
     count = 0;
   }
 };
@@ -94,7 +99,8 @@ struct AotCursor {
     return static_cast<unsigned long long>(iter) * static_cast<unsigned long long>(head.dep_triggers);
   }
   __device__ __forceinline__ TaskInfo consume(const RuntimeArgs& a) {
-    const TaskInfo ready = head.info;
+    TaskInfo ready = head.info;
+    ready.iter = iter;
     if (++idx == count) {
       idx = 0;
       ++iter;
@@ -175,7 +181,7 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
           const unsigned long long now = globaltimer_ns();
           a.profile[static_cast<long long>(w) * a.profile_capacity + n_profiled++] = ProfileRecord{t.task, sm_id(), now, now};
         }
-        pending.add(a, t.trig);
+        pending.add(a, t);
         t = next_task(a, w, aot, jit_head, pending);
       }
       s_task = t;
@@ -191,7 +197,7 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
         a.profile[static_cast<long long>(w) * a.profile_capacity + n_profiled++] =
             ProfileRecord{t.task, sm_id(), t0, globaltimer_ns()};
       }
-      pending.add(a, t.trig);
+      pending.add(a, t);
     }
   }
   if (threadIdx.x == 0) {

@@ -38,7 +38,8 @@ struct __align__(16) EventRef {
 
 // What a worker needs to run a task and report it done: one load, no dependent lookups.
 struct __align__(16) TaskInfo {
-  int task, op, tile, pad;
+  int task, op, tile;
+  int iter;  // set for AOT tasks when taken (1-based iteration); 0 for JIT tasks
   EventRef trig;
 };
 
