@@ -23,15 +23,17 @@ from mpk.megakernel.stress import chain, force_jit, independent, stamp_graph, st
 
 
 def time_launch(ex: GpuExecutor, inputs, repeats: int) -> float:
-    """Median ms of one launch (one iteration), events around the launch."""
+    """Median ms of one launch (one iteration): events recorded on the stream around the
+    launch (the per-launch reset of counters and queues included), not around the host's wait."""
     for _ in range(3):
         ex.wait(ex.launch(inputs))
     times = []
     for _ in range(repeats):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        ex.wait(ex.launch(inputs))
+        done = ex.launch(inputs)
         stop.record()
+        ex.wait(done)
         stop.synchronize()
         times.append(start.elapsed_time(stop))
     return statistics.median(times)

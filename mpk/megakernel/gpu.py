@@ -225,11 +225,14 @@ class GpuExecutor:
         return self.outputs()
 
     def wait(self, done: torch.cuda.Event, iterations: int = 1) -> None:
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        deadline = start + self.timeout_s
         while not done.query():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise WatchdogTimeout(self._abort_and_report(done, iterations))
-            time.sleep(0.0005)
+            if now - start > 0.002:  # short launches are polled, long ones slept on
+                time.sleep(0.0005)
         torch.cuda.synchronize(self.device)  # surfaces any device-side fault of the launch
 
     def outputs(self) -> list[Any]:
