@@ -28,6 +28,7 @@ from mpk.megakernel.codegen import generate
 THREADS = 256
 SCHED_WARPS_PER_CTA = 4
 STATUS_WORDS = 8  # runtime/mpk_runtime/types.cuh: StatusWord
+MAX_WORKERS_PER_SCHEDULER = 136  # runtime/mpk_runtime/persistent.cuh: kMaxWorkersPerScheduler
 EVENT_HAS_JIT, EVENT_ALL_JIT = 2, 4
 STATES = {0: "starting", 1: "waiting for its AOT task", 2: "idle (no AOT work left)", 3: "exited", 4: "aborted"}
 
@@ -37,13 +38,20 @@ class WatchdogTimeout(MpkError):
 
 
 class _Args(ctypes.Structure):
-    """Mirror of mpk::RuntimeArgs (runtime/mpk_runtime/types.cuh)."""
+    """Mirror of mpk::RuntimeArgs (runtime/mpk_runtime/types.cuh); unknown fields are refused."""
 
     _fields_ = [(n, ctypes.c_void_p) for n in (
-        "tasks", "events", "counters", "aot_offsets", "aot_entries", "task_infos", "jit_values", "jit_seq", "jit_reserve",
-        "jit_head", "sched_values", "sched_seq", "sched_reserve", "sched_head", "done", "status", "abort_flag", "profile", "profile_count")] + [(n, ctypes.c_int) for n in (
-        "profile_capacity", "num_workers", "num_schedulers", "num_tasks", "num_events", "start_event",
-        "end_event", "iterations", "any_jit", "jit_capacity", "sched_capacity")]
+        "tasks", "events", "counters", "aot_offsets", "aot_entries", "task_infos", "jit_events", "mailbox",
+        "jit_values", "jit_seq", "jit_head", "done", "status", "abort_flag", "profile", "profile_count")] + [
+        (n, ctypes.c_int) for n in (
+        "profile_capacity", "num_workers", "num_schedulers", "active_schedulers", "num_tasks", "num_events",
+        "num_jit_events", "start_jit_index", "start_event", "end_event", "iterations", "any_jit", "jit_capacity")]
+
+    def __init__(self, **kw):
+        unknown = set(kw) - {name for name, _ in self._fields_}
+        if unknown:
+            raise TypeError(f"RuntimeArgs has no fields {sorted(unknown)}")
+        super().__init__(**kw)
 
 
 def _pow2(n: int) -> int:
@@ -111,15 +119,25 @@ class GpuExecutor:
         offsets[1:] = np.cumsum([len(p) for p in per_worker])
         self.any_jit = bool(jit.any())
         self.jit_capacity = _pow2(int(jit.sum()))
-        self.sched_capacity = _pow2(n_events)
         W, S = self.num_workers, self.num_schedulers
         i64 = dict(dtype=torch.int64, device=dev)
         self.d_tasks = _dev(t.tasks, dev)
         self.d_events = _dev(events, dev)
         self.d_aot_offsets = torch.from_numpy(offsets).to(dev)
-        # runtime/mpk_runtime/types.cuh: TaskInfo (12 int32: task, op, tile, iter (0: set at run time), then the trigger
-        # event's EventRef: id, num_triggers, first, last, flags, pad×3) and AotEntry (TaskInfo, dep,
-        # dep's num_triggers, pad×2)
+        # JIT events (types.cuh: JitEvent) in event order; EventRef.jit_index points into them
+        jit_ids = np.nonzero(events["flags"] & EVENT_HAS_JIT)[0]
+        jit_index = np.full(n_events, -1, np.int32)
+        jit_index[jit_ids] = np.arange(len(jit_ids), dtype=np.int32)
+        jit_events = np.zeros((max(1, len(jit_ids)), 4), np.int32)
+        jit_events[: len(jit_ids), 0] = jit_ids
+        jit_events[: len(jit_ids), 1] = events["first_task"][jit_ids]
+        jit_events[: len(jit_ids), 2] = events["last_task"][jit_ids]
+        jit_events[: len(jit_ids), 3] = events["flags"][jit_ids].astype(np.int32)
+        self.num_jit_events = len(jit_ids)
+        self.start_jit_index = int(jit_index[t.start_event])
+        # TaskInfo (12 int32: task, op, tile, iter (0: set at run time), then the trigger event's
+        # EventRef: id, num_triggers, first, last, flags, jit_index, pad×2) and AotEntry (TaskInfo,
+        # dep, dep's num_triggers, pad×2)
         infos = np.zeros((max(1, n_tasks), 12), np.int32)
         if n_tasks:
             trig = t.tasks["trig_event"]
@@ -127,6 +145,7 @@ class GpuExecutor:
             infos[:n_tasks, 4], infos[:n_tasks, 5] = trig, events["num_triggers"][trig]
             infos[:n_tasks, 6], infos[:n_tasks, 7] = events["first_task"][trig], events["last_task"][trig]
             infos[:n_tasks, 8] = events["flags"][trig].astype(np.int32)
+            infos[:n_tasks, 9] = jit_index[trig]
         order = np.concatenate(per_worker + [np.zeros(0, np.int32)])
         entries = np.zeros((max(1, len(order)), 16), np.int32)
         if len(order):
@@ -135,17 +154,20 @@ class GpuExecutor:
             entries[: len(order), 12], entries[: len(order), 13] = dep, events["num_triggers"][dep]
         self.d_task_infos = torch.from_numpy(infos).to(dev)
         self.d_aot_entries = torch.from_numpy(entries).to(dev)
+        self.d_jit_events = torch.from_numpy(jit_events).to(dev)
         # Everything reset before each launch lives in one zeroed block.
-        self._zero_layout = {"counters": n_events, "jit_seq": W * self.jit_capacity, "jit_reserve": 16 * W,
-                             "jit_head": 16 * W, "sched_seq": S * self.sched_capacity, "sched_reserve": 16 * S,
-                             "sched_head": 16 * S, "done": 1, "profile_count": W}
+        self.active_schedulers = min(S, W)
+        if -(-W // self.active_schedulers) > MAX_WORKERS_PER_SCHEDULER:
+            raise MpkError(f"{W} workers over {self.active_schedulers} schedulers exceeds "
+                           f"{MAX_WORKERS_PER_SCHEDULER} workers per scheduler; add scheduler CTAs")
+        self._zero_layout = {"counters": n_events, "mailbox": self.active_schedulers * max(1, self.num_jit_events),
+                             "jit_seq": W * self.jit_capacity, "jit_head": 16 * W, "done": 1, "profile_count": W}
         self.d_zero = torch.zeros(sum(self._zero_layout.values()), **i64)
         self.zero_ptr, pos = {}, 0
         for name, n in self._zero_layout.items():
             self.zero_ptr[name] = self.d_zero.data_ptr() + 8 * pos
             pos += n
         self.d_jit_values = torch.zeros(W * self.jit_capacity * 12, dtype=torch.int32, device=dev)  # TaskInfo
-        self.d_sched_values = torch.zeros(S * self.sched_capacity * 8, dtype=torch.int32, device=dev)  # EventRef
         # host-mapped status words and abort flag: readable and writable while the kernel runs
         self.h_status = drv.MappedHostBuffer((W + S) * STATUS_WORDS)
         self.h_abort = drv.MappedHostBuffer(1)
@@ -164,16 +186,16 @@ class GpuExecutor:
         args = _Args(
             tasks=self.d_tasks.data_ptr(), events=self.d_events.data_ptr(), counters=z["counters"],
             aot_offsets=self.d_aot_offsets.data_ptr(), aot_entries=self.d_aot_entries.data_ptr(),
-            task_infos=self.d_task_infos.data_ptr(),
-            jit_values=self.d_jit_values.data_ptr(), jit_seq=z["jit_seq"], jit_reserve=z["jit_reserve"],
-            jit_head=z["jit_head"], sched_values=self.d_sched_values.data_ptr(), sched_seq=z["sched_seq"],
-            sched_reserve=z["sched_reserve"], sched_head=z["sched_head"], done=z["done"], buffers=self.d_buffer_ptrs.data_ptr(), status=self.h_status.device_ptr,
-            abort_flag=self.h_abort.device_ptr,
+            task_infos=self.d_task_infos.data_ptr(), jit_events=self.d_jit_events.data_ptr(), mailbox=z["mailbox"],
+            jit_values=self.d_jit_values.data_ptr(), jit_seq=z["jit_seq"], jit_head=z["jit_head"], done=z["done"],
+            status=self.h_status.device_ptr, abort_flag=self.h_abort.device_ptr,
             profile=self.d_profile.data_ptr() if self.d_profile is not None else None,
             profile_count=z["profile_count"], profile_capacity=self.profile_capacity,
-            num_workers=self.num_workers, num_schedulers=self.num_schedulers, num_tasks=len(self.t.tasks),
-            num_events=len(self.t.events), start_event=self.t.start_event, end_event=self.t.end_event,
-            iterations=iterations, any_jit=int(self.any_jit), jit_capacity=self.jit_capacity, sched_capacity=self.sched_capacity)
+            num_workers=self.num_workers, num_schedulers=self.num_schedulers,
+            active_schedulers=self.active_schedulers, num_tasks=len(self.t.tasks), num_events=len(self.t.events),
+            num_jit_events=self.num_jit_events, start_jit_index=self.start_jit_index,
+            start_event=self.t.start_event, end_event=self.t.end_event, iterations=iterations,
+            any_jit=int(self.any_jit), jit_capacity=self.jit_capacity)
         self.args = args  # passed by value at launch (a __grid_constant__ parameter)
 
     def _bind(self, args: Sequence[torch.Tensor]) -> None:
@@ -207,6 +229,9 @@ class GpuExecutor:
         self._write_args(iterations)
         self.d_zero.zero_()
         self.d_zero[self._offset("counters") + self.t.start_event] = 1  # iteration 1 starts at once
+        if self.start_jit_index >= 0:  # and its JIT tasks are announced to every scheduler
+            base, J = self._offset("mailbox"), self.num_jit_events
+            self.d_zero[base + self.start_jit_index: base + self.active_schedulers * J: J] = 1
         self.h_status.array[:] = 0
         self.h_abort.array[:] = 0
         stream = torch.cuda.current_stream(self.device)

@@ -2,15 +2,18 @@
 // workers; the rest host scheduler warps (kSchedWarpsPerCta each). Include this after the
 // generated code has defined ``mpk_execute_task(op, tile)`` (over its own buffer table).
 //
-// Worker (thread 0 decides, the CTA executes): JIT queue first; else the head of its AOT list
-// once that task's dependent event reached iteration·num_triggers; else back off. After a task
-// the CTA synchronises and thread 0 release-adds 1 to the task's trigger event; the add that
-// completes a multiple of num_triggers fires the event: its JIT tasks go to a scheduler, the
-// end event starts the next iteration (start counter += 1) or, after the last, sets ``done``.
+// Worker (thread 0 decides, the CTA executes): its JIT ring first; else the head of its AOT list
+// once that task's dependent event reached iteration·num_triggers; else spin. After a task the
+// CTA synchronises and thread 0 release-adds its arrival to the task's trigger event (coalesced
+// over consecutive tasks with the same trigger); the add that completes a multiple of
+// num_triggers fires the event. Firing an event that launches JIT tasks writes the iteration
+// number into each active scheduler's mailbox slot for it; the end event starts the next
+// iteration (start counter += 1) or, after the last, sets ``done``.
 //
-// Scheduler warp: pops fired events from its queue and hands the event's JIT tasks (with
-// their descriptors, so a worker needs no lookup), round-robin over all workers, to the
-// workers' JIT queues (lanes push in parallel).
+// Scheduler warp s owns workers w ≡ s (mod active schedulers) and is the only producer of their
+// JIT rings. Its 32 lanes poll 32 consecutive mailbox slots (events in linear order, so an
+// event's prerequisites never lie beyond the window); for a fired event it takes every
+// active-scheduler-th of the event's tasks and hands them, round-robin, to its own workers.
 #pragma once
 #include "sync.cuh"
 #include "types.cuh"
@@ -21,36 +24,46 @@ constexpr int kThreads = 256;
 constexpr int kSchedWarpsPerCta = 4;
 constexpr int kExit = -2;
 
-__device__ __forceinline__ void notify_event(const RuntimeArgs& a, const EventRef& e) {
-  if (e.flags & kEventHasJit) {
-    QueueRef<EventRef>::at(a.sched_values, a.sched_seq, a.sched_reserve, a.sched_head, a.sched_capacity,
-                           e.id % a.num_schedulers)
-        .push(e);
+constexpr int kMaxWorkersPerScheduler = 136;
+
+// Tell every active scheduler that JIT event e fired in iteration k (one fence, then stores).
+__device__ __forceinline__ void notify_event(const RuntimeArgs& a, const EventRef& e, unsigned long long k) {
+  if (e.jit_index < 0) return;
+  cuda::atomic_thread_fence(cuda::memory_order_release, cuda::thread_scope_device);
+  for (int s = 0; s < a.active_schedulers; ++s) {
+    dev_atomic_u64(a.mailbox[static_cast<long long>(s) * a.num_jit_events + e.jit_index])
+        .store(k, cuda::memory_order_relaxed);
   }
 }
 
 // ``count`` arrivals at event e (release); the add that reaches a multiple of num_triggers fires
-// it. An event nobody has to be told about (one trigger, no JIT tasks, not the end event) gets a
-// fire-and-forget reduction: its waiters poll the counter.
-// An AOT task that alone triggers such an event knows the counter's next value (its
-// iteration): a release store, cheaper than a read-modify-write.
+// it. A single-trigger event fires on every arrival: an AOT task, which knows its iteration,
+// release-stores the counter's next value and tells the schedulers without waiting for an
+// atomic's reply; events nobody must be told about get a fire-and-forget reduction.
 __device__ __forceinline__ void arrive(const RuntimeArgs& a, const EventRef& e, unsigned count, int iter) {
-  if (e.num_triggers == 1 && !(e.flags & kEventHasJit) && e.id != a.end_event) {
-    if (iter > 0) store_release(a.counters + e.id, static_cast<unsigned long long>(iter));
-    else dev_atomic_u64(a.counters[e.id]).fetch_add(count, cuda::memory_order_release);  // result unused: RED
-    return;
+  if (e.num_triggers == 1 && e.id != a.end_event) {
+    if (iter > 0) {
+      store_release(a.counters + e.id, static_cast<unsigned long long>(iter));
+      notify_event(a, e, static_cast<unsigned long long>(iter));
+      return;
+    }
+    if (e.jit_index < 0) {
+      dev_atomic_u64(a.counters[e.id]).fetch_add(count, cuda::memory_order_release);  // result unused: RED
+      return;
+    }
   }
   const unsigned long long n = static_cast<unsigned long long>(e.num_triggers);
   const unsigned long long now = add_release(a.counters + e.id, count) + count;
   if (now % n != 0) return;
   if (e.id != a.end_event) {
-    notify_event(a, e);
+    notify_event(a, e, now / n);
     return;
   }
   if (now / n < static_cast<unsigned long long>(a.iterations)) {
-    add_release(a.counters + a.start_event, 1);
+    const unsigned long long next = add_release(a.counters + a.start_event, 1) + 1;
     const EventDesc& sd = a.events[a.start_event];
-    notify_event(a, EventRef{a.start_event, sd.num_triggers, sd.first_task, sd.last_task, sd.flags});
+    notify_event(a, EventRef{a.start_event, sd.num_triggers, sd.first_task, sd.last_task, sd.flags, a.start_jit_index},
+                 next);
   } else {
     dev_atomic_u32(*a.done).store(1u, cuda::memory_order_release);
   }
@@ -115,7 +128,7 @@ struct AotCursor {
 // Thread 0 of a worker: the next task (JIT queue first, then the AOT head once its event fired).
 __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsigned long long& jit_head,
                               Pending& pending) {
-  QueueRef<TaskInfo> jit = QueueRef<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_reserve, a.jit_head, a.jit_capacity, w);
+  Ring<TaskInfo> jit = Ring<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_head, a.jit_capacity, w);
   volatile int* status = a.status + static_cast<long long>(w) * kStatusWords;
   if (!(aot.left() && aot.head.info.trig.id == pending.event.id)) pending.flush(a);
   Spin spin;
@@ -209,40 +222,73 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
 }
 
 __device__ void scheduler_loop(const RuntimeArgs& a, int s) {
+  __shared__ unsigned long long s_tails[kSchedWarpsPerCta][kMaxWorkersPerScheduler];
+  unsigned long long* tails = s_tails[(threadIdx.x >> 5) % kSchedWarpsPerCta];
   const int lane = threadIdx.x & 31;
-  QueueRef<EventRef> q =
-      QueueRef<EventRef>::at(a.sched_values, a.sched_seq, a.sched_reserve, a.sched_head, a.sched_capacity, s);
-  long long rr = static_cast<long long>(s) * a.num_workers / a.num_schedulers;  // schedulers start spread out
+  const int S = a.active_schedulers, J = a.num_jit_events;
+  const int mine = (a.num_workers - s + S - 1) / S;  // workers s, s + S, s + 2S, …
+  for (int m = lane; m < mine; m += 32) tails[m] = 0;
+  __syncwarp();
   volatile int* status = a.status + static_cast<long long>(a.num_workers + s) * kStatusWords;
-  unsigned long long head = 0;
+  const unsigned long long* box = a.mailbox + static_cast<long long>(s) * J;
+  int cursor = 0, loaded = -1;
+  unsigned long long k = 1;  // the iteration the window's events belong to
+  unsigned handled = 0;      // bit i: slot cursor + i already dispatched this iteration
+  unsigned rr = 0;
+  JitEvent ev{};
   Spin spin;
   while (true) {
-    EventRef ev{-1};
-    if (lane == 0) {
-      const unsigned long long peeked = q.peek(head);  // both loads in flight together
-      const unsigned done = dev_atomic_u32(*a.done).load(cuda::memory_order_relaxed);
-      if (!q.try_pop(head, ev, peeked)) {
-        if (done) ev.id = kExit;
-        else if (spin.pause(a, status)) ev.id = kExit;
-        if (ev.id == kExit) status[kStState] = kStateExited;
-      } else {
-        spin.reset();
+    if (loaded != cursor) {  // the window moved: load its events (static, off the hot path)
+      ev = cursor + lane < J ? a.jit_events[cursor + lane] : JitEvent{-1, 0, 0, 0};
+      loaded = cursor;
+    }
+    const bool open = ev.event >= 0 && !((handled >> lane) & 1u);
+    const unsigned long long v = open ? load_relaxed(const_cast<unsigned long long*>(box) + cursor + lane) : 0;
+    const unsigned done = lane == 0 ? dev_atomic_u32(*a.done).load(cuda::memory_order_relaxed) : 0u;
+    const unsigned fired = __ballot_sync(0xffffffffu, open && v >= k);
+    if (fired == 0) {
+      int stop = lane == 0 && (done || spin.pause(a, status));
+      if (__shfl_sync(0xffffffffu, stop, 0)) {
+        if (lane == 0) status[kStState] = kStateExited;
+        return;
+      }
+      continue;
+    }
+    spin.reset();
+    fence_acquire();
+    for (unsigned todo = fired; todo; todo &= todo - 1) {
+      const int b = __ffs(todo) - 1;
+      const int first = __shfl_sync(0xffffffffu, ev.first_task, b), last = __shfl_sync(0xffffffffu, ev.last_task, b);
+      const bool all_jit = __shfl_sync(0xffffffffu, ev.flags, b) & kEventAllJit;
+      // this scheduler's share: tasks first + s, first + s + S, …; in chunks that give each lane
+      // a different one of its workers, so lanes never share a ring tail
+      const int count = last - first > s ? (last - first - s + S - 1) / S : 0;
+      const int chunk = mine < 32 ? mine : 32;
+      for (int c0 = 0; c0 < count; c0 += chunk) {
+        const int i = c0 + lane;
+        if (lane < chunk && i < count) {
+          const int t = first + s + S * i;
+          if (all_jit || (__ldg(&a.tasks[t].flags) & kTaskJit)) {
+            const int m = static_cast<int>((rr + lane) % static_cast<unsigned>(mine));
+            const int w = s + S * m;
+            Ring<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_head, a.jit_capacity, w).push(tails[m]++, a.task_infos[t]);
+          }
+        }
+        rr += chunk;
+        __syncwarp();
       }
     }
-    const int e = __shfl_sync(0xffffffffu, ev.id, 0);
-    if (e == kExit) return;
-    if (e < 0) continue;
-    const int first = __shfl_sync(0xffffffffu, ev.first_task, 0), last = __shfl_sync(0xffffffffu, ev.last_task, 0);
-    const bool all_jit = __shfl_sync(0xffffffffu, ev.flags, 0) & kEventAllJit;
-    // round-robin over all workers from this scheduler's own cursor (no shared atomic)
-    for (int t = first + lane; t < last; t += 32) {
-      if (all_jit || (__ldg(&a.tasks[t].flags) & kTaskJit)) {
-        const int w = static_cast<int>((rr + (t - first)) % a.num_workers);
-        QueueRef<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_reserve, a.jit_head, a.jit_capacity, w)
-            .push(a.task_infos[t]);
+    handled |= fired;
+    const int advance = handled == 0xffffffffu ? 32 : __ffs(~handled) - 1;  // leading dispatched slots
+    if (advance) {
+      handled = advance == 32 ? 0u : handled >> advance;
+      cursor += advance;
+      if (cursor >= J) {  // every JIT event of iteration k dispatched: the next iteration's window
+        cursor = 0;
+        handled = 0;
+        ++k;
       }
     }
-    rr += last - first;
   }
 }
 
@@ -259,15 +305,7 @@ extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1)
   }
   const int warp = threadIdx.x >> 5;
   const int s = (blockIdx.x - a.num_workers) * mpk::kSchedWarpsPerCta + warp;
-  if (warp < mpk::kSchedWarpsPerCta && s < a.num_schedulers) {
-    if (blockIdx.x == a.num_workers && warp == 0 && (threadIdx.x & 31) == 0) {
-      // iteration 1's start event: the host set its counter to 1
-      const mpk::EventDesc& sd = a.events[a.start_event];
-      mpk::notify_event(a, mpk::EventRef{a.start_event, sd.num_triggers, sd.first_task, sd.last_task, sd.flags});
-    }
-    __syncwarp();
-    mpk::scheduler_loop(a, s);
-  }
+  if (warp < mpk::kSchedWarpsPerCta && s < a.active_schedulers && a.num_jit_events > 0) mpk::scheduler_loop(a, s);
 }
 
 // Test wrapper: every tile of one op, one CTA per tile, no scheduling (task families alone).

@@ -1,8 +1,4 @@
-// Memory ordering, back-off and the MPSC queues the runtime is built from. Queues are circular
-// buffers in device memory: a producer reserves a position with one atomic, writes the slot
-// and publishes it with a release store of its sequence number; the single consumer
-// acquire-loads the sequence, reads the value and release-stores its head (so producers can
-// tell when a slot is free again).
+// Memory ordering, back-off, and the rings the runtime hands JIT tasks over with.
 #pragma once
 #include <cuda/atomic>
 
@@ -78,26 +74,25 @@ struct Spin {
   __device__ __forceinline__ void reset() { polls = 0; }
 };
 
-// Multi-producer single-consumer queue number q of a family (values/seq: q × capacity).
+// Single-producer single-consumer ring: the producer writes the slot and release-stores its
+// sequence number (position + 1); the consumer polls the sequence (relaxed, issued with its
+// other polls), fences, reads the value and publishes its head (read by debug checks). The host
+// sizes every ring to hold all pushes of one iteration, and an iteration's pushes are consumed
+// before the next one's start, so a ring never overflows; debug builds check it.
 template <typename V>
-struct QueueRef {
+struct Ring {
   V* values;
   unsigned long long* seq;
-  unsigned long long* reserve;
   unsigned long long* head;
   int capacity;
 
-  __device__ __forceinline__ static QueueRef at(V* values, unsigned long long* seq, unsigned long long* reserve,
-                                                unsigned long long* head, int capacity, int q) {
-    return QueueRef{values + static_cast<long long>(q) * capacity, seq + static_cast<long long>(q) * capacity,
-                    reserve + 16LL * q, head + 16LL * q, capacity};
+  __device__ __forceinline__ static Ring at(V* values, unsigned long long* seq, unsigned long long* head,
+                                            int capacity, int q) {
+    return Ring{values + static_cast<long long>(q) * capacity, seq + static_cast<long long>(q) * capacity,
+                head + 16LL * q, capacity};
   }
 
-  // Producer side (any thread). The host sizes every ring to hold all pushes of one
-  // iteration, and an iteration's pushes are all consumed before the next one's start, so a
-  // ring never overflows; debug builds check it.
-  __device__ __forceinline__ void push(const V& v) {
-    const unsigned long long pos = dev_atomic_u64(*reserve).fetch_add(1, cuda::memory_order_relaxed);
+  __device__ __forceinline__ void push(unsigned long long pos, const V& v) {
 #ifdef MPK_DEBUG
     if (pos - load_acquire(head) >= static_cast<unsigned long long>(capacity)) __trap();
 #endif
@@ -106,18 +101,15 @@ struct QueueRef {
     store_release(seq + slot, pos + 1);
   }
 
-  // Consumer side (one thread). ``h`` is the consumer's private head; ``peek`` is a relaxed
-  // load of the slot's sequence the caller issued (see ready()).
   __device__ __forceinline__ unsigned long long peek(unsigned long long h) const {
     return load_relaxed(seq + (h & (capacity - 1)));
   }
   __device__ __forceinline__ bool try_pop(unsigned long long& h, V& v, unsigned long long peeked) {
     if (peeked != h + 1) return false;
     fence_acquire();
-    const int slot = static_cast<int>(h & (capacity - 1));
-    v = values[slot];
+    v = values[h & (capacity - 1)];
     ++h;
-    store_release(head, h);
+    dev_atomic_u64(*head).store(h, cuda::memory_order_relaxed);
     return true;
   }
 };

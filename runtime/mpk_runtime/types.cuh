@@ -29,11 +29,12 @@ enum StatusWord : int { kStState, kStTask, kStEvent, kStCountLo, kStNeedLo, kStA
 enum WorkerState : int { kStateStarting = 0, kStateWaitingAot = 1, kStateIdle = 2, kStateExited = 3, kStateAborted = 4 };
 
 // An event as its triggering tasks need it: arriving, deciding whether the arrival fired it,
-// and handing its task range to a scheduler need no further lookup.
+// and telling the schedulers need no further lookup.
 struct __align__(16) EventRef {
   int id, num_triggers, first_task, last_task;
   unsigned flags;
-  int pad[3];
+  int jit_index;  // index into RuntimeArgs::jit_events, -1 if the event launches no JIT task
+  int pad[2];
 };
 
 // What a worker needs to run a task and report it done: one load, no dependent lookups.
@@ -56,21 +57,24 @@ struct ProfileRecord {
   unsigned long long end_ns;
 };
 
+// A JIT event as the schedulers see it (host-built, in event order).
+struct __align__(16) JitEvent {
+  int event, first_task, last_task;
+  unsigned flags;
+};
+
 struct RuntimeArgs {
   const TaskDesc* tasks;
   const EventDesc* events;
   unsigned long long* counters;      // per event; never reset within a launch
   const int* aot_offsets;            // per worker CSR into aot_entries: [w, w+1)
   const AotEntry* aot_entries;
-  const TaskInfo* task_infos;        // per task (schedulers copy them into JIT queues)
-  TaskInfo* jit_values;              // num_workers × jit_capacity
-  unsigned long long* jit_seq;
-  unsigned long long* jit_reserve;   // per worker, stride 16 (own cache line)
-  unsigned long long* jit_head;      // per worker, stride 16
-  EventRef* sched_values;            // num_schedulers × sched_capacity
-  unsigned long long* sched_seq;
-  unsigned long long* sched_reserve;
-  unsigned long long* sched_head;
+  const TaskInfo* task_infos;        // per task (schedulers copy them into JIT rings)
+  const JitEvent* jit_events;        // the events that launch JIT tasks; EventRef.pad[0] indexes them
+  unsigned long long* mailbox;       // active_schedulers × num_jit_events: iteration in which each fired
+  TaskInfo* jit_values;              // num_workers × jit_capacity: one ring per worker, one producer
+  unsigned long long* jit_seq;       //   (the scheduler owning the worker: w % active_schedulers)
+  unsigned long long* jit_head;      // per worker, stride 16: the consumer's head (debug checks)
   unsigned* done;                    // set once the last iteration's end event fired
   volatile int* status;              // host-mapped: kStatusWords per worker, then per scheduler
   volatile int* abort_flag;          // host-mapped: the watchdog asks everyone to stop
@@ -78,15 +82,17 @@ struct RuntimeArgs {
   unsigned long long* profile_count;
   int profile_capacity;
   int num_workers;
-  int num_schedulers;
+  int num_schedulers;                // scheduler warps launched
+  int active_schedulers;             // min(num_schedulers, num_workers): the ones that own workers
   int num_tasks;
   int num_events;
+  int num_jit_events;
+  int start_jit_index;               // the start event's index in jit_events, or -1
   int start_event;
   int end_event;
   int iterations;
   int any_jit;                       // 0: no JIT task at all, workers skip the JIT ring
-  int jit_capacity;                  // powers of two
-  int sched_capacity;
+  int jit_capacity;                  // power of two
 };
 
 }  // namespace mpk
