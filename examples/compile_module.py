@@ -1,10 +1,11 @@
 """Compile an ordinary PyTorch module with ``torch.compile(backend="mpk")``, check it against
-eager, print the task-graph summary and where the dump (tables, DOT/SVG, JSON) was written.
+eager, print the task-graph summary and where the dump (tables, DOT/SVG, JSON) and, on a GPU,
+the in-kernel profiler's trace (Chrome/Perfetto JSON) were written.
 
     python examples/compile_module.py [--layers 2] [--out mpk-example]
 
-Without a GPU (or until the persistent GPU runtime lands) it runs on the CPU reference
-interpreter, which executes the same tables the megakernel will.
+With CUDA it runs as one persistent kernel; without, on the CPU reference interpreter, which
+executes the same tables.
 """
 
 from __future__ import annotations
@@ -33,18 +34,27 @@ def main() -> None:
     ids = torch.randint(0, cfg.vocab, (2, ns.seq), generator=gen)
     cos, sin = rope_tables(cfg, torch.arange(ns.seq))
 
-    compiled = torch.compile(model, backend="mpk",
-                             options={"executor": "cpu", "num_workers": 32, "debug_dir": ns.out})
+    gpu = torch.cuda.is_available()
+    options = {"executor": "gpu" if gpu else "cpu", "debug_dir": ns.out}
+    if gpu:
+        model, ids, cos, sin = model.cuda(), ids.cuda(), cos.cuda(), sin.cuda()
+        options["profile_dir"] = ns.out
+    else:
+        options["num_workers"] = 32
+    compiled = torch.compile(model, backend="mpk", options=options)
     with torch.no_grad():
         t0 = time.perf_counter()
         out = compiled(ids, cos, sin)
         elapsed = time.perf_counter() - t0
         ref = model(ids, cos, sin)
     err = float((out - ref).abs().max() / ref.abs().max())
+    print(f"executor: {options['executor']}")
     print(COMPILED[-1].stats.summary())
     print(f"\nlogits {tuple(out.shape)}: max relative error vs eager {err:.2e} "
           f"({'OK' if err <= 1e-5 else 'MISMATCH'}); compile + first run {elapsed:.2f} s")
     print(f"dump: {ns.out}/graph0.{{summary.txt,opgraph.txt,tables,json,dot}} (+ .svg with graphviz)")
+    if gpu:
+        print(f"profiler trace (open in ui.perfetto.dev or chrome://tracing): {ns.out}/trace0.json")
     if err > 1e-5:
         raise SystemExit(1)
 
