@@ -10,5 +10,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.lo
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -m pytest -m gpu -q -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 test_rc=${PIPESTATUS[0]}
+python3 examples/compile_module.py --out "$OUT/example" 2>&1 | tee "$OUT/example.log" | tail -4
+python3 benchmarks/hop_breakdown.py 2>&1 | tee "$OUT/hop_breakdown.txt"
 python3 benchmarks/runtime_overhead.py --out "$OUT/runtime_overhead.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -8
 echo "gpu tests exit code: $test_rc"
