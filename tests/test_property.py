@@ -96,3 +96,27 @@ def test_random_programs(seed):
         outs = interp.run(args, seed=schedule)
         for o, e in zip(outs, expected):
             assert relative_error(o, e) <= TOL, f"schedule {schedule}: error {relative_error(o, e)}"
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_fusion_reaches_the_fixpoint(seed):
+    """Fusion's two passes leave nothing for either fusion to merge (random DAGs)."""
+    from mpk.compiler.fuse import fuse, is_fixpoint
+    from mpk.compiler.partition import decompose
+    from mpk.ir.opgraph import OpGraph
+
+    rng = random.Random(seed)
+    n = rng.randint(1, 300)
+    g = OpGraph()
+    x = g.add_buffer("x", (n,), torch.float32, "input", input_index=0)
+    from mpk.ir.views import identity_view
+    g.add_op("copy", (identity_view(x.id, (n,)),), (n,), torch.float32, {}, "c")
+    tg = decompose(g, 1, {"copy": [n]})
+    tg.preds = [tuple(sorted(set(rng.randrange(t) for _ in range(rng.randint(0, min(t, 4)))))) if t else ()
+                for t in range(n)]
+    tg.num_edges = sum(map(len, tg.preds))
+    fuse(tg)
+    assert is_fixpoint(tg.events)
+    covered = {(p, t) for e in tg.events for p in e.triggers for t in e.launches}
+    assert covered == {(p, t) for t, ps in enumerate(tg.preds) for p in ps}  # exactly the edges

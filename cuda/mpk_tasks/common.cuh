@@ -165,6 +165,15 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// max that propagates NaN, as torch.amax does
+__device__ __forceinline__ float warp_max_nan(float v) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = (v != v || w != w) ? (v != v ? v : w) : fmaxf(v, w);
+  }
+  return v;
+}
+
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;

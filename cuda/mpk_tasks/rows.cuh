@@ -38,7 +38,7 @@ __device__ void task_reduce(const OpC& c, const Rect& r, const TaskEnv& env) {
       if (c.variant == kArgmax) {
         if (v > acc || (v != v && acc == acc)) { acc = v; arg = j; }  // first max; NaN wins like torch
       } else if (c.variant == kAmax) {
-        acc = fmaxf(acc, v);
+        acc = (v != v || acc != acc) ? (acc != acc ? acc : v) : fmaxf(acc, v);  // NaN propagates like torch
       } else {
         acc += v;
       }
@@ -47,10 +47,11 @@ __device__ void task_reduce(const OpC& c, const Rect& r, const TaskEnv& env) {
       for (int o = 16; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(0xffffffffu, acc, o);
         const long long oa = __shfl_xor_sync(0xffffffffu, arg, o);
-        if (ov > acc || (ov == acc && oa < arg)) { acc = ov; arg = oa; }
+        const bool o_nan = ov != ov, a_nan = acc != acc;  // torch: the first NaN wins, else the first max
+        if (o_nan ? (!a_nan || oa < arg) : (!a_nan && (ov > acc || (ov == acc && oa < arg)))) { acc = ov; arg = oa; }
       }
     } else {
-      acc = c.variant == kAmax ? warp_max(acc) : warp_sum(acc);
+      acc = c.variant == kAmax ? warp_max_nan(acc) : warp_sum(acc);
     }
     if (lane == 0) {
       if (c.iparam[0]) idx[c.ndim - 1] = 0;

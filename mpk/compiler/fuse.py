@@ -3,10 +3,14 @@
 Unfused, every edge (t1, t2) is its own event (one trigger, one launch). Successor-set fusion
 merges events that launch the same task set (their triggers are unioned); predecessor-set
 fusion merges events with the same trigger set (their launches are unioned). Both preserve the
-edge set exactly (T×L of a merged event is the union of the parts) and repeat until neither
-applies. The per-edge events are never built: successor-set fusion of them is exactly "one event
-per consumer, triggered by its predecessors", which is where the fixpoint loop starts. Tasks
-with no predecessors share the event with the empty trigger set: the start event.
+edge set exactly (T×L of a merged event is the union of the parts).
+
+The fixpoint is reached in two passes. The per-edge events are never built: successor-set
+fusion of them is exactly "one event per consumer, triggered by its predecessors". Predecessor-
+set fusion of those merges consumers with equal predecessor sets. After it, launch sets are
+disjoint (each task is launched by one event) and trigger sets distinct, so neither fusion can
+merge anything more (``is_fixpoint``; the tests check it on random graphs). Tasks with no
+predecessors share the event with the empty trigger set: the start event.
 """
 
 from __future__ import annotations
@@ -28,13 +32,14 @@ def predecessor_set_fusion(events: list[Event]) -> list[Event]:
     return [Event(t, tuple(sorted(l))) for t, l in merged.items()]
 
 
+def is_fixpoint(events: list[Event]) -> bool:
+    """Neither fusion merges anything more."""
+    return len(successor_set_fusion(events)) == len(events) == len(predecessor_set_fusion(events))
+
+
 def fuse(tg: TaskGraph) -> TaskGraph:
-    events = [Event(p, (t,)) for t, p in enumerate(tg.preds)]
-    while True:
-        n = len(events)
-        events = predecessor_set_fusion(successor_set_fusion(events))
-        if len(events) == n:
-            break
+    per_consumer = [Event(p, (t,)) for t, p in enumerate(tg.preds)]  # successor-set fusion of edges
+    events = predecessor_set_fusion(per_consumer)
     # Deterministic order: by first launched task.
     events.sort(key=lambda e: e.launches)
     if not any(e.triggers == () for e in events):

@@ -33,7 +33,8 @@ def assign_modes(tg: TaskGraph) -> TaskGraph:
         for t in e.triggers:
             bits |= ancestors[dep_event[t]] | (1 << position[t])
         ancestors[ei] = bits
-        barrier[ei] = bits & jit_before == jit_before
+        # a barrier closes a JIT region: JIT work came before, and all of it is an ancestor
+        barrier[ei] = jit_before != 0 and bits & jit_before == jit_before
         if not barrier[ei] and any(jit[t] for t in e.triggers):
             for t in e.launches:
                 jit[t] = True

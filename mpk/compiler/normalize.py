@@ -4,7 +4,8 @@ After fusion each task is launched by exactly one event (its predecessor set nam
 producer may trigger several events (its consumers have different predecessor sets). Producers
 with the same set of triggered events {E1..Ek} form a class D; the class triggers one new event
 that launches k dummy tasks, and dummy j triggers Ej in place of D. Tasks nothing consumes
-trigger the end event, which fires once the whole iteration is done.
+trigger the end event, which fires once the whole iteration is done. A graph without ops gets
+one dummy task, so that every iteration has something to fire its end event.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from mpk.errors import CompileError
 def normalize(tg: TaskGraph) -> TaskGraph:
     events = tg.events
     start = next(i for i, e in enumerate(events) if e.triggers == ())
+    if tg.num_tasks == 0:  # no ops (outputs are views of inputs): one dummy lets the end event fire
+        tg.task_op.append(DUMMY)
+        tg.task_tile.append(0)
+        events[start] = Event((), (0,))
     triggered: dict[int, list[int]] = defaultdict(list)
     for ei, e in enumerate(events):
         for t in e.triggers:

@@ -13,7 +13,8 @@ Layout, version 1 (little-endian, all ids 0-based, task/event ids are linear pos
     num_triggers int32  arrivals per iteration; iteration k (1-based) fires at k·num_triggers
                         (counters are never reset inside a launch)
     first_task, last_task int32   launched task range [first_task, last_task)
-    flags       uint32  bit 0: global barrier (all earlier tasks are its ancestors)
+    flags       uint32  bit 0: global barrier (closes a JIT region: every JIT task linearized
+                        before it is its ancestor)
 ``ops`` (OP_DTYPE): type_id (registry), output buffer, first_input/num_inputs into
     ``op_inputs`` (view ids), ndim, grid[MAX_DIMS], bounds_offset into ``bounds`` (per dim,
     grid[d]+1 boundaries, dims concatenated), num_tiles. An op's tasks need not be contiguous
@@ -214,7 +215,8 @@ def validate(tables: Tables) -> None:
     """Check the structural invariants both executors rely on; raises CompileError naming the
     offending task or event. Event ranges partition the tasks in order, each task's dep_event
     is the event whose range holds it, trigger counts match, every event launches only tasks
-    linearized after all of its triggers (topological order), and the end event is last."""
+    linearized after all of its triggers (topological order), events are numbered in the order
+    of their ranges, and the end event is last."""
     tasks, events = tables.tasks, tables.events
     n = len(tasks)
     start, end = tables.start_event, tables.end_event
@@ -246,3 +248,8 @@ def validate(tables: Tables) -> None:
                                f"{int(events[trig]['first_task'])}: not after the task (order not topological)")
     if int(events[end]["first_task"]) != n:
         raise CompileError(f"end event {end} must launch nothing at the end of the task list")
+    firsts = events["first_task"].astype(np.int64)
+    if len(firsts) > 1 and (np.diff(firsts) < 0).any():
+        e = int(np.nonzero(np.diff(firsts) < 0)[0][0]) + 1
+        raise CompileError(f"event {e} launches from task {int(firsts[e])}, before event {e - 1}'s range: events "
+                           "must be numbered in linear order (the GPU schedulers rely on it)")

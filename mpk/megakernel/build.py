@@ -65,7 +65,7 @@ def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False) -> Path:
     cubin = out_dir / f"{key}.cubin"
     if cubin.exists():
         return cubin
-    src = out_dir / f"{key}.cu"
+    src = out_dir / f"{key}.{os.getpid()}.cu"  # per process: concurrent builders never share a file
     src.write_text(source)
     includes = [f"-I{d}" for d in INCLUDE_DIRS]
     tmp = out_dir / f"{key}.{os.getpid()}.tmp"
@@ -74,4 +74,5 @@ def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False) -> Path:
     if res.returncode != 0:
         raise BuildError(f"nvcc failed (exit {res.returncode}) building {src}:\n{res.stderr.strip()[-6000:]}")
     tmp.replace(cubin)  # atomic: concurrent builders of one key never see a partial cubin
+    src.replace(out_dir / f"{key}.cu")  # kept beside the cubin for reading
     return cubin

@@ -118,7 +118,6 @@ class GpuExecutor:
         offsets = np.zeros(self.num_workers + 1, np.int32)
         offsets[1:] = np.cumsum([len(p) for p in per_worker])
         self.any_jit = bool(jit.any())
-        self.jit_capacity = _pow2(int(jit.sum()))
         W, S = self.num_workers, self.num_schedulers
         i64 = dict(dtype=torch.int64, device=dev)
         self.d_tasks = _dev(t.tasks, dev)
@@ -160,6 +159,7 @@ class GpuExecutor:
         if -(-W // self.active_schedulers) > MAX_WORKERS_PER_SCHEDULER:
             raise MpkError(f"{W} workers over {self.active_schedulers} schedulers exceeds "
                            f"{MAX_WORKERS_PER_SCHEDULER} workers per scheduler; add scheduler CTAs")
+        self.jit_capacity = self._jit_ring_capacity(jit_events[: self.num_jit_events])
         self._zero_layout = {"counters": n_events, "mailbox": self.active_schedulers * max(1, self.num_jit_events),
                              "jit_seq": W * self.jit_capacity, "jit_head": 16 * W, "done": 1, "profile_count": W}
         self.d_zero = torch.zeros(sum(self._zero_layout.values()), **i64)
@@ -180,6 +180,18 @@ class GpuExecutor:
             None if b["role"] == ROLE_INPUT else torch.empty(self.buf_shape[i], dtype=self.buf_dtype[i], device=dev)
             for i, b in enumerate(t.buffers)]
         self.d_buffer_ptrs = torch.zeros(max(1, len(t.buffers)), **i64)
+
+    def _jit_ring_capacity(self, jit_events: np.ndarray) -> int:
+        """Pushes one worker's ring can receive in one iteration, at most: a scheduler hands each
+        of its workers at most one task per chunk of min(its workers, 32) tasks of an event."""
+        S, W = self.active_schedulers, self.num_workers
+        spans = (jit_events[:, 2] - jit_events[:, 1]).astype(np.int64)
+        worst = 0
+        for s in range(S):
+            mine = (W - s + S - 1) // S
+            count = np.where(spans > s, (spans - s + S - 1) // S, 0)
+            worst = max(worst, int((-(-count // min(mine, 32))).sum()))
+        return _pow2(worst)
 
     def _write_args(self, iterations: int) -> None:
         z = self.zero_ptr
@@ -269,8 +281,10 @@ class GpuExecutor:
             v = self.t.views[o["view"]]
             nd = int(v["ndim"])
             buf = self.buffers[int(v["buffer"])]
-            out.append(buf.reshape(-1).as_strided([int(s) for s in v["shape"][:nd]],
-                                                  [int(s) for s in v["strides"][:nd]], int(v["offset"])))
+            view = buf.reshape(-1).as_strided([int(s) for s in v["shape"][:nd]],
+                                              [int(s) for s in v["strides"][:nd]], int(v["offset"]))
+            # intermediates are reused by the next launch: hand out copies (inputs pass through)
+            out.append(view if self.t.buffers[int(v["buffer"])]["role"] == ROLE_INPUT else view.clone())
         return out
 
     def run_tile_kernel(self, op: int, args: Sequence[torch.Tensor]) -> None:

@@ -36,7 +36,7 @@ def _pointwise_cpu(sig: OpSig, rect, xs):
     operands = [xs[a[1]] if a[0] == "in" else a[1] for a in sig.attrs["args"]]
     if not isinstance(operands[0], torch.Tensor):  # e.g. rsub: torch functions want a tensor first
         like = next(o for o in operands if isinstance(o, torch.Tensor))
-        operands[0] = torch.tensor(operands[0], dtype=like.dtype)
+        operands[0] = torch.tensor(operands[0], dtype=torch.result_type(operands[0], like))
     return POINTWISE_FNS[sig.attrs["fn"]][1](*operands).to(sig.out_dtype)
 
 

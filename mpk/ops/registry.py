@@ -6,7 +6,7 @@ An ``OpDef`` says, for one kind, everything the later stages need and nothing ab
 * ``input_regions``: for an output tile, the rect of each input view it reads (None: not read);
 * ``cpu``: the tile computed with PyTorch from exactly those input slices (the CPU
   interpreter passes nothing else, so a kernel cannot read outside its declared regions);
-* partition hints (``split_order``, ``min_extent``) and ``data_dependent`` (JIT launch).
+* partition hints (``split_order``, ``min_tile_elems``) and ``data_dependent`` (JIT launch).
 
 Both the compiler and the executors read op kinds through this registry; the tables carry the
 kind's ``type_id`` and the op's attrs.

@@ -141,7 +141,10 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
     // flight together; graphs without JIT tasks skip the peek.
     const unsigned long long peeked = a.any_jit ? jit.peek(jit_head) : 0;
     const unsigned long long have = aot_left && !known ? load_acquire(a.counters + aot.head.dep) : 0;
-    if (a.any_jit && jit.try_pop(jit_head, t, peeked)) return t;
+    if (a.any_jit && jit.try_pop(jit_head, t, peeked)) {
+      if (t.trig.id != pending.event.id) pending.flush(a);
+      return t;
+    }
     if (aot_left) {
       if (known) return aot.consume(a);
       if (have >= need) {
@@ -255,7 +258,8 @@ __device__ void scheduler_loop(const RuntimeArgs& a, int s) {
       continue;
     }
     spin.reset();
-    fence_acquire();
+    fence_acquire();  // every lane: any of them may push this event's tasks
+    __syncwarp();
     for (unsigned todo = fired; todo; todo &= todo - 1) {
       const int b = __ffs(todo) - 1;
       const int first = __shfl_sync(0xffffffffu, ev.first_task, b), last = __shfl_sync(0xffffffffu, ev.last_task, b);

@@ -17,7 +17,8 @@ struct EventDesc {  // EVENT_DTYPE
   int num_triggers;
   int first_task;
   int last_task;
-  unsigned flags;  // bit 0: global barrier; set by the host: bit 1 launches a JIT task, bit 2 only JIT tasks
+  unsigned flags;  // bit 0: global barrier (closes a JIT region); set by the host: bit 1 launches a JIT
+                   // task, bit 2 only JIT tasks
 };
 
 constexpr unsigned kTaskJit = 1u;
@@ -70,7 +71,7 @@ struct RuntimeArgs {
   const int* aot_offsets;            // per worker CSR into aot_entries: [w, w+1)
   const AotEntry* aot_entries;
   const TaskInfo* task_infos;        // per task (schedulers copy them into JIT rings)
-  const JitEvent* jit_events;        // the events that launch JIT tasks; EventRef.pad[0] indexes them
+  const JitEvent* jit_events;        // the events that launch JIT tasks; EventRef.jit_index indexes them
   unsigned long long* mailbox;       // active_schedulers × num_jit_events: iteration in which each fired
   TaskInfo* jit_values;              // num_workers × jit_capacity: one ring per worker, one producer
   unsigned long long* jit_seq;       //   (the scheduler owning the worker: w % active_schedulers)
