@@ -252,3 +252,16 @@ def test_backend_entry_point_needs_no_import(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "ok True"
+
+
+def test_graph_without_ops_runs():
+    """Outputs that are only views of inputs: no op, one dummy task, the end event still fires."""
+    x = torch.randn(3, 5)
+    out = torch.compile(lambda t: (t.t(), t[1:]), backend="mpk", options={"executor": "cpu"})(x)
+    assert torch.equal(out[0], x.t()) and torch.equal(out[1], x[1:])
+
+
+def test_scalar_first_pointwise_keeps_the_constant_type():
+    x = torch.arange(6).reshape(2, 3)
+    out = torch.compile(lambda t: 1.5 - t, backend="mpk", options={"executor": "cpu"})(x)
+    assert out.dtype == torch.float32 and torch.equal(out, 1.5 - x)

@@ -157,3 +157,14 @@ def test_profiler_trace_spans_match_executed_tasks(tmp_path):
     assert all(0 <= e["tid"] < sms and e["dur"] >= 0 for e in spans)
     counts = np.bincount([e["args"]["task"] for e in spans], minlength=len(tables.tasks))
     assert (counts == 4).all()
+
+
+def test_outputs_do_not_alias_the_next_launch():
+    fn = lambda x, w: torch.relu(x @ w) * 2  # noqa: E731
+    g = torch.Generator().manual_seed(9)
+    a, b = (torch.randn(4, 8, generator=g) for _ in range(2))
+    w = torch.randn(8, 8, generator=g)
+    compiled = torch.compile(fn, backend="mpk", options={"executor": "gpu"})
+    ya = compiled(a.to(DEV), w.to(DEV))
+    yb = compiled(b.to(DEV), w.to(DEV))
+    assert relative_error(ya.cpu(), fn(a, w)) <= TOL and relative_error(yb.cpu(), fn(b, w)) <= TOL
