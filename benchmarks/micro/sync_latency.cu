@@ -9,7 +9,7 @@ using A = cuda::atomic_ref<unsigned long long, cuda::thread_scope_device>;
 constexpr int kRounds = 20000;
 
 template <int Mode>
-__global__ void pingpong(unsigned long long* flag, unsigned long long* out) {
+__global__ void pingpong(unsigned long long* flag, unsigned long long* out, const int4* cold) {
   if (threadIdx.x != 0) return;
   const unsigned long long me = blockIdx.x;  // 0 or 1
   unsigned long long t0 = clock64();
@@ -30,10 +30,15 @@ __global__ void pingpong(unsigned long long* flag, unsigned long long* out) {
       while (A(*flag).load(cuda::memory_order_relaxed) != want) {}
       cuda::atomic_thread_fence(cuda::memory_order_acquire, cuda::thread_scope_device);
       A(*flag).fetch_add(1, cuda::memory_order_release);
-    } else {  // volatile polls, __threadfence + atomicAdd
+    } else if (Mode == 4) {  // volatile polls, __threadfence + atomicAdd
       while (*(volatile unsigned long long*)flag != want) {}
       __threadfence();
       atomicAdd(flag, 1ULL);
+    } else {  // acquire poll + release store, with a load still in flight at the store (a prefetch)
+      while (A(*flag).load(cuda::memory_order_acquire) != want) {}
+      const int4 pre = cold[(i * 977 + me * 131) % (1 << 20)];
+      A(*flag).store(want + 1, cuda::memory_order_release);
+      if (pre.x == 0x7fffffff) out[2] = pre.y;  // use it after the store
     }
   }
   if (me == 0) out[0] = clock64() - t0;
@@ -51,17 +56,20 @@ __global__ void fence_cost(unsigned long long* out) {
 
 int main() {
   unsigned long long *flag, *out;
+  int4* cold;
+  cudaMalloc(&cold, sizeof(int4) << 20);
+  cudaMemset(cold, 1, sizeof(int4) << 20);
   cudaMalloc(&flag, 256);
   cudaMalloc(&out, 64);
   int clock_khz;
   cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0);
   const char* names[] = {"acquire poll + release store", "relaxed poll + fence + release store",
                          "relaxed poll + fence + atom acq_rel", "relaxed poll + fence + red release",
-                         "volatile poll + threadfence + atomicAdd"};
+                         "volatile poll + threadfence + atomicAdd", "acquire poll + release store, load in flight"};
   auto run = [&](auto kernel, const char* name) {
     for (int rep = 0; rep < 2; ++rep) {
       cudaMemset(flag, 0, 8);
-      kernel<<<2, 32>>>(flag, out);
+      kernel<<<2, 32>>>(flag, out, cold);
       cudaError_t err = cudaDeviceSynchronize();
       if (err != cudaSuccess) { printf("%s: %s\n", name, cudaGetErrorString(err)); return; }
       unsigned long long cycles;
@@ -74,6 +82,7 @@ int main() {
   run(pingpong<2>, names[2]);
   run(pingpong<3>, names[3]);
   run(pingpong<4>, names[4]);
+  run(pingpong<5>, names[5]);
   fence_cost<<<1, 256>>>(out);
   cudaDeviceSynchronize();
   unsigned long long c[2];
