@@ -1,4 +1,4 @@
-"""Executors of the tables: the CPU reference interpreter (and, next, the persistent GPU kernel)."""
+"""Executors of the tables: the CPU reference interpreter and (``gpu.GpuExecutor``) the persistent GPU kernel."""
 
 from mpk.megakernel.interpreter import Interpreter
 
