@@ -125,45 +125,9 @@ struct AotCursor {
   }
 };
 
-// While thread 0 waits for its AOT head, lane 0 of warps 1..kPollWarps-1 poll the same counter,
-// staggered in time, so that a store landing in L2 is seen within a fraction of a round trip
-// instead of up to a whole one. Each wait thread 0 publishes gets a new ticket; a helper that
-// sees the counter ready (acquire, device scope) stores that ticket as ``hint`` (block-scope
-// release), and thread 0 accepts only the current ticket (block-scope acquire) — then it may
-// start the task without a poll of its own (causality is transitive). A late helper can only
-// store an old ticket, which nobody accepts.
-constexpr int kPollWarps = 8;
-
-struct WaitBoard {
-  int event;                 // the counter to poll, -1: none
-  unsigned long long need;
-  unsigned ticket;           // of the wait (event, need); odd while thread 0 rewrites them
-  unsigned hint;             // the ticket a helper saw satisfied
-  unsigned go;               // loop generation: helpers stop polling when it reaches theirs
-};
-
-using blk_atomic_u = cuda::atomic_ref<unsigned, cuda::thread_scope_block>;
-
-__device__ void helper_poll(const RuntimeArgs& a, WaitBoard& board, unsigned gen) {
-  const int warp = threadIdx.x >> 5;
-  __nanosleep(64 * warp);  // stagger the helpers' round trips
-  while (blk_atomic_u(board.go).load(cuda::memory_order_acquire) != gen) {
-    // seqlock read of (event, need) under the ticket
-    const unsigned ticket = blk_atomic_u(board.ticket).load(cuda::memory_order_acquire);
-    const int e = board.event;
-    const unsigned long long need = board.need;
-    const bool stable = !(ticket & 1u) && blk_atomic_u(board.ticket).load(cuda::memory_order_acquire) == ticket;
-    if (stable && e >= 0 && blk_atomic_u(board.hint).load(cuda::memory_order_relaxed) != ticket) {
-      if (load_acquire(a.counters + e) >= need) blk_atomic_u(board.hint).store(ticket, cuda::memory_order_release);
-    } else {
-      __nanosleep(64);
-    }
-  }
-}
-
 // Thread 0 of a worker: the next task (JIT queue first, then the AOT head once its event fired).
 __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsigned long long& jit_head,
-                              Pending& pending, WaitBoard& board) {
+                              Pending& pending) {
   Ring<TaskInfo> jit = Ring<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_head, a.jit_capacity, w);
   volatile int* status = a.status + static_cast<long long>(w) * kStatusWords;
   if (!(aot.left() && aot.head.info.trig.id == pending.event.id)) pending.flush(a);
@@ -183,21 +147,12 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
     }
     if (aot_left) {
       if (known) return aot.consume(a);
-      // a helper's hint for this very wait (current ticket) counts as a successful poll
-      const bool published = board.event == aot.head.dep && board.need == need;
-      const bool hinted = published && blk_atomic_u(board.hint).load(cuda::memory_order_acquire) == board.ticket;
-      if (have >= need || hinted) {
+      if (have >= need) {
         aot.seen_event = aot.head.dep;
-        aot.seen_need = need;
+        aot.seen_need = have;
         return aot.consume(a);
       }
       pending.flush(a);  // about to wait: owe nothing to anyone
-      if (!published) {  // publish the wait to the helpers under a new ticket
-        blk_atomic_u(board.ticket).store(board.ticket + 1, cuda::memory_order_relaxed);  // odd: writing
-        board.event = aot.head.dep;
-        board.need = need;
-        blk_atomic_u(board.ticket).store(board.ticket + 1, cuda::memory_order_release);  // even: ready
-      }
       if ((spin.polls & 1023) == 1023) {
         status[kStState] = kStateWaitingAot;
         status[kStTask] = aot.head.info.task;
@@ -225,10 +180,6 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
 
 __device__ void worker_loop(const RuntimeArgs& a, int w) {
   __shared__ TaskInfo s_task;
-  __shared__ WaitBoard board;
-  if (threadIdx.x == 0) board = WaitBoard{-1, 0, 0, 0xffffffffu, 0};
-  __syncthreads();
-  unsigned gen = 0;
   AotCursor aot;
   aot.begin = a.aot_offsets[w];
   aot.count = a.aot_offsets[w + 1] - aot.begin;
@@ -239,22 +190,18 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
   unsigned long long t0 = 0;
   if (threadIdx.x == 0) aot.start(a);
   while (true) {
-    ++gen;
     if (threadIdx.x == 0) {
-      TaskInfo t = next_task(a, w, aot, jit_head, pending, board);
+      TaskInfo t = next_task(a, w, aot, jit_head, pending);
       while (t.task != kExit && t.op < 0) {  // dummy tasks need no block: thread 0 completes them
         if (a.profile && n_profiled < static_cast<unsigned>(a.profile_capacity)) {
           const unsigned long long now = globaltimer_ns();
           a.profile[static_cast<long long>(w) * a.profile_capacity + n_profiled++] = ProfileRecord{t.task, sm_id(), now, now};
         }
         pending.add(a, t);
-        t = next_task(a, w, aot, jit_head, pending, board);
+        t = next_task(a, w, aot, jit_head, pending);
       }
       s_task = t;
       if (a.profile) t0 = globaltimer_ns();
-      blk_atomic_u(board.go).store(gen, cuda::memory_order_release);
-    } else if ((threadIdx.x & 31) == 0 && (threadIdx.x >> 5) < kPollWarps) {
-      helper_poll(a, board, gen);
     }
     __syncthreads();
     const TaskInfo t = s_task;
