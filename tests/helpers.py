@@ -4,7 +4,6 @@ element-level dependency oracle independent of the compiler's rect analysis."""
 from __future__ import annotations
 
 import random
-from collections import deque
 
 import numpy as np
 import torch
@@ -107,3 +106,14 @@ def check_dependencies(tables: Tables) -> int:
 
 def compile_with(graph, partition=None, num_workers=8):
     return compile_graph(graph, num_workers=num_workers, partition=partition)
+
+
+def random_decoder(config, seed: int, batch: int, seq: int):
+    """A toy decoder with fresh random weights and a prefill batch: (model, ids, cos, sin)."""
+    from mpk.models.toy import Decoder, randomize, rope_tables
+
+    g = torch.Generator().manual_seed(seed)
+    model = randomize(Decoder(config), g).eval()
+    ids = torch.randint(0, config.vocab, (batch, seq), generator=g)
+    cos, sin = rope_tables(config, torch.arange(seq))
+    return model, ids, cos, sin

@@ -11,21 +11,18 @@ import pytest
 import torch
 import torch.nn as nn
 
-from helpers import check_dependencies, compile_with, relative_error, trace_graph
+from helpers import check_dependencies, compile_with, random_decoder, relative_error, trace_graph
 from mpk import CompileError, DeadlockError, OptionError, RaceError, UnsupportedOpError
 from mpk.errors import ScheduleError
 from mpk.compiler.tables import Tables, validate
 from mpk.errors import ExecutorUnavailableError
 from mpk.inspection import compile_module
 from mpk.megakernel import Interpreter
-from mpk.models.toy import QWEN3, Decoder, randomize, rope_tables
+from mpk.models.toy import QWEN3
 
 
 def _qwen(seed=0, batch=2, seq=3):
-    g = torch.Generator().manual_seed(seed)
-    model = randomize(Decoder(QWEN3), g).eval()
-    ids = torch.randint(0, QWEN3.vocab, (batch, seq), generator=g)
-    cos, sin = rope_tables(QWEN3, torch.arange(seq))
+    model, ids, cos, sin = random_decoder(QWEN3, seed, batch, seq)
     return model, (ids, cos, sin)
 
 

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import compile_with, random_partition, relative_error, trace_graph
-from mpk.inspection import compile_module
+from helpers import compile_with, random_decoder, random_partition, relative_error, trace_graph
 from mpk.megakernel import Interpreter
 from mpk.megakernel.stress import random_dag, stamp_graph, stamp_inputs
 from mpk.models.toy import LLAMA, QWEN3, Config, Decoder, GeluMLPBlock, randomize, rope_tables
@@ -57,10 +56,7 @@ def test_random_programs_match_eager_and_interpreter(seed):
 
 @pytest.mark.parametrize("config", [LLAMA, QWEN3, Config(kv_heads=4)], ids=["llama", "qwen3", "mha"])
 def test_decoder_through_torch_compile_on_gpu(config):
-    g = torch.Generator().manual_seed(5)
-    model = randomize(Decoder(config), g).eval()
-    ids = torch.randint(0, config.vocab, (3, 6), generator=g)
-    cos, sin = rope_tables(config, torch.arange(6))
+    model, ids, cos, sin = random_decoder(config, seed=5, batch=3, seq=6)
     with torch.no_grad():
         ref = model(ids, cos, sin)
         out = torch.compile(model.to(DEV), backend="mpk", options={"executor": "gpu"})(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import relative_error
+from helpers import random_decoder, relative_error
 from mpk.models.toy import LLAMA, QWEN3, Config, Decoder, GeluMLPBlock, randomize, rope_tables
 from mpk.backend import COMPILED
 
@@ -22,10 +22,7 @@ def _compile(model, **options):
 @pytest.mark.parametrize("config", [LLAMA, QWEN3, Config(kv_heads=4)], ids=["llama", "qwen3", "mha"])
 @pytest.mark.parametrize("batch,seq", [(1, 5), (3, 4)])
 def test_decoder_prefill_matches_eager(config, batch, seq):
-    g = torch.Generator().manual_seed(1000 * batch + seq)
-    model = randomize(Decoder(config), g).eval()
-    ids = torch.randint(0, config.vocab, (batch, seq), generator=g)
-    cos, sin = rope_tables(config, torch.arange(seq))
+    model, ids, cos, sin = random_decoder(config, seed=1000 * batch + seq, batch=batch, seq=seq)
     with torch.no_grad():
         ref = model(ids, cos, sin)
         out = _compile(model, num_workers=16, seed=batch)(ids, cos, sin)
@@ -67,10 +64,7 @@ def test_gelu_layernorm_mlp_matches_eager(approximate):
 
 def test_many_schedules_same_result():
     """The interpreter's schedule seed changes the order of tasks, never the values."""
-    g = torch.Generator().manual_seed(11)
-    model = randomize(Decoder(QWEN3), g).eval()
-    ids = torch.randint(0, QWEN3.vocab, (2, 3), generator=g)
-    cos, sin = rope_tables(QWEN3, torch.arange(3))
+    model, ids, cos, sin = random_decoder(QWEN3, seed=11, batch=2, seq=3)
     with torch.no_grad():
         ref = model(ids, cos, sin)
         _compile(model, num_workers=16)(ids, cos, sin)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from mpk.cli import PRESETS, main
+from mpk.cli import PRESETS
 
 STEPS = ("decompose", "depend", "prune", "fuse", "normalize", "linearize", "modes", "emit")
 

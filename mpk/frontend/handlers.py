@@ -8,13 +8,16 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 import mpk.frontend.fused_ops  # noqa: F401  (registers torch.ops.mpk.*)
 from mpk.frontend.lower import Unavailable, Unsupported
 from mpk.ir.views import View
+
+if TYPE_CHECKING:
+    from mpk.frontend.lower import Lowering
 
 aten, prims, mpk_ops = torch.ops.aten, torch.ops.prims, torch.ops.mpk
 HANDLERS: dict[Any, Callable] = {}

@@ -9,8 +9,6 @@ the number of times each task ran. ``record=False``: empty tasks that do nothing
 
 from __future__ import annotations
 
-import torch
-
 from mpk.ops.registry import OpDef, OpSig, register
 
 
