@@ -76,3 +76,82 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
 @attention.register_fake
 def _(q, k, v, attn_mask, is_causal, scale, enable_gqa):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+# --- decode over the paged KV cache (mpk.ops.paged documents the layout) ----------------------
+
+def _cache_dims(kv_cache: torch.Tensor) -> tuple[int, int]:
+    if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+        raise ValueError(f"kv_cache has shape {tuple(kv_cache.shape)}; expected [layers, 2, pages, kv_heads, "
+                         "page_size, head_dim]")
+    return int(kv_cache.shape[4]), int(kv_cache.shape[5])  # page_size, head_dim
+
+
+def rope_append_attrs(qkv, kv_cache, q_norm, layer, heads, kv_heads, eps) -> dict:
+    page_size, head_dim = _cache_dims(kv_cache)
+    if qkv.shape[-1] != (heads + 2 * kv_heads) * head_dim:
+        raise ValueError(f"qkv has {qkv.shape[-1]} columns; expected (heads {heads} + 2·kv_heads {kv_heads})·"
+                         f"head_dim {head_dim} = {(heads + 2 * kv_heads) * head_dim}")
+    if page_size & (page_size - 1) or not 1 <= page_size <= 256:
+        raise ValueError(f"page_size {page_size}; expected a power of two in 1…256")
+    return dict(layer=layer, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
+                eps=eps, qk_norm=q_norm is not None)
+
+
+@torch.library.custom_op("mpk::rope_append", mutates_args=("kv_cache",))
+def rope_append(qkv: torch.Tensor, cos_sin: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                kv_last_page_len: torch.Tensor, kv_cache: torch.Tensor, q_norm: torch.Tensor | None,
+                k_norm: torch.Tensor | None, layer: int, heads: int, kv_heads: int, eps: float) -> torch.Tensor:
+    """Split a fused qkv row, apply per-head qk-norm (when given) and RoPE at each sequence's
+    last position, append that token's k and v to layer ``layer`` of the paged cache (in
+    place) and return the rotated q [B, heads, head_dim]."""
+    attrs = rope_append_attrs(qkv, kv_cache, q_norm, layer, heads, kv_heads, eps)
+    inputs = [qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache]
+    inputs += [q_norm, k_norm] if q_norm is not None else []
+    sig = OpSig(tuple(tuple(t.shape) for t in inputs), (qkv.shape[0], heads, attrs["head_dim"]), qkv.dtype, attrs)
+    whole = [t.cpu() if i != 5 else t for i, t in enumerate(inputs)]
+    cache_slice = kv_cache[layer:layer + 1]
+    work = cache_slice if kv_cache.device.type == "cpu" else cache_slice.cpu()
+    whole[5] = work
+    out = get_op("rope_append").cpu(sig, full_rect(sig.out_shape), whole)
+    if work is not cache_slice:
+        cache_slice.copy_(work)
+    return out.to(qkv.device)
+
+
+@rope_append.register_fake
+def _(qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache, q_norm, k_norm, layer, heads, kv_heads, eps):
+    return qkv.new_empty((qkv.shape[0], heads, kv_cache.shape[5]))
+
+
+def default_splits(batch: int, kv_heads: int, max_len: int, workers: int = 128) -> int:
+    """KV chunks per sequence: enough (b, kv head, chunk) tasks for one wave over ``workers``,
+    never chunks shorter than 16 positions of the longest sequence."""
+    return max(1, min(workers // max(1, batch * kv_heads), max(1, max_len // 16)))
+
+
+@torch.library.custom_op("mpk::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                    kv_last_page_len: torch.Tensor, layer: int, scale: float, num_splits: int) -> torch.Tensor:
+    """Decode attention of q [B, H, D] (one new token per sequence) over layer ``layer`` of the
+    paged cache; GQA when H is a multiple of the cache's kv heads. ``num_splits`` KV chunks per
+    sequence (0: chosen by the compiler) are attended separately and merged with ⊕."""
+    page_size, head_dim = _cache_dims(kv_cache)
+    B, H, D = q.shape
+    KV = kv_cache.shape[3]
+    if H % KV or D != head_dim:
+        raise ValueError(f"q is {tuple(q.shape)}; expected [B, a multiple of kv_heads {KV}, head_dim {head_dim}]")
+    C = max(1, num_splits)
+    attrs = dict(layer=layer, scale=scale, page_size=page_size)
+    tables = [t.cpu() for t in (kv_indptr, kv_indices, kv_last_page_len)]
+    ins = [q.cpu(), kv_cache[layer:layer + 1].cpu()] + tables
+    shapes = tuple(tuple(t.shape) for t in [q, kv_cache, kv_indptr, kv_indices, kv_last_page_len])
+    psig = OpSig(shapes, (B, KV, C, H // KV, D + 1), torch.float32, attrs)
+    states = get_op("attn_partial").cpu(psig, full_rect(psig.out_shape), ins)
+    msig = OpSig((psig.out_shape,), (B, H, D), q.dtype, {})
+    return get_op("attn_merge").cpu(msig, full_rect(msig.out_shape), [states]).to(q.device)
+
+
+@paged_attention.register_fake
+def _(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, layer, scale, num_splits):
+    return q.new_empty(q.shape)

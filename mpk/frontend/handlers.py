@@ -350,3 +350,63 @@ def _sdpa_cudnn(L, node, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, 
                 return_debug_mask=False, *, scale=None):
     out = _attention(L, q, k, v, attn_bias, dropout_p, is_causal, scale)
     return (out,) + tuple(Unavailable("an auxiliary output of cudnn attention") for _ in range(8))
+
+
+# --- decode over the paged KV cache --------------------------------------------------------------
+
+def _whole_input(L, v: View, what: str) -> View:
+    """The identity view of a graph input: ops that write the paged cache in place need the
+    caller's tensor itself (a view of it, or an intermediate, would lose the writes)."""
+    buf = L.graph.buffers[v.buffer]
+    if buf.role != "input" or v.steps:
+        raise Unsupported(f"{what} must be a graph input passed whole (got a view of {buf.name!r})")
+    return v
+
+
+def _rope_append(L, node, qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache, q_norm, k_norm,
+                 layer, heads, kv_heads, eps):
+    from mpk.frontend.fused_ops import rope_append_attrs
+
+    cache_val = node.kwargs["_all_bases"][0].meta["val"]
+    qkv_val = node.kwargs["qkv"].meta["val"]
+    norm = node.kwargs.get("q_norm")
+    try:
+        attrs = rope_append_attrs(qkv_val, cache_val, norm, layer, heads, kv_heads, eps)
+    except ValueError as exc:
+        raise Unsupported(str(exc)) from None
+    ins = [qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, _whole_input(L, kv_cache, "kv_cache")]
+    ins += [q_norm, k_norm] if q_norm is not None else []
+    q = L.emit("rope_append", ins, attrs, shape=(qkv.shape[0], heads, attrs["head_dim"]), dtype=qkv_val.dtype)
+    return q, kv_cache  # the cache is written in place: its new value is the input buffer
+
+
+MUTATING_OPS = {mpk_ops.rope_append.default: _rope_append}
+
+
+@handles(torch.ops.higher_order.auto_functionalized_v2)
+def _auto_functionalized(L, node, op, **kwargs):
+    """A custom op that mutates its arguments, functionalized by AOTAutograd. mpk runs the
+    mutation in place, so the functional 'new value' of each mutated base is the base itself."""
+    if op not in MUTATING_OPS:
+        raise Unsupported(f"{op} mutates its inputs and has no in-place lowering")
+    bases = kwargs.pop("_all_bases")
+    for key in [k for k in kwargs if k.startswith("_") and k.endswith("_base_index")]:
+        kwargs[key[1:-len("_base_index")]] = bases[kwargs.pop(key)]
+    out, *new_bases = MUTATING_OPS[op](L, node, **kwargs)
+    return (out, *new_bases)
+
+
+@handles(mpk_ops.paged_attention.default)
+def _paged_attention(L, node, q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, layer, scale, num_splits):
+    from mpk.frontend.fused_ops import default_splits
+
+    B, H, D = q.shape
+    _, _, _, KV, page_size, head_dim = kv_cache.shape
+    if H % KV or D != head_dim:
+        raise Unsupported(f"q {q.shape} over a cache of {KV} kv heads of dim {head_dim}")
+    C = num_splits or default_splits(B, KV, kv_indices.shape[0] * page_size // max(1, B))
+    attrs = dict(layer=layer, scale=float(scale), page_size=page_size)
+    cache = _whole_input(L, kv_cache, "kv_cache")
+    states = L.emit("attn_partial", [q, cache, kv_indptr, kv_indices, kv_last_page_len], attrs,
+                    shape=(B, KV, C, H // KV, D + 1), dtype=torch.float32)
+    return L.emit("attn_merge", [states], {}, shape=(B, H, D), dtype=L.meta().dtype)

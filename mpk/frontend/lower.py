@@ -21,7 +21,8 @@ from mpk.ir.opgraph import GraphOutput, OpGraph
 from mpk.ir.views import View, identity_view
 
 
-NAMED_BY_KIND = ("attention", "rms_norm", "rope", "silu_mul", "layer_norm", "softmax")
+NAMED_BY_KIND = ("attention", "rms_norm", "rope", "silu_mul", "layer_norm", "softmax", "rope_append", "attn_partial",
+                 "attn_merge")
 
 
 class Unsupported(Exception):

@@ -1,4 +1,5 @@
-"""Pattern fusion on the ATen FX graph: RMSNorm, rotary embedding and SiLU·mul.
+"""Pattern fusion on the ATen FX graph: RMSNorm, rotary embedding, SiLU·mul and the residual
+add after a projection.
 
 Each matcher looks for the decomposed form PyTorch produces for the usual model code and
 replaces the root node by one call of an ``torch.ops.mpk`` fused op; intermediates left without
@@ -121,7 +122,22 @@ def _match_silu_mul(node: Node):
     return node, (torch.ops.mpk.silu_mul.default, (m[0].args[0], m[1]))
 
 
-MATCHERS = (_match_rms_norm, _match_rope, _match_silu_mul)
+def _match_residual_matmul(node: Node):
+    """``r + a @ b`` (the residual add after a projection) → ``addmm(r, a, b)``: the matmul
+    task adds the residual in its epilogue, which saves a task, an event hop and a buffer."""
+    if not _is(node, aten.add.Tensor) or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    m = _commuted(node, lambda n: _is(n, aten.mm.default) and len(n.users) == 1)
+    if m is None or not isinstance(m[1], Node):
+        return None
+    mm, r = m
+    rv, mv = _val(r), _val(mm)
+    if rv is None or tuple(rv.shape) != tuple(mv.shape) or rv.dtype != mv.dtype or _val(node).dtype != mv.dtype:
+        return None
+    return node, (aten.addmm.default, (r, mm.args[0], mm.args[1]))
+
+
+MATCHERS = (_match_rms_norm, _match_rope, _match_silu_mul, _match_residual_matmul)
 
 
 def fuse_patterns(gm: GraphModule) -> dict[str, int]:

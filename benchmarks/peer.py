@@ -1,0 +1,356 @@
+"""The peer and the floor of shared/BENCHMARKS.md, for the decode-latency benchmark.
+
+Peer: a gpt-fast-style decode step in plain PyTorch (fused QKV and gate-up weights, static KV
+cache updated in place, SDPA with a position mask), timed eager, eager under a CUDA graph, and
+torch.compile + CUDA graph; the best of the three is "peer".
+Floor: bytes a decode step must read (weights + KV cache) / measured device copy bandwidth.
+
+    from peer import SHAPES, time_peer, weight_bytes, kv_bytes, copy_bandwidth, floor_ms
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Decoder shape as in the public configs (random weights are used for timing)."""
+
+    name: str
+    hidden: int
+    inter: int
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qk_norm: bool
+    rope_theta: float
+    rms_eps: float = 1e-6
+
+
+# Llama 3.2's llama3 RoPE frequency scaling is not modelled: it changes the values in the cos/sin
+# tables, not their shape or the work of a step, so timings do not depend on it.
+SHAPES: dict[str, Shape] = {
+    s.name: s
+    for s in (
+        Shape("llama3.2-1b", 2048, 8192, 16, 32, 8, 64, 128256, True, False, 5e5, 1e-5),
+        Shape("qwen3-0.6b", 1024, 3072, 28, 16, 8, 128, 151936, True, True, 1e6),
+        Shape("qwen3-1.7b", 2048, 6144, 28, 16, 8, 128, 151936, True, True, 1e6),
+        Shape("qwen3-8b", 4096, 12288, 36, 32, 8, 128, 151936, False, True, 1e6),
+        Shape("tiny", 256, 512, 2, 4, 2, 64, 1000, False, True, 1e6),
+    )
+}
+
+
+def weight_bytes(shape: Shape, dtype_bytes: int = 2) -> int:
+    """Bytes of all weights one decode step reads. The embedding lookup reads B rows only
+    (negligible), so the [vocab, hidden] matrix counts once: as the LM head, tied or not."""
+    s = shape
+    attn = (s.q_heads + 2 * s.kv_heads) * s.head_dim * s.hidden + s.hidden * s.q_heads * s.head_dim
+    mlp = 3 * s.inter * s.hidden
+    norms = 2 * s.hidden + (2 * s.head_dim if s.qk_norm else 0)
+    params = s.layers * (attn + mlp + norms) + s.hidden + s.vocab * s.hidden
+    return params * dtype_bytes
+
+
+def kv_bytes(shape: Shape, batch: int, seq_len: int, dtype_bytes: int = 2) -> int:
+    """Bytes of K and V cache (all layers) read by attention over ``seq_len`` positions."""
+    return 2 * shape.layers * batch * shape.kv_heads * seq_len * shape.head_dim * dtype_bytes
+
+
+def floor_ms(nbytes: int | float, bandwidth: float) -> float:
+    """Lower bound in ms for reading ``nbytes`` at ``bandwidth`` bytes/s."""
+    return nbytes / bandwidth * 1e3
+
+
+# --------------------------------------------------------------------------------------------
+# The peer model
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim; fp32 statistics (as HF/gpt-fast), result in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(x.dtype) * weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_tables(shape: Shape, max_len: int, device: torch.device | str, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_len, head_dim] for the rotate-half form (frequencies repeated twice);
+    computed in fp32, stored in the model dtype so the step does no casts for RoPE."""
+    d = shape.head_dim
+    inv = 1.0 / (shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.arange(max_len, dtype=torch.float64)[:, None] * inv[None, :]
+    ang = torch.cat((ang, ang), dim=-1)
+    return ang.cos().to(device=device, dtype=dtype), ang.sin().to(device=device, dtype=dtype)
+
+
+class _Block(nn.Module):
+    """One decoder layer with its own static KV cache buffers."""
+
+    def __init__(self, shape: Shape, batch: int, max_len: int, make: Callable[..., nn.Parameter],
+                 device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        s = shape
+        self.s = s
+        self.attention_norm = make(s.hidden, norm=True)
+        self.wqkv = make((s.q_heads + 2 * s.kv_heads) * s.head_dim, s.hidden)
+        self.wo = make(s.hidden, s.q_heads * s.head_dim)
+        if s.qk_norm:
+            self.q_norm = make(s.head_dim, norm=True)
+            self.k_norm = make(s.head_dim, norm=True)
+        self.ffn_norm = make(s.hidden, norm=True)
+        self.w13 = make(2 * s.inter, s.hidden)  # rows [0, inter): gate, [inter, 2·inter): up
+        self.w2 = make(s.hidden, s.inter)
+        cache = (batch, s.kv_heads, max_len, s.head_dim)
+        self.register_buffer("k_cache", torch.zeros(cache, device=device, dtype=dtype))
+        self.register_buffer("v_cache", torch.zeros(cache, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                input_pos: torch.Tensor) -> torch.Tensor:
+        s = self.s
+        b = x.shape[0]
+        h = _rms_norm(x, self.attention_norm, s.rms_eps)
+        q, k, v = F.linear(h, self.wqkv).split(
+            [s.q_heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], dim=-1)
+        q = q.view(b, s.q_heads, 1, s.head_dim)
+        k = k.view(b, s.kv_heads, 1, s.head_dim)
+        v = v.view(b, s.kv_heads, 1, s.head_dim)
+        if s.qk_norm:  # Qwen3: RMSNorm per head, before RoPE
+            q = _rms_norm(q, self.q_norm, s.rms_eps)
+            k = _rms_norm(k, self.k_norm, s.rms_eps)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        # In place at input_pos: shapes stay static, so the step can be graph-captured.
+        self.k_cache.index_copy_(2, input_pos, k)
+        self.v_cache.index_copy_(2, input_pos, v)
+        o = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
+        x = x + F.linear(o.reshape(b, s.q_heads * s.head_dim), self.wo)
+        gate, up = F.linear(_rms_norm(x, self.ffn_norm, s.rms_eps), self.w13).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.w2)
+
+
+class PeerDecoder(nn.Module):
+    """gpt-fast-style decode step: ``forward(tokens [B] int64, input_pos [1] int64) -> logits
+    [B, vocab]``. Static KV cache [B, kv_heads, max_len, D] per layer (buffers ``k_cache`` /
+    ``v_cache``), written at ``input_pos``; attention sees positions ≤ input_pos.
+
+    Weights are random normal × 0.02, norm weights 1 + 0.02·randn (never zeros: BENCHMARKS.md).
+    On the meta device nothing is filled (useful for counting parameters)."""
+
+    def __init__(self, shape: Shape, batch: int, max_len: int, device: torch.device | str,
+                 dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+        super().__init__()
+        device = torch.device(device)
+        self.shape, self.batch, self.max_len = shape, batch, max_len
+        fill = device.type != "meta"
+        # Generate on the device itself: an 8B model never materialises on the host.
+        gen = torch.Generator(device=device).manual_seed(seed) if fill else None
+
+        def make(*size: int, norm: bool = False) -> nn.Parameter:
+            t = torch.empty(size, device=device, dtype=dtype)
+            if fill:
+                t.normal_(0.0, 0.02, generator=gen)
+                if norm:
+                    t.add_(1.0)
+            return nn.Parameter(t, requires_grad=False)
+
+        s = shape
+        self.tok_embeddings = make(s.vocab, s.hidden)
+        self.layers = nn.ModuleList(_Block(s, batch, max_len, make, device, dtype) for _ in range(s.layers))
+        self.norm = make(s.hidden, norm=True)
+        # Tied: the LM head is the embedding parameter itself (one tensor, counted once).
+        self.output = self.tok_embeddings if s.tied else make(s.vocab, s.hidden)
+        cos, sin = _rope_tables(s, max_len, device, dtype)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("key_pos", torch.arange(max_len, device=device), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(tokens, self.tok_embeddings)
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [1, D]: broadcasts over B, heads
+        # Boolean mask over the whole static cache: True where the key position is ≤ input_pos.
+        mask = (self.key_pos <= input_pos).view(1, 1, 1, self.max_len)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, input_pos)
+        return F.linear(_rms_norm(x, self.norm, self.shape.rms_eps), self.output)
+
+    @torch.no_grad()
+    def fill_cache_(self, position: int, seed: int = 1) -> None:
+        """Random K/V (scale 1, like normed keys) at positions < ``position`` in every layer."""
+        if position <= 0:
+            return
+        gen = torch.Generator(device=self.key_pos.device).manual_seed(seed)
+        for layer in self.layers:
+            layer.k_cache[:, :, :position].normal_(generator=gen)
+            layer.v_cache[:, :, :position].normal_(generator=gen)
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+
+
+def _event_times_ms(fn: Callable[[], object], warmup: int, iters: int) -> list[float]:
+    """Per-call ms by CUDA events. Calls are issued back to back (no host sync between them),
+    as in a decode loop, so launch overhead shows where the host is slower than the GPU."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, stop in events:
+        start.record()
+        fn()
+        stop.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(stop) for start, stop in events]
+
+
+def time_step(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
+    """Median ms per call of ``fn`` (each call timed with its own CUDA events), after warm-up."""
+    if iters < 20:
+        raise ValueError(f"iters={iters}: BENCHMARKS.md asks for the median of >= 20 steps")
+    return statistics.median(_event_times_ms(fn, warmup, iters))
+
+
+def copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 2**30) -> float:
+    """Bytes/s of a device-to-device copy of ``nbytes``, counting read + written (2·nbytes),
+    median over 10 copies after warm-up."""
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    with torch.cuda.device(src.device):
+        ms = statistics.median(_event_times_ms(lambda: dst.copy_(src), warmup=3, iters=10))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def _capture(step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """CUDA graph of ``step`` (reading static input tensors); warm-up on a side stream first,
+    as capture requires (lazy cuBLAS/Triton initialisation must not happen inside it)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
+def _rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out64, ref64 = out.double(), ref.double()
+    return float((out64 - ref64).abs().max() / ref64.abs().max().clamp_min(1e-30))
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:800]
+
+
+def time_peer(shape: Shape | str, batch: int, position: int = 64, max_len: int | None = None,
+              device: torch.device | str = "cuda", *, compile_mode: str = "max-autotune-no-cudagraphs",
+              warmup: int = 5, iters: int = 30, seed: int = 0) -> dict:
+    """Time the peer's decode step at ``position`` (cache filled with random K/V below it):
+    eager, eager under a CUDA graph, torch.compile + CUDA graph. A mode that fails is recorded
+    in ``errors`` (and its time is None) instead of raising; eager failing raises.
+
+    ``max_len`` (static cache length, which the masked SDPA reads in full) defaults to
+    position + 1 rounded up to 16; use kv_bytes(shape, batch, result["max_len"]) for the floor.
+    compile + graph: torch.compile(``compile_mode``, fullgraph) captured by hand in a CUDA graph;
+    if that fails, torch.compile(mode="reduce-overhead") (Inductor's own CUDA graphs).
+    ``max_rel_diff`` compares each graph mode's logits with eager's (a broken capture shows)."""
+    shape = SHAPES[shape] if isinstance(shape, str) else shape
+    if max_len is None:
+        max_len = -(-(position + 1) // 16) * 16  # 16-aligned: SDPA's mask-capable kernels want it
+    if not 0 <= position < max_len:
+        raise ValueError(f"position {position} outside the cache of {max_len}")
+    device = torch.device(device)
+    times: dict[str, float | None] = {"eager": None, "eager_graph": None, "compile_graph": None}
+    errors: dict[str, str] = {}
+    diffs: dict[str, float] = {}
+    compile_used: str | None = None
+    compile_s: float | None = None
+
+    model = PeerDecoder(shape, batch, max_len, device, seed=seed).eval()
+    model.fill_cache_(position, seed=seed + 1)
+    gen = torch.Generator(device=device).manual_seed(seed + 2)
+    tokens = torch.randint(0, shape.vocab, (batch,), device=device, generator=gen)
+    pos = torch.tensor([position], device=device, dtype=torch.long)
+    graph = out = compiled = ref = None
+    try:
+        with torch.no_grad(), torch.cuda.device(device):
+            ref = model(tokens, pos).clone()
+            times["eager"] = time_step(lambda: model(tokens, pos), warmup, iters)
+
+            try:
+                graph, out = _capture(lambda: model(tokens, pos))
+                times["eager_graph"] = time_step(graph.replay, warmup, iters)
+                diffs["eager_graph"] = _rel_diff(out, ref)
+            except Exception as e:  # noqa: BLE001 - a failed mode is reported, not fatal
+                errors["eager_graph"] = _error(e)
+            graph = out = None
+
+            t0 = time.perf_counter()
+            try:
+                compiled = torch.compile(model, mode=compile_mode, fullgraph=True)
+                graph, out = _capture(lambda: compiled(tokens, pos))
+                compile_s = time.perf_counter() - t0
+                times["compile_graph"] = time_step(graph.replay, warmup, iters)
+                diffs["compile_graph"] = _rel_diff(out, ref)
+                compile_used = f"{compile_mode} + manual CUDA graph"
+            except Exception as e:  # noqa: BLE001
+                errors["compile_graph"] = _error(e)
+                graph = out = compiled = None
+                torch._dynamo.reset()
+                t0 = time.perf_counter()
+                try:
+                    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+
+                    def step() -> torch.Tensor:
+                        # Each call starts a new "iteration" for cudagraph trees (outputs reused).
+                        torch.compiler.cudagraph_mark_step_begin()
+                        return compiled(tokens, pos)
+
+                    for _ in range(3):  # first calls compile and record the graph
+                        out = step()
+                    compile_s = time.perf_counter() - t0
+                    times["compile_graph"] = time_step(step, warmup, iters)
+                    diffs["compile_graph"] = _rel_diff(step(), ref)
+                    compile_used = "reduce-overhead"
+                except Exception as e2:  # noqa: BLE001
+                    errors["compile_graph_reduce_overhead"] = _error(e2)
+    finally:
+        # The caller times several models in one process: drop every reference (graphs and
+        # compiled code hold the weights' memory) before emptying the allocator's cache.
+        del graph, out, compiled, ref, model, tokens, pos
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    available = {k: v for k, v in times.items() if v is not None}
+    mode = min(available, key=available.get) if available else None
+    return {
+        "shape": shape.name, "batch": batch, "position": position, "max_len": max_len,
+        "eager_ms": times["eager"], "eager_graph_ms": times["eager_graph"],
+        "compile_graph_ms": times["compile_graph"],
+        "peer_ms": available[mode] if mode else None, "peer_mode": mode,
+        "compile_mode": compile_used, "compile_s": compile_s,
+        "max_rel_diff": diffs, "errors": errors,
+    }

@@ -1,0 +1,280 @@
+"""Llama and Qwen3 decoders built from a Hugging Face ``config.json``, written to be traced.
+
+``DecoderLM.forward`` is ONE decode step: a token per sequence in, logits out, with the paged
+KV cache (``mpk.ops.paged`` documents its layout) and its page table passed as tensors, so
+``torch.compile(model, backend="mpk", fullgraph=True)`` traces the whole step into one graph
+with static shapes. Projections are fused the way fast engines store them (q|k|v and
+gate|up as one weight each); ``load_pretrained`` does the fusing from HF safetensors names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import mpk.frontend.fused_ops  # noqa: F401  (registers torch.ops.mpk.*)
+from mpk.errors import MpkError
+
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    """The fields of a HF config that a decode step needs."""
+
+    family: str
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    max_position: int = 4096
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any] | str | Path) -> "LLMConfig":
+        """From a config dict, a ``config.json`` path, or a checkpoint directory holding one."""
+        if not isinstance(config, dict):
+            path = Path(config)
+            config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        model_type = config.get("model_type")
+        if model_type not in FAMILIES:
+            raise MpkError(f"model_type {model_type!r} is not supported; expected one of {sorted(FAMILIES)}")
+        if config.get("attention_bias") or config.get("mlp_bias"):
+            raise MpkError("projection biases (attention_bias / mlp_bias) are not supported")
+        heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+        return cls(family=model_type, hidden=int(config["hidden_size"]), inter=int(config["intermediate_size"]),
+                   layers=int(config["num_hidden_layers"]), heads=heads,
+                   kv_heads=int(config.get("num_key_value_heads") or heads), head_dim=head_dim,
+                   vocab=int(config["vocab_size"]), tied=bool(config.get("tie_word_embeddings", False)),
+                   eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=float(config.get("rope_theta", 10000.0)),
+                   rope_scaling=config.get("rope_scaling"),
+                   max_position=int(config.get("max_position_embeddings", 4096)))
+
+    def to_hf(self) -> dict[str, Any]:
+        """A HF config dict describing this model (tests build transformers models from it)."""
+        cfg = dict(model_type=self.family, architectures=[FAMILIES[self.family]], hidden_size=self.hidden,
+                   intermediate_size=self.inter, num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                   num_key_value_heads=self.kv_heads, head_dim=self.head_dim, vocab_size=self.vocab,
+                   tie_word_embeddings=self.tied, rms_norm_eps=self.eps, rope_theta=self.rope_theta,
+                   max_position_embeddings=self.max_position, hidden_act="silu", attention_bias=False,
+                   torch_dtype="bfloat16")
+        if self.rope_scaling:
+            cfg["rope_scaling"] = dict(self.rope_scaling)
+        return cfg
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family == "qwen3"
+
+
+def rope_inv_freq(cfg: LLMConfig) -> torch.Tensor:
+    """Inverse frequencies, with Llama 3 scaling when the config asks for it."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        return inv
+    if kind != "llama3":
+        raise MpkError(f"rope_scaling type {kind!r} is not supported; expected 'llama3' or none")
+    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return torch.where(is_mid, mid, scaled)
+
+
+def rope_table(cfg: LLMConfig, max_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """[max_len, head_dim]: cos of each position in the first half, sin in the second, rounded
+    to the model dtype as HF rounds them."""
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(cfg))
+    return torch.cat([freqs.cos(), freqs.sin()], -1).to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LLMConfig, index: int, dtype: torch.dtype, device):
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.cfg, self.index = cfg, index
+        q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.input_norm = nn.Parameter(torch.ones(cfg.hidden, **kw))
+        self.qkv = nn.Parameter(torch.empty(q + 2 * kv, cfg.hidden, **kw))
+        self.q_norm = nn.Parameter(torch.ones(cfg.head_dim, **kw)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(cfg.head_dim, **kw)) if cfg.qk_norm else None
+        self.o = nn.Parameter(torch.empty(cfg.hidden, q, **kw))
+        self.post_norm = nn.Parameter(torch.ones(cfg.hidden, **kw))
+        self.gate_up = nn.Parameter(torch.empty(2 * cfg.inter, cfg.hidden, **kw))
+        self.down = nn.Parameter(torch.empty(cfg.hidden, cfg.inter, **kw))
+
+    def forward(self, x, cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache, num_splits: int):
+        c = self.cfg
+        h = torch.ops.mpk.rms_norm(x, self.input_norm, c.eps, torch.float32, x.dtype)
+        qkv = torch.nn.functional.linear(h, self.qkv)
+        q = torch.ops.mpk.rope_append(qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache,
+                                      self.q_norm, self.k_norm, self.index, c.heads, c.kv_heads, c.eps)
+        a = torch.ops.mpk.paged_attention(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, self.index,
+                                          c.head_dim ** -0.5, num_splits)
+        x = x + torch.nn.functional.linear(a.reshape(x.shape[0], -1), self.o)
+        h = torch.ops.mpk.rms_norm(x, self.post_norm, c.eps, torch.float32, x.dtype)
+        gu = torch.nn.functional.linear(h, self.gate_up)
+        return x + torch.nn.functional.linear(torch.ops.mpk.silu_mul(gu[:, : c.inter], gu[:, c.inter:]), self.down)
+
+
+class DecoderLM(nn.Module):
+    """A Llama/Qwen3 causal LM whose forward is one decode step over a paged KV cache.
+
+    ``forward(tokens [B] int64, kv_cache, kv_indptr [B+1] int32, kv_indices [N] int32,
+    kv_last_page_len [B] int32) -> logits [B, vocab]``; the page table must already count the
+    token being decoded (``PagedKVCache.grow`` does that). ``num_splits``: KV chunks per
+    sequence for attention (0: the compiler picks).
+    """
+
+    def __init__(self, cfg: LLMConfig, dtype: torch.dtype = torch.bfloat16, device=None, max_len: int | None = None,
+                 num_splits: int = 0):
+        super().__init__()
+        self.cfg, self.num_splits = cfg, num_splits
+        kw = dict(dtype=dtype, device=device)
+        self.embed = nn.Parameter(torch.empty(cfg.vocab, cfg.hidden, **kw))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden, **kw))
+        self.lm_head = None if cfg.tied else nn.Parameter(torch.empty(cfg.vocab, cfg.hidden, **kw))
+        self.register_buffer("cos_sin", rope_table(cfg, max_len or cfg.max_position, dtype).to(device),
+                             persistent=False)
+
+    def forward(self, tokens, kv_cache, kv_indptr, kv_indices, kv_last_page_len):
+        x = torch.nn.functional.embedding(tokens, self.embed)
+        for layer in self.layers:
+            x = layer(x, self.cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache, self.num_splits)
+        x = torch.ops.mpk.rms_norm(x, self.norm, self.cfg.eps, torch.float32, x.dtype)
+        return torch.nn.functional.linear(x, self.embed if self.lm_head is None else self.lm_head)
+
+    def randomize(self, seed: int = 0, scale: float = 0.02) -> "DecoderLM":
+        """Random weights (norm weights near 1), drawn on the CPU so every device agrees."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                base = 1.0 if "norm" in name else 0.0
+                p.copy_(base + scale * torch.randn(p.shape, generator=g))
+        return self
+
+    def new_cache(self, num_pages: int, page_size: int) -> torch.Tensor:
+        c, p = self.cfg, self.embed
+        return torch.zeros(c.layers, 2, num_pages, c.kv_heads, page_size, c.head_dim, dtype=p.dtype, device=p.device)
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+def _hf_names(cfg: LLMConfig, i: int) -> dict[str, list[str]]:
+    p = f"model.layers.{i}."
+    names = {"input_norm": [p + "input_layernorm.weight"], "post_norm": [p + "post_attention_layernorm.weight"],
+             "qkv": [p + f"self_attn.{x}_proj.weight" for x in "qkv"], "o": [p + "self_attn.o_proj.weight"],
+             "gate_up": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], "down": [p + "mlp.down_proj.weight"]}
+    if cfg.qk_norm:
+        names |= {"q_norm": [p + "self_attn.q_norm.weight"], "k_norm": [p + "self_attn.k_norm.weight"]}
+    return names
+
+
+def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, device=None,
+                    max_len: int | None = None, num_splits: int = 0) -> DecoderLM:
+    """A ``DecoderLM`` from a local HF checkpoint directory (config.json + *.safetensors)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    cfg = LLMConfig.from_hf(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise MpkError(f"no *.safetensors files in {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                tensors[k] = fh.get_tensor(k)
+    model = DecoderLM(cfg, dtype, "meta", max_len, num_splits)
+
+    def take(names: list[str], shape) -> torch.Tensor:
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise MpkError(f"checkpoint {path} lacks {missing}")
+        t = torch.cat([tensors[n] for n in names], 0)
+        if tuple(t.shape) != tuple(shape):
+            raise MpkError(f"checkpoint tensors {names} have shape {tuple(t.shape)}; the config implies {tuple(shape)}")
+        return nn.Parameter(t.to(dtype=dtype, device=device), requires_grad=False)
+
+    model.embed = take(["model.embed_tokens.weight"], model.embed.shape)
+    model.norm = take(["model.norm.weight"], model.norm.shape)
+    if not cfg.tied:
+        model.lm_head = take(["lm_head.weight"], model.lm_head.shape)
+    for i, layer in enumerate(model.layers):
+        for attr, names in _hf_names(cfg, i).items():
+            setattr(layer, attr, take(names, getattr(layer, attr).shape))
+    model.cos_sin = rope_table(cfg, max_len or cfg.max_position, dtype).to(device)
+    return model
+
+
+# --- page table ----------------------------------------------------------------------------------
+
+class PagedKVCache:
+    """Host-side page allocator and the BSR page table a decode step reads.
+
+    Pages are handed out in order from a free list; ``grow()`` counts one new token per
+    sequence (allocating a page when the last one is full) and writes the table tensors in
+    place, so their addresses stay fixed across steps (CUDA graphs and mpk's bound buffers
+    rely on that).
+    """
+
+    def __init__(self, model: DecoderLM, batch: int, max_len: int, page_size: int):
+        if page_size & (page_size - 1) or not 1 <= page_size <= 256:
+            raise ValueError(f"page_size {page_size}; expected a power of two in 1…256")
+        self.batch, self.page_size, self.max_len = batch, page_size, max_len
+        self.pages_per_seq = -(-max_len // page_size)
+        num_pages = batch * self.pages_per_seq
+        dev = model.embed.device
+        self.cache = model.new_cache(num_pages, page_size)
+        self.kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
+        self.kv_indices = torch.zeros(num_pages, dtype=torch.int32, device=dev)
+        self.kv_last_page_len = torch.zeros(batch, dtype=torch.int32, device=dev)
+        # Pages interleaved across sequences, so a sequence's pages are not contiguous (the
+        # kernels must follow the table, not assume an order).
+        self.free = [p for i in range(self.pages_per_seq) for p in range(i, num_pages, self.pages_per_seq)][::-1]
+        self.owned: list[list[int]] = [[] for _ in range(batch)]
+        self.lens = [0] * batch
+
+    def grow(self, n: int | list[int] = 1) -> None:
+        """Count ``n`` more tokens in every sequence, or ``n[b]`` in sequence b (the next decode
+        step writes each sequence's last token)."""
+        counts = n if isinstance(n, list) else [n] * self.batch
+        for b, n in enumerate(counts):
+            if self.lens[b] + n > self.max_len:
+                raise MpkError(f"sequence {b} would reach {self.lens[b] + n} tokens; max_len is {self.max_len}")
+            self.lens[b] += n
+            while len(self.owned[b]) * self.page_size < self.lens[b]:
+                self.owned[b].append(self.free.pop())
+        self._write()
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return self.cache, self.kv_indptr, self.kv_indices, self.kv_last_page_len
+
+    def _write(self) -> None:
+        indptr = [0]
+        for pages in self.owned:
+            indptr.append(indptr[-1] + len(pages))
+        flat = [p for pages in self.owned for p in pages]
+        last = [(n - 1) % self.page_size + 1 if n else 0 for n in self.lens]
+        self.kv_indptr.copy_(torch.tensor(indptr, dtype=torch.int32))
+        self.kv_indices[: len(flat)].copy_(torch.tensor(flat, dtype=torch.int32))
+        self.kv_last_page_len.copy_(torch.tensor(last, dtype=torch.int32))

@@ -1,0 +1,195 @@
+"""Decode over a paged KV cache: ``rope_append``, ``attn_partial`` and ``attn_merge``.
+
+The cache of all layers is one tensor ``kv_cache [L, 2, num_pages, kv_heads, page_size, D]``
+(k then v; HND pages). Which pages a sequence owns is a block-sparse (BSR) row as in
+FlashInfer: sequence b owns pages ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` and fills
+``kv_last_page_len[b]`` (1…page_size) slots of its last page, so its length is
+``(pages − 1)·page_size + last_len`` (0 with no pages). The token being decoded is already
+counted: the caller grows the table before the step, ``rope_append`` writes the token's k/v at
+position ``len − 1`` and attention reads positions ``0 … len − 1``.
+
+Attention is split into KV chunks: tile (b, kv head, chunk c) of ``attn_partial`` covers
+positions ``[c·len/C, (c+1)·len/C)`` (balanced over the runtime length, so the task grid is
+static) for the ``G`` query heads of its kv head, and writes a partial state ``(O, LSE)``;
+``attn_merge`` folds the C states of each head with ⊕ in chunk order (a fixed order, so results
+are deterministic).
+
+LSE base: **2**. A state's ``lse`` is ``log2 Σ_j 2^(s_j)`` with ``s_j = q·k_j · scale · log2(e)``
+and ``O`` is the softmax-weighted mean of v (already normalised). The empty set is
+``(O = 0, lse = −inf)``, the identity of ⊕. ``merge_states`` is the one Python definition;
+``cuda/mpk_tasks/paged_attention.cuh: merge_state`` is the CUDA one and is tested against it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mpk.ops.registry import OpDef, OpSig, register
+
+LOG2E = 1.4426950408889634
+
+
+def seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Length of each sequence of a BSR page table (int64)."""
+    pages = (kv_indptr[1:] - kv_indptr[:-1]).long()
+    return torch.where(pages > 0, (pages - 1) * page_size + kv_last_page_len.long(), torch.zeros_like(pages))
+
+
+def token_slots(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, b: int, positions: torch.Tensor,
+                page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page id, slot in page) of the given positions of sequence ``b``."""
+    pages = kv_indices[int(kv_indptr[b]) + torch.div(positions, page_size, rounding_mode="floor")].long()
+    return pages, positions % page_size
+
+
+def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
+                 lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O_a, lse_a) ⊕ (O_b, lse_b), base 2; ``o_*`` [..., D], ``lse_*`` [...]. Associative and
+    commutative up to rounding; (0, −inf) is the identity; two empty states give (0, −inf)."""
+    m = torch.maximum(lse_a, lse_b)
+    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w_a, w_b = torch.exp2(lse_a - m_safe), torch.exp2(lse_b - m_safe)
+    s = w_a + w_b
+    nonempty = s > 0
+    lse = torch.where(nonempty, m_safe + torch.log2(torch.where(nonempty, s, torch.ones_like(s))),
+                      torch.full_like(s, -math.inf))
+    inv = torch.where(nonempty, 1.0 / torch.where(nonempty, s, torch.ones_like(s)), torch.zeros_like(s))
+    o = (w_a * inv).unsqueeze(-1) * o_a + (w_b * inv).unsqueeze(-1) * o_b
+    return o, lse
+
+
+def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """State of query rows ``q`` [G, D] over keys/values [n, D] (float32; n may be 0)."""
+    if k.shape[0] == 0:
+        return torch.zeros(q.shape[0], v.shape[-1]), torch.full((q.shape[0],), -math.inf)
+    s = (q @ k.T) * (scale * LOG2E)
+    m = s.amax(dim=-1, keepdim=True)
+    p = torch.exp2(s - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    return (p @ v) / denom, (m + torch.log2(denom)).squeeze(-1)
+
+
+# --- rope_append ------------------------------------------------------------------------------
+# inputs: qkv [B, (H + 2·KV)·D], cos_sin [max_pos, D] (cos | sin halves), kv_indptr [B+1],
+# kv_indices [N], kv_last_page_len [B], kv_cache, then q_norm [D] and k_norm [D] if qk_norm.
+
+def _rope_append_regions(sig: OpSig, rect):
+    (b0, b1) = rect[0]
+    layer = sig.attrs["layer"]
+    cache = sig.in_shapes[5]
+    whole = [tuple((0, n) for n in s) for s in sig.in_shapes]
+    regions = [((b0, b1), (0, sig.in_shapes[0][1]))] + whole[1:5]
+    regions.append(((layer, layer + 1),) + tuple((0, n) for n in cache[1:]))
+    return regions + whole[6:]
+
+
+def rms_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """Qwen3/Llama RMSNorm over the last dim: normalise in fp32, round to ``dtype``, scale."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (y.float() * weight.float()).to(dtype).float()
+
+
+def _rope_append_cpu(sig: OpSig, rect, xs):
+    a = sig.attrs
+    qkv, cos_sin, indptr, indices, last, cache, *norms = xs
+    H, KV, D, ps = a["heads"], a["kv_heads"], a["head_dim"], a["page_size"]
+    b0, b1 = rect[0]
+    x = qkv.reshape(b1 - b0, H + 2 * KV, D).float()
+    q, k, v = x[:, :H], x[:, H:H + KV], x[:, H + KV:]
+    if a["qk_norm"]:
+        q, k = rms_rows(q, norms[0], a["eps"], sig.out_dtype), rms_rows(k, norms[1], a["eps"], sig.out_dtype)
+    pos = seq_lens(indptr, last, ps)[b0:b1] - 1
+    if bool((pos < 0).any()):
+        raise ValueError("rope_append: a sequence of the batch has no pages (length 0); the caller must "
+                         "grow the page table by the decoded token before the step")
+    cs = cos_sin[pos].float()
+    cos, sin = torch.cat([cs[:, : D // 2]] * 2, -1)[:, None], torch.cat([cs[:, D // 2:]] * 2, -1)[:, None]
+
+    def rot(t):
+        return t * cos + torch.cat([-t[..., D // 2:], t[..., : D // 2]], -1) * sin
+
+    q, k = rot(q), rot(k)
+    for i, b in enumerate(range(b0, b1)):
+        page, slot = token_slots(indptr, indices, b, pos[i:i + 1], ps)
+        cache[0, 0, page[0], :, slot[0]] = k[i].to(cache.dtype)
+        cache[0, 1, page[0], :, slot[0]] = v[i].to(cache.dtype)
+    return q.to(sig.out_dtype)
+
+
+register(OpDef(
+    kind="rope_append", type_id=15, input_regions=_rope_append_regions, cpu=_rope_append_cpu,
+    splittable=lambda sig: (True, False, False), min_tile_elems=1,
+    doc="q = rope(qk_norm(q)); cache[len−1] ← (rope(qk_norm(k)), v), per sequence",
+))
+
+
+# --- attn_partial -----------------------------------------------------------------------------
+# inputs: q [B, H, D], kv_cache, kv_indptr, kv_indices, kv_last_page_len;
+# output: states [B, KV, C, G, D + 1] float32 (O in [..., :D], lse in [..., D]).
+
+def _partial_regions(sig: OpSig, rect):
+    (b0, b1), (k0, k1) = rect[0], rect[1]
+    G, D, layer = sig.out_shape[3], sig.in_shapes[0][2], sig.attrs["layer"]
+    cache = sig.in_shapes[1]
+    return [((b0, b1), (k0 * G, k1 * G), (0, D)),
+            ((layer, layer + 1),) + tuple((0, n) for n in cache[1:]),
+            ((0, sig.in_shapes[2][0]),), ((0, sig.in_shapes[3][0]),), ((0, sig.in_shapes[4][0]),)]
+
+
+def _partial_cpu(sig: OpSig, rect, xs):
+    q, cache, indptr, indices, last = xs
+    a = sig.attrs
+    ps, C, G = a["page_size"], sig.out_shape[2], sig.out_shape[3]
+    (b0, b1), (k0, k1), (c0, c1) = rect[0], rect[1], rect[2]
+    lens = seq_lens(indptr, last, ps)
+    out = torch.empty(tuple(h - lo for lo, h in rect), dtype=torch.float32)
+    for i, b in enumerate(range(b0, b1)):
+        n = int(lens[b])
+        for j, c in enumerate(range(c0, c1)):
+            t0, t1 = c * n // C, (c + 1) * n // C
+            page, slot = token_slots(indptr, indices, b, torch.arange(t0, t1), ps)
+            for h, kv in enumerate(range(k0, k1)):
+                kk = cache[0, 0, page, kv, slot].float()
+                vv = cache[0, 1, page, kv, slot].float()
+                o, lse = attend_chunk(q[i, h * G:(h + 1) * G].float(), kk, vv, a["scale"])
+                out[i, h, j, :, :-1], out[i, h, j, :, -1] = o, lse
+    return out
+
+
+register(OpDef(
+    kind="attn_partial", type_id=31, input_regions=_partial_regions, cpu=_partial_cpu,
+    splittable=lambda sig: (True, True, True, False, False), split_order=lambda sig: [0, 1, 2],
+    min_tile_elems=1,
+    doc="partial (O, lse) of G query heads over one KV chunk of a paged sequence",
+))
+
+
+# --- attn_merge -------------------------------------------------------------------------------
+# input: states [B, KV, C, G, D + 1]; output [B, H, D].
+
+def _merge_regions(sig: OpSig, rect):
+    (b0, b1), (h0, h1) = rect[0], rect[1]
+    _, _, C, G, D1 = sig.in_shapes[0]
+    return [((b0, b1), (h0 // G, (h1 - 1) // G + 1), (0, C), (0, G), (0, D1))]
+
+
+def _merge_cpu(sig: OpSig, rect, xs):
+    (states,) = xs
+    (h0, h1) = rect[1]
+    G = states.shape[3]
+    first = (h0 // G) * G  # query head of the region's first state
+    s = states.permute(0, 1, 3, 2, 4).flatten(1, 2)[:, h0 - first: h1 - first]  # [b, h, C, D+1]
+    o, lse = torch.zeros(s.shape[:2] + (s.shape[-1] - 1,)), torch.full(s.shape[:2], -math.inf)
+    for c in range(s.shape[2]):
+        o, lse = merge_states(o, lse, s[:, :, c, :-1], s[:, :, c, -1])
+    return o.to(sig.out_dtype)
+
+
+register(OpDef(
+    kind="attn_merge", type_id=32, input_regions=_merge_regions, cpu=_merge_cpu,
+    splittable=lambda sig: (True, True, False), split_order=lambda sig: [1, 0], min_tile_elems=1,
+    doc="out = ⊕ over chunks of the partial states, in chunk order",
+))
