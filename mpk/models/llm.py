@@ -54,13 +54,17 @@ class LLMConfig:
         if config.get("attention_bias") or config.get("mlp_bias"):
             raise MpkError("projection biases (attention_bias / mlp_bias) are not supported")
         heads = int(config["num_attention_heads"])
+        # transformers ≥ 5 writes rope settings as one `rope_parameters` dict
+        rope = dict(config.get("rope_parameters") or {})
+        theta = float(config.get("rope_theta") or rope.pop("rope_theta", 10000.0))
+        rope.pop("rope_theta", None)
+        scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
         return cls(family=model_type, hidden=int(config["hidden_size"]), inter=int(config["intermediate_size"]),
                    layers=int(config["num_hidden_layers"]), heads=heads,
                    kv_heads=int(config.get("num_key_value_heads") or heads), head_dim=head_dim,
                    vocab=int(config["vocab_size"]), tied=bool(config.get("tie_word_embeddings", False)),
-                   eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=float(config.get("rope_theta", 10000.0)),
-                   rope_scaling=config.get("rope_scaling"),
+                   eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
                    max_position=int(config.get("max_position_embeddings", 4096)))
 
     def to_hf(self) -> dict[str, Any]:
