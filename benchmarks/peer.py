@@ -231,11 +231,13 @@ def time_step(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> flo
 def copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 2**30) -> float:
     """Bytes/s of a device-to-device copy of ``nbytes``, counting read + written (2·nbytes),
     median over 10 copies after warm-up."""
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    with torch.cuda.device(src.device):
-        ms = statistics.median(_event_times_ms(lambda: dst.copy_(src), warmup=3, iters=10))
-    del src, dst
+    def copy_ms() -> float:  # the 2·nbytes of buffers are freed when this returns
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        with torch.cuda.device(src.device):
+            return statistics.median(_event_times_ms(lambda: dst.copy_(src), warmup=3, iters=10))
+
+    ms = copy_ms()
     torch.cuda.empty_cache()
     return 2 * nbytes / (ms * 1e-3)
 
@@ -264,6 +266,60 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"[:800]
 
 
+def _time_modes(model: PeerDecoder, tokens: torch.Tensor, pos: torch.Tensor, compile_mode: str,
+                warmup: int, iters: int) -> tuple[dict, dict, dict, str | None, float | None]:
+    """The three timings of time_peer; every graph and compiled function dies with this frame."""
+    times: dict[str, float | None] = {"eager": None, "eager_graph": None, "compile_graph": None}
+    errors: dict[str, str] = {}
+    diffs: dict[str, float] = {}
+    compile_used: str | None = None
+    compile_s: float | None = None
+
+    ref = model(tokens, pos).clone()
+    times["eager"] = time_step(lambda: model(tokens, pos), warmup, iters)
+
+    try:
+        graph, out = _capture(lambda: model(tokens, pos))
+        times["eager_graph"] = time_step(graph.replay, warmup, iters)
+        diffs["eager_graph"] = _rel_diff(out, ref)
+        del graph, out
+    except Exception as e:  # noqa: BLE001 - a failed mode is reported, not fatal
+        errors["eager_graph"] = _error(e)
+
+    t0 = time.perf_counter()
+    try:
+        compiled = torch.compile(model, mode=compile_mode, fullgraph=True)
+        graph, out = _capture(lambda: compiled(tokens, pos))
+        compile_s = time.perf_counter() - t0
+        times["compile_graph"] = time_step(graph.replay, warmup, iters)
+        diffs["compile_graph"] = _rel_diff(out, ref)
+        compile_used = f"{compile_mode} + manual CUDA graph"
+        del graph, out
+    except Exception as e:  # noqa: BLE001
+        errors["compile_graph"] = _error(e)
+    if times["compile_graph"] is None:
+        # Fallback: Inductor's own CUDA graphs (cudagraph trees).
+        torch._dynamo.reset()
+        t0 = time.perf_counter()
+        try:
+            compiled_ro = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+
+            def step() -> torch.Tensor:
+                # Each call starts a new "iteration" for cudagraph trees (outputs reused).
+                torch.compiler.cudagraph_mark_step_begin()
+                return compiled_ro(tokens, pos)
+
+            for _ in range(3):  # the first calls compile and record the graph
+                step()
+            compile_s = time.perf_counter() - t0
+            times["compile_graph"] = time_step(step, warmup, iters)
+            diffs["compile_graph"] = _rel_diff(step(), ref)
+            compile_used = "reduce-overhead"
+        except Exception as e:  # noqa: BLE001
+            errors["compile_graph_reduce_overhead"] = _error(e)
+    return times, errors, diffs, compile_used, compile_s
+
+
 def time_peer(shape: Shape | str, batch: int, position: int = 64, max_len: int | None = None,
               device: torch.device | str = "cuda", *, compile_mode: str = "max-autotune-no-cudagraphs",
               warmup: int = 5, iters: int = 30, seed: int = 0) -> dict:
@@ -282,64 +338,19 @@ def time_peer(shape: Shape | str, batch: int, position: int = 64, max_len: int |
     if not 0 <= position < max_len:
         raise ValueError(f"position {position} outside the cache of {max_len}")
     device = torch.device(device)
-    times: dict[str, float | None] = {"eager": None, "eager_graph": None, "compile_graph": None}
-    errors: dict[str, str] = {}
-    diffs: dict[str, float] = {}
-    compile_used: str | None = None
-    compile_s: float | None = None
-
     model = PeerDecoder(shape, batch, max_len, device, seed=seed).eval()
-    model.fill_cache_(position, seed=seed + 1)
-    gen = torch.Generator(device=device).manual_seed(seed + 2)
-    tokens = torch.randint(0, shape.vocab, (batch,), device=device, generator=gen)
-    pos = torch.tensor([position], device=device, dtype=torch.long)
-    graph = out = compiled = ref = None
     try:
+        model.fill_cache_(position, seed=seed + 1)
+        gen = torch.Generator(device=device).manual_seed(seed + 2)
+        tokens = torch.randint(0, shape.vocab, (batch,), device=device, generator=gen)
+        pos = torch.tensor([position], device=device, dtype=torch.long)
         with torch.no_grad(), torch.cuda.device(device):
-            ref = model(tokens, pos).clone()
-            times["eager"] = time_step(lambda: model(tokens, pos), warmup, iters)
-
-            try:
-                graph, out = _capture(lambda: model(tokens, pos))
-                times["eager_graph"] = time_step(graph.replay, warmup, iters)
-                diffs["eager_graph"] = _rel_diff(out, ref)
-            except Exception as e:  # noqa: BLE001 - a failed mode is reported, not fatal
-                errors["eager_graph"] = _error(e)
-            graph = out = None
-
-            t0 = time.perf_counter()
-            try:
-                compiled = torch.compile(model, mode=compile_mode, fullgraph=True)
-                graph, out = _capture(lambda: compiled(tokens, pos))
-                compile_s = time.perf_counter() - t0
-                times["compile_graph"] = time_step(graph.replay, warmup, iters)
-                diffs["compile_graph"] = _rel_diff(out, ref)
-                compile_used = f"{compile_mode} + manual CUDA graph"
-            except Exception as e:  # noqa: BLE001
-                errors["compile_graph"] = _error(e)
-                graph = out = compiled = None
-                torch._dynamo.reset()
-                t0 = time.perf_counter()
-                try:
-                    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-
-                    def step() -> torch.Tensor:
-                        # Each call starts a new "iteration" for cudagraph trees (outputs reused).
-                        torch.compiler.cudagraph_mark_step_begin()
-                        return compiled(tokens, pos)
-
-                    for _ in range(3):  # first calls compile and record the graph
-                        out = step()
-                    compile_s = time.perf_counter() - t0
-                    times["compile_graph"] = time_step(step, warmup, iters)
-                    diffs["compile_graph"] = _rel_diff(step(), ref)
-                    compile_used = "reduce-overhead"
-                except Exception as e2:  # noqa: BLE001
-                    errors["compile_graph_reduce_overhead"] = _error(e2)
+            times, errors, diffs, compile_used, compile_s = _time_modes(model, tokens, pos, compile_mode,
+                                                                         warmup, iters)
     finally:
-        # The caller times several models in one process: drop every reference (graphs and
-        # compiled code hold the weights' memory) before emptying the allocator's cache.
-        del graph, out, compiled, ref, model, tokens, pos
+        # The caller times several models in one process: drop the weights (and Dynamo's
+        # references to the module) before emptying the allocator's cache.
+        del model
         torch._dynamo.reset()
         gc.collect()
         torch.cuda.empty_cache()

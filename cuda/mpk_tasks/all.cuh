@@ -4,5 +4,6 @@
 #include "data_movement.cuh"
 #include "diagnostic.cuh"
 #include "linalg.cuh"
+#include "paged_attention.cuh"
 #include "pointwise.cuh"
 #include "rows.cuh"

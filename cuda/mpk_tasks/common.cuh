@@ -179,6 +179,17 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Shared-memory scratch of a task (one allocation, reused by every task family; a task must
+// __syncthreads() before it returns if it used it). Sized for the largest user: the linear
+// task's cross-warp reduction (8 warps × 64 columns × 16 rows) and attn_partial's warp states
+// (8 warps × G·(D + 2) with G·D ≤ 1024).
+constexpr int kScratchFloats = 8 * (1024 + 64);
+
+__device__ __forceinline__ float* scratch() {
+  __shared__ float s[kScratchFloats];
+  return s;
+}
+
 // Everything a task needs besides its op constants.
 struct TaskEnv {
   void* const* buffers;

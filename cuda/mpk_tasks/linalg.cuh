@@ -1,13 +1,121 @@
 // Task family: linear algebra. ``matmul`` (a [..., M, K] @ b [..., K, N] (+ bias), batch dims
-// broadcast; one thread per output element, fp32 accumulation — the bandwidth-grade version
-// is a later milestone) and ``embedding``.
+// broadcast) in two variants — 1: the bandwidth-grade decode linear (tensor cores, weights
+// streamed with 16-byte loads), picked by codegen when the views allow it; 0: the general
+// one, one thread per output element — and ``embedding``.
 #pragma once
 #include "common.cuh"
 
 namespace mpk {
 
+constexpr int kLinRows = 16;   // rows (batch) a variant-1 tile may hold: the MMA's M
+constexpr int kLinBlocks = 8;  // 8-column weight blocks per pass: 64 columns
+constexpr int kLinUnroll = 2;  // 32-wide k steps each warp has in flight per block
+
+// A 16-byte load that bypasses L1: weights are read exactly once.
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Variant 1: out [M, N] = alpha·x [M, K]·W [N, K]ᵀ (+ beta·bias), x and W bf16 with unit stride
+// along K, 16-byte aligned rows, K % 32 == 0, at most 16 rows per tile (codegen checks all of
+// it). One m16n8k16 MMA takes the tile's rows (zero-padded to 16) against 8 weight rows. A
+// lane loads 8 consecutive k of one weight row in one 16-byte load; the dot product does not
+// care about the order of k, so the A fragment is loaded with the same k permutation and no
+// shuffle is needed. The 8 warps split K (every 8th 32-wide step), each with
+// kLinBlocks × kLinUnroll loads in flight; their partial sums meet in shared memory and are
+// added in warp order (deterministic), then the epilogue scales, adds the bias (the residual
+// of a decoder layer) and stores.
+__device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const ViewC& a = c.in[0];
+  const ViewC& b = c.in[1];
+  const long long K = a.shape[1], N = c.out_shape[1];
+  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(env.buffers[a.buffer]) + a.offset;
+  const __nv_bfloat16* w = static_cast<const __nv_bfloat16*>(env.buffers[b.buffer]) + b.offset;
+  const long long lda = a.stride[0], ldw = b.stride[1];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const long long m0 = r.lo[0];
+  const int rows = static_cast<int>(r.hi[0] - m0), ksteps = static_cast<int>(K / 32);
+  const bool has_lo = g < rows, has_hi = g + 8 < rows;
+  const __nv_bfloat16* x_lo = x + (m0 + g) * lda + 8 * t;
+  const __nv_bfloat16* x_hi = x + (m0 + g + 8) * lda + 8 * t;
+  float* red = scratch();  // [warp][64 columns][16 rows]
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (long long n0 = r.lo[1]; n0 < r.hi[1]; n0 += 8 * kLinBlocks) {
+    float acc[kLinBlocks][4];
+    const __nv_bfloat16* wrow[kLinBlocks];
+    bool valid[kLinBlocks];
+#pragma unroll
+    for (int j = 0; j < kLinBlocks; ++j) {
+      const long long n = n0 + 8 * j + g;
+      valid[j] = n < r.hi[1];
+      wrow[j] = w + n * ldw + 8 * t;
+      acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    }
+    for (int ks = warp; ks < ksteps; ks += warps * kLinUnroll) {
+      uint4 wv[kLinUnroll][kLinBlocks], lo[kLinUnroll], hi[kLinUnroll];
+#pragma unroll
+      for (int u = 0; u < kLinUnroll; ++u) {
+        const int k = ks + u * warps;
+        const bool ok = k < ksteps;
+#pragma unroll
+        for (int j = 0; j < kLinBlocks; ++j) wv[u][j] = ok && valid[j] ? ld_stream(wrow[j] + 32LL * k) : zero;
+        lo[u] = ok && has_lo ? __ldg(reinterpret_cast<const uint4*>(x_lo + 32LL * k)) : zero;
+        hi[u] = ok && has_hi ? __ldg(reinterpret_cast<const uint4*>(x_hi + 32LL * k)) : zero;
+      }
+#pragma unroll
+      for (int u = 0; u < kLinUnroll; ++u) {
+#pragma unroll
+        for (int j = 0; j < kLinBlocks; ++j) {
+          mma_bf16(acc[j], lo[u].x, hi[u].x, lo[u].y, hi[u].y, wv[u][j].x, wv[u][j].y);
+          mma_bf16(acc[j], lo[u].z, hi[u].z, lo[u].w, hi[u].w, wv[u][j].z, wv[u][j].w);
+        }
+      }
+    }
+    // accumulator fragment: rows g and g + 8, columns 2t and 2t + 1 of each 8-column block
+#pragma unroll
+    for (int j = 0; j < kLinBlocks; ++j) {
+      float* p = red + (warp * 64 + 8 * j + 2 * t) * kLinRows;
+      p[g] = acc[j][0];
+      p[kLinRows + g] = acc[j][1];
+      p[g + 8] = acc[j][2];
+      p[kLinRows + g + 8] = acc[j][3];
+    }
+    __syncthreads();
+    const int cols = static_cast<int>(min(64LL, r.hi[1] - n0));
+    for (int e = threadIdx.x; e < rows * cols; e += blockDim.x) {
+      const int row = e / cols, col = e % cols;
+      float s = 0.f;
+      for (int v = 0; v < warps; ++v) s += red[(v * 64 + col) * kLinRows + row];
+      s *= c.fparam[0];
+      long long idx[2] = {m0 + row, n0 + col};
+      if (c.num_inputs > 2) {
+        const ViewC& bias = c.in[2];
+        s += c.fparam[1] * load_f(env.buffers[bias.buffer], bias.dtype, view_index(bias, idx, 2));
+      }
+      store_f(env.buffers[c.out_buffer], c.out_dtype, idx[0] * N + idx[1], s);
+    }
+    __syncthreads();
+  }
+}
+
 // fparam[0] alpha, fparam[1] beta; optional input 2 is the bias (broadcast to the output).
 __device__ void task_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
+  if (c.variant == 1) {
+    linear_bf16(c, r, env);
+    return;
+  }
   const ViewC& a = c.in[0];
   const ViewC& b = c.in[1];
   const long long kdim = a.shape[a.ndim - 1];

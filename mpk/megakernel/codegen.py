@@ -54,6 +54,10 @@ ENCODERS: dict[str, Callable[[dict], Params]] = {
     "matmul": lambda a: (0, [], [float(a.get("alpha", 1)), float(a.get("beta", 1))]),
     "embedding": lambda a: (0, [], []),
     "attention": lambda a: (0, [int(a["causal"])], [a["scale"]]),
+    "rope_append": lambda a: (0, [a["heads"], a["kv_heads"], a["head_dim"], a["page_size"], int(a["qk_norm"]),
+                                 a["layer"]], [a["eps"]]),
+    "attn_partial": lambda a: (0, [a["layer"], a["page_size"]], [a["scale"]]),
+    "attn_merge": lambda a: (0, [], []),
     "copy": lambda a: (0, [], []),
     "cat": lambda a: (0, [a["dim"]], []),
     "stamp": lambda a: (0, [int(a["busy_ns"]), int(a["record"])], []),
@@ -79,6 +83,36 @@ def _view(tables: Tables, view_id: int) -> str:
     dtype = int(tables.buffers[int(v["buffer"])]["dtype"])
     return (f"{{{int(v['buffer'])},{dtype},{nd},{int(v['offset'])}LL,"
             f"{_arr([int(s) for s in v['shape'][:nd]], MAX_DIMS)},{_arr([int(s) for s in v['strides'][:nd]], MAX_DIMS)}}}")
+
+
+LINEAR_ROWS = 16  # cuda/mpk_tasks/linalg.cuh: kLinRows
+ATTN_REGS = 32  # cuda/mpk_tasks/paged_attention.cuh: kAttnRegs
+
+
+def linear_variant(tables: Tables, op: int) -> int:
+    """1 (the bandwidth-grade linear of linalg.cuh) when the matmul is x [M, K] @ Wᵀ with bf16
+    operands and output, unit stride along K, 16-byte aligned rows, K % 32 == 0 and at most
+    16 rows per tile; else 0 (the general task)."""
+    o = tables.ops[op]
+    if int(o["ndim"]) != 2:
+        return 0
+    a, b = (tables.views[int(x)] for x in tables.op_inputs[[o["first_input"], o["first_input"] + 1]])
+    bf16 = DTYPE_CODE[__import__("torch").bfloat16]
+    dtypes = [int(tables.buffers[int(v["buffer"])]["dtype"]) for v in (a, b)] + [int(tables.buffers[int(o["output"])]["dtype"])]
+    M, K = int(a["shape"][0]), int(a["shape"][1])
+    ok = (all(d == bf16 for d in dtypes) and int(a["strides"][1]) == 1 and int(b["strides"][0]) == 1
+          and K % 32 == 0 and all(int(x) % 8 == 0 for x in (a["offset"], a["strides"][0], b["offset"], b["strides"][1]))
+          and -(-M // int(o["grid"][0])) <= LINEAR_ROWS)
+    return int(ok)
+
+
+def _check_paged(tables: Tables, op: int, name: str) -> None:
+    q = tables.views[int(tables.op_inputs[tables.ops[op]["first_input"]])]
+    cache = tables.views[int(tables.op_inputs[tables.ops[op]["first_input"] + 1])]
+    D, heads, kv = int(q["shape"][2]), int(q["shape"][1]), int(cache["shape"][3])
+    if D not in (64, 128, 256) or (heads // kv) * D > ATTN_REGS * 32:
+        raise CompileError(f"op {name!r}: paged attention with head dim {D} and {heads // kv} query heads per kv "
+                           f"head has no CUDA variant (head dim 64, 128 or 256, group × head dim ≤ {ATTN_REGS * 32})")
 
 
 def _check_balanced(tables: Tables, op: int, name: str) -> None:
@@ -111,7 +145,14 @@ def generate(tables: Tables) -> str:
             if max(int(q["shape"][3]), int(v["shape"][3])) > MAX_HEAD_DIM:
                 raise CompileError(f"op {meta['name']!r}: head dim {int(q['shape'][3])}/{int(v['shape'][3])} exceeds "
                                    f"the CUDA attention task's {MAX_HEAD_DIM}")
+        if kind == "attn_partial":
+            _check_paged(tables, i, meta["name"])
+        if kind == "rope_append" and meta["attrs"]["head_dim"] % 64:
+            raise CompileError(f"op {meta['name']!r}: rope_append needs a head dim that is a multiple of 64, "
+                               f"got {meta['attrs']['head_dim']}")
         variant, ip, fp = ENCODERS[kind](meta["attrs"])
+        if kind == "matmul":
+            variant = linear_variant(tables, i)
         nd = int(o["ndim"])
         _check_balanced(tables, i, meta["name"])
         out = int(o["output"])
