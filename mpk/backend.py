@@ -25,8 +25,10 @@ from mpk.frontend.lower import describe_inputs, op_name, source_line
 from mpk.inspection import dump, pretty_input_name
 from mpk.options import CompileOptions
 
-# Every CompiledGraph built in this process, newest last (inspection and tests read it).
+# Every CompiledGraph built in this process, newest last (inspection and tests read it), and
+# the runner made for each (by id of the CompiledGraph).
 COMPILED: list[CompiledGraph] = []
+RUNNERS: dict[int, Callable] = {}
 
 
 def mpk_backend(gm: GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None):
@@ -125,7 +127,8 @@ def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
             if "ex" not in state:
                 state["ex"] = GpuExecutor(compiled.tables, timeout_s=opts.timeout_s,
                                           profile=opts.profile_dir is not None)
-            out = state["ex"].run(args)
+            state["args"] = args  # the last launch's arguments (benchmarks re-run them profiled)
+            out = state["ex"].run(args, wait=opts.sync)
             if opts.profile_dir:
                 Path(opts.profile_dir).mkdir(parents=True, exist_ok=True)
                 state["ex"].trace(Path(opts.profile_dir) / f"trace{COMPILED.index(compiled)}.json")
@@ -139,4 +142,7 @@ def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
             return interp.run(args, seed=opts.seed)
 
     run.compiled = compiled  # type: ignore[attr-defined]
+    if opts.executor == "gpu":
+        run.state = state  # type: ignore[attr-defined]
+    RUNNERS[id(compiled)] = run
     return run

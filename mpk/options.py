@@ -36,6 +36,9 @@ class CompileOptions:
     seed         schedule seed of the cpu executor (which legal order it picks).
     check_races  cpu executor: track every element read/written (default True).
     timeout_s    gpu executor: watchdog limit per launch in seconds (default 30).
+    sync         gpu executor: wait for each launch under the watchdog (default True); False
+                 returns at once with outputs ordered on the current stream (decode loops and
+                 benchmarks: the host prepares step k+1 while step k runs; no watchdog).
     profile_dir  gpu executor: write a Chrome/Perfetto trace of each launch there.
     """
 
@@ -47,6 +50,7 @@ class CompileOptions:
     seed: int = 0
     check_races: bool = True
     timeout_s: float = 30.0
+    sync: bool = True
     profile_dir: str | None = None
 
     @classmethod
@@ -74,6 +78,8 @@ class CompileOptions:
         n = opts["num_workers"]
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise OptionError(f"num_workers={n!r}; expected a positive int")
+        if not isinstance(opts.get("sync", True), bool):
+            raise OptionError(f"sync={opts['sync']!r}; expected True or False")
         part = opts.get("partition", {})
         if not isinstance(part, Mapping):
             raise OptionError(f"partition={part!r}; expected a dict mapping op name or kind to tile counts")

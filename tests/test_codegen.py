@@ -40,7 +40,7 @@ def test_generated_cuda_compiles_for_sm90a(name, tables, tmp_path, monkeypatch):
     monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
     src = generate(tables)
     assert src == generate(tables)  # deterministic
-    cubin = build.build_cubin(src, "sm_90a")
+    cubin = build.build_cubin(src, "sm_90a", tile_kernel=True)
     data = cubin.read_bytes()
     assert data[:4] == b"\x7fELF" and b"mpk_persistent_kernel" in data and b"mpk_tile_kernel" in data
 

@@ -42,7 +42,7 @@ def test_random_programs_match_eager_and_interpreter(seed):
     tables = compile_with(graph, partition=random_partition(graph, rng), num_workers=8).tables
     expected = fn(*args)
     cpu = Interpreter(tables).run(args, seed=seed)
-    ex = _gpu(tables)
+    ex = _gpu(tables, tile_kernel=True)
     gpu = ex.run(_cuda(args))
     for g, c, e in zip(gpu, cpu, expected):
         assert relative_error(g.cpu(), e) <= TOL

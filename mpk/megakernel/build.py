@@ -55,10 +55,12 @@ def arch_flags(arch: str) -> list[str]:
     return [f"-gencode=arch=compute_{num},code=sm_{num}"]
 
 
-def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False) -> Path:
-    """Compile ``source`` to a cubin for ``arch``; returns the cached cubin's path."""
+def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_kernel: bool = False) -> Path:
+    """Compile ``source`` to a cubin for ``arch``; returns the cached cubin's path.
+    ``tile_kernel``: also build the test wrapper ``mpk_tile_kernel``."""
     flags = ["-std=c++17", "-O3", "-cubin", "-lineinfo", *arch_flags(arch)]
     flags += ["-DMPK_DEBUG"] if debug else []
+    flags += ["-DMPK_TILE_KERNEL"] if tile_kernel else []
     key = hashlib.sha256("\0".join([source, _headers_digest(), " ".join(flags), nvcc_version()]).encode()).hexdigest()[:32]
     out_dir = cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -76,3 +78,12 @@ def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False) -> Path:
     tmp.replace(cubin)  # atomic: concurrent builders of one key never see a partial cubin
     src.replace(out_dir / f"{key}.cu")  # kept beside the cubin for reading
     return cubin
+
+
+def prebuild(sources: list[str], arch: str = "sm_90a", jobs: int | None = None) -> list[Path]:
+    """Build several generated sources at once (nvcc runs in parallel processes), so later
+    ``GpuExecutor``s find their cubins in the cache."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=jobs or min(len(sources), os.cpu_count() or 1) or 1) as pool:
+        return list(pool.map(lambda s: build_cubin(s, arch), sources))

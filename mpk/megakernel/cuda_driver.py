@@ -58,6 +58,11 @@ def copy_device_async(dst: int, src: int, nbytes: int, stream: int) -> None:
                                       ctypes.c_void_p(stream)), "cuMemcpyDtoDAsync")
 
 
+def memset_d32_async(dst: int, value: int, count: int, stream: int) -> None:
+    check(_lib().cuMemsetD32Async(ctypes.c_uint64(dst), ctypes.c_uint(value), ctypes.c_size_t(count),
+                                  ctypes.c_void_p(stream)), "cuMemsetD32Async")
+
+
 def max_blocks_per_sm(fn: ctypes.c_void_p, threads: int, smem: int = 0) -> int:
     n = ctypes.c_int()
     check(_lib().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), fn, threads, ctypes.c_size_t(smem)),

@@ -73,7 +73,8 @@ class GpuExecutor:
 
     def __init__(self, tables: Tables, num_workers: int | None = None, scheduler_ctas: int = 4,
                  profile: bool = False, profile_capacity: int = 1 << 16, timeout_s: float = 30.0,
-                 debug: bool = False, arch: str | None = None, validate_tables: bool = True):
+                 debug: bool = False, arch: str | None = None, validate_tables: bool = True,
+                 tile_kernel: bool = False):
         if not torch.cuda.is_available():
             raise ExecutorUnavailableError("the gpu executor needs a CUDA device; use executor='cpu'")
         if validate_tables:
@@ -84,10 +85,10 @@ class GpuExecutor:
         if arch is None:
             major, minor = props.major, props.minor
             arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
-        self.cubin_path = build_cubin(generate(tables), arch, debug)
+        self.cubin_path = build_cubin(generate(tables), arch, debug, tile_kernel)
         self.module = drv.Module(Path(self.cubin_path).read_bytes())
         self.kernel = self.module.function("mpk_persistent_kernel")
-        self.tile_kernel = self.module.function("mpk_tile_kernel")
+        self.tile_kernel = self.module.function("mpk_tile_kernel") if tile_kernel else None
         if drv.max_blocks_per_sm(self.kernel, THREADS) < 1:
             raise MpkError("the persistent kernel cannot fit one CTA per SM (registers/shared memory)")
         sms = props.multi_processor_count
@@ -167,6 +168,15 @@ class GpuExecutor:
         for name, n in self._zero_layout.items():
             self.zero_ptr[name] = self.d_zero.data_ptr() + 8 * pos
             pos += n
+        # The block's state at launch: iteration 1 starts at once, and its JIT tasks are
+        # announced to every scheduler. One device copy restores it (no kernel but ours).
+        reset = torch.zeros_like(self.d_zero)
+        reset[self._offset("counters") + t.start_event] = 1
+        if self.start_jit_index >= 0:
+            base, J = self._offset("mailbox"), self.num_jit_events
+            reset[base + self.start_jit_index: base + self.active_schedulers * J: J] = 1
+        self.d_reset = reset
+        self._bound_ptrs: list[int] | None = None
         self.d_jit_values = torch.zeros(W * self.jit_capacity * 12, dtype=torch.int32, device=dev)  # TaskInfo
         # host-mapped status words and abort flag: readable and writable while the kernel runs
         self.h_status = drv.MappedHostBuffer((W + S) * STATUS_WORDS)
@@ -226,6 +236,9 @@ class GpuExecutor:
                 raise ValueError(f"argument {i} is on {a.device}; the kernel runs on {self.device}")
             self.buffers[b] = a.detach().contiguous()
         ptrs = [buf.data_ptr() if buf is not None else 0 for buf in self.buffers]
+        if ptrs == self._bound_ptrs:  # the module's table still holds them
+            return
+        self._bound_ptrs = ptrs
         self.d_buffer_ptrs[: len(ptrs)].copy_(torch.tensor(ptrs, dtype=torch.int64))
         # into the module's buffer table (constant bank), ordered on the stream before the launch
         dst, nbytes = self.module.global_ptr("mpk_buffers")
@@ -239,14 +252,11 @@ class GpuExecutor:
             raise ValueError(f"iterations={iterations}; expected >= 1")
         self._bind(args)
         self._write_args(iterations)
-        self.d_zero.zero_()
-        self.d_zero[self._offset("counters") + self.t.start_event] = 1  # iteration 1 starts at once
-        if self.start_jit_index >= 0:  # and its JIT tasks are announced to every scheduler
-            base, J = self._offset("mailbox"), self.num_jit_events
-            self.d_zero[base + self.start_jit_index: base + self.active_schedulers * J: J] = 1
+        stream = torch.cuda.current_stream(self.device)
+        drv.copy_device_async(self.d_zero.data_ptr(), self.d_reset.data_ptr(), 8 * self.d_zero.numel(),
+                              stream.cuda_stream)
         self.h_status.array[:] = 0
         self.h_abort.array[:] = 0
-        stream = torch.cuda.current_stream(self.device)
         drv.launch(self.kernel, self.grid, THREADS, stream.cuda_stream, [self.args], cooperative=True)
         done = torch.cuda.Event()
         done.record(stream)
@@ -255,10 +265,13 @@ class GpuExecutor:
     def _offset(self, name: str) -> int:
         return (self.zero_ptr[name] - self.d_zero.data_ptr()) // 8
 
-    def run(self, args: Sequence[torch.Tensor], iterations: int = 1) -> list[Any]:
-        """Run ``iterations`` iterations in one launch under the watchdog; returns the outputs."""
+    def run(self, args: Sequence[torch.Tensor], iterations: int = 1, wait: bool = True) -> list[Any]:
+        """Run ``iterations`` iterations in one launch; returns the outputs. ``wait``: block
+        under the watchdog until the launch ends; else return at once (outputs are ordered on
+        the current stream, like any CUDA op's)."""
         done = self.launch(args, iterations)
-        self.wait(done, iterations)
+        if wait:
+            self.wait(done, iterations)
         return self.outputs()
 
     def wait(self, done: torch.cuda.Event, iterations: int = 1) -> None:
@@ -288,7 +301,10 @@ class GpuExecutor:
         return out
 
     def run_tile_kernel(self, op: int, args: Sequence[torch.Tensor]) -> None:
-        """Test wrapper: every tile of op ``op`` alone, one CTA per tile (inputs must be bound)."""
+        """Test wrapper: every tile of op ``op`` alone, one CTA per tile (inputs must be bound;
+        construct with ``tile_kernel=True``)."""
+        if self.tile_kernel is None:
+            raise MpkError("this executor was built without the tile kernel: pass tile_kernel=True")
         self._bind(args)
         n_tiles = int(self.t.ops[op]["num_tiles"])
         stream = torch.cuda.current_stream(self.device).cuda_stream

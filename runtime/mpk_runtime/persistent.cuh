@@ -312,7 +312,10 @@ extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1)
   if (warp < mpk::kSchedWarpsPerCta && s < a.active_schedulers && a.num_jit_events > 0) mpk::scheduler_loop(a, s);
 }
 
+#ifdef MPK_TILE_KERNEL
 // Test wrapper: every tile of one op, one CTA per tile, no scheduling (task families alone).
+// Built only on request: it doubles ptxas time.
 extern "C" __global__ void __launch_bounds__(mpk::kThreads) mpk_tile_kernel(int op) {
   mpk_execute_task(op, blockIdx.x);
 }
+#endif

@@ -1,0 +1,150 @@
+"""Decode-step latency: mpk's megakernel against the torch peer and the bandwidth floor, in one
+run on one device (shared/BENCHMARKS.md).
+
+For each model shape and batch size: ``DecoderLM`` with random bf16 weights compiled with
+``torch.compile(backend="mpk")`` (one persistent-kernel launch per step), timed at position 64
+(a 64-token prompt already in the paged cache, random K/V); the gpt-fast-style peer
+(``peer.time_peer``: eager, eager + CUDA graph, torch.compile + CUDA graph) on the same shape;
+the floor = (weights + KV read) / measured copy bandwidth. With ``--profile`` one extra step
+runs under the in-kernel profiler and the step's time is split by task type: for each op the
+span from its first task's start to its last task's end, summed per kind; what is left of the
+step is event hops and ramp-up/down.
+
+Prints one JSON line per configuration (also appended to ``--out``) and a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer import SHAPES, copy_bandwidth, floor_ms, kv_bytes, time_peer, time_step, weight_bytes  # noqa: E402
+
+from mpk.backend import COMPILED, RUNNERS  # noqa: E402
+from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache  # noqa: E402
+
+
+def config_of(name: str) -> LLMConfig:
+    s = SHAPES[name]
+    scaling = None if s.qk_norm else {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    return LLMConfig(family="qwen3" if s.qk_norm else "llama", hidden=s.hidden, inter=s.inter, layers=s.layers,
+                     heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim, vocab=s.vocab, tied=s.tied,
+                     eps=s.rms_eps, rope_theta=s.rope_theta, rope_scaling=scaling)
+
+
+def random_model(cfg: LLMConfig, max_len: int, seed: int = 0) -> DecoderLM:
+    """Random bf16 weights drawn on the GPU (scale 0.02; norm weights near 1)."""
+    model = DecoderLM(cfg, torch.bfloat16, "cuda", max_len=max_len)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.02)
+    return model
+
+
+def breakdown(compiled) -> dict:
+    """Per op kind: summed spans of its ops in one profiled step (µs), plus the rest."""
+    from mpk.megakernel.gpu import GpuExecutor
+
+    runner = RUNNERS[id(compiled)]
+    ex = GpuExecutor(compiled.tables, profile=True, profile_capacity=4096)
+    ex.run(runner.state["args"])
+    trace = ex.trace()["traceEvents"]
+    t = compiled.tables
+    ops: dict[int, list[float]] = {}
+    for e in trace:
+        task = e["args"]["task"]
+        op = int(t.tasks[task]["op"])
+        if op < 0:
+            continue
+        lo_hi = ops.setdefault(op, [float("inf"), 0.0])
+        lo_hi[0], lo_hi[1] = min(lo_hi[0], e["ts"]), max(lo_hi[1], e["ts"] + e["dur"])
+    total = max(e["ts"] + e["dur"] for e in trace) - min(e["ts"] for e in trace)
+    per_kind: dict[str, float] = defaultdict(float)
+    for op, (lo, hi) in ops.items():
+        per_kind[t.meta["ops"][op]["kind"]] += hi - lo
+    out = {k: round(v, 1) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])}
+    out["hops_and_rest"] = round(total - sum(per_kind.values()), 1)
+    out["profiled_step_us"] = round(total, 1)
+    return out
+
+
+def bench_mpk(model: DecoderLM, batch: int, position: int, page_size: int, profile: bool) -> dict:
+    kv = PagedKVCache(model, batch, position + 1, page_size)
+    kv.grow(position + 1)  # the prompt plus the token being decoded
+    with torch.no_grad():
+        kv.cache.normal_()
+    tokens = torch.randint(0, model.cfg.vocab, (batch,), device="cuda")
+    step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
+                         options={"executor": "gpu", "sync": False})
+    with torch.no_grad():
+        step(tokens, *kv.args())  # trace, compile, build
+        torch.cuda.synchronize()
+        ms = time_step(lambda: step(tokens, *kv.args()), warmup=5, iters=30)
+        compiled = COMPILED[-1]
+        result = {"mpk_ms": ms, "tasks": len(compiled.tables.tasks), "events": len(compiled.tables.events)}
+        if profile:
+            result["breakdown_us"] = breakdown(compiled)
+    del step
+    torch._dynamo.reset()
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["llama3.2-1b", "qwen3-1.7b", "qwen3-8b"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
+    ap.add_argument("--position", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--compile-mode", default="default",
+                    help="the peer's torch.compile mode (max-autotune costs minutes per shape)")
+    ap.add_argument("--profile", action="store_true", help="per-task-type breakdown of one mpk step")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    device = torch.cuda.get_device_name()
+    bw = copy_bandwidth()
+    print(f"device {device}; copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    for name in args.models:
+        cfg = config_of(name)
+        model = random_model(cfg, args.position + 64)
+        for batch in args.batches:
+            mpk = bench_mpk(model, batch, args.position, args.page_size, args.profile)
+            peer = time_peer(name, batch, args.position, compile_mode=args.compile_mode)
+            floor = floor_ms(weight_bytes(SHAPES[name]) + kv_bytes(SHAPES[name], batch, args.position + 1), bw)
+            row = {"date": datetime.date.today().isoformat(), "device": device, "model": name, "batch": batch,
+                   "position": args.position, "page_size": args.page_size, **mpk,
+                   **{k: peer[k] for k in ("eager_ms", "eager_graph_ms", "compile_graph_ms", "peer_ms", "peer_mode",
+                                           "errors")},
+                   "speedup": peer["peer_ms"] / mpk["mpk_ms"] if peer["peer_ms"] else None,
+                   "floor_ms": floor, "floor_util": floor / mpk["mpk_ms"], "peer_floor_util":
+                   floor / peer["peer_ms"] if peer["peer_ms"] else None, "bandwidth_GBps": bw / 1e9}
+            rows.append(row)
+            line = json.dumps(row)
+            print(line, flush=True)
+            if args.out:
+                with args.out.open("a") as fh:
+                    fh.write(line + "\n")
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"\n{'model':12s} {'B':>3s} {'mpk ms':>8s} {'peer ms':>8s} {'peer':>13s} {'speedup':>8s} "
+          f"{'floor ms':>9s} {'floor_util':>10s}")
+    for r in rows:
+        sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+        print(f"{r['model']:12s} {r['batch']:3d} {r['mpk_ms']:8.3f} {r['peer_ms'] or float('nan'):8.3f} "
+              f"{str(r['peer_mode']):>13s} {sp:>8s} {r['floor_ms']:9.3f} {r['floor_util']:10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

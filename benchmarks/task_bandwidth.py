@@ -1,0 +1,119 @@
+"""Bandwidth of the decode task families alone, inside the persistent kernel.
+
+Each case is a small graph compiled with ``torch.compile(backend="mpk")``; its executor runs
+``k`` dependent iterations in one launch, and ``(t(k) − t(1)) / (k − 1)`` is the time of one
+iteration (the op's tasks plus one event hop). Reported: bytes the op must read / that time,
+and its share of the copy bandwidth measured in the same run. Cases: the linear layers of the
+four model shapes of shared/BENCHMARKS.md at batch 1, one graph per model holding its qkv, o,
+gate_up, down and LM-head weights (target ≥ 0.85 of copy bandwidth), and
+paged decode attention over a long cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer import SHAPES, copy_bandwidth  # noqa: E402
+
+from mpk.backend import COMPILED, RUNNERS  # noqa: E402
+
+
+class Linears(torch.nn.Module):
+    """A model's linear layers side by side (independent: one graph, one build per model)."""
+
+    def __init__(self, shapes: list[tuple[int, int]]):
+        super().__init__()
+        self.ws = torch.nn.ParameterList(
+            torch.nn.Parameter(0.02 * torch.randn(n, k, device="cuda", dtype=torch.bfloat16), requires_grad=False)
+            for n, k in shapes)
+
+    def forward(self, *xs):
+        return tuple(torch.nn.functional.linear(x, w) for x, w in zip(xs, self.ws))
+
+
+def per_iteration_ms(fn, args, k: int = 21) -> float:
+    """Median over 5 of (t(k iterations) − t(1 iteration)) / (k − 1) for one compiled graph."""
+    with torch.no_grad():
+        fn(*args)
+    torch.cuda.synchronize()
+    runner = RUNNERS[id(COMPILED[-1])]
+    ex, flat = runner.state["ex"], runner.state["args"]
+
+    def timed(iters: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        ex.launch(flat, iters)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    samples = sorted((timed(k) - timed(1)) / (k - 1) for _ in range(5))
+    return samples[2]
+
+
+def linear_cases(name: str) -> dict[str, tuple[int, int]]:
+    s = SHAPES[name]
+    q, kv = s.q_heads * s.head_dim, s.kv_heads * s.head_dim
+    return {"qkv": (q + 2 * kv, s.hidden), "o": (s.hidden, q), "gate_up": (2 * s.inter, s.hidden),
+            "down": (s.hidden, s.inter), "lm_head": (s.vocab, s.hidden)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["llama3.2-1b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"])
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    device, bw = torch.cuda.get_device_name(), copy_bandwidth()
+    print(f"device {device}; copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    rows = []
+
+    def record(row):
+        row |= {"date": datetime.date.today().isoformat(), "device": device, "copy_GBps": bw / 1e9}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with args.out.open("a") as fh:
+                fh.write(json.dumps(row) + "\n")
+
+    opts = {"executor": "gpu"}
+    for name in args.models:
+        shapes = list(linear_cases(name).values())
+        fn = torch.compile(Linears(shapes), backend="mpk", fullgraph=True, dynamic=False, options=opts)
+        ms = per_iteration_ms(fn, [torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _, k in shapes])
+        nbytes = sum(2 * n * k for n, k in shapes)
+        record({"case": f"linear {name}: {'+'.join(linear_cases(name))}", "batch": 1, "ms": ms,
+                "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9)})
+        torch._dynamo.reset()
+    for batch, length, heads, kv_heads, dim in [(16, 2048, 32, 8, 128), (1, 16384, 32, 8, 128)]:
+        page = 16
+        pages = batch * length // page
+        cache = torch.randn(1, 2, pages, kv_heads, page, dim, device="cuda", dtype=torch.bfloat16)
+        indptr = torch.arange(0, pages + 1, length // page, dtype=torch.int32, device="cuda")
+        indices = torch.randperm(pages, device="cuda").int()
+        last = torch.full((batch,), page, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+
+        def attend(q, cache, indptr, indices, last):
+            return torch.ops.mpk.paged_attention(q, cache, indptr, indices, last, 0, dim ** -0.5, 0)
+
+        fn = torch.compile(attend, backend="mpk", fullgraph=True, dynamic=False, options=opts)
+        ms = per_iteration_ms(fn, (q, cache, indptr, indices, last))
+        nbytes = cache.numel() * 2
+        record({"case": f"paged attention B={batch} len={length} {heads}/{kv_heads} heads d={dim}", "ms": ms,
+                "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9)})
+        torch._dynamo.reset()
+    print(f"\n{'case':52s} {'ms':>8s} {'GB/s':>7s} {'of copy':>8s}")
+    for r in rows:
+        print(f"{r['case']:52s} {r['ms']:8.4f} {r['GBps']:7.0f} {r['of_copy']:8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

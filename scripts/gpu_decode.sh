@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Decode work on the lent device: install, the decode GPU tests, then the task-bandwidth and
+# decode-latency benchmarks. STAGE=tests|bandwidth|latency|all (default all); MODELS and
+# BATCHES narrow decode_latency. Logs and JSON lines go to $OUT (or ./gpu-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MPK_CACHE_DIR=${MPK_CACHE_DIR:-/tmp/mpk-cache}
+STAGE=${STAGE:-all}
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || echo "pip install failed (see install.log)"
+python3 -c "import transformers, safetensors" 2>/dev/null || echo "transformers/safetensors missing on the device"
+if [[ $STAGE == tests || $STAGE == all ]]; then
+  python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_decode.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_decode.log" | grep -E "vs transformers|passed|failed|Error|assert" | tail -30
+fi
+if [[ $STAGE == bandwidth || $STAGE == all ]]; then
+  python3 benchmarks/task_bandwidth.py --out "$OUT/task_bandwidth.jsonl" 2>&1 | tee "$OUT/task_bandwidth.log" | tail -9
+fi
+if [[ $STAGE == latency || $STAGE == all ]]; then
+  python3 benchmarks/decode_latency.py --profile --out "$OUT/decode_latency.jsonl" \
+    --models ${MODELS:-llama3.2-1b qwen3-1.7b qwen3-8b} --batches ${BATCHES:-1 4 16} 2>&1 | tee "$OUT/decode_latency.log" | tail -14
+fi
