@@ -106,7 +106,8 @@ def small(family: str, **kw) -> LLMConfig:
 def test_compiled_decode_matches_eager(family, page_size, batch):
     """bf16 decode steps of sequences of different lengths, compiled vs mpk's eager path:
     logits within 2e-2 of the largest |logit| (bf16 rounding of two different summation
-    orders through 2 layers), top-1 agreement ≥ 99%, and the caches agree."""
+    orders through 2 layers), top-1 agreement ≥ 99% where the eager logits are decisive
+    (``compare_logits``), and the caches agree."""
     cfg = small(family)
     model = DecoderLM(cfg, torch.bfloat16, DEV, max_len=256).randomize(seed=random.randrange(1 << 30))
     step = _gpu_compile(model)
@@ -122,7 +123,7 @@ def test_compiled_decode_matches_eager(family, page_size, batch):
             outs.append(step(tokens, *kv_m.args()).float())
             tokens = refs[-1].argmax(-1)
     stats = compare_logits(torch.stack(outs), torch.stack(refs))
-    assert stats["max_rel"] <= 2e-2 and stats["top1"] >= 0.99, stats
+    assert stats["max_rel"] <= 2e-2 and stats["top1_decisive"] >= 0.99, stats
     assert relative_error(kv_m.cache.float(), kv_e.cache.float()) <= BF16_TOL
 
 
