@@ -111,7 +111,7 @@ def test_compiled_decode_matches_eager(family, page_size, batch):
     cfg = small(family)
     model = DecoderLM(cfg, torch.bfloat16, DEV, max_len=256).randomize(seed=random.randrange(1 << 30))
     step = _gpu_compile(model)
-    kv_e, kv_m = PagedKVCache(model, batch, 64, page_size), PagedKVCache(model, batch, 64, page_size)
+    kv_e, kv_m = PagedKVCache(model, batch, 128, page_size), PagedKVCache(model, batch, 128, page_size)
     tokens = torch.randint(0, cfg.vocab, (batch,), device=DEV)
     outs, refs = [], []
     with torch.no_grad():
@@ -147,9 +147,12 @@ def test_one_kernel_launch_per_step():
 
 @pytest.mark.parametrize("name", ["qwen3-small", "llama-small", "qwen3-1.7b"])
 def test_bf16_decode_agrees_with_transformers(name):
-    """64 teacher-forced bf16 steps, random weights shared through safetensors: top-1 ≥ 99%
-    against transformers, and against mpk's eager path; the max relative logit error is
-    printed (pytest -s) for the record."""
+    """64 teacher-forced bf16 steps, random weights shared through safetensors, against
+    transformers' float32 logits of the same weights: top-1 ≥ 99% where the reference is
+    decisive (``compare_logits``; random models are full of near-ties that bf16 rounding
+    flips, for transformers' own bf16 run as much as for mpk's), the same against mpk's eager
+    path, and a max relative logit error within 1.5× of transformers' own bf16 error. All
+    numbers are printed (pytest -s) for the record."""
     if name == "qwen3-1.7b":
         cfg = LLMConfig(family="qwen3", hidden=2048, inter=6144, layers=28, heads=16, kv_heads=8, head_dim=128,
                         vocab=151936, tied=True, eps=1e-6, rope_theta=1e6, max_position=40960)
@@ -168,5 +171,6 @@ def test_bf16_decode_agrees_with_transformers(name):
     print(f"\n{name}: mpk bf16 vs transformers fp32 {vs_hf}; transformers bf16 vs fp32 {hf_own}; "
           f"mpk vs transformers bf16 {compare_logits(mpk_logits, hf_bf16)}; mpk vs mpk eager {vs_eager}")
     assert vs_hf["top1_decisive"] >= 0.99 and vs_eager["top1_decisive"] >= 0.99, (vs_hf, vs_eager)
-    assert vs_hf["top1"] >= hf_own["top1"] - 0.02, (vs_hf, hf_own)
+    # as close to the float32 truth as transformers' own bf16 run is
+    assert vs_hf["max_rel"] <= 1.5 * hf_own["max_rel"], (vs_hf, hf_own)
     assert math.isfinite(vs_hf["max_rel"])

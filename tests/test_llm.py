@@ -105,8 +105,7 @@ def test_float32_decode_matches_transformers(family):
 def test_bf16_decode_agrees_with_transformers(family):
     """bf16, 64 teacher-forced steps against transformers' float32 logits (same weights):
     top-1 agreement ≥ 99% where the reference is decisive (see ``compare_logits``), logits
-    within 5% of the largest |logit|, and overall agreement no worse than transformers' own
-    bf16 run minus 2 points."""
+    within 5% of the largest |logit| and within 1.5× of transformers' own bf16 error."""
     hf, ours = hf_twin(small(family), seed=random.randrange(1 << 30), dtype=torch.bfloat16)
     tokens = torch.randint(0, 97, (2, 64))
     ref_bf16 = hf_logits(hf, tokens)
@@ -115,7 +114,7 @@ def test_bf16_decode_agrees_with_transformers(family):
     hf_own = compare_logits(ref_bf16, ref)
     print(f"{family} bf16 vs transformers fp32: {stats}; transformers bf16 vs fp32: {hf_own}")
     assert stats["top1_decisive"] >= 0.99 and stats["max_rel"] <= 0.05, stats
-    assert stats["top1"] >= hf_own["top1"] - 0.02, (stats, hf_own)
+    assert stats["max_rel"] <= 1.5 * hf_own["max_rel"], (stats, hf_own)
 
 
 def test_hf_mha_without_qk_norm_config_roundtrip():
