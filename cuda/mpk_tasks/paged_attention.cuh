@@ -49,8 +49,9 @@ __device__ __forceinline__ int log2_pow2(int x) { return 31 - __clz(x); }
 // inputs: qkv [B, (H+2KV)·D], cos_sin [P, D] (cos | sin), kv_indptr, kv_indices,
 // kv_last_page_len, kv_cache, q_norm [D], k_norm [D] (when iparam[4]); output q [B, H, D].
 // iparam: heads, kv_heads, head_dim, page_size, qk_norm, layer; fparam[0] eps.
-// One warp per (sequence, head) of the H + 2·KV heads; lane l holds dims l + 32·i, so the
-// rotate-half partner of a dim sits in the same lane (D is a multiple of 64).
+// A tile covers query heads [h0, h1) and appends the k/v of the kv heads whose group starts
+// in it (mpk/ops/paged.py: kv_heads_of_tile). One warp per (sequence, head); lane l holds dims
+// l + 32·i, so the rotate-half partner of a dim sits in the same lane (D is a multiple of 64).
 __device__ void task_rope_append(const OpC& c, const Rect& r, const TaskEnv& env) {
   const ViewC &qkv = c.in[0], &cs = c.in[1], &indptr = c.in[2], &indices = c.in[3], &last = c.in[4],
               &cache = c.in[5];
@@ -60,10 +61,14 @@ __device__ void task_rope_append(const OpC& c, const Rect& r, const TaskEnv& env
   const int layer = static_cast<int>(c.iparam[5]);
   const int per = D / 32, half = per / 2;
   const int lane = threadIdx.x & 31;
-  const int rows = static_cast<int>(r.hi[0] - r.lo[0]) * (H + 2 * KV);
+  const int group = H / KV, h0 = static_cast<int>(r.lo[1]), h1 = static_cast<int>(r.hi[1]);
+  const int kv0 = (h0 + group - 1) / group, kv1 = (h1 + group - 1) / group;
+  const int per_row = (h1 - h0) + 2 * (kv1 - kv0);
+  const int rows = static_cast<int>(r.hi[0] - r.lo[0]) * per_row;
   for (int job = threadIdx.x >> 5; job < rows; job += blockDim.x >> 5) {
-    const long long b = r.lo[0] + job / (H + 2 * KV);
-    const int head = job % (H + 2 * KV);
+    const long long b = r.lo[0] + job / per_row;
+    const int j = job % per_row, jj = j - (h1 - h0);
+    const int head = j < h1 - h0 ? h0 + j : H + (jj & 1) * KV + kv0 + jj / 2;  // q, else k / v of a kv head
     const long long pos = seq_len(env, indptr, last, b, page_size) - 1;
     if (pos < 0) __trap();  // the page table does not count the token being decoded
     float x[8];

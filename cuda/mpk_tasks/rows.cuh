@@ -106,7 +106,66 @@ __device__ void task_layer_norm(const OpC& c, const Rect& r, const TaskEnv& env)
 }
 
 // rms_norm: fparam[0] eps; iparam[0] has weight; iparam[1] dtype the normalised value is cast to.
+// Variant 1 (codegen picks it): bf16 rows with unit stride, 16-byte aligned, a bf16 weight
+// and a bf16 output — decode's case, where one row (the batch-1 hidden state) is a task. The
+// whole CTA shares a row: 16-byte loads kept in registers, one block reduction, one pass out.
+constexpr int kNormVecs = 4;  // 8-element vectors per thread held in registers: rows ≤ 8192 at 256 threads
+
+__device__ void rms_norm_rows_bf16(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const ViewC &x = c.in[0], &w = c.in[1];
+  const int len = static_cast<int>(c.out_shape[c.ndim - 1]), vecs = len / 8;
+  const long long row_stride = x.ndim > 1 ? x.stride[x.ndim - 2] : 0;
+  float* red = scratch();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const auto* wv = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(env.buffers[w.buffer]) + w.offset);
+  for (long long row = r.lo[0]; row < r.hi[0]; ++row) {
+    const auto* xv = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(env.buffers[x.buffer]) +
+                                                    x.offset + row * row_stride);
+    uint4 v[kNormVecs];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < kNormVecs; ++i) {
+      const int j = threadIdx.x + i * blockDim.x;
+      v[i] = j < vecs ? xv[j] : make_uint4(0, 0, 0, 0);
+      const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[i]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = __bfloat1622float2(h[e]);
+        ss += f.x * f.x + f.y * f.y;
+      }
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    float total = 0.f;
+    for (int i = 0; i < warps; ++i) total += red[i];
+    const float rstd = rsqrtf(total / len + c.fparam[0]);
+    auto* ov = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(env.buffers[c.out_buffer]) + row * len);
+#pragma unroll
+    for (int i = 0; i < kNormVecs; ++i) {
+      const int j = threadIdx.x + i * blockDim.x;
+      if (j >= vecs) break;
+      const uint4 wq = wv[j];
+      const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[i]);
+      const auto* g = reinterpret_cast<const __nv_bfloat162*>(&wq);
+      uint4 o;
+      auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // normalise, round to bf16, scale (HF's order of roundings)
+        const float2 f = __bfloat1622float2(h[e]), gw = __bfloat1622float2(g[e]);
+        oh[e] = __floats2bfloat162_rn(round_to(kBF16, f.x * rstd) * gw.x, round_to(kBF16, f.y * rstd) * gw.y);
+      }
+      ov[j] = o;
+    }
+    __syncthreads();  // red is rewritten by the next row
+  }
+}
+
 __device__ void task_rms_norm(const OpC& c, const Rect& r, const TaskEnv& env) {
+  if (c.variant == 1) {
+    rms_norm_rows_bf16(c, r, env);
+    return;
+  }
   const long long len = c.out_shape[c.ndim - 1];
   void* out = env.buffers[c.out_buffer];
   MPK_FOR_ROWS(c, r, idx) {

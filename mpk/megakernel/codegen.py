@@ -100,9 +100,32 @@ def linear_variant(tables: Tables, op: int) -> int:
     bf16 = DTYPE_CODE[__import__("torch").bfloat16]
     dtypes = [int(tables.buffers[int(v["buffer"])]["dtype"]) for v in (a, b)] + [int(tables.buffers[int(o["output"])]["dtype"])]
     M, K = int(a["shape"][0]), int(a["shape"][1])
+    lda = int(a["strides"][0]) if M > 1 else 0  # a size-1 dim's stride is never used
     ok = (all(d == bf16 for d in dtypes) and int(a["strides"][1]) == 1 and int(b["strides"][0]) == 1
-          and K % 32 == 0 and all(int(x) % 8 == 0 for x in (a["offset"], a["strides"][0], b["offset"], b["strides"][1]))
+          and K % 32 == 0 and all(int(x) % 8 == 0 for x in (a["offset"], lda, b["offset"], b["strides"][1]))
           and -(-M // int(o["grid"][0])) <= LINEAR_ROWS)
+    return int(ok)
+
+
+NORM_VECS = 4  # cuda/mpk_tasks/rows.cuh: kNormVecs (8-element vectors per thread, 256 threads)
+
+
+def rms_norm_variant(tables: Tables, op: int) -> int:
+    """1 (the CTA-per-row bf16 norm of rows.cuh) for 2-d bf16 rows with unit stride, 16-byte
+    alignment, a bf16 weight and length ≤ 8192 (a multiple of 8); else 0."""
+    o = tables.ops[op]
+    meta = tables.meta["ops"][op]["attrs"]
+    views = [tables.views[int(x)] for x in tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]]
+    if int(o["ndim"]) != 2 or len(views) != 2 or meta.get("norm_dtype") != "bfloat16":
+        return 0
+    bf16 = DTYPE_CODE[__import__("torch").bfloat16]
+    x, w = views
+    rows, n = int(x["shape"][0]), int(x["shape"][1])
+    dtypes = [int(tables.buffers[int(v["buffer"])]["dtype"]) for v in views] + [int(tables.buffers[int(o["output"])]["dtype"])]
+    row_stride = int(x["strides"][0]) if rows > 1 else 0
+    ok = (all(d == bf16 for d in dtypes) and int(x["ndim"]) == 2 and int(w["ndim"]) == 1 and int(x["strides"][1]) == 1
+          and int(w["strides"][0]) == 1 and n % 8 == 0 and n <= NORM_VECS * 8 * 256
+          and all(v % 8 == 0 for v in (int(x["offset"]), row_stride, int(w["offset"]))))
     return int(ok)
 
 
@@ -153,6 +176,8 @@ def generate(tables: Tables) -> str:
         variant, ip, fp = ENCODERS[kind](meta["attrs"])
         if kind == "matmul":
             variant = linear_variant(tables, i)
+        elif kind == "rms_norm":
+            variant = rms_norm_variant(tables, i)
         nd = int(o["ndim"])
         _check_balanced(tables, i, meta["name"])
         out = int(o["output"])

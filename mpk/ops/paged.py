@@ -92,13 +92,22 @@ def rms_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dty
     return (y.float() * weight.float()).to(dtype).float()
 
 
+def kv_heads_of_tile(h0: int, h1: int, heads: int, kv_heads: int) -> range:
+    """The kv heads whose k/v a rope_append tile over query heads [h0, h1) appends: those
+    whose group's first query head lies in the tile. Attention over kv head j reads that
+    query head, so it depends on the tile that wrote j's cache slot."""
+    group = heads // kv_heads
+    return range(-(-h0 // group), -(-h1 // group))
+
+
 def _rope_append_cpu(sig: OpSig, rect, xs):
     a = sig.attrs
     qkv, cos_sin, indptr, indices, last, cache, *norms = xs
     H, KV, D, ps = a["heads"], a["kv_heads"], a["head_dim"], a["page_size"]
-    b0, b1 = rect[0]
+    (b0, b1), (h0, h1) = rect[0], rect[1]
+    kvs = kv_heads_of_tile(h0, h1, H, KV)
     x = qkv.reshape(b1 - b0, H + 2 * KV, D).float()
-    q, k, v = x[:, :H], x[:, H:H + KV], x[:, H + KV:]
+    q, k, v = x[:, h0:h1], x[:, H + kvs.start:H + kvs.stop], x[:, H + KV + kvs.start:H + KV + kvs.stop]
     if a["qk_norm"]:
         q, k = rms_rows(q, norms[0], a["eps"], sig.out_dtype), rms_rows(k, norms[1], a["eps"], sig.out_dtype)
     pos = seq_lens(indptr, last, ps)[b0:b1] - 1
@@ -114,15 +123,15 @@ def _rope_append_cpu(sig: OpSig, rect, xs):
     q, k = rot(q), rot(k)
     for i, b in enumerate(range(b0, b1)):
         page, slot = token_slots(indptr, indices, b, pos[i:i + 1], ps)
-        cache[0, 0, page[0], :, slot[0]] = k[i].to(cache.dtype)
-        cache[0, 1, page[0], :, slot[0]] = v[i].to(cache.dtype)
+        cache[0, 0, page[0], kvs.start:kvs.stop, slot[0]] = k[i].to(cache.dtype)
+        cache[0, 1, page[0], kvs.start:kvs.stop, slot[0]] = v[i].to(cache.dtype)
     return q.to(sig.out_dtype)
 
 
 register(OpDef(
     kind="rope_append", type_id=15, input_regions=_rope_append_regions, cpu=_rope_append_cpu,
-    splittable=lambda sig: (True, False, False), min_tile_elems=1,
-    doc="q = rope(qk_norm(q)); cache[len−1] ← (rope(qk_norm(k)), v), per sequence",
+    splittable=lambda sig: (True, True, False), split_order=lambda sig: [1, 0], min_tile_elems=1,
+    doc="q = rope(qk_norm(q)); cache[len−1] ← (rope(qk_norm(k)), v) for the kv heads the tile owns",
 ))
 
 
