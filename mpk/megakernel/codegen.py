@@ -209,5 +209,11 @@ def generate(tables: Tables) -> str:
         + "  const mpk::Rect r = mpk::tile_rect(c, tile);\n"
         + "  const mpk::TaskEnv env{mpk_buffers};\n"
         + "  switch (c.type) {\n" + cases + "\n    default: __trap();\n  }\n}\n\n"
+        + "// Cross-task prefetch of a task's inputs that depend on nothing (weights); one thread.\n"
+        + "__device__ __noinline__ void mpk_prefetch_task(int op, int tile) {\n"
+        + "  const mpk::OpC& c = mpk_gen::kOps[op];\n"
+        + ("  if (c.type == 20) mpk::prefetch_matmul(c, mpk::tile_rect(c, tile), mpk::TaskEnv{mpk_buffers});\n"
+           if any(v == "matmul" for v in kinds.values()) else "")
+        + "}\n\n"
         + '#include "mpk_runtime/persistent.cuh"\n'
     )

@@ -1,6 +1,7 @@
 // The persistent kernel: one cooperative launch, one CTA per SM. CTAs [0, num_workers) are
 // workers; the rest host scheduler warps (kSchedWarpsPerCta each). Include this after the
-// generated code has defined ``mpk_execute_task(op, tile)`` (over its own buffer table).
+// generated code has defined ``mpk_execute_task(op, tile)`` and ``mpk_prefetch_task(op, tile)``
+// (over its own buffer table).
 //
 // Worker (thread 0 decides, the CTA executes): its JIT ring first; else the head of its AOT list
 // once that task's dependent event reached iteration·num_triggers; else spin. After a task the
@@ -188,8 +189,14 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
   Pending pending;
   unsigned n_profiled = 0;
   unsigned long long t0 = 0;
+  long long prefetched = -1;  // AOT position whose weights were last prefetched
   if (threadIdx.x == 0) aot.start(a);
   while (true) {
+    // the upcoming AOT task's weights stream into L2 while this worker runs or waits
+    if (threadIdx.x == 0 && aot.left() && aot.head.info.op >= 0 && aot.pos() != prefetched) {
+      prefetched = aot.pos();
+      mpk_prefetch_task(aot.head.info.op, aot.head.info.tile);
+    }
     if (threadIdx.x == 0) {
       TaskInfo t = next_task(a, w, aot, jit_head, pending);
       while (t.task != kExit && t.op < 0) {  // dummy tasks need no block: thread 0 completes them
