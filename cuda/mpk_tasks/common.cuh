@@ -24,7 +24,7 @@ struct ViewC {
 };
 
 // One op's constants (tables: OP_DTYPE + attrs), emitted by mpk/megakernel/codegen.py.
-struct OpC {
+struct alignas(16) OpC {
   int type;      // registry type_id
   int variant;   // kind-specific (pointwise fn, reduce fn, …)
   int out_buffer;
@@ -177,6 +177,16 @@ __device__ __forceinline__ float warp_max_nan(float v) {
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
+}
+
+// Copy an op's constants into shared memory with the whole CTA (16-byte words), then
+// synchronise. The caller synchronises again before the copy is overwritten.
+__device__ __forceinline__ void stage_op(OpC& dst, const OpC& src) {
+  static_assert(sizeof(OpC) % 16 == 0, "OpC is copied in 16-byte words");
+  const int4* s = reinterpret_cast<const int4*>(&src);
+  int4* d = reinterpret_cast<int4*>(&dst);
+  for (int i = threadIdx.x; i < static_cast<int>(sizeof(OpC) / 16); i += blockDim.x) d[i] = s[i];
+  __syncthreads();
 }
 
 // Shared-memory scratch of a task (one allocation, reused by every task family; a task must

@@ -6,6 +6,8 @@
 // LSE base 2 everywhere: lse = log2 Σ 2^s with s = q·k·scale·log2(e); O is normalised; the
 // empty state is (O = 0, lse = −inf). merge_state below is the only CUDA definition of ⊕.
 #pragma once
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace mpk {
@@ -45,6 +47,39 @@ __device__ __forceinline__ long long cache_row(const TaskEnv& env, const ViewC& 
 }
 
 __device__ __forceinline__ int log2_pow2(int x) { return 31 - __clz(x); }
+
+// Element offset of (page of position t, slot of t) within one layer/kv/head of the cache.
+__device__ __forceinline__ long long page_row(const TaskEnv& env, const ViewC& indices, long long p0, long long t,
+                                              int shift, const ViewC& cache) {
+  const long long page = load_i(env.buffers[indices.buffer], indices.dtype,
+                                indices.offset + (p0 + (t >> shift)) * indices.stride[0]);
+  return page * cache.stride[2] + (t & ((1LL << shift) - 1)) * cache.stride[4];
+}
+
+// kPer consecutive elements of a cache row into floats: one vector load for bf16 rows with
+// unit stride (the layout the model allocates), element loads otherwise.
+template <int kPer>
+__device__ __forceinline__ void load_row(const void* base, const ViewC& v, long long off, float* out) {
+  if (v.dtype == kBF16 && v.stride[5] == 1 && off % kPer == 0) {
+    const auto* p = static_cast<const __nv_bfloat16*>(base) + off;
+    if constexpr (kPer == 2) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+      out[0] = f.x, out[1] = f.y;
+    } else {
+      using Vec = std::conditional_t<kPer == 4, uint2, uint4>;
+      const Vec raw = *reinterpret_cast<const Vec*>(p);
+      const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+      for (int i = 0; i < kPer / 2; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        out[2 * i] = f.x, out[2 * i + 1] = f.y;
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) out[i] = load_f(base, v.dtype, off + i * v.stride[5]);
+}
 
 // inputs: qkv [B, (H+2KV)·D], cos_sin [P, D] (cos | sin), kv_indptr, kv_indices,
 // kv_last_page_len, kv_cache, q_norm [D], k_norm [D] (when iparam[4]); output q [B, H, D].
@@ -126,8 +161,10 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   float* red = scratch();  // [warps][G][D + 2]: m, l, acc
   const void* kvbase = env.buffers[cache.buffer];
+  const long long layer_off = cache.offset + layer * cache.stride[0];
   for (long long b = r.lo[0]; b < r.hi[0]; ++b) {
     const long long n = seq_len(env, indptr, last, b, page_size);
+    const long long p0 = load_i(env.buffers[indptr.buffer], indptr.dtype, indptr.offset + b * indptr.stride[0]);
     for (long long kvh = r.lo[1]; kvh < r.hi[1]; ++kvh) {
       for (long long ch = r.lo[2]; ch < r.hi[2]; ++ch) {
         const long long t0 = ch * n / C, t1 = (ch + 1) * n / C;
@@ -143,27 +180,33 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
             qr[g * kPer + i] = g < G ? load_f(env.buffers[q.buffer], q.dtype, qi) * scale : 0.f;
           }
         }
-        for (long long t = t0 + warp; t < t1; t += warps) {
-          const long long krow = cache_row(env, cache, indptr, indices, b, t, layer, 0, kvh, shift);
-          const long long vrow = krow + cache.stride[1];
-          float kr[kPer], vr[kPer];
+        // two positions per warp per step: their page lookups and K/V loads are independent
+        for (long long t = t0 + warp; t < t1; t += 2 * warps) {
+          const bool second = t + warps < t1;
+          float kr[2][kPer], vr[2][kPer];
 #pragma unroll
-          for (int i = 0; i < kPer; ++i) {
-            kr[i] = load_f(kvbase, cache.dtype, krow + (lane * kPer + i) * cache.stride[5]);
-            vr[i] = load_f(kvbase, cache.dtype, vrow + (lane * kPer + i) * cache.stride[5]);
+          for (int u = 0; u < 2; ++u) {
+            const long long tu = u == 0 || second ? t + u * warps : t;
+            const long long krow = page_row(env, indices, p0, tu, shift, cache) + kvh * cache.stride[3] + layer_off;
+            load_row<kPer>(kvbase, cache, krow + lane * kPer * cache.stride[5], kr[u]);
+            load_row<kPer>(kvbase, cache, krow + cache.stride[1] + lane * kPer * cache.stride[5], vr[u]);
           }
 #pragma unroll
-          for (int g = 0; g < kMaxG; ++g) {
-            if (g >= G) break;
-            float s = 0.f;
+          for (int u = 0; u < 2; ++u) {
+            if (u == 1 && !second) break;
 #pragma unroll
-            for (int i = 0; i < kPer; ++i) s += qr[g * kPer + i] * kr[i];
-            s = warp_sum(s);
-            const float m_new = fmaxf(m[g], s), corr = exp2f(m[g] - m_new), p = exp2f(s - m_new);
-            l[g] = l[g] * corr + p;
+            for (int g = 0; g < kMaxG; ++g) {
+              if (g >= G) break;
+              float s = 0.f;
 #pragma unroll
-            for (int i = 0; i < kPer; ++i) acc[g * kPer + i] = acc[g * kPer + i] * corr + p * vr[i];
-            m[g] = m_new;
+              for (int i = 0; i < kPer; ++i) s += qr[g * kPer + i] * kr[u][i];
+              s = warp_sum(s);
+              const float m_new = fmaxf(m[g], s), corr = exp2f(m[g] - m_new), p = exp2f(s - m_new);
+              l[g] = l[g] * corr + p;
+#pragma unroll
+              for (int i = 0; i < kPer; ++i) acc[g * kPer + i] = acc[g * kPer + i] * corr + p * vr[u][i];
+              m[g] = m_new;
+            }
           }
         }
         // combine the warps' states in warp order (deterministic)

@@ -189,8 +189,17 @@ def generate(tables: Tables) -> str:
             f"{int(o['num_inputs'])},{{{','.join(views) or '{}'}}},"
             f"{_arr([int(x) for x in ip], 8)},{_arr(fp, 4, _float)}}}")
         kinds[int(o["type_id"])] = kind
-    space = "__constant__" if len(ops) * OPC_BYTES <= CONSTANT_BUDGET else "__device__"
-    bspace = "__constant__" if len(ops) * OPC_BYTES + 8 * len(tables.buffers) <= CONSTANT_BUDGET else "__device__"
+    in_constant = len(ops) * OPC_BYTES <= CONSTANT_BUDGET
+    space = "__constant__" if in_constant else "__device__"
+    used = len(ops) * OPC_BYTES if in_constant else 0
+    bspace = "__constant__" if used + 8 * len(tables.buffers) <= CONSTANT_BUDGET else "__device__"
+    # A table in global memory is staged into shared memory per task: one parallel load
+    # instead of a chain of dependent L2 reads of its fields (the acquire before each task
+    # invalidates L1, so nothing of it stays cached).
+    fetch = ("  const mpk::OpC& c = mpk_gen::kOps[op];\n" if in_constant else
+             "  __shared__ mpk::OpC s_op;\n"
+             "  mpk::stage_op(s_op, mpk_gen::kOps[op]);\n"
+             "  const mpk::OpC& c = s_op;\n")
     cases = "\n".join(f"    case {t}: mpk::task_{kinds[t]}(c, r, env); return;  // {kinds[t]}" for t in sorted(kinds))
     return (
         GENERATED_HEADER
@@ -205,7 +214,7 @@ def generate(tables: Tables) -> str:
         + f'extern "C" {{ {bspace} void* mpk_buffers[{max(1, len(tables.buffers))}]; }}\n\n'
         + "// Task dispatch over the op types of this graph (the variant is decided inside each task).\n"
         + "__device__ __noinline__ void mpk_execute_task(int op, int tile) {\n"
-        + "  const mpk::OpC& c = mpk_gen::kOps[op];\n"
+        + fetch
         + "  const mpk::Rect r = mpk::tile_rect(c, tile);\n"
         + "  const mpk::TaskEnv env{mpk_buffers};\n"
         + "  switch (c.type) {\n" + cases + "\n    default: __trap();\n  }\n}\n\n"
