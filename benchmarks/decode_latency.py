@@ -51,14 +51,15 @@ def random_model(cfg: LLMConfig, max_len: int, seed: int = 0) -> DecoderLM:
     return model
 
 
-def breakdown(compiled) -> dict:
-    """Per op kind: summed spans of its ops in one profiled step (µs), plus the rest."""
+def breakdown(compiled, trace_path: Path | None = None) -> dict:
+    """Per op kind: summed spans of its ops in one profiled step (µs), plus the rest; the
+    median task duration per kind. ``trace_path``: also write the Perfetto trace there."""
     from mpk.megakernel.gpu import GpuExecutor
 
     runner = RUNNERS[id(compiled)]
     ex = GpuExecutor(compiled.tables, profile=True, profile_capacity=4096)
     ex.run(runner.state["args"])
-    trace = ex.trace()["traceEvents"]
+    trace = ex.trace(trace_path)["traceEvents"]
     t = compiled.tables
     ops: dict[int, list[float]] = {}
     for e in trace:
@@ -70,15 +71,22 @@ def breakdown(compiled) -> dict:
         lo_hi[0], lo_hi[1] = min(lo_hi[0], e["ts"]), max(lo_hi[1], e["ts"] + e["dur"])
     total = max(e["ts"] + e["dur"] for e in trace) - min(e["ts"] for e in trace)
     per_kind: dict[str, float] = defaultdict(float)
+    durations: dict[str, list[float]] = defaultdict(list)
     for op, (lo, hi) in ops.items():
         per_kind[t.meta["ops"][op]["kind"]] += hi - lo
+    for e in trace:
+        op = int(t.tasks[e["args"]["task"]]["op"])
+        if op >= 0:
+            durations[t.meta["ops"][op]["kind"]].append(e["dur"])
     out = {k: round(v, 1) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])}
     out["hops_and_rest"] = round(total - sum(per_kind.values()), 1)
     out["profiled_step_us"] = round(total, 1)
+    out["median_task_us"] = {k: round(sorted(v)[len(v) // 2], 2) for k, v in durations.items()}
     return out
 
 
-def bench_mpk(model: DecoderLM, batch: int, position: int, page_size: int, profile: bool) -> dict:
+def bench_mpk(model: DecoderLM, batch: int, position: int, page_size: int, profile: bool,
+              trace_path: Path | None = None) -> dict:
     kv = PagedKVCache(model, batch, position + 1, page_size)
     kv.grow(position + 1)  # the prompt plus the token being decoded
     with torch.no_grad():
@@ -93,7 +101,7 @@ def bench_mpk(model: DecoderLM, batch: int, position: int, page_size: int, profi
         compiled = COMPILED[-1]
         result = {"mpk_ms": ms, "tasks": len(compiled.tables.tasks), "events": len(compiled.tables.events)}
         if profile:
-            result["breakdown_us"] = breakdown(compiled)
+            result["breakdown_us"] = breakdown(compiled, trace_path)
     del step
     torch._dynamo.reset()
     return result
@@ -109,7 +117,10 @@ def main(argv=None) -> int:
                     help="the peer's torch.compile mode (max-autotune costs minutes per shape)")
     ap.add_argument("--profile", action="store_true", help="per-task-type breakdown of one mpk step")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--trace-dir", type=Path, default=None, help="write each profiled step's Perfetto trace here")
     args = ap.parse_args(argv)
+    if args.trace_dir:
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name()
     bw = copy_bandwidth()
     print(f"device {device}; copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
@@ -118,7 +129,8 @@ def main(argv=None) -> int:
         cfg = config_of(name)
         model = random_model(cfg, args.position + 64)
         for batch in args.batches:
-            mpk = bench_mpk(model, batch, args.position, args.page_size, args.profile)
+            trace = args.trace_dir / f"{name}-b{batch}.json" if args.trace_dir else None
+            mpk = bench_mpk(model, batch, args.position, args.page_size, args.profile, trace)
             peer = time_peer(name, batch, args.position, compile_mode=args.compile_mode)
             floor = floor_ms(weight_bytes(SHAPES[name]) + kv_bytes(SHAPES[name], batch, args.position + 1), bw)
             row = {"date": datetime.date.today().isoformat(), "device": device, "model": name, "batch": batch,

@@ -16,6 +16,6 @@ if [[ $STAGE == bandwidth || $STAGE == all ]]; then
   python3 benchmarks/task_bandwidth.py --out "$OUT/task_bandwidth.jsonl" 2>&1 | tee "$OUT/task_bandwidth.log" | tail -9
 fi
 if [[ $STAGE == latency || $STAGE == all ]]; then
-  python3 benchmarks/decode_latency.py --profile --out "$OUT/decode_latency.jsonl" \
+  python3 benchmarks/decode_latency.py --profile --out "$OUT/decode_latency.jsonl" ${TRACE:+--trace-dir "$OUT/traces"} \
     --models ${MODELS:-llama3.2-1b qwen3-1.7b qwen3-8b} --batches ${BATCHES:-1 4 16} 2>&1 | tee "$OUT/decode_latency.log" | tail -14
 fi
