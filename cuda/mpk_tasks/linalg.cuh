@@ -7,9 +7,9 @@
 
 namespace mpk {
 
-constexpr int kLinRows = 16;   // rows (batch) a variant-1 tile may hold: the MMA's M
-constexpr int kLinBlocks = 8;  // 8-column weight blocks per pass: 64 columns
-constexpr int kLinUnroll = 2;  // 32-wide k steps each warp has in flight per block
+constexpr int kLinRows = 16;     // rows (batch) a variant-1 tile may hold: the MMA's M
+constexpr int kLinBlocks = 8;    // 8-column weight blocks per pass, at most: 64 columns
+constexpr int kLinInFlight = 16; // 16-byte weight loads each lane keeps in flight
 
 // A 16-byte load that bypasses L1: weights are read exactly once.
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
@@ -33,10 +33,13 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 // lane loads 8 consecutive k of one weight row in one 16-byte load; the dot product does not
 // care about the order of k, so the A fragment is loaded with the same k permutation and no
 // shuffle is needed. The 8 warps split K (every 8th 32-wide step), each with
-// kLinBlocks × kLinUnroll loads in flight; their partial sums meet in shared memory and are
-// added in warp order (deterministic), then the epilogue scales, adds the bias (the residual
-// of a decoder layer) and stores.
+// kLinInFlight loads in flight (kBlocks blocks × kLinInFlight / kBlocks k steps: a tile of few
+// columns goes deeper along K); their partial sums meet in shared memory and are added in warp
+// order (deterministic), then the epilogue scales, adds the bias (the residual of a decoder
+// layer) and stores.
+template <int kBlocks>
 __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const TaskEnv& env) {
+  constexpr int kLinUnroll = kLinInFlight / kBlocks;
   const ViewC& a = c.in[0];
   const ViewC& b = c.in[1];
   const long long K = a.shape[1], N = c.out_shape[1];
@@ -52,32 +55,32 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   const __nv_bfloat16* x_hi = x + (m0 + g + 8) * lda + 8 * t;
   float* red = scratch();  // [warp][64 columns][16 rows]
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (long long n0 = r.lo[1]; n0 < r.hi[1]; n0 += 8 * kLinBlocks) {
-    float acc[kLinBlocks][4];
-    const __nv_bfloat16* wrow[kLinBlocks];
-    bool valid[kLinBlocks];
+  for (long long n0 = r.lo[1]; n0 < r.hi[1]; n0 += 8 * kBlocks) {
+    float acc[kBlocks][4];
+    const __nv_bfloat16* wrow[kBlocks];
+    bool valid[kBlocks];
 #pragma unroll
-    for (int j = 0; j < kLinBlocks; ++j) {
+    for (int j = 0; j < kBlocks; ++j) {
       const long long n = n0 + 8 * j + g;
       valid[j] = n < r.hi[1];
       wrow[j] = w + n * ldw + 8 * t;
       acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     }
     for (int ks = warp; ks < ksteps; ks += warps * kLinUnroll) {
-      uint4 wv[kLinUnroll][kLinBlocks], lo[kLinUnroll], hi[kLinUnroll];
+      uint4 wv[kLinUnroll][kBlocks], lo[kLinUnroll], hi[kLinUnroll];
 #pragma unroll
       for (int u = 0; u < kLinUnroll; ++u) {
         const int k = ks + u * warps;
         const bool ok = k < ksteps;
 #pragma unroll
-        for (int j = 0; j < kLinBlocks; ++j) wv[u][j] = ok && valid[j] ? ld_stream(wrow[j] + 32LL * k) : zero;
+        for (int j = 0; j < kBlocks; ++j) wv[u][j] = ok && valid[j] ? ld_stream(wrow[j] + 32LL * k) : zero;
         lo[u] = ok && has_lo ? __ldg(reinterpret_cast<const uint4*>(x_lo + 32LL * k)) : zero;
         hi[u] = ok && has_hi ? __ldg(reinterpret_cast<const uint4*>(x_hi + 32LL * k)) : zero;
       }
 #pragma unroll
       for (int u = 0; u < kLinUnroll; ++u) {
 #pragma unroll
-        for (int j = 0; j < kLinBlocks; ++j) {
+        for (int j = 0; j < kBlocks; ++j) {
           mma_bf16(acc[j], lo[u].x, hi[u].x, lo[u].y, hi[u].y, wv[u][j].x, wv[u][j].y);
           mma_bf16(acc[j], lo[u].z, hi[u].z, lo[u].w, hi[u].w, wv[u][j].z, wv[u][j].w);
         }
@@ -85,7 +88,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
     }
     // accumulator fragment: rows g and g + 8, columns 2t and 2t + 1 of each 8-column block
 #pragma unroll
-    for (int j = 0; j < kLinBlocks; ++j) {
+    for (int j = 0; j < kBlocks; ++j) {
       float* p = red + (warp * 64 + 8 * j + 2 * t) * kLinRows;
       p[g] = acc[j][0];
       p[kLinRows + g] = acc[j][1];
@@ -93,7 +96,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       p[kLinRows + g + 8] = acc[j][3];
     }
     __syncthreads();
-    const int cols = static_cast<int>(min(64LL, r.hi[1] - n0));
+    const int cols = static_cast<int>(min(8LL * kBlocks, r.hi[1] - n0));
     for (int e = threadIdx.x; e < rows * cols; e += blockDim.x) {
       const int row = e / cols, col = e % cols;
       float s = 0.f;
@@ -134,7 +137,10 @@ __device__ void prefetch_matmul(const OpC& c, const Rect& r, const TaskEnv& env)
 // fparam[0] alpha, fparam[1] beta; optional input 2 is the bias (broadcast to the output).
 __device__ void task_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
   if (c.variant == 1) {
-    linear_bf16(c, r, env);
+    const long long cols = r.hi[1] - r.lo[1];
+    if (cols <= 16) linear_bf16<2>(c, r, env);
+    else if (cols <= 32) linear_bf16<4>(c, r, env);
+    else linear_bf16<kLinBlocks>(c, r, env);
     return;
   }
   const ViewC& a = c.in[0];

@@ -2,13 +2,16 @@
 
 The generated file holds the per-op constants (``kOps``: shapes, grids, input views with
 strides, kind-specific parameters; in the constant bank when they fit) of one task graph, and the
-task dispatch ``mpk_execute_task`` over the op types present; it then includes the runtime
+task dispatch ``mpk_execute_task`` over the op types present and the cross-task weight prefetch
+``mpk_prefetch_task`` (``MPK_PREFETCH=0`` in the environment leaves it empty, for A/B
+measurements); it then includes the runtime
 (``runtime/mpk_runtime/persistent.cuh``), which defines the kernels. Task and event tables,
 buffers and queues stay runtime data, so one build serves every launch of the graph.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from mpk.compiler.tables import DTYPE_CODE, MAX_DIMS, Tables
@@ -222,7 +225,7 @@ def generate(tables: Tables) -> str:
         + "__device__ __noinline__ void mpk_prefetch_task(int op, int tile) {\n"
         + "  const mpk::OpC& c = mpk_gen::kOps[op];\n"
         + ("  if (c.type == 20) mpk::prefetch_matmul(c, mpk::tile_rect(c, tile), mpk::TaskEnv{mpk_buffers});\n"
-           if any(v == "matmul" for v in kinds.values()) else "")
+           if any(v == "matmul" for v in kinds.values()) and os.environ.get("MPK_PREFETCH", "1") != "0" else "")
         + "}\n\n"
         + '#include "mpk_runtime/persistent.cuh"\n'
     )

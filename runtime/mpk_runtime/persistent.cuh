@@ -97,6 +97,7 @@ struct AotCursor {
   int begin, count, idx = 0, iter = 1, iterations;  // head = entry idx of iteration iter (1-based)
   AotEntry head, next;
   int seen_event = -1;  // counters only grow: once seen_event reached seen_need, it stays there
+  long long prefetched = -1;  // position whose weights were last prefetched
   unsigned long long seen_need = 0;
 
   __device__ __forceinline__ bool left() const { return count > 0 && iter <= iterations; }
@@ -132,6 +133,12 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
   Ring<TaskInfo> jit = Ring<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_head, a.jit_capacity, w);
   volatile int* status = a.status + static_cast<long long>(w) * kStatusWords;
   if (!(aot.left() && aot.head.info.trig.id == pending.event.id)) pending.flush(a);
+  // Once our arrivals are out (never before: dependents wait on them), the AOT head's weights
+  // start streaming into L2 while this worker waits for the head's event.
+  if (aot.left() && aot.head.info.op >= 0 && aot.pos() != aot.prefetched) {
+    aot.prefetched = aot.pos();
+    mpk_prefetch_task(aot.head.info.op, aot.head.info.tile);
+  }
   Spin spin;
   while (true) {
     TaskInfo t;
@@ -189,14 +196,8 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
   Pending pending;
   unsigned n_profiled = 0;
   unsigned long long t0 = 0;
-  long long prefetched = -1;  // AOT position whose weights were last prefetched
   if (threadIdx.x == 0) aot.start(a);
   while (true) {
-    // the upcoming AOT task's weights stream into L2 while this worker runs or waits
-    if (threadIdx.x == 0 && aot.left() && aot.head.info.op >= 0 && aot.pos() != prefetched) {
-      prefetched = aot.pos();
-      mpk_prefetch_task(aot.head.info.op, aot.head.info.tile);
-    }
     if (threadIdx.x == 0) {
       TaskInfo t = next_task(a, w, aot, jit_head, pending);
       while (t.task != kExit && t.op < 0) {  // dummy tasks need no block: thread 0 completes them
