@@ -27,10 +27,11 @@ __device__ __forceinline__ float merge_state(float o_a, float& lse_a, float o_b,
 // Length of sequence b of a BSR page table.
 __device__ __forceinline__ long long seq_len(const TaskEnv& env, const ViewC& indptr, const ViewC& last, long long b,
                                              int page_size) {
+  // three independent loads (one round trip), not two dependent ones
   const long long p0 = load_i(env.buffers[indptr.buffer], indptr.dtype, indptr.offset + b * indptr.stride[0]);
   const long long p1 = load_i(env.buffers[indptr.buffer], indptr.dtype, indptr.offset + (b + 1) * indptr.stride[0]);
-  if (p1 <= p0) return 0;
-  return (p1 - p0 - 1) * page_size + load_i(env.buffers[last.buffer], last.dtype, last.offset + b * last.stride[0]);
+  const long long tail = load_i(env.buffers[last.buffer], last.dtype, last.offset + b * last.stride[0]);
+  return p1 <= p0 ? 0 : (p1 - p0 - 1) * page_size + tail;
 }
 
 // Element offset of cache[layer, kv, page(b, t), head, slot(t), 0] (the cache view is the
@@ -104,11 +105,11 @@ __device__ void task_rope_append(const OpC& c, const Rect& r, const TaskEnv& env
     const long long b = r.lo[0] + job / per_row;
     const int j = job % per_row, jj = j - (h1 - h0);
     const int head = j < h1 - h0 ? h0 + j : H + (jj & 1) * KV + kv0 + jj / 2;  // q, else k / v of a kv head
-    const long long pos = seq_len(env, indptr, last, b, page_size) - 1;
-    if (pos < 0) __trap();  // the page table does not count the token being decoded
-    float x[8];
+    float x[8];  // the row is loaded first: it does not depend on the page table
     const long long row = qkv.offset + b * qkv.stride[0] + static_cast<long long>(head) * D * qkv.stride[1];
     for (int i = 0; i < per; ++i) x[i] = load_f(env.buffers[qkv.buffer], qkv.dtype, row + (lane + 32 * i) * qkv.stride[1]);
+    const long long pos = seq_len(env, indptr, last, b, page_size) - 1;
+    if (pos < 0) __trap();  // the page table does not count the token being decoded
     if (head < H + KV) {  // q or k: qk-norm (HF rounding: normalise, round, scale, round), RoPE
       if (qk_norm) {
         float ss = 0.f;
@@ -268,6 +269,7 @@ __device__ void task_attn_merge(const OpC& c, const Rect& r, const TaskEnv& env)
     for (int d0 = 0; d0 < D; d0 += 32) {
       const int d = d0 + lane;
       float o = 0.f, lse = -INFINITY;
+#pragma unroll 4
       for (int ch = 0; ch < C; ++ch) {
         const float* s = states + (((b * st.shape[1] + kvh) * C + ch) * G + g) * D1;
         o = merge_state(o, lse, d < D ? s[d] : 0.f, s[D]);

@@ -3,8 +3,9 @@
 The generated file holds the per-op constants (``kOps``: shapes, grids, input views with
 strides, kind-specific parameters; in the constant bank when they fit) of one task graph, and the
 task dispatch ``mpk_execute_task`` over the op types present and the cross-task weight prefetch
-``mpk_prefetch_task`` (``MPK_PREFETCH=0`` in the environment leaves it empty, for A/B
-measurements); it then includes the runtime
+``mpk_prefetch_task``, which is empty unless ``MPK_PREFETCH=1`` (measured on an H200: L2
+prefetch of every worker's next weight tile made decode steps 15–20% slower, because the
+latency-bound small tasks then queue behind the prefetch traffic); it then includes the runtime
 (``runtime/mpk_runtime/persistent.cuh``), which defines the kernels. Task and event tables,
 buffers and queues stay runtime data, so one build serves every launch of the graph.
 """
@@ -225,7 +226,7 @@ def generate(tables: Tables) -> str:
         + "__device__ __noinline__ void mpk_prefetch_task(int op, int tile) {\n"
         + "  const mpk::OpC& c = mpk_gen::kOps[op];\n"
         + ("  if (c.type == 20) mpk::prefetch_matmul(c, mpk::tile_rect(c, tile), mpk::TaskEnv{mpk_buffers});\n"
-           if any(v == "matmul" for v in kinds.values()) and os.environ.get("MPK_PREFETCH", "1") != "0" else "")
+           if any(v == "matmul" for v in kinds.values()) and os.environ.get("MPK_PREFETCH", "0") == "1" else "")
         + "}\n\n"
         + '#include "mpk_runtime/persistent.cuh"\n'
     )
