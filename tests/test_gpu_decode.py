@@ -51,6 +51,32 @@ def test_linear_variant_matches_float64(m, n, k, residual):
     assert [linear_variant(t, i) for i, op in enumerate(COMPILED[-1].graph.ops) if op.kind == "matmul"] == [1]
 
 
+class _NormLinear(torch.nn.Module):
+    def __init__(self, n: int, k: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(0.02 * torch.randn(n, k, device=DEV).bfloat16(), requires_grad=False)
+        self.g = torch.nn.Parameter((1 + 0.1 * torch.randn(k, device=DEV)).bfloat16(), requires_grad=False)
+
+    def forward(self, x):
+        h = torch.ops.mpk.rms_norm(x, self.g, 1e-6, torch.float32, torch.bfloat16)
+        return torch.nn.functional.linear(h, self.w)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1000, 2048), (16, 40, 256)])
+def test_rms_norm_prologue_linear_matches_float64(m, n, k):
+    """The RMSNorm fused into the projection (rms_matmul, variant 1) against the norm with the
+    same bf16 roundings followed by a float64 matmul."""
+    from mpk.ops.paged import rms_rows
+
+    mod = _NormLinear(n, k)
+    x = (3 * torch.randn(m, k, device=DEV)).bfloat16()
+    out = _gpu_compile(mod)(x)
+    ref = rms_rows(x.float(), mod.g, 1e-6, torch.bfloat16).double() @ mod.w.double().T
+    assert relative_error(out, ref) <= BF16_TOL
+    kinds = [op.kind for op in COMPILED[-1].graph.ops]
+    assert kinds == ["rms_matmul"] and linear_variant(COMPILED[-1].tables, 0) == 1
+
+
 def _dense(q, cache, lens, pages, page_size, scale):
     out = torch.empty(q.shape, dtype=torch.float64)
     B, H, _ = q.shape

@@ -154,4 +154,7 @@ def test_compiled_decode_matches_eager(family, page_size):
             tokens = ref.argmax(-1)
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
     assert kinds.count("rope_append") == kinds.count("attn_partial") == kinds.count("attn_merge") == cfg.layers
-    assert kinds.count("matmul") == 4 * cfg.layers + 1  # qkv, o (+residual), gate_up, down (+residual); head
+    # o and down take the residual in their epilogue; qkv, gate_up and the head their RMSNorm
+    # as a prologue: no rms_norm op is left
+    assert kinds.count("matmul") == 2 * cfg.layers and kinds.count("rms_matmul") == 2 * cfg.layers + 1
+    assert "rms_norm" not in kinds

@@ -37,7 +37,24 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 // columns goes deeper along K); their partial sums meet in shared memory and are added in warp
 // order (deterministic), then the epilogue scales, adds the bias (the residual of a decoder
 // layer) and stores.
-template <int kBlocks>
+// x rows normalised as rms_norm's bf16 variant does: round(x·rstd) to bf16, times the weight,
+// round again (8 elements in a 16-byte word).
+__device__ __forceinline__ uint4 rms_scale8(uint4 x, uint4 w, float rstd) {
+  const auto* xh = reinterpret_cast<const __nv_bfloat162*>(&x);
+  const auto* wh = reinterpret_cast<const __nv_bfloat162*>(&w);
+  uint4 o;
+  auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = __bfloat1622float2(xh[e]), g = __bfloat1622float2(wh[e]);
+    oh[e] = __floats2bfloat162_rn(round_to(kBF16, f.x * rstd) * g.x, round_to(kBF16, f.y * rstd) * g.y);
+  }
+  return o;
+}
+
+// kNorm: the rms_matmul op — input 2 is an RMSNorm weight over K, applied to x as a prologue
+// (each task computes its rows' rstd; fparam[2] is eps).
+template <int kBlocks, bool kNorm>
 __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const TaskEnv& env) {
   constexpr int kLinUnroll = kLinInFlight / kBlocks;
   const ViewC& a = c.in[0];
@@ -55,6 +72,31 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   const __nv_bfloat16* x_hi = x + (m0 + g + 8) * lda + 8 * t;
   float* red = scratch();  // [warp][64 columns][16 rows]
   const uint4 zero = make_uint4(0, 0, 0, 0);
+  float rstd_lo = 0.f, rstd_hi = 0.f;
+  const __nv_bfloat16* wn = nullptr;
+  if constexpr (kNorm) {
+    const ViewC& nw = c.in[2];
+    wn = static_cast<const __nv_bfloat16*>(env.buffers[nw.buffer]) + nw.offset + 8 * t;
+    for (int row = warp; row < rows; row += warps) {
+      const auto* xr = reinterpret_cast<const uint4*>(x + (m0 + row) * lda);
+      float ss = 0.f;
+      for (long long j = lane; j < K / 8; j += 32) {
+        const uint4 v = __ldg(xr + j);
+        const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = __bfloat1622float2(h[e]);
+          ss += f.x * f.x + f.y * f.y;
+        }
+      }
+      ss = warp_sum(ss);
+      if (lane == 0) red[row] = rsqrtf(ss / K + c.fparam[2]);
+    }
+    __syncthreads();
+    rstd_lo = has_lo ? red[g] : 0.f;
+    rstd_hi = has_hi ? red[g + 8] : 0.f;
+    __syncthreads();  // red is reused by the reduction below
+  }
   for (long long n0 = r.lo[1]; n0 < r.hi[1]; n0 += 8 * kBlocks) {
     float acc[kBlocks][4];
     const __nv_bfloat16* wrow[kBlocks];
@@ -76,6 +118,13 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
         for (int j = 0; j < kBlocks; ++j) wv[u][j] = ok && valid[j] ? ld_stream(wrow[j] + 32LL * k) : zero;
         lo[u] = ok && has_lo ? __ldg(reinterpret_cast<const uint4*>(x_lo + 32LL * k)) : zero;
         hi[u] = ok && has_hi ? __ldg(reinterpret_cast<const uint4*>(x_hi + 32LL * k)) : zero;
+        if constexpr (kNorm) {
+          if (ok) {
+            const uint4 wk = __ldg(reinterpret_cast<const uint4*>(wn + 32LL * k));
+            if (has_lo) lo[u] = rms_scale8(lo[u], wk, rstd_lo);
+            if (has_hi) hi[u] = rms_scale8(hi[u], wk, rstd_hi);
+          }
+        }
       }
 #pragma unroll
       for (int u = 0; u < kLinUnroll; ++u) {
@@ -103,7 +152,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       for (int v = 0; v < warps; ++v) s += red[(v * 64 + col) * kLinRows + row];
       s *= c.fparam[0];
       long long idx[2] = {m0 + row, n0 + col};
-      if (c.num_inputs > 2) {
+      if (!kNorm && c.num_inputs > 2) {
         const ViewC& bias = c.in[2];
         s += c.fparam[1] * load_f(env.buffers[bias.buffer], bias.dtype, view_index(bias, idx, 2));
       }
@@ -134,13 +183,51 @@ __device__ void prefetch_matmul(const OpC& c, const Rect& r, const TaskEnv& env)
   }
 }
 
+template <bool kNorm>
+__device__ __forceinline__ void linear_variant1(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const long long cols = r.hi[1] - r.lo[1];
+  if (cols <= 16) linear_bf16<2, kNorm>(c, r, env);
+  else if (cols <= 32) linear_bf16<4, kNorm>(c, r, env);
+  else linear_bf16<kLinBlocks, kNorm>(c, r, env);
+}
+
+// rms_matmul: out = rms_norm(x, w) @ b; inputs x [M, K], b [K, N], w [K]; fparam[2] eps,
+// iparam[0] the norm's dtype code. Variant 0 (general views) normalises per output element.
+__device__ void task_rms_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
+  if (c.variant == 1) {
+    linear_variant1<true>(c, r, env);
+    return;
+  }
+  const ViewC &a = c.in[0], &b = c.in[1], &w = c.in[2];
+  const long long kdim = a.shape[1];
+  const long long n = rect_numel(r, 2);
+  const int norm_dtype = static_cast<int>(c.iparam[0]);
+  for (long long e = threadIdx.x; e < n; e += blockDim.x) {
+    long long idx[kMaxDims];
+    rect_unravel(r, 2, e, idx);
+    long long ia[2] = {idx[0], 0}, ib[2] = {0, idx[1]}, iw[1] = {0};
+    float ss = 0.f;
+    for (long long k = 0; k < kdim; ++k) {
+      ia[1] = k;
+      const float v = load_f(env.buffers[a.buffer], a.dtype, view_index(a, ia, 2));
+      ss += v * v;
+    }
+    const float rstd = rsqrtf(ss / kdim + c.fparam[2]);
+    float acc = 0.f;
+    for (long long k = 0; k < kdim; ++k) {
+      ia[1] = ib[0] = iw[0] = k;
+      const float xn = round_to(norm_dtype, load_f(env.buffers[a.buffer], a.dtype, view_index(a, ia, 2)) * rstd);
+      const float h = round_to(c.out_dtype, xn * load_f(env.buffers[w.buffer], w.dtype, view_index(w, iw, 1)));
+      acc += h * load_f(env.buffers[b.buffer], b.dtype, view_index(b, ib, 2));
+    }
+    store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, 2), acc);
+  }
+}
+
 // fparam[0] alpha, fparam[1] beta; optional input 2 is the bias (broadcast to the output).
 __device__ void task_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
   if (c.variant == 1) {
-    const long long cols = r.hi[1] - r.lo[1];
-    if (cols <= 16) linear_bf16<2>(c, r, env);
-    else if (cols <= 32) linear_bf16<4>(c, r, env);
-    else linear_bf16<kLinBlocks>(c, r, env);
+    linear_variant1<false>(c, r, env);
     return;
   }
   const ViewC& a = c.in[0];

@@ -39,6 +39,19 @@ def _(x, weight, eps, compute_dtype, norm_dtype):
     return x.new_empty(x.shape, dtype=rms_norm_out_dtype(x, weight, norm_dtype))
 
 
+@torch.library.custom_op("mpk::rms_norm_mm", mutates_args=())
+def rms_norm_mm(x: torch.Tensor, weight: torch.Tensor, eps: float, compute_dtype: torch.dtype,
+                norm_dtype: torch.dtype, b: torch.Tensor) -> torch.Tensor:
+    """``rms_norm(x, weight) @ b``: a projection with its RMSNorm fused as a prologue (each
+    matmul task normalises the rows it reads; the normalised activations never exist)."""
+    return rms_norm(x, weight, eps, compute_dtype, norm_dtype) @ b
+
+
+@rms_norm_mm.register_fake
+def _(x, weight, eps, compute_dtype, norm_dtype, b):
+    return x.new_empty((x.shape[0], b.shape[1]), dtype=rms_norm_out_dtype(x, weight, norm_dtype))
+
+
 @torch.library.custom_op("mpk::rope", mutates_args=())
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, rotate-half form: ``x·cos + cat(-x2, x1)·sin``."""

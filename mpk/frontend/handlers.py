@@ -242,6 +242,12 @@ def _rms_norm(L, node, x: View, weight, eps, compute_dtype, norm_dtype):
                                     "norm_dtype": str(norm_dtype)[6:]})
 
 
+@handles(mpk_ops.rms_norm_mm.default)
+def _rms_norm_mm(L, node, x: View, weight: View, eps, compute_dtype, norm_dtype, b: View):
+    return L.emit("rms_matmul", [x, b, weight], {"eps": float(eps), "compute_dtype": str(compute_dtype)[6:],
+                                                 "norm_dtype": str(norm_dtype)[6:]})
+
+
 @handles(mpk_ops.rope.default)
 def _rope(L, node, x: View, cos: View, sin: View):
     if x.shape[-1] % 2:

@@ -1,5 +1,5 @@
-"""Pattern fusion on the ATen FX graph: RMSNorm, rotary embedding, SiLU·mul and the residual
-add after a projection.
+"""Pattern fusion on the ATen FX graph: RMSNorm, rotary embedding, SiLU·mul, the residual
+add after a projection and the RMSNorm before one.
 
 Each matcher looks for the decomposed form PyTorch produces for the usual model code and
 replaces the root node by one call of an ``torch.ops.mpk`` fused op; intermediates left without
@@ -137,7 +137,21 @@ def _match_residual_matmul(node: Node):
     return node, (aten.addmm.default, (r, mm.args[0], mm.args[1]))
 
 
-MATCHERS = (_match_rms_norm, _match_rope, _match_silu_mul, _match_residual_matmul)
+def _match_rms_norm_mm(node: Node):
+    """``mm(rms_norm(x, w), b)`` whose norm feeds nothing else → ``rms_norm_mm``: the norm
+    becomes the projection's prologue, saving a task, an event hop and a buffer."""
+    if not _is(node, aten.mm.default):
+        return None
+    norm, b = node.args[:2]
+    if not (_is(norm, torch.ops.mpk.rms_norm.default) and len(norm.users) == 1 and norm.args[1] is not None):
+        return None
+    x, weight, eps, compute_dtype, norm_dtype = norm.args
+    if _val(x).dim() != 2 or _val(norm).dtype != _val(b).dtype:
+        return None
+    return node, (torch.ops.mpk.rms_norm_mm.default, (x, weight, eps, compute_dtype, norm_dtype, b))
+
+
+MATCHERS = (_match_rms_norm, _match_rope, _match_silu_mul, _match_residual_matmul, _match_rms_norm_mm)
 
 
 def fuse_patterns(gm: GraphModule) -> dict[str, int]:

@@ -56,6 +56,7 @@ ENCODERS: dict[str, Callable[[dict], Params]] = {
     "rms_norm": lambda a: (0, [int(a["has_weight"]), _dtype_code(a["norm_dtype"])], [a["eps"]]),
     "rope": lambda a: (0, [], []),
     "matmul": lambda a: (0, [], [float(a.get("alpha", 1)), float(a.get("beta", 1))]),
+    "rms_matmul": lambda a: (0, [_dtype_code(a["norm_dtype"])], [1.0, 0.0, a["eps"]]),
     "embedding": lambda a: (0, [], []),
     "attention": lambda a: (0, [int(a["causal"])], [a["scale"]]),
     "rope_append": lambda a: (0, [a["heads"], a["kv_heads"], a["head_dim"], a["page_size"], int(a["qk_norm"]),
@@ -108,6 +109,10 @@ def linear_variant(tables: Tables, op: int) -> int:
     ok = (all(d == bf16 for d in dtypes) and int(a["strides"][1]) == 1 and int(b["strides"][0]) == 1
           and K % 32 == 0 and all(int(x) % 8 == 0 for x in (a["offset"], lda, b["offset"], b["strides"][1]))
           and -(-M // int(o["grid"][0])) <= LINEAR_ROWS)
+    if ok and tables.meta["ops"][op]["kind"] == "rms_matmul":  # the norm weight is read in 16-byte words too
+        w = tables.views[int(tables.op_inputs[o["first_input"] + 2])]
+        ok = (int(tables.buffers[int(w["buffer"])]["dtype"]) == bf16 and int(w["strides"][0]) == 1
+              and int(w["offset"]) % 8 == 0 and tables.meta["ops"][op]["attrs"]["norm_dtype"] == "bfloat16")
     return int(ok)
 
 
@@ -178,7 +183,7 @@ def generate(tables: Tables) -> str:
             raise CompileError(f"op {meta['name']!r}: rope_append needs a head dim that is a multiple of 64, "
                                f"got {meta['attrs']['head_dim']}")
         variant, ip, fp = ENCODERS[kind](meta["attrs"])
-        if kind == "matmul":
+        if kind in ("matmul", "rms_matmul"):
             variant = linear_variant(tables, i)
         elif kind == "rms_norm":
             variant = rms_norm_variant(tables, i)

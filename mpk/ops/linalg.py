@@ -42,6 +42,31 @@ register(OpDef(
 ))
 
 
+def _rms_matmul_regions(sig: OpSig, rect):
+    x_shape, b_shape, w_shape = sig.in_shapes
+    m, n = rect
+    return [(m, (0, x_shape[1])), ((0, b_shape[0]), n), ((0, w_shape[0]),)]
+
+
+def _rms_matmul_cpu(sig: OpSig, rect, xs):
+    from mpk.ops.registry import get_op
+
+    x, b, w = xs
+    a = sig.attrs
+    norm_sig = OpSig((tuple(x.shape), tuple(w.shape)), tuple(x.shape), getattr(torch, a["norm_dtype"]),
+                     {"eps": a["eps"], "has_weight": True, "compute_dtype": a["compute_dtype"],
+                      "norm_dtype": a["norm_dtype"]})
+    h = get_op("rms_norm").cpu(norm_sig, tuple((0, n) for n in x.shape), [x, w])
+    return torch.matmul(h, b).to(sig.out_dtype)
+
+
+register(OpDef(
+    kind="rms_matmul", type_id=22, input_regions=_rms_matmul_regions, cpu=_rms_matmul_cpu,
+    split_order=_matmul_order, min_tile_elems=16,
+    doc="out = rms_norm(x, w, eps) @ b: x [M, K], b [K, N], w [K] (the norm as the matmul's prologue)",
+))
+
+
 def _embedding_regions(sig: OpSig, rect):
     w_shape, ids_shape = sig.in_shapes
     return [((0, w_shape[0]), rect[-1]), rect[:-1]]
