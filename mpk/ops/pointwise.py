@@ -51,6 +51,6 @@ def _silu_mul_cpu(sig: OpSig, rect, xs):
 
 
 register(OpDef(
-    kind="silu_mul", type_id=2, input_regions=_pointwise_regions, cpu=_silu_mul_cpu, min_tile_elems=256,
+    kind="silu_mul", type_id=2, input_regions=_pointwise_regions, cpu=_silu_mul_cpu,
     doc="out = silu(a) * b (the gate·up product of SwiGLU MLPs)",
 ))
