@@ -64,7 +64,7 @@ def unsupported_report(failures) -> str:
 def compile_fx(gm: GraphModule, opts: CompileOptions, param_flags: list[bool] | None = None,
                input_names: list[str] | None = None) -> Callable:
     """Compile one functionalized ATen graph into a callable taking the graph's flat inputs."""
-    fuse_patterns(gm)
+    fuse_patterns(gm, ("norm_prologue",) if opts.fuse_norm_prologue else ())
     failures = find_unsupported(gm)
     if not failures:
         graph = lower(gm, param_flags, input_names)

@@ -31,6 +31,8 @@ class CompileOptions:
                  CUDA is available, else cpu with a one-time warning.
     partition    {op name or op kind: tiles per output dim (list) or {dim: tiles}}.
     fallback     "error" (default): unsupported ops raise; "eager": they run in PyTorch.
+    fuse_norm_prologue  fuse an RMSNorm into the projection that consumes it (rms_matmul; default
+                 False: measured slower on an H200 than a separate norm task).
     debug_dir    directory to dump the OpGraph, tables, summary, DOT and JSON of each graph.
     num_workers  worker count the default partitioning targets (one wave of tasks per op).
     seed         schedule seed of the cpu executor (which legal order it picks).
@@ -45,6 +47,7 @@ class CompileOptions:
     executor: str = "cpu"
     partition: dict[str, Any] = field(default_factory=dict)
     fallback: str = "error"
+    fuse_norm_prologue: bool = False
     debug_dir: str | None = None
     num_workers: int = 128
     seed: int = 0
@@ -78,8 +81,9 @@ class CompileOptions:
         n = opts["num_workers"]
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise OptionError(f"num_workers={n!r}; expected a positive int")
-        if not isinstance(opts.get("sync", True), bool):
-            raise OptionError(f"sync={opts['sync']!r}; expected True or False")
+        for flag in ("sync", "fuse_norm_prologue"):
+            if not isinstance(opts.get(flag, False), bool):
+                raise OptionError(f"{flag}={opts[flag]!r}; expected True or False")
         part = opts.get("partition", {})
         if not isinstance(part, Mapping):
             raise OptionError(f"partition={part!r}; expected a dict mapping op name or kind to tile counts")

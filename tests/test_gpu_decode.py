@@ -70,7 +70,7 @@ def test_rms_norm_prologue_linear_matches_float64(m, n, k):
 
     mod = _NormLinear(n, k)
     x = (3 * torch.randn(m, k, device=DEV)).bfloat16()
-    out = _gpu_compile(mod)(x)
+    out = _gpu_compile(mod, fuse_norm_prologue=True)(x)
     ref = rms_rows(x.float(), mod.g, 1e-6, torch.bfloat16).double() @ mod.w.double().T
     assert relative_error(out, ref) <= BF16_TOL
     kinds = [op.kind for op in COMPILED[-1].graph.ops]

@@ -131,15 +131,15 @@ def test_bad_config_and_page_size_are_named():
         PagedKVCache(model, 1, 8, 3)
 
 
-@pytest.mark.parametrize("family,page_size", [("llama", 4), ("qwen3", 1), ("qwen3", 16)])
-def test_compiled_decode_matches_eager(family, page_size):
+@pytest.mark.parametrize("family,page_size,prologue", [("llama", 4, False), ("qwen3", 1, True), ("qwen3", 16, False)])
+def test_compiled_decode_matches_eager(family, page_size, prologue):
     """The whole decode step through torch.compile(backend='mpk') on the CPU interpreter:
     batch 3 of different lengths, several steps, fp32 within 1e-5 of the eager path; the
     cache written by the compiled step equals the eager one."""
     cfg = small(family)
     model = DecoderLM(cfg, torch.float32).randomize(seed=random.randrange(1 << 30))
     step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
-                         options={"executor": "cpu", "seed": random.randrange(100)})
+                         options={"executor": "cpu", "seed": random.randrange(100), "fuse_norm_prologue": prologue})
     eager_kv, mpk_kv = PagedKVCache(model, 3, 32, page_size), PagedKVCache(model, 3, 32, page_size)
     tokens = torch.randint(0, cfg.vocab, (3,))
     with torch.no_grad():
@@ -154,7 +154,10 @@ def test_compiled_decode_matches_eager(family, page_size):
             tokens = ref.argmax(-1)
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
     assert kinds.count("rope_append") == kinds.count("attn_partial") == kinds.count("attn_merge") == cfg.layers
-    # o and down take the residual in their epilogue; qkv, gate_up and the head their RMSNorm
-    # as a prologue: no rms_norm op is left
-    assert kinds.count("matmul") == 2 * cfg.layers and kinds.count("rms_matmul") == 2 * cfg.layers + 1
-    assert "rms_norm" not in kinds
+    # o and down take the residual in their epilogue; with the prologue option, qkv, gate_up
+    # and the head take their RMSNorm as a prologue and no rms_norm op is left
+    if prologue:
+        assert kinds.count("matmul") == 2 * cfg.layers and kinds.count("rms_matmul") == 2 * cfg.layers + 1
+        assert "rms_norm" not in kinds
+    else:
+        assert kinds.count("matmul") == 4 * cfg.layers + 1 and "rms_matmul" not in kinds
