@@ -77,6 +77,21 @@ def test_rms_norm_prologue_linear_matches_float64(m, n, k):
     assert kinds == ["rms_matmul"] and linear_variant(COMPILED[-1].tables, 0) == 1
 
 
+@pytest.mark.parametrize("rows,n", [(1, 4096), (16, 2048), (3, 8192)])
+def test_rms_norm_variant_matches_reference(rows, n):
+    """The CTA-per-row bf16 RMSNorm (rms_norm variant 1) against the same roundings in float."""
+    from mpk.megakernel.codegen import rms_norm_variant
+    from mpk.ops.paged import rms_rows
+
+    g = (1 + 0.1 * torch.randn(n, device=DEV)).bfloat16()
+    x = (3 * torch.randn(rows, n, device=DEV)).bfloat16()
+    norm = _gpu_compile(lambda x, g: torch.ops.mpk.rms_norm(x, g, 1e-6, torch.float32, torch.bfloat16))
+    out = norm(x, g)
+    ref = rms_rows(x.float(), g, 1e-6, torch.bfloat16)
+    assert relative_error(out, ref) <= 2 ** -7  # at most one bf16 rounding step apart
+    assert rms_norm_variant(COMPILED[-1].tables, 0) == 1
+
+
 def _dense(q, cache, lens, pages, page_size, scale):
     out = torch.empty(q.shape, dtype=torch.float64)
     B, H, _ = q.shape
