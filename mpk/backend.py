@@ -8,6 +8,7 @@ Registered as the ``mpk`` entry point of ``torch_dynamo_backends``, so
 from __future__ import annotations
 
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -26,9 +27,10 @@ from mpk.inspection import dump, pretty_input_name
 from mpk.options import CompileOptions
 
 # Every CompiledGraph built in this process, newest last (inspection and tests read it), and
-# the runner made for each (by id of the CompiledGraph).
+# the runner made for each (by id of the CompiledGraph) while something else (the compiled
+# model) keeps it alive: a runner holds its executor's GPU buffers and last arguments.
 COMPILED: list[CompiledGraph] = []
-RUNNERS: dict[int, Callable] = {}
+RUNNERS: weakref.WeakValueDictionary[int, Callable] = weakref.WeakValueDictionary()
 
 
 def mpk_backend(gm: GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None):

@@ -81,7 +81,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       const auto* xr = reinterpret_cast<const uint4*>(x + (m0 + row) * lda);
       float ss = 0.f;
       for (long long j = lane; j < K / 8; j += 32) {
-        const uint4 v = __ldg(xr + j);
+        const uint4 v = __ldcg(xr + j);
         const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -116,8 +116,9 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
         const bool ok = k < ksteps;
 #pragma unroll
         for (int j = 0; j < kBlocks; ++j) wv[u][j] = ok && valid[j] ? ld_stream(wrow[j] + 32LL * k) : zero;
-        lo[u] = ok && has_lo ? __ldg(reinterpret_cast<const uint4*>(x_lo + 32LL * k)) : zero;
-        hi[u] = ok && has_hi ? __ldg(reinterpret_cast<const uint4*>(x_hi + 32LL * k)) : zero;
+        // activations are written inside the kernel: coherent (L2) loads, not the read-only path
+        lo[u] = ok && has_lo ? __ldcg(reinterpret_cast<const uint4*>(x_lo + 32LL * k)) : zero;
+        hi[u] = ok && has_hi ? __ldcg(reinterpret_cast<const uint4*>(x_hi + 32LL * k)) : zero;
         if constexpr (kNorm) {
           if (ok) {
             const uint4 wk = __ldg(reinterpret_cast<const uint4*>(wn + 32LL * k));

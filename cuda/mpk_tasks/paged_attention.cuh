@@ -109,7 +109,8 @@ __device__ void task_rope_append(const OpC& c, const Rect& r, const TaskEnv& env
     const long long row = qkv.offset + b * qkv.stride[0] + static_cast<long long>(head) * D * qkv.stride[1];
     for (int i = 0; i < per; ++i) x[i] = load_f(env.buffers[qkv.buffer], qkv.dtype, row + (lane + 32 * i) * qkv.stride[1]);
     const long long pos = seq_len(env, indptr, last, b, page_size) - 1;
-    if (pos < 0) __trap();  // the page table does not count the token being decoded
+    // the page table does not count the token being decoded, or the position is past the table
+    if (pos < 0 || pos >= cs.shape[0]) __trap();
     if (head < H + KV) {  // q or k: qk-norm (HF rounding: normalise, round, scale, round), RoPE
       if (qk_norm) {
         float ss = 0.f;

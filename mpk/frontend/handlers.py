@@ -383,6 +383,10 @@ def _rope_append(L, node, qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len,
     ins = [qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, _whole_input(L, kv_cache, "kv_cache")]
     ins += [q_norm, k_norm] if q_norm is not None else []
     q = L.emit("rope_append", ins, attrs, shape=(qkv.shape[0], heads, attrs["head_dim"]), dtype=qkv_val.dtype)
+    if (kv_cache.buffer, layer) in L.attended:
+        raise Unsupported(f"rope_append writes layer {layer} of a cache that an earlier paged_attention of this "
+                          "graph reads; append before attending")
+    L.appended_q[(kv_cache.buffer, layer)] = q.buffer
     return q, kv_cache  # the cache is written in place: its new value is the input buffer
 
 
@@ -398,6 +402,9 @@ def _auto_functionalized(L, node, op, **kwargs):
     bases = kwargs.pop("_all_bases")
     for key in [k for k in kwargs if k.startswith("_") and k.endswith("_base_index")]:
         kwargs[key[1:-len("_base_index")]] = bases[kwargs.pop(key)]
+    views = sorted(k for k in kwargs if k.startswith("_"))
+    if views:  # the op mutates a view of its base (slice/alias metadata): not lowered
+        raise Unsupported(f"{op} mutates a view of its input ({views}); pass the whole cache tensor")
     out, *new_bases = MUTATING_OPS[op](L, node, **kwargs)
     return (out, *new_bases)
 
@@ -413,6 +420,14 @@ def _paged_attention(L, node, q, kv_cache, kv_indptr, kv_indices, kv_last_page_l
     C = num_splits or default_splits(B, KV, kv_indices.shape[0] * page_size // max(1, B))
     attrs = dict(layer=layer, scale=float(scale), page_size=page_size)
     cache = _whole_input(L, kv_cache, "kv_cache")
+    # The cache is written in place by rope_append, invisibly to the dependency analysis; what
+    # orders attention after the append is reading the q that same rope_append wrote (the tile
+    # that appends kv head j also writes query head j·G, which every tile of kv head j reads).
+    key = (cache.buffer, layer)
+    if key in L.appended_q and (L.appended_q[key] != q.buffer or q.steps):
+        raise Unsupported(f"paged_attention over layer {layer} must read the q returned by that layer's "
+                          "rope_append (which appends the step's k/v); nothing else orders it after the append")
+    L.attended.add(key)
     states = L.emit("attn_partial", [q, cache, kv_indptr, kv_indices, kv_last_page_len], attrs,
                     shape=(B, KV, C, H // KV, D + 1), dtype=torch.float32)
     return L.emit("attn_merge", [states], {}, shape=(B, H, D), dtype=L.meta().dtype)

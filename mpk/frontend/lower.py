@@ -74,6 +74,10 @@ class Lowering:
         self._node: Node | None = None
         self._n_inputs = 0
         self._materialized: dict[View, View] = {}
+        # (cache buffer, layer) -> buffer of the rotated q that rope_append wrote for that layer:
+        # attention over the layer must read this q, which is what orders it after the append
+        self.appended_q: dict[tuple[int, int], int] = {}
+        self.attended: set[tuple[int, int]] = set()  # (cache buffer, layer) some attention read
 
     # --- helpers for handlers -------------------------------------------------------------
     def meta(self, node: Node | None = None) -> torch.Tensor:

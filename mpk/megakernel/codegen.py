@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from mpk.compiler.tables import DTYPE_CODE, MAX_DIMS, Tables
+from mpk.compiler.tables import DTYPE_CODE, MAX_DIMS, ROLE_INPUT, Tables
 from mpk.errors import CompileError
 from mpk.ops.pointwise import POINTWISE_FNS
 from mpk.ops.rows import REDUCE_FNS
@@ -106,6 +106,8 @@ def linear_variant(tables: Tables, op: int) -> int:
     dtypes = [int(tables.buffers[int(v["buffer"])]["dtype"]) for v in (a, b)] + [int(tables.buffers[int(o["output"])]["dtype"])]
     M, K = int(a["shape"][0]), int(a["shape"][1])
     lda = int(a["strides"][0]) if M > 1 else 0  # a size-1 dim's stride is never used
+    if int(tables.buffers[int(b["buffer"])]["role"]) != ROLE_INPUT:
+        return 0  # weights are streamed with non-coherent loads: they must not be written in the kernel
     ok = (all(d == bf16 for d in dtypes) and int(a["strides"][1]) == 1 and int(b["strides"][0]) == 1
           and K % 32 == 0 and all(int(x) % 8 == 0 for x in (a["offset"], lda, b["offset"], b["strides"][1]))
           and -(-M // int(o["grid"][0])) <= LINEAR_ROWS)
@@ -136,6 +138,22 @@ def rms_norm_variant(tables: Tables, op: int) -> int:
           and int(w["strides"][0]) == 1 and n % 8 == 0 and n <= NORM_VECS * 8 * 256
           and all(v % 8 == 0 for v in (int(x["offset"]), row_stride, int(w["offset"]))))
     return int(ok)
+
+
+def aligned_inputs(tables: Tables) -> set[int]:
+    """Input buffers that tasks read with 16-byte vector loads (variant-1 linear and rms_norm
+    operands, the paged cache): the executor refuses them at addresses not 16-byte aligned."""
+    need: set[int] = set()
+    for i, o in enumerate(tables.ops):
+        kind = tables.meta["ops"][i]["kind"]
+        vector = ((kind in ("matmul", "rms_matmul") and linear_variant(tables, i))
+                  or (kind == "rms_norm" and rms_norm_variant(tables, i)) or kind == "attn_partial")
+        if vector:
+            for v in tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]:
+                buf = int(tables.views[int(v)]["buffer"])
+                if int(tables.buffers[buf]["role"]) == ROLE_INPUT:
+                    need.add(buf)
+    return need
 
 
 def _check_paged(tables: Tables, op: int, name: str) -> None:
@@ -179,9 +197,9 @@ def generate(tables: Tables) -> str:
                                    f"the CUDA attention task's {MAX_HEAD_DIM}")
         if kind == "attn_partial":
             _check_paged(tables, i, meta["name"])
-        if kind == "rope_append" and meta["attrs"]["head_dim"] % 64:
-            raise CompileError(f"op {meta['name']!r}: rope_append needs a head dim that is a multiple of 64, "
-                               f"got {meta['attrs']['head_dim']}")
+        if kind == "rope_append" and (meta["attrs"]["head_dim"] % 64 or meta["attrs"]["head_dim"] > 256):
+            raise CompileError(f"op {meta['name']!r}: rope_append needs a head dim that is a multiple of 64 and at "
+                               f"most 256, got {meta['attrs']['head_dim']}")
         variant, ip, fp = ENCODERS[kind](meta["attrs"])
         if kind in ("matmul", "rms_matmul"):
             variant = linear_variant(tables, i)

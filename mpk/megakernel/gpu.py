@@ -23,7 +23,7 @@ from mpk.compiler.tables import DTYPES, FLAG_JIT, ROLE_INPUT, Tables, validate
 from mpk.errors import ExecutorUnavailableError, MpkError
 from mpk.megakernel import cuda_driver as drv
 from mpk.megakernel.build import build_cubin
-from mpk.megakernel.codegen import generate
+from mpk.megakernel.codegen import aligned_inputs, generate
 
 THREADS = 256
 SCHED_WARPS_PER_CTA = 4
@@ -190,6 +190,8 @@ class GpuExecutor:
             None if b["role"] == ROLE_INPUT else torch.empty(self.buf_shape[i], dtype=self.buf_dtype[i], device=dev)
             for i, b in enumerate(t.buffers)]
         self.d_buffer_ptrs = torch.zeros(max(1, len(t.buffers)), **i64)
+        self.aligned = aligned_inputs(t)
+        self._last_done: torch.cuda.Event | None = None
 
     def _jit_ring_capacity(self, jit_events: np.ndarray) -> int:
         """Pushes one worker's ring can receive in one iteration, at most: a scheduler hands each
@@ -235,6 +237,10 @@ class GpuExecutor:
             if a.device != self.device:
                 raise ValueError(f"argument {i} is on {a.device}; the kernel runs on {self.device}")
             self.buffers[b] = a.detach().contiguous()
+            if b in self.aligned and self.buffers[b].data_ptr() % 16:
+                raise ValueError(f"argument {i} ({self.t.meta['buffers'][b]['name']}) starts at an address that is not "
+                                 "16-byte aligned, which its tasks' vector loads need; pass a fresh tensor "
+                                 "(e.g. .clone()) instead of an offset view")
         ptrs = [buf.data_ptr() if buf is not None else 0 for buf in self.buffers]
         if ptrs == self._bound_ptrs:  # the module's table still holds them
             return
@@ -253,6 +259,8 @@ class GpuExecutor:
         self._bind(args)
         self._write_args(iterations)
         stream = torch.cuda.current_stream(self.device)
+        if self._last_done is not None:  # a launch still in flight on another stream shares our state
+            stream.wait_event(self._last_done)
         drv.copy_device_async(self.d_zero.data_ptr(), self.d_reset.data_ptr(), 8 * self.d_zero.numel(),
                               stream.cuda_stream)
         self.h_status.array[:] = 0
@@ -260,6 +268,7 @@ class GpuExecutor:
         drv.launch(self.kernel, self.grid, THREADS, stream.cuda_stream, [self.args], cooperative=True)
         done = torch.cuda.Event()
         done.record(stream)
+        self._last_done = done
         return done
 
     def _offset(self, name: str) -> int:
