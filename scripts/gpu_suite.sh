@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Everything GPU-side in one call (for the lent device): install, GPU tests, benchmarks,
-# a short table last. Logs and JSON go to $OUT (or ./gpu-out).
+# Everything GPU-side in one call (for the lent device): install, GPU tests (runtime and
+# decode), the runtime benchmarks, then with DECODE=1 the decode benchmarks (task bandwidth and
+# decode latency against the torch peer: about 10 minutes more), short tables last. Logs and
+# JSON go to $OUT (or ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -13,4 +15,5 @@ test_rc=${PIPESTATUS[0]}
 python3 examples/compile_module.py --out "$OUT/example" 2>&1 | tee "$OUT/example.log" | tail -4
 python3 benchmarks/hop_breakdown.py 2>&1 | tee "$OUT/hop_breakdown.txt"
 python3 benchmarks/runtime_overhead.py --out "$OUT/runtime_overhead.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -8
+if [[ ${DECODE:-0} == 1 ]]; then STAGE=bandwidth OUT=$OUT bash scripts/gpu_decode.sh; STAGE=latency OUT=$OUT bash scripts/gpu_decode.sh; fi
 echo "gpu tests exit code: $test_rc"

@@ -117,3 +117,35 @@ def random_decoder(config, seed: int, batch: int, seq: int):
     ids = torch.randint(0, config.vocab, (batch, seq), generator=g)
     cos, sin = rope_tables(config, torch.arange(seq))
     return model, ids, cos, sin
+
+
+def random_page_table(lens: list[int], page_size: int, g: torch.Generator, spare: int = 2):
+    """A BSR page table for sequences of ``lens`` over shuffled pages (plus ``spare`` unused
+    ones): (pages per sequence, kv_indptr, kv_indices, kv_last_page_len, number of pages)."""
+    counts = [-(-n // page_size) for n in lens]
+    num_pages = sum(counts) + spare
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    pages, pos = [], 0
+    for k in counts:
+        pages.append(perm[pos: pos + k])
+        pos += k
+    indptr = torch.tensor([0] + list(np.cumsum(counts)), dtype=torch.int32)
+    indices = torch.tensor(sum(pages, []) + [0] * spare, dtype=torch.int32)
+    last = torch.tensor([(n - 1) % page_size + 1 for n in lens], dtype=torch.int32)
+    return pages, indptr, indices, last, num_pages
+
+
+def dense_paged_attention(q, cache, lens, pages, page_size: int, layer: int, scale: float) -> torch.Tensor:
+    """float64 softmax attention of q [B, H, D] over each sequence's cached positions, read
+    position by position through the page list (GQA: head h uses kv head h // (H / KV))."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    B, H, _ = q.shape
+    group = H // cache.shape[3]
+    for b in range(B):
+        t = torch.arange(lens[b])
+        page, slot = torch.tensor(pages[b])[t // page_size], t % page_size
+        k, v = cache[layer, 0, page, :, slot].double(), cache[layer, 1, page, :, slot].double()  # [n, KV, D]
+        for h in range(H):
+            p = torch.softmax(k[:, h // group] @ q[b, h].double() * scale, 0)
+            out[b, h] = p @ v[:, h // group]
+    return out

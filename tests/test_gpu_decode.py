@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from helpers import relative_error
+from helpers import dense_paged_attention, random_page_table, relative_error
 from mpk.backend import COMPILED
 from mpk.megakernel.codegen import linear_variant
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache
@@ -92,20 +92,6 @@ def test_rms_norm_variant_matches_reference(rows, n):
     assert rms_norm_variant(COMPILED[-1].tables, 0) == 1
 
 
-def _dense(q, cache, lens, pages, page_size, scale):
-    out = torch.empty(q.shape, dtype=torch.float64)
-    B, H, _ = q.shape
-    KV = cache.shape[3]
-    for b in range(B):
-        t = torch.arange(lens[b])
-        page, slot = torch.tensor(pages[b])[t // page_size], t % page_size
-        k, v = cache[0, 0, page, :, slot].double(), cache[0, 1, page, :, slot].double()
-        for h in range(H):
-            p = torch.softmax(k[:, h // (H // KV)] @ q[b, h].double() * scale, 0)
-            out[b, h] = p @ v[:, h // (H // KV)]
-    return out
-
-
 @pytest.mark.parametrize("page_size,heads,kv_heads,dim,splits", [
     (1, 8, 2, 128, 16), (16, 4, 4, 64, 5), (256, 16, 2, 64, 1), (16, 8, 2, 128, 1), (4, 2, 1, 256, 7)])
 def test_paged_attention_matches_float64(page_size, heads, kv_heads, dim, splits):
@@ -113,15 +99,7 @@ def test_paged_attention_matches_float64(page_size, heads, kv_heads, dim, splits
     positions (empty chunks merge as the identity: the output has no NaN)."""
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
     lens = [1, 37, page_size, 2 * page_size + 5]
-    num_pages = sum(-(-n // page_size) for n in lens) + 2
-    perm = torch.randperm(num_pages, generator=g).tolist()
-    pages, pos = [], 0
-    for n in lens:
-        pages.append(perm[pos: pos + -(-n // page_size)])
-        pos += len(pages[-1])
-    indptr = torch.tensor([0] + [sum(len(p) for p in pages[: i + 1]) for i in range(len(lens))], dtype=torch.int32)
-    indices = torch.tensor(sum(pages, []) + [0, 0], dtype=torch.int32)
-    last = torch.tensor([(n - 1) % page_size + 1 for n in lens], dtype=torch.int32)
+    pages, indptr, indices, last, num_pages = random_page_table(lens, page_size, g)
     cache = torch.randn(1, 2, num_pages, kv_heads, page_size, dim, generator=g).bfloat16()
     q = torch.randn(len(lens), heads, dim, generator=g).bfloat16()
     scale = dim ** -0.5
@@ -132,7 +110,7 @@ def test_paged_attention_matches_float64(page_size, heads, kv_heads, dim, splits
     args = [t.to(DEV) for t in (q, cache, indptr, indices, last)]
     out = _gpu_compile(attend)(*args)
     assert not out.isnan().any()
-    assert relative_error(out.cpu(), _dense(q, cache, lens, pages, page_size, scale)) <= BF16_TOL
+    assert relative_error(out.cpu(), dense_paged_attention(q, cache, lens, pages, page_size, 0, scale)) <= BF16_TOL
 
 
 def small(family: str, **kw) -> LLMConfig:

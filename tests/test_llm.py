@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from helpers import relative_error
+from helpers import dense_paged_attention, random_page_table, relative_error
 from mpk.backend import COMPILED
 from mpk.frontend.fused_ops import paged_attention
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache
@@ -53,20 +53,6 @@ def test_merge_is_commutative_associative_with_identity():
     assert not empty[0].isnan().any() and torch.isneginf(empty[1]).all() and (empty[0] == 0).all()
 
 
-def _dense_attention(q, cache, lens, pages, page_size, layer, scale):
-    out = torch.empty(q.shape, dtype=torch.float64)
-    B, H, D = q.shape
-    KV = cache.shape[3]
-    for b in range(B):
-        t = torch.arange(lens[b])
-        page, slot = torch.tensor(pages[b])[t // page_size], t % page_size
-        k, v = cache[layer, 0, page, :, slot].double(), cache[layer, 1, page, :, slot].double()  # [n, KV, D]
-        for h in range(H):
-            p = torch.softmax(k[:, h // (H // KV)] @ q[b, h].double() * scale, 0)
-            out[b, h] = p @ v[:, h // (H // KV)]
-    return out
-
-
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("splits", [1, 3, 8])
@@ -75,20 +61,11 @@ def test_paged_attention_matches_dense(page_size, heads, kv_heads, splits):
     order; more chunks than positions in a short sequence (empty chunks)."""
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
     lens = [1, 7, page_size, 2 * page_size + 3]
-    num_pages = sum(-(-n // page_size) for n in lens) + 3
-    perm = torch.randperm(num_pages, generator=g).tolist()
-    pages, pos = [], 0
-    for n in lens:
-        k = -(-n // page_size)
-        pages.append(perm[pos: pos + k])
-        pos += k
-    indptr = torch.tensor([0] + [sum(len(p) for p in pages[: i + 1]) for i in range(len(lens))], dtype=torch.int32)
-    indices = torch.tensor(sum(pages, []) + [0] * 3, dtype=torch.int32)
-    last = torch.tensor([(n - 1) % page_size + 1 for n in lens], dtype=torch.int32)
+    pages, indptr, indices, last, num_pages = random_page_table(lens, page_size, g, spare=3)
     cache = torch.randn(2, 2, num_pages, kv_heads, page_size, 16, generator=g)
     q = torch.randn(len(lens), heads, 16, generator=g)
     out = paged_attention(q, cache, indptr, indices, last, 1, 0.25, splits)
-    ref = _dense_attention(q, cache, lens, pages, page_size, 1, 0.25)
+    ref = dense_paged_attention(q, cache, lens, pages, page_size, 1, 0.25)
     assert relative_error(out, ref) <= 1e-5
 
 
