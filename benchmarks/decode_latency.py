@@ -29,16 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer import SHAPES, copy_bandwidth, floor_ms, kv_bytes, time_peer, time_step, weight_bytes  # noqa: E402
 
 from mpk.backend import COMPILED, RUNNERS  # noqa: E402
+from mpk.models.llm import SHAPES as MODELS  # noqa: E402
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache  # noqa: E402
-
-
-def config_of(name: str) -> LLMConfig:
-    s = SHAPES[name]
-    scaling = None if s.qk_norm else {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    return LLMConfig(family="qwen3" if s.qk_norm else "llama", hidden=s.hidden, inter=s.inter, layers=s.layers,
-                     heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim, vocab=s.vocab, tied=s.tied,
-                     eps=s.rms_eps, rope_theta=s.rope_theta, rope_scaling=scaling)
 
 
 def random_model(cfg: LLMConfig, max_len: int, seed: int = 0) -> DecoderLM:
@@ -126,7 +118,7 @@ def main(argv=None) -> int:
     print(f"device {device}; copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     rows = []
     for name in args.models:
-        cfg = config_of(name)
+        cfg = MODELS[name]
         model = random_model(cfg, args.position + 64)
         for batch in args.batches:
             trace = args.trace_dir / f"{name}-b{batch}.json" if args.trace_dir else None

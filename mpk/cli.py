@@ -39,8 +39,31 @@ def _preset_decoder(config_name: str, decode: bool, meta: bool) -> Callable[[arg
     return build
 
 
+def _preset_paged(shape: str) -> Callable[[argparse.Namespace], tuple]:
+    """The decode step of ``mpk.models.llm.DecoderLM`` for a public model shape, on meta
+    tensors: paged cache of --cache-len positions per sequence, page size 16."""
+    def build(ns: argparse.Namespace):
+        from dataclasses import replace
+
+        from mpk.models.llm import SHAPES, DecoderLM
+
+        cfg = SHAPES[shape] if not ns.layers else replace(SHAPES[shape], layers=ns.layers)
+        page = 16
+        pages = ns.batch * -(-ns.cache_len // page)
+        with torch.device("meta"):
+            model = DecoderLM(cfg, torch.bfloat16, "meta", max_len=ns.cache_len)
+            cache = torch.empty(cfg.layers, 2, pages, cfg.kv_heads, page, cfg.head_dim, dtype=torch.bfloat16)
+            args = (torch.zeros(ns.batch, dtype=torch.long), cache, torch.zeros(ns.batch + 1, dtype=torch.int32),
+                    torch.zeros(pages, dtype=torch.int32), torch.zeros(ns.batch, dtype=torch.int32))
+        return model, args
+    return build
+
+
 PRESETS: dict[str, Callable[[argparse.Namespace], tuple]] = {
     "qwen3-8b-decode": _preset_decoder("QWEN3_8B", decode=True, meta=True),
+    "llama3.2-1b-paged": _preset_paged("llama3.2-1b"),
+    "qwen3-1.7b-paged": _preset_paged("qwen3-1.7b"),
+    "qwen3-8b-paged": _preset_paged("qwen3-8b"),
     "llama-toy": _preset_decoder("LLAMA", decode=False, meta=False),
     "qwen3-toy": _preset_decoder("QWEN3", decode=False, meta=False),
     "qwen3-toy-decode": _preset_decoder("QWEN3", decode=True, meta=False),

@@ -33,3 +33,18 @@ def test_inspect_factory_file(tmp_path, capsys):
                  "--partition", '{"matmul": {"-1": 2}}']) == 0
     out = capsys.readouterr().out
     assert "grid (1, 2)" in out
+
+
+def test_inspect_paged_decode_preset(tmp_path, capsys):
+    """The LLM decode step of a public shape on meta tensors: per layer one fused qkv
+    projection, rope_append, split-KV attention + merge, residual adds folded into the
+    projections (no separate add op), all AOT."""
+    assert main(["inspect", "qwen3-1.7b-paged", "--out", str(tmp_path), "--layers", "2", "--batch", "2",
+                 "--cache-len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "0 JIT" in out
+    tables = Tables.from_bytes((tmp_path / "qwen3-1.7b-paged.tables").read_bytes())
+    validate(tables)
+    kinds = [op["kind"] for op in tables.meta["ops"]]
+    assert kinds.count("rope_append") == kinds.count("attn_partial") == kinds.count("attn_merge") == 2
+    assert kinds.count("matmul") == 2 * 4 + 1 and "pointwise" not in kinds

@@ -84,6 +84,18 @@ class LLMConfig:
         return self.family == "qwen3"
 
 
+_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+
+# The public model shapes of shared/BENCHMARKS.md (for random-weight benchmarks and inspection).
+SHAPES: dict[str, LLMConfig] = {
+    "llama3.2-1b": LLMConfig("llama", 2048, 8192, 16, 32, 8, 64, 128256, True, 1e-5, 5e5, _LLAMA3_SCALING, 131072),
+    "qwen3-0.6b": LLMConfig("qwen3", 1024, 3072, 28, 16, 8, 128, 151936, True, 1e-6, 1e6, None, 40960),
+    "qwen3-1.7b": LLMConfig("qwen3", 2048, 6144, 28, 16, 8, 128, 151936, True, 1e-6, 1e6, None, 40960),
+    "qwen3-8b": LLMConfig("qwen3", 4096, 12288, 36, 32, 8, 128, 151936, False, 1e-6, 1e6, None, 40960),
+}
+
+
 def rope_inv_freq(cfg: LLMConfig) -> torch.Tensor:
     """Inverse frequencies, with Llama 3 scaling when the config asks for it."""
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
