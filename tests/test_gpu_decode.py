@@ -171,7 +171,7 @@ def test_bf16_decode_agrees_with_transformers(name):
     transformers' float32 logits of the same weights: top-1 ≥ 99% where the reference is
     decisive (``compare_logits``; random models are full of near-ties that bf16 rounding
     flips, for transformers' own bf16 run as much as for mpk's), the same against mpk's eager
-    path, and a max relative logit error within 1.5× of transformers' own bf16 error. All
+    path, and a median relative logit error within 1.25× of transformers' own bf16 run's. All
     numbers are printed (pytest -s) for the record."""
     if name == "qwen3-1.7b":
         cfg = LLMConfig(family="qwen3", hidden=2048, inter=6144, layers=28, heads=16, kv_heads=8, head_dim=128,
@@ -192,6 +192,6 @@ def test_bf16_decode_agrees_with_transformers(name):
           f"mpk vs transformers bf16 {compare_logits(mpk_logits, hf_bf16)}; mpk vs mpk eager {vs_eager}")
     assert vs_hf["top1_decisive"] >= 0.99 and vs_eager["top1_decisive"] >= 0.99, (vs_hf, vs_eager)
     assert vs_hf["decisive_share"] >= 0.25, vs_hf  # the decisive positions are not a handful
-    # as close to the float32 truth as transformers' own bf16 run is
-    assert vs_hf["max_rel"] <= 1.5 * hf_own["max_rel"], (vs_hf, hf_own)
+    # as close to the float32 truth as transformers' own bf16 run is (median over steps)
+    assert vs_hf["median_rel"] <= 1.25 * hf_own["median_rel"], (vs_hf, hf_own)
     assert math.isfinite(vs_hf["max_rel"])

@@ -65,7 +65,8 @@ def compare_logits(out: torch.Tensor, ref: torch.Tensor, margin: float = DECISIV
     where the reference's best logit leads the second by more than ``margin`` × its largest
     |logit| (bf16 rounding alone moves logits by ~2% of that on random models, so closer
     calls are coin flips even between transformers' own bf16 and fp32 runs); and the largest
-    error relative to the reference's largest |logit| at that step."""
+    and the median over steps of the error relative to the reference's largest |logit| at that
+    step (the median is the robust one to compare two bf16 runs by)."""
     scale = ref.double().abs().amax(-1).clamp_min(1e-30)
     best2 = ref.double().topk(2, dim=-1).values
     decisive = (best2[..., 0] - best2[..., 1]) > margin * scale
@@ -73,4 +74,5 @@ def compare_logits(out: torch.Tensor, ref: torch.Tensor, margin: float = DECISIV
     err = (out.double() - ref.double()).abs().amax(-1) / scale
     return {"top1": agree.double().mean().item(),
             "top1_decisive": agree[decisive].double().mean().item() if decisive.any() else float("nan"),
-            "decisive_share": decisive.double().mean().item(), "max_rel": err.max().item()}
+            "decisive_share": decisive.double().mean().item(), "max_rel": err.max().item(),
+            "median_rel": err.median().item()}
