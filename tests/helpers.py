@@ -119,6 +119,20 @@ def random_decoder(config, seed: int, batch: int, seq: int):
     return model, ids, cos, sin
 
 
+def random_decode_step(config, seed: int, batch: int = 2, cache_len: int = 9):
+    """A toy decoder and one decode step over a random static cache of ``cache_len`` entries:
+    (model, ids, cos, sin, past)."""
+    from mpk.models.toy import Decoder, randomize, rope_tables
+
+    g = torch.Generator().manual_seed(seed)
+    model = randomize(Decoder(config), g).eval()
+    past = [torch.randn(batch, config.kv_heads, cache_len, config.head_dim, generator=g)
+            for _ in range(2 * config.layers)]
+    ids = torch.randint(0, config.vocab, (batch, 1), generator=g)
+    cos, sin = rope_tables(config, torch.tensor([cache_len]))
+    return model, ids, cos, sin, past
+
+
 def random_page_table(lens: list[int], page_size: int, g: torch.Generator, spare: int = 2):
     """A BSR page table for sequences of ``lens`` over shuffled pages (plus ``spare`` unused
     ones): (pages per sequence, kv_indptr, kv_indices, kv_last_page_len, number of pages)."""

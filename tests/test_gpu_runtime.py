@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import compile_with, random_decoder, random_partition, relative_error, trace_graph
+from helpers import compile_with, random_decode_step, random_decoder, random_partition, relative_error, trace_graph
 from mpk.megakernel import Interpreter
 from mpk.megakernel.stress import random_dag, stamp_graph, stamp_inputs
-from mpk.models.toy import LLAMA, QWEN3, Config, Decoder, GeluMLPBlock, randomize, rope_tables
+from mpk.models.toy import LLAMA, QWEN3, Config, GeluMLPBlock, randomize
 from test_property import build_program
 
 pytestmark = pytest.mark.gpu
@@ -72,10 +72,7 @@ def test_gelu_mlp_and_decode_step_on_gpu():
         ref = model(x)
         out = torch.compile(model.to(DEV), backend="mpk", options={"executor": "gpu"})(x.to(DEV))
     assert relative_error(out[0].cpu(), ref[0]) <= TOL and torch.equal(out[2].cpu(), ref[2])
-    dec = randomize(Decoder(QWEN3), g).eval()
-    past = [torch.randn(2, QWEN3.kv_heads, 9, QWEN3.head_dim, generator=g) for _ in range(2 * QWEN3.layers)]
-    ids = torch.randint(0, QWEN3.vocab, (2, 1), generator=g)
-    cos, sin = rope_tables(QWEN3, torch.tensor([9]))
+    dec, ids, cos, sin, past = random_decode_step(QWEN3, seed=7)
     with torch.no_grad():
         ref = dec(ids, cos, sin, past)
         out = torch.compile(dec.to(DEV), backend="mpk", options={"executor": "gpu"})(

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import random_decoder, relative_error
-from mpk.models.toy import LLAMA, QWEN3, Config, Decoder, GeluMLPBlock, randomize, rope_tables
+from helpers import random_decode_step, random_decoder, relative_error
+from mpk.models.toy import LLAMA, QWEN3, Config, GeluMLPBlock, randomize
 from mpk.backend import COMPILED
 
 TOL = 1e-5
@@ -38,11 +38,7 @@ def test_decoder_prefill_matches_eager(config, batch, seq):
 @pytest.mark.parametrize("config", [LLAMA, QWEN3], ids=["llama", "qwen3"])
 def test_decoder_decode_step_matches_eager(config):
     """One token over a 9-entry cache (cat + non-causal GQA attention), batch 2."""
-    g = torch.Generator().manual_seed(7)
-    model = randomize(Decoder(config), g).eval()
-    past = [torch.randn(2, config.kv_heads, 9, config.head_dim, generator=g) for _ in range(2 * config.layers)]
-    ids = torch.randint(0, config.vocab, (2, 1), generator=g)
-    cos, sin = rope_tables(config, torch.tensor([9]))
+    model, ids, cos, sin, past = random_decode_step(config, seed=7)
     with torch.no_grad():
         ref = model(ids, cos, sin, past)
         out = _compile(model, num_workers=32)(ids, cos, sin, past)
