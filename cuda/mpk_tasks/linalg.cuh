@@ -163,27 +163,6 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   }
 }
 
-// Cross-task prefetch: a worker calls this (one thread) for its next task while the current
-// one runs or while it waits for the next one's event. Weights depend on nothing, so the
-// variant-1 tile's weight rows are pulled into L2 early and the task streams from L2.
-__device__ void prefetch_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
-  if (c.variant != 1) return;
-  const ViewC& b = c.in[1];
-  const long long K = c.in[0].shape[1], ldw = b.stride[1];
-  const char* w = reinterpret_cast<const char*>(static_cast<const __nv_bfloat16*>(env.buffers[b.buffer]) + b.offset);
-  constexpr long long kChunk = 1 << 16;
-  const bool dense = ldw == K;  // the tile's rows are one contiguous range
-  for (long long n = r.lo[1]; n < r.hi[1]; n = dense ? r.hi[1] : n + 1) {
-    const long long rows = dense ? r.hi[1] - n : 1;
-    const char* p = w + n * ldw * 2;
-    for (long long off = 0; off < rows * K * 2; off += kChunk) {
-      const long long size = min(kChunk, rows * K * 2 - off);
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(static_cast<unsigned>(size))
-                   : "memory");
-    }
-  }
-}
-
 template <bool kNorm>
 __device__ __forceinline__ void linear_variant1(const OpC& c, const Rect& r, const TaskEnv& env) {
   const long long cols = r.hi[1] - r.lo[1];

@@ -2,17 +2,13 @@
 
 The generated file holds the per-op constants (``kOps``: shapes, grids, input views with
 strides, kind-specific parameters; in the constant bank when they fit) of one task graph, and the
-task dispatch ``mpk_execute_task`` over the op types present and the cross-task weight prefetch
-``mpk_prefetch_task``, which is empty unless ``MPK_PREFETCH=1`` (measured on an H200: L2
-prefetch of every worker's next weight tile made decode steps 15–20% slower, because the
-latency-bound small tasks then queue behind the prefetch traffic); it then includes the runtime
+task dispatch ``mpk_execute_task`` over the op types present; it then includes the runtime
 (``runtime/mpk_runtime/persistent.cuh``), which defines the kernels. Task and event tables,
 buffers and queues stay runtime data, so one build serves every launch of the graph.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 from mpk.compiler.tables import DTYPE_CODE, MAX_DIMS, ROLE_INPUT, Tables
@@ -245,11 +241,5 @@ def generate(tables: Tables) -> str:
         + "  const mpk::Rect r = mpk::tile_rect(c, tile);\n"
         + "  const mpk::TaskEnv env{mpk_buffers};\n"
         + "  switch (c.type) {\n" + cases + "\n    default: __trap();\n  }\n}\n\n"
-        + "// Cross-task prefetch of a task's inputs that depend on nothing (weights); one thread.\n"
-        + "__device__ __noinline__ void mpk_prefetch_task(int op, int tile) {\n"
-        + "  const mpk::OpC& c = mpk_gen::kOps[op];\n"
-        + ("  if (c.type == 20) mpk::prefetch_matmul(c, mpk::tile_rect(c, tile), mpk::TaskEnv{mpk_buffers});\n"
-           if any(v == "matmul" for v in kinds.values()) and os.environ.get("MPK_PREFETCH", "0") == "1" else "")
-        + "}\n\n"
         + '#include "mpk_runtime/persistent.cuh"\n'
     )

@@ -1,7 +1,6 @@
 // The persistent kernel: one cooperative launch, one CTA per SM. CTAs [0, num_workers) are
 // workers; the rest host scheduler warps (kSchedWarpsPerCta each). Include this after the
-// generated code has defined ``mpk_execute_task(op, tile)`` and ``mpk_prefetch_task(op, tile)``
-// (over its own buffer table).
+// generated code has defined ``mpk_execute_task(op, tile)`` (over its own buffer table).
 //
 // Worker (thread 0 decides, the CTA executes): its JIT ring first; else the head of its AOT list
 // once that task's dependent event reached iteration·num_triggers; else spin. After a task the
@@ -97,7 +96,6 @@ struct AotCursor {
   int begin, count, idx = 0, iter = 1, iterations;  // head = entry idx of iteration iter (1-based)
   AotEntry head, next;
   int seen_event = -1;  // counters only grow: once seen_event reached seen_need, it stays there
-  long long prefetched = -1;  // position whose weights were last prefetched
   unsigned long long seen_need = 0;
 
   __device__ __forceinline__ bool left() const { return count > 0 && iter <= iterations; }
@@ -133,12 +131,6 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
   Ring<TaskInfo> jit = Ring<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_head, a.jit_capacity, w);
   volatile int* status = a.status + static_cast<long long>(w) * kStatusWords;
   if (!(aot.left() && aot.head.info.trig.id == pending.event.id)) pending.flush(a);
-  // Once our arrivals are out (never before: dependents wait on them), the AOT head's weights
-  // start streaming into L2 while this worker waits for the head's event.
-  if (aot.left() && aot.head.info.op >= 0 && aot.pos() != aot.prefetched) {
-    aot.prefetched = aot.pos();
-    mpk_prefetch_task(aot.head.info.op, aot.head.info.tile);
-  }
   Spin spin;
   while (true) {
     TaskInfo t;
