@@ -19,6 +19,7 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -110,6 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="per-task-type breakdown of one mpk step")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--trace-dir", type=Path, default=None, help="write each profiled step's Perfetto trace here")
+    ap.add_argument("--skip-peer", action="store_true", help="mpk alone (for comparing mpk builds; no speedup)")
     args = ap.parse_args(argv)
     if args.trace_dir:
         args.trace_dir.mkdir(parents=True, exist_ok=True)
@@ -123,10 +125,13 @@ def main(argv=None) -> int:
         for batch in args.batches:
             trace = args.trace_dir / f"{name}-b{batch}.json" if args.trace_dir else None
             mpk = bench_mpk(model, batch, args.position, args.page_size, args.profile, trace)
-            peer = time_peer(name, batch, args.position, compile_mode=args.compile_mode)
+            peer = (dict.fromkeys(("eager_ms", "eager_graph_ms", "compile_graph_ms", "peer_ms", "peer_mode"), None)
+                    | {"errors": {}} if args.skip_peer else time_peer(name, batch, args.position,
+                                                                      compile_mode=args.compile_mode))
             floor = floor_ms(weight_bytes(SHAPES[name]) + kv_bytes(SHAPES[name], batch, args.position + 1), bw)
             row = {"date": datetime.date.today().isoformat(), "device": device, "model": name, "batch": batch,
-                   "position": args.position, "page_size": args.page_size, **mpk,
+                   "position": args.position, "page_size": args.page_size,
+                   "nvcc_flags": os.environ.get("MPK_NVCC_FLAGS", ""), **mpk,
                    **{k: peer[k] for k in ("eager_ms", "eager_graph_ms", "compile_graph_ms", "peer_ms", "peer_mode",
                                            "errors")},
                    "speedup": peer["peer_ms"] / mpk["mpk_ms"] if peer["peer_ms"] else None,

@@ -5,6 +5,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace mpk {
 
 constexpr int kMaxDims = 8;
@@ -106,6 +108,40 @@ __device__ __forceinline__ float round_to(int dtype, float v) {
   return v;
 }
 
+// Typed element access for tasks specialised to one dtype (float, __half or __nv_bfloat16):
+// no per-element dtype switch, so the code stays short and loads can be vectorised.
+template <typename T>
+__device__ __forceinline__ float to_f(T v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(v);
+  else if constexpr (std::is_same_v<T, __half>) return __half2float(v);
+  else return v;
+}
+
+template <typename T>
+__device__ __forceinline__ T from_f(float v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16(v);
+  else if constexpr (std::is_same_v<T, __half>) return __float2half(v);
+  else return v;
+}
+
+template <typename T>
+__device__ __forceinline__ float round_as(float v) { return to_f(from_f<T>(v)); }
+
+// kN consecutive elements at p (aligned to their total size, at least 4 bytes) as floats, in
+// the widest loads that size allows.
+template <int kN, typename T>
+__device__ __forceinline__ void load_vec(const T* p, float (&out)[kN]) {
+  constexpr int kBytes = kN * static_cast<int>(sizeof(T));
+  static_assert(kBytes % 4 == 0, "load_vec reads whole 4-byte words");
+  using W = std::conditional_t<kBytes % 16 == 0, uint4, std::conditional_t<kBytes % 8 == 0, uint2, uint32_t>>;
+  W raw[kBytes / sizeof(W)];
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(kBytes / sizeof(W)); ++i) raw[i] = reinterpret_cast<const W*>(p)[i];
+  const T* e = reinterpret_cast<const T*>(raw);
+#pragma unroll
+  for (int i = 0; i < kN; ++i) out[i] = to_f(e[i]);
+}
+
 // Element index of a view at a multi-index; dims of size 1 broadcast (index ignored), and a
 // view of lower rank than the index is right-aligned against it (numpy broadcasting).
 __device__ __forceinline__ long long view_index(const ViewC& v, const long long* idx, int idx_ndim) {
@@ -118,22 +154,30 @@ __device__ __forceinline__ long long view_index(const ViewC& v, const long long*
   return off;
 }
 
+// i·n / g for extents whose product needs 64 bits: a slow subroutine, kept out of line so the
+// common path's code stays short.
+__device__ __noinline__ long long split_point64(unsigned long long i, unsigned long long n, unsigned long long g) {
+  return static_cast<long long>(i * n / g);
+}
+
 // Tile rect of ``tile`` for op ``c`` (row-major over its grid). Tiles are the balanced split
 // of mpk.compiler.partition.split_bounds: boundary i of a dim of extent n in g parts is
 // i·n / g (codegen checks the tables agree), so no boundary table is read on the hot path.
+// Not unrolled: every task runs this, and short code is fetched faster.
 __device__ __forceinline__ Rect tile_rect(const OpC& c, int tile) {
   Rect r;
+#pragma unroll 1
   for (int d = c.ndim - 1; d >= 0; --d) {
     const unsigned g = static_cast<unsigned>(c.grid[d]);
     const unsigned i = static_cast<unsigned>(tile) % g;
     tile = static_cast<int>(static_cast<unsigned>(tile) / g);
     const unsigned long long n = static_cast<unsigned long long>(c.out_shape[d]);
-    if (n * g < (1ULL << 32)) {  // the common case: 32-bit division (64-bit is a slow subroutine)
+    if (n * g < (1ULL << 32)) {  // the common case: 32-bit division
       r.lo[d] = static_cast<unsigned>(i * n) / g;
       r.hi[d] = static_cast<unsigned>((i + 1) * n) / g;
     } else {
-      r.lo[d] = static_cast<long long>(i * n / g);
-      r.hi[d] = static_cast<long long>((i + 1) * n / g);
+      r.lo[d] = split_point64(i, n, g);
+      r.hi[d] = split_point64(i + 1, n, g);
     }
   }
   return r;

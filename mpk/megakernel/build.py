@@ -3,6 +3,8 @@
 The cache key covers the generated source, every header under ``runtime/`` and ``cuda/``, the
 flags, the target architecture and nvcc's version, so a second identical build reads the
 cubin from ``$MPK_CACHE_DIR`` (default ``~/.cache/mpk``) without invoking nvcc.
+``$MPK_NVCC_FLAGS`` (whitespace-separated) adds flags to every build, e.g. the ``-D`` switches
+of the CUDA headers for an experiment (``-DMPK_WEIGHT_EVICT_FIRST=1``); they are part of the key.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_ker
     flags = ["-std=c++17", "-O3", "-cubin", "-lineinfo", *arch_flags(arch)]
     flags += ["-DMPK_DEBUG"] if debug else []
     flags += ["-DMPK_TILE_KERNEL"] if tile_kernel else []
+    flags += os.environ.get("MPK_NVCC_FLAGS", "").split()
     key = hashlib.sha256("\0".join([source, _headers_digest(), " ".join(flags), nvcc_version()]).encode()).hexdigest()[:32]
     out_dir = cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -87,7 +87,7 @@ def _view(tables: Tables, view_id: int) -> str:
 
 
 LINEAR_ROWS = 16  # cuda/mpk_tasks/linalg.cuh: kLinRows
-ATTN_REGS = 32  # cuda/mpk_tasks/paged_attention.cuh: kAttnRegs
+ATTN_REGS = 32  # registers a lane holds q in: group × head dim ≤ 32·32 (also the attn_partial scratch bound)
 
 
 def linear_variant(tables: Tables, op: int) -> int:
@@ -136,14 +136,36 @@ def rms_norm_variant(tables: Tables, op: int) -> int:
     return int(ok)
 
 
+def silu_mul_variant(tables: Tables, op: int) -> int:
+    """1 (the 16-byte-vector bf16 silu_mul of pointwise.cuh) for 2-d bf16 gate, up and output
+    of the output's shape, unit stride along the last dim, offsets and row strides multiples of
+    8 elements and tile column bounds multiples of 8; else 0."""
+    o = tables.ops[op]
+    if int(o["ndim"]) != 2:
+        return 0
+    out = tables.buffers[int(o["output"])]
+    M, N = (int(x) for x in out["shape"][:2])
+    bf16 = DTYPE_CODE[__import__("torch").bfloat16]
+    views = _op_views(tables, op)
+    for v in views:
+        if (int(v["ndim"]) != 2 or [int(x) for x in v["shape"][:2]] != [M, N] or int(v["strides"][1]) != 1
+                or int(tables.buffers[int(v["buffer"])]["dtype"]) != bf16 or int(v["offset"]) % 8
+                or (M > 1 and int(v["strides"][0]) % 8)):
+            return 0
+    g = int(o["grid"][1])
+    return int(int(out["dtype"]) == bf16 and all((i * N // g) % 8 == 0 for i in range(g + 1)))
+
+
 def aligned_inputs(tables: Tables) -> set[int]:
-    """Input buffers that tasks read with 16-byte vector loads (variant-1 linear and rms_norm
-    operands, the paged cache): the executor refuses them at addresses not 16-byte aligned."""
+    """Input buffers that tasks read or write with vector loads (variant-1 linear, rms_norm and
+    silu_mul operands, the paged cache and q): the executor refuses them at addresses not
+    16-byte aligned."""
     need: set[int] = set()
     for i, o in enumerate(tables.ops):
         kind = tables.meta["ops"][i]["kind"]
         vector = ((kind in ("matmul", "rms_matmul") and linear_variant(tables, i))
-                  or (kind == "rms_norm" and rms_norm_variant(tables, i)) or kind == "attn_partial")
+                  or (kind == "rms_norm" and rms_norm_variant(tables, i))
+                  or (kind == "silu_mul" and silu_mul_variant(tables, i)) or kind in ("attn_partial", "rope_append"))
         if vector:
             for v in tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]:
                 buf = int(tables.views[int(v)]["buffer"])
@@ -152,13 +174,76 @@ def aligned_inputs(tables: Tables) -> set[int]:
     return need
 
 
-def _check_paged(tables: Tables, op: int, name: str) -> None:
-    q = tables.views[int(tables.op_inputs[tables.ops[op]["first_input"]])]
-    cache = tables.views[int(tables.op_inputs[tables.ops[op]["first_input"] + 1])]
-    D, heads, kv = int(q["shape"][2]), int(q["shape"][1]), int(cache["shape"][3])
-    if D not in (64, 128, 256) or (heads // kv) * D > ATTN_REGS * 32:
-        raise CompileError(f"op {name!r}: paged attention with head dim {D} and {heads // kv} query heads per kv "
-                           f"head has no CUDA variant (head dim 64, 128 or 256, group × head dim ≤ {ATTN_REGS * 32})")
+CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+_CTYPE_OF_CODE = {DTYPE_CODE[getattr(__import__("torch"), k)]: v for k, v in CTYPES.items()}
+
+
+def _op_views(tables: Tables, op: int) -> list:
+    o = tables.ops[op]
+    return [tables.views[int(v)] for v in tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]]
+
+
+def _one_ctype(tables: Tables, op: int, name: str, views: list, with_output: bool) -> str:
+    """The C++ type shared by ``views`` (and the op's output): the typed paged tasks take one."""
+    codes = {int(tables.buffers[int(v["buffer"])]["dtype"]) for v in views}
+    if with_output:
+        codes.add(int(tables.buffers[int(tables.ops[op]["output"])]["dtype"]))
+    if len(codes) != 1 or next(iter(codes)) not in _CTYPE_OF_CODE:
+        raise CompileError(f"op {name!r}: the CUDA task needs its tensors in one dtype among {sorted(CTYPES)}; "
+                           f"got dtype codes {sorted(codes)} (mpk.compiler.tables.DTYPES)")
+    return _CTYPE_OF_CODE[next(iter(codes))]
+
+
+def _check_contiguous(name: str, what: str, view, vec: int) -> None:
+    """A view read along its last dim in vectors of ``vec`` elements: unit stride, and every
+    other stride and the offset multiples of ``vec`` (with a 16-byte aligned base, each vector
+    is then aligned to its size)."""
+    nd = int(view["ndim"])
+    strides = [int(x) for x in view["strides"][:nd]]
+    if strides[-1] != 1 or int(view["offset"]) % vec or any(x % vec for x in strides[:-1]):
+        raise CompileError(f"op {name!r}: {what} must be contiguous along its last dim with offset and strides "
+                           f"multiples of {vec} elements; got offset {int(view['offset'])}, strides {strides}")
+
+
+def _paged_task(tables: Tables, op: int) -> str:
+    """The instantiation of the typed paged-decode task template for ``op`` (head dim, group
+    size and dtype are template arguments); checks what the template assumes."""
+    meta = tables.meta["ops"][op]
+    kind, name = meta["kind"], meta["name"]
+    views = _op_views(tables, op)
+    if kind == "rope_append":
+        D = meta["attrs"]["head_dim"]
+        if D % 64 or D > 256:
+            raise CompileError(f"op {name!r}: rope_append needs a head dim that is a multiple of 64 and at most 256, "
+                               f"got {D}")
+        ctype = _one_ctype(tables, op, name, [views[i] for i in (0, 1, 5, *range(6, len(views)))], True)
+        for what, i in (("qkv", 0), ("cos_sin", 1), ("kv_cache", 5), ("q_norm", 6), ("k_norm", 7)):
+            if i < len(views):
+                _check_contiguous(name, what, views[i], 1)
+        return f"mpk::rope_append_impl<{D // 32}, {ctype}>"
+    if kind == "attn_partial":
+        q, cache = views[0], views[1]
+        D, heads, kv = int(q["shape"][2]), int(q["shape"][1]), int(cache["shape"][3])
+        if D not in (64, 128, 256) or (heads // kv) * D > ATTN_REGS * 32:
+            raise CompileError(f"op {name!r}: paged attention with head dim {D} and {heads // kv} query heads per kv "
+                               f"head has no CUDA variant (head dim 64, 128 or 256, group × head dim ≤ "
+                               f"{ATTN_REGS * 32})")
+        ctype = _one_ctype(tables, op, name, [q, cache], False)
+        _check_contiguous(name, "q", q, D // 32)
+        _check_contiguous(name, "kv_cache", cache, D // 32)
+        return f"mpk::attn_partial_impl<{D // 32}, {heads // kv}, {ctype}>"
+    D = int(views[0]["shape"][4]) - 1  # attn_merge: states [B, KV, C, G, D + 1]
+    if D not in (64, 128, 256):
+        raise CompileError(f"op {name!r}: attn_merge with head dim {D}; the CUDA task takes 64, 128 or 256")
+    return f"mpk::attn_merge_impl<{D // 32}, {_one_ctype(tables, op, name, [], True)}>"
+
+
+# Kinds whose CUDA task is a template instantiated per op from the tables: the generated
+# dispatch names the instantiation (c.variant selects among an op type's instantiations), so
+# only the combinations a graph uses are compiled.
+SPECIALIZED: dict[str, Callable[[Tables, int], str]] = {
+    "rope_append": _paged_task, "attn_partial": _paged_task, "attn_merge": _paged_task,
+}
 
 
 def _check_balanced(tables: Tables, op: int, name: str) -> None:
@@ -179,6 +264,7 @@ def generate(tables: Tables) -> str:
     """CUDA source for ``tables`` (deterministic: equal tables, equal source)."""
     ops: list[str] = []
     kinds: dict[int, str] = {}
+    instances: dict[int, list[str]] = {}  # type id -> the template instantiations, by variant
     for i, o in enumerate(tables.ops):
         meta = tables.meta["ops"][i]
         kind = meta["kind"]
@@ -191,16 +277,19 @@ def generate(tables: Tables) -> str:
             if max(int(q["shape"][3]), int(v["shape"][3])) > MAX_HEAD_DIM:
                 raise CompileError(f"op {meta['name']!r}: head dim {int(q['shape'][3])}/{int(v['shape'][3])} exceeds "
                                    f"the CUDA attention task's {MAX_HEAD_DIM}")
-        if kind == "attn_partial":
-            _check_paged(tables, i, meta["name"])
-        if kind == "rope_append" and (meta["attrs"]["head_dim"] % 64 or meta["attrs"]["head_dim"] > 256):
-            raise CompileError(f"op {meta['name']!r}: rope_append needs a head dim that is a multiple of 64 and at "
-                               f"most 256, got {meta['attrs']['head_dim']}")
         variant, ip, fp = ENCODERS[kind](meta["attrs"])
         if kind in ("matmul", "rms_matmul"):
             variant = linear_variant(tables, i)
         elif kind == "rms_norm":
             variant = rms_norm_variant(tables, i)
+        elif kind == "silu_mul":
+            variant = silu_mul_variant(tables, i)
+        elif kind in SPECIALIZED:
+            inst = instances.setdefault(int(o["type_id"]), [])
+            task = SPECIALIZED[kind](tables, i)
+            if task not in inst:
+                inst.append(task)
+            variant = inst.index(task)
         nd = int(o["ndim"])
         _check_balanced(tables, i, meta["name"])
         out = int(o["output"])
@@ -223,7 +312,13 @@ def generate(tables: Tables) -> str:
              "  __shared__ mpk::OpC s_op;\n"
              "  mpk::stage_op(s_op, mpk_gen::kOps[op]);\n"
              "  const mpk::OpC& c = s_op;\n")
-    cases = "\n".join(f"    case {t}: mpk::task_{kinds[t]}(c, r, env); return;  // {kinds[t]}" for t in sorted(kinds))
+    def case(t: int) -> str:
+        if t not in instances:
+            return f"    case {t}: mpk::task_{kinds[t]}(c, r, env); return;  // {kinds[t]}"
+        inner = "".join(f"        case {v}: {f}(c, r, env); return;\n" for v, f in enumerate(instances[t]))
+        return f"    case {t}:  // {kinds[t]}\n      switch (c.variant) {{\n{inner}        default: __trap();\n      }}"
+
+    cases = "\n".join(case(t) for t in sorted(kinds))
     return (
         GENERATED_HEADER
         + '#include "mpk_tasks/all.cuh"\n\n'
