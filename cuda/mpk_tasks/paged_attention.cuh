@@ -1,10 +1,10 @@
 // Task family: decode over a paged KV cache (mpk/ops/paged.py documents the layout and the
 // page table). ``rope_append``: qk-norm + RoPE of one token per sequence and its k/v appended
 // to the cache; ``attn_partial``: the (O, LSE) state of a kv head's G query heads over one KV
-// chunk; ``attn_merge``: ⊕ of a head's chunk states in chunk order.
+// chunk; ``attn_merge``: ⊕ of a head's chunk states.
 //
 // LSE base 2 everywhere: lse = log2 Σ 2^s with s = q·k·scale·log2(e); O is normalised; the
-// empty state is (O = 0, lse = −inf). merge_state below is the only CUDA definition of ⊕.
+// empty state is (O = 0, lse = −inf). attn_merge_impl below is the CUDA form of ⊕.
 //
 // The tasks are templates over the head dim (kPer = D / 32 elements per lane), the group size
 // G and the element type T of q, the cache and the rope inputs; codegen instantiates only the
@@ -17,15 +17,6 @@
 namespace mpk {
 
 constexpr float kLog2e = 1.4426950408889634f;
-
-// (o_a, lse_a) ⊕ (o_b, lse_b) for one element of O; returns the new lse through lse_a.
-__device__ __forceinline__ float merge_state(float o_a, float& lse_a, float o_b, float lse_b) {
-  const float m = fmaxf(lse_a, lse_b);
-  if (m == -INFINITY) return 0.f;  // both empty: the identity, no NaN from inf − inf
-  const float w_a = exp2f(lse_a - m), w_b = exp2f(lse_b - m), s = w_a + w_b;
-  lse_a = m + log2f(s);
-  return (w_a * o_a + w_b * o_b) / s;
-}
 
 // Where sequence b's pages start in kv_indices, and its length.
 struct SeqSpan {
@@ -127,24 +118,38 @@ __device__ __noinline__ void rope_append_impl(const OpC& c, const Rect& r, const
   }
 }
 
+// 16 bytes global → shared without a register round trip (sm_80+): a warp can have many in
+// flight with no registers held for them.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))),
+               "l"(gmem));
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\n cp.async.wait_group 0;" ::: "memory");
+}
+
 // inputs: q [B, H, D], kv_cache, kv_indptr, kv_indices, kv_last_page_len;
 // output states [B, KV, C, G, D+1] fp32; iparam: layer, page_size; fparam[0] scale.
-// Each of the warps runs an online softmax over its share of the chunk for all G query heads
-// (a K/V row is loaded once per warp and used by every head); the warps' states are then
-// combined in a fixed order through shared memory. A warp takes kU consecutive positions per
-// step, their K and V rows all in flight at once (4 KB per warp), and the page-table entries of
-// its next step are loaded during the current one, so a step costs one memory round trip.
+// Each warp runs an online softmax over its share of the chunk for all G query heads (a K/V
+// row is read once per warp and used by every head); the warps' states are then combined in a
+// fixed order through shared memory. A warp takes kU consecutive positions per step: their K
+// and V rows (4 KB) are copied into its shared-memory slot with cp.async, all in flight at
+// once, and the page-table entries of its next step are loaded during the current one, so a
+// step costs one memory round trip. The position loop is not unrolled: short code.
 template <int kPer, int kG, typename T>
 __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, const TaskEnv& env) {
-  constexpr int D = 32 * kPer, kU = 32 / kPer;
+  constexpr int D = 32 * kPer;
+  constexpr int kRowBytes = D * static_cast<int>(sizeof(T)), kU = 2048 / kRowBytes, kPieces = kRowBytes / 16;
+  static_assert(2 * kU * kPieces == 256, "a step's copies are 8 rounds of the warp's 32 lanes");
   const ViewC &q = c.in[0], &cache = c.in[1], &indptr = c.in[2], &indices = c.in[3], &last = c.in[4];
   const int KV = static_cast<int>(c.out_shape[1]), C = static_cast<int>(c.out_shape[2]);
   const int page_size = static_cast<int>(c.iparam[1]), shift = log2_pow2(page_size);
   const float scale = c.fparam[0] * kLog2e;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  float* red = scratch();  // [warps][kG][D + 2]: m, l, acc
-  const T* kvbase = static_cast<const T*>(env.buffers[cache.buffer]) + cache.offset + c.iparam[0] * cache.stride[0] +
-                    lane * kPer;
+  float* red = scratch();  // during the loop: each warp's K/V slot [2][kU][D] of T; then [warps][kG][D + 2]
+  T* slot = reinterpret_cast<T*>(red) + warp * 2 * kU * D;
+  const T* kvbase = static_cast<const T*>(env.buffers[cache.buffer]) + cache.offset + c.iparam[0] * cache.stride[0];
   const T* qbase = static_cast<const T*>(env.buffers[q.buffer]) + q.offset + lane * kPer;
   for (long long b = r.lo[0]; b < r.hi[0]; ++b) {
     const SeqSpan span = seq_span(env, indptr, last, b, page_size);
@@ -171,48 +176,40 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
           const long long ahead = base + warps * kU + mine;
           const long long next_page = ahead < t1 ? page_of(env, indices, span.first_page, ahead, shift) : 0;
           const int valid = static_cast<int>(min(static_cast<long long>(kU), t1 - base));
-          float kr[kU][kPer], vr[kU][kPer];
-#pragma unroll
-          for (int u = 0; u < kU; ++u) {
+#pragma unroll 1
+          for (int i = lane; i < 2 * kU * kPieces; i += 32) {  // piece i: row i / kPieces (K rows, then V rows)
+            const int row = i / kPieces, u = row % kU;
             const long long pg = __shfl_sync(0xffffffffu, page, u);
-            const T* row = head_base + pg * cache.stride[2] + ((base + u) & (page_size - 1)) * cache.stride[4];
             if (u < valid) {
-              load_vec<kPer>(row, kr[u]);
-              load_vec<kPer>(row + cache.stride[1], vr[u]);
-            } else {
-#pragma unroll
-              for (int i = 0; i < kPer; ++i) kr[u][i] = vr[u][i] = 0.f;
+              const T* src = head_base + (row / kU) * cache.stride[1] + pg * cache.stride[2] +
+                             ((base + u) & (page_size - 1)) * cache.stride[4] + (i % kPieces) * (16 / sizeof(T));
+              cp_async16(slot + row * D + (i % kPieces) * (16 / sizeof(T)), src);
             }
           }
+          cp_async_wait_all();
+          __syncwarp();
+#pragma unroll 1
+          for (int u = 0; u < valid; ++u) {
+            float kf[kPer], vf[kPer];
+            load_vec<kPer>(slot + u * D + lane * kPer, kf);
+            load_vec<kPer>(slot + (kU + u) * D + lane * kPer, vf);
 #pragma unroll
-          for (int g = 0; g < kG; ++g) {
-            float s[kU];
-            float mx = m[g];
-#pragma unroll
-            for (int u = 0; u < kU; ++u) {
+            for (int g = 0; g < kG; ++g) {
               float d = 0.f;
 #pragma unroll
-              for (int i = 0; i < kPer; ++i) d += qr[g][i] * kr[u][i];
-              s[u] = u < valid ? warp_sum(d) : -INFINITY;
-              mx = fmaxf(mx, s[u]);
+              for (int i = 0; i < kPer; ++i) d += qr[g][i] * kf[i];
+              const float s = warp_sum(d), m_new = fmaxf(m[g], s);
+              const float corr = exp2f(m[g] - m_new), p = exp2f(s - m_new);
+              l[g] = l[g] * corr + p;
+#pragma unroll
+              for (int i = 0; i < kPer; ++i) acc[g][i] = acc[g][i] * corr + p * vf[i];
+              m[g] = m_new;
             }
-            const float corr = exp2f(m[g] - mx);  // mx is finite: the step has a valid position
-            l[g] *= corr;
-#pragma unroll
-            for (int i = 0; i < kPer; ++i) acc[g][i] *= corr;
-#pragma unroll
-            for (int u = 0; u < kU; ++u) {
-              if (u < valid) {
-                const float p = exp2f(s[u] - mx);
-                l[g] += p;
-#pragma unroll
-                for (int i = 0; i < kPer; ++i) acc[g][i] += p * vr[u][i];
-              }
-            }
-            m[g] = mx;
           }
+          __syncwarp();  // the slot is refilled by the next step
           page = next_page;
         }
+        __syncthreads();  // the states below overwrite the warps' K/V slots
         // combine the warps' states in warp order (deterministic)
 #pragma unroll
         for (int g = 0; g < kG; ++g) {
@@ -248,11 +245,13 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
 }
 
 // input states [B, KV, C, G, D+1]; output [B, H, D] of type T. One warp per (b, h); lane l
-// holds dims l + 32·i. The chunks' states are loaded kBlock at a time (all in flight), then
-// folded with ⊕ in chunk order.
+// holds dims l + 32·i. ⊕ over all C chunks at once: with M the largest lse and
+// S = Σ_c 2^(lse_c − M), out = Σ_c 2^(lse_c − M) / S · O_c, which is what folding the states
+// with ⊕ one by one computes (mpk.ops.paged.merge_states); no chunk (all lse = −inf) gives 0.
+// The lse pass is lane-parallel; the weighted sum keeps 4 chunks' loads in flight.
 template <int kPer, typename T>
 __device__ __noinline__ void attn_merge_impl(const OpC& c, const Rect& r, const TaskEnv& env) {
-  constexpr int D = 32 * kPer, kBlock = 8;
+  constexpr int D = 32 * kPer;
   const ViewC& st = c.in[0];
   const int C = static_cast<int>(st.shape[2]), G = static_cast<int>(st.shape[3]);
   const int H = static_cast<int>(c.out_shape[1]);
@@ -260,31 +259,28 @@ __device__ __noinline__ void attn_merge_impl(const OpC& c, const Rect& r, const 
   const int rows = static_cast<int>(r.hi[0] - r.lo[0]) * heads;
   const int lane = threadIdx.x & 31;
   const float* states = static_cast<const float*>(env.buffers[st.buffer]) + st.offset;
+  const long long chunk_stride = static_cast<long long>(G) * (D + 1);
   for (int job = threadIdx.x >> 5; job < rows; job += blockDim.x >> 5) {
     const long long b = r.lo[0] + job / heads, h = r.lo[1] + job % heads;
     const float* first = states + ((b * st.shape[1] + h / G) * C * G + h % G) * (D + 1);
-    float o[kPer], lse = -INFINITY;
+    float mx = -INFINITY;
+    for (int ch = lane; ch < C; ch += 32) mx = fmaxf(mx, first[ch * chunk_stride + D]);
+    mx = warp_max(mx);
+    float o[kPer];
 #pragma unroll
     for (int i = 0; i < kPer; ++i) o[i] = 0.f;
-    for (int c0 = 0; c0 < C; c0 += kBlock) {
-      float ob[kBlock][kPer], lb[kBlock];
+    if (mx != -INFINITY) {
+      float sum = 0.f;
+#pragma unroll 4
+      for (int ch = 0; ch < C; ++ch) {
+        const float* s = first + ch * chunk_stride;
+        const float w = exp2f(s[D] - mx);
+        sum += w;
 #pragma unroll
-      for (int j = 0; j < kBlock; ++j) {
-        const float* s = first + static_cast<long long>(c0 + j) * G * (D + 1);
-        lb[j] = c0 + j < C ? s[D] : -INFINITY;
-#pragma unroll
-        for (int i = 0; i < kPer; ++i) ob[j][i] = c0 + j < C ? s[lane + 32 * i] : 0.f;
+        for (int i = 0; i < kPer; ++i) o[i] += w * s[lane + 32 * i];
       }
 #pragma unroll
-      for (int j = 0; j < kBlock; ++j) {
-        float next = lse;
-#pragma unroll
-        for (int i = 0; i < kPer; ++i) {
-          next = lse;
-          o[i] = merge_state(o[i], next, ob[j][i], lb[j]);
-        }
-        lse = next;
-      }
+      for (int i = 0; i < kPer; ++i) o[i] /= sum;
     }
     T* out = static_cast<T*>(env.buffers[c.out_buffer]) + (b * H + h) * D;
 #pragma unroll

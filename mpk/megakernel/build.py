@@ -4,7 +4,7 @@ The cache key covers the generated source, every header under ``runtime/`` and `
 flags, the target architecture and nvcc's version, so a second identical build reads the
 cubin from ``$MPK_CACHE_DIR`` (default ``~/.cache/mpk``) without invoking nvcc.
 ``$MPK_NVCC_FLAGS`` (whitespace-separated) adds flags to every build, e.g. the ``-D`` switches
-of the CUDA headers for an experiment (``-DMPK_WEIGHT_EVICT_FIRST=1``); they are part of the key.
+of the CUDA headers for an experiment (``-DMPK_MAX_SPINS=…``); they are part of the key.
 """
 
 from __future__ import annotations

@@ -175,6 +175,7 @@ def aligned_inputs(tables: Tables) -> set[int]:
 
 
 CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+DTYPE_SIZE = {"float": 4, "__half": 2, "__nv_bfloat16": 2}
 _CTYPE_OF_CODE = {DTYPE_CODE[getattr(__import__("torch"), k)]: v for k, v in CTYPES.items()}
 
 
@@ -230,7 +231,7 @@ def _paged_task(tables: Tables, op: int) -> str:
                                f"{ATTN_REGS * 32})")
         ctype = _one_ctype(tables, op, name, [q, cache], False)
         _check_contiguous(name, "q", q, D // 32)
-        _check_contiguous(name, "kv_cache", cache, D // 32)
+        _check_contiguous(name, "kv_cache", cache, 16 // DTYPE_SIZE[ctype])  # rows are copied in 16-byte pieces
         return f"mpk::attn_partial_impl<{D // 32}, {heads // kv}, {ctype}>"
     D = int(views[0]["shape"][4]) - 1  # attn_merge: states [B, KV, C, G, D + 1]
     if D not in (64, 128, 256):

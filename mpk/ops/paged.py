@@ -11,13 +11,15 @@ position ``len − 1`` and attention reads positions ``0 … len − 1``.
 Attention is split into KV chunks: tile (b, kv head, chunk c) of ``attn_partial`` covers
 positions ``[c·len/C, (c+1)·len/C)`` (balanced over the runtime length, so the task grid is
 static) for the ``G`` query heads of its kv head, and writes a partial state ``(O, LSE)``;
-``attn_merge`` folds the C states of each head with ⊕ in chunk order (a fixed order, so results
-are deterministic).
+``attn_merge`` combines the C states of each head with ⊕ (in a fixed order, so results are
+deterministic; the CUDA task uses the n-ary form, weights 2^(lse_c − max lse) / Σ, which is
+what folding with ⊕ computes).
 
 LSE base: **2**. A state's ``lse`` is ``log2 Σ_j 2^(s_j)`` with ``s_j = q·k_j · scale · log2(e)``
 and ``O`` is the softmax-weighted mean of v (already normalised). The empty set is
 ``(O = 0, lse = −inf)``, the identity of ⊕. ``merge_states`` is the one Python definition;
-``cuda/mpk_tasks/paged_attention.cuh: merge_state`` is the CUDA one and is tested against it.
+``cuda/mpk_tasks/paged_attention.cuh: attn_merge_impl`` is the CUDA one, tested against it
+through paged attention with more chunks than positions.
 """
 
 from __future__ import annotations
@@ -200,5 +202,5 @@ def _merge_cpu(sig: OpSig, rect, xs):
 register(OpDef(
     kind="attn_merge", type_id=32, input_regions=_merge_regions, cpu=_merge_cpu,
     splittable=lambda sig: (True, True, False), split_order=lambda sig: [1, 0], min_tile_elems=1,
-    doc="out = ⊕ over chunks of the partial states, in chunk order",
+    doc="out = ⊕ over chunks of the partial states",
 ))
