@@ -10,6 +10,7 @@ namespace mpk {
 constexpr int kLinRows = 16;     // rows (batch) a variant-1 tile may hold: the MMA's M
 constexpr int kLinBlocks = 8;    // 8-column weight blocks per pass, at most: 64 columns
 constexpr int kLinInFlight = 16; // 16-byte weight loads each lane keeps in flight
+constexpr int kThreadsPerTask = 256;  // mpk_runtime/persistent.cuh: kThreads
 
 // A 16-byte load that bypasses L1: weights are read exactly once. (An L2 evict-first hint on
 // these loads measured no faster on H200 decode steps.)
@@ -98,7 +99,26 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
     rstd_hi = has_hi ? red[g + 8] : 0.f;
     __syncthreads();  // red is reused by the reduction below
   }
+  // the bias (a decoder layer's residual): bf16, broadcast by zero strides (codegen checks)
+  const __nv_bfloat16* bias = nullptr;
+  long long bs0 = 0, bs1 = 0;
+  if (!kNorm && c.num_inputs > 2) {
+    const ViewC& v = c.in[2];
+    bias = static_cast<const __nv_bfloat16*>(env.buffers[v.buffer]) + v.offset;
+    if (v.ndim >= 1) bs1 = v.shape[v.ndim - 1] == 1 ? 0 : v.stride[v.ndim - 1];
+    if (v.ndim == 2) bs0 = v.shape[0] == 1 ? 0 : v.stride[0];
+  }
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(env.buffers[c.out_buffer]);
+  constexpr int kPerThread = kLinRows * 8 * kBlocks / kThreadsPerTask;  // epilogue outputs per thread
   for (long long n0 = r.lo[1]; n0 < r.hi[1]; n0 += 8 * kBlocks) {
+    const int cols = static_cast<int>(min(8LL * kBlocks, r.hi[1] - n0));
+    // the pass's bias values, loaded now: they arrive while the weights stream
+    float bv[kPerThread];
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const int e = threadIdx.x + j * kThreadsPerTask;
+      bv[j] = bias && e < rows * cols ? __bfloat162float(bias[(m0 + e / cols) * bs0 + (n0 + e % cols) * bs1]) : 0.f;
+    }
     float acc[kBlocks][4];
     const __nv_bfloat16* wrow[kBlocks];
     bool valid[kBlocks];
@@ -147,18 +167,14 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       p[kLinRows + g + 8] = acc[j][3];
     }
     __syncthreads();
-    const int cols = static_cast<int>(min(8LL * kBlocks, r.hi[1] - n0));
-    for (int e = threadIdx.x; e < rows * cols; e += blockDim.x) {
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const int e = threadIdx.x + j * kThreadsPerTask;
+      if (e >= rows * cols) break;
       const int row = e / cols, col = e % cols;
       float s = 0.f;
       for (int v = 0; v < warps; ++v) s += red[(v * 64 + col) * kLinRows + row];
-      s *= c.fparam[0];
-      long long idx[2] = {m0 + row, n0 + col};
-      if (!kNorm && c.num_inputs > 2) {
-        const ViewC& bias = c.in[2];
-        s += c.fparam[1] * load_f(env.buffers[bias.buffer], bias.dtype, view_index(bias, idx, 2));
-      }
-      store_f(env.buffers[c.out_buffer], c.out_dtype, idx[0] * N + idx[1], s);
+      out[(m0 + row) * N + n0 + col] = __float2bfloat16(s * c.fparam[0] + c.fparam[1] * bv[j]);
     }
     __syncthreads();
   }

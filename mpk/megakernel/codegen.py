@@ -92,8 +92,8 @@ ATTN_REGS = 32  # registers a lane holds q in: group × head dim ≤ 32·32 (als
 
 def linear_variant(tables: Tables, op: int) -> int:
     """1 (the bandwidth-grade linear of linalg.cuh) when the matmul is x [M, K] @ Wᵀ with bf16
-    operands and output, unit stride along K, 16-byte aligned rows, K % 32 == 0 and at most
-    16 rows per tile; else 0 (the general task)."""
+    operands, bias (at most 2-d) and output, unit stride along K, 16-byte aligned rows,
+    K % 32 == 0 and at most 16 rows per tile; else 0 (the general task)."""
     o = tables.ops[op]
     if int(o["ndim"]) != 2:
         return 0
@@ -107,6 +107,9 @@ def linear_variant(tables: Tables, op: int) -> int:
     ok = (all(d == bf16 for d in dtypes) and int(a["strides"][1]) == 1 and int(b["strides"][0]) == 1
           and K % 32 == 0 and all(int(x) % 8 == 0 for x in (a["offset"], lda, b["offset"], b["strides"][1]))
           and -(-M // int(o["grid"][0])) <= LINEAR_ROWS)
+    if ok and tables.meta["ops"][op]["kind"] == "matmul" and int(o["num_inputs"]) > 2:  # the bias: bf16, ≤ 2-d
+        bias = tables.views[int(tables.op_inputs[o["first_input"] + 2])]
+        ok = int(tables.buffers[int(bias["buffer"])]["dtype"]) == bf16 and int(bias["ndim"]) <= 2
     if ok and tables.meta["ops"][op]["kind"] == "rms_matmul":  # the norm weight is read in 16-byte words too
         w = tables.views[int(tables.op_inputs[o["first_input"] + 2])]
         ok = (int(tables.buffers[int(w["buffer"])]["dtype"]) == bf16 and int(w["strides"][0]) == 1
