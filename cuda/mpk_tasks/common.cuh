@@ -142,6 +142,21 @@ __device__ __forceinline__ void load_vec(const T* p, float (&out)[kN]) {
   for (int i = 0; i < kN; ++i) out[i] = to_f(e[i]);
 }
 
+// f applied to the 8 bf16 pairs of two 16-byte words (as floats), rounded back to bf16.
+template <typename F>
+__device__ __forceinline__ uint4 zip_bf16x8(uint4 a, uint4 b, F f) {
+  const auto* ah = reinterpret_cast<const __nv_bfloat162*>(&a);
+  const auto* bh = reinterpret_cast<const __nv_bfloat162*>(&b);
+  uint4 o;
+  auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 x = __bfloat1622float2(ah[e]), y = __bfloat1622float2(bh[e]);
+    oh[e] = __floats2bfloat162_rn(f(x.x, y.x), f(x.y, y.y));
+  }
+  return o;
+}
+
 // Element index of a view at a multi-index; dims of size 1 broadcast (index ignored), and a
 // view of lower rank than the index is right-aligned against it (numpy broadcasting).
 __device__ __forceinline__ long long view_index(const ViewC& v, const long long* idx, int idx_ndim) {

@@ -3,7 +3,7 @@
 // streamed with 16-byte loads), picked by codegen when the views allow it; 0: the general
 // one, one thread per output element — and ``embedding``.
 #pragma once
-#include "common.cuh"
+#include "rows.cuh"  // rms_scale8: the RMSNorm prologue
 
 namespace mpk {
 
@@ -39,21 +39,6 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 // columns goes deeper along K); their partial sums meet in shared memory and are added in warp
 // order (deterministic), then the epilogue scales, adds the bias (the residual of a decoder
 // layer) and stores.
-// x rows normalised as rms_norm's bf16 variant does: round(x·rstd) to bf16, times the weight,
-// round again (8 elements in a 16-byte word).
-__device__ __forceinline__ uint4 rms_scale8(uint4 x, uint4 w, float rstd) {
-  const auto* xh = reinterpret_cast<const __nv_bfloat162*>(&x);
-  const auto* wh = reinterpret_cast<const __nv_bfloat162*>(&w);
-  uint4 o;
-  auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const float2 f = __bfloat1622float2(xh[e]), g = __bfloat1622float2(wh[e]);
-    oh[e] = __floats2bfloat162_rn(round_to(kBF16, f.x * rstd) * g.x, round_to(kBF16, f.y * rstd) * g.y);
-  }
-  return o;
-}
-
 // kNorm: the rms_matmul op — input 2 is an RMSNorm weight over K, applied to x as a prologue
 // (each task computes its rows' rstd; fparam[2] is eps).
 template <int kBlocks, bool kNorm>

@@ -71,15 +71,7 @@ __device__ void silu_mul_bf16(const OpC& c, const Rect& r, const TaskEnv& env) {
     // activations are written inside the kernel: coherent (L2) loads
     const uint4 gv = __ldcg(reinterpret_cast<const uint4*>(gp + row * g.stride[0] + col));
     const uint4 uv = __ldcg(reinterpret_cast<const uint4*>(up + row * u.stride[0] + col));
-    const auto* gh = reinterpret_cast<const __nv_bfloat162*>(&gv);
-    const auto* uh = reinterpret_cast<const __nv_bfloat162*>(&uv);
-    uint4 o;
-    auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 a = __bfloat1622float2(gh[i]), b = __bfloat1622float2(uh[i]);
-      oh[i] = __floats2bfloat162_rn(silu_times(a.x, b.x, kBF16), silu_times(a.y, b.y, kBF16));
-    }
+    const uint4 o = zip_bf16x8(gv, uv, [](float a, float b) { return silu_times(a, b, kBF16); });
     *reinterpret_cast<uint4*>(out + row * c.out_shape[1] + col) = o;
   }
 }

@@ -109,6 +109,12 @@ __device__ void task_layer_norm(const OpC& c, const Rect& r, const TaskEnv& env)
 // Variant 1 (codegen picks it): bf16 rows with unit stride, 16-byte aligned, a bf16 weight
 // and a bf16 output — decode's case, where one row (the batch-1 hidden state) is a task. The
 // whole CTA shares a row: 16-byte loads kept in registers, one block reduction, one pass out.
+// 8 bf16 elements of a row normalised as HF does: round(x·rstd) to bf16, times the weight,
+// round again (also the linear's RMSNorm prologue).
+__device__ __forceinline__ uint4 rms_scale8(uint4 x, uint4 w, float rstd) {
+  return zip_bf16x8(x, w, [rstd](float v, float g) { return round_to(kBF16, v * rstd) * g; });
+}
+
 constexpr int kNormVecs = 4;  // 8-element vectors per thread held in registers: rows ≤ 8192 at 256 threads
 
 __device__ void rms_norm_rows_bf16(const OpC& c, const Rect& r, const TaskEnv& env) {
@@ -145,17 +151,7 @@ __device__ void rms_norm_rows_bf16(const OpC& c, const Rect& r, const TaskEnv& e
     for (int i = 0; i < kNormVecs; ++i) {
       const int j = threadIdx.x + i * blockDim.x;
       if (j >= vecs) break;
-      const uint4 wq = wv[j];
-      const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[i]);
-      const auto* g = reinterpret_cast<const __nv_bfloat162*>(&wq);
-      uint4 o;
-      auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {  // normalise, round to bf16, scale (HF's order of roundings)
-        const float2 f = __bfloat1622float2(h[e]), gw = __bfloat1622float2(g[e]);
-        oh[e] = __floats2bfloat162_rn(round_to(kBF16, f.x * rstd) * gw.x, round_to(kBF16, f.y * rstd) * gw.y);
-      }
-      ov[j] = o;
+      ov[j] = rms_scale8(v[i], wv[j], rstd);
     }
     __syncthreads();  // red is rewritten by the next row
   }

@@ -21,6 +21,7 @@
 namespace mpk {
 
 constexpr int kThreads = 256;
+static_assert(kThreads == kThreadsPerTask, "cuda/mpk_tasks/linalg.cuh sizes its epilogue for this block");
 constexpr int kSchedWarpsPerCta = 4;
 constexpr int kExit = -2;
 
