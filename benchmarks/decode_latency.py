@@ -75,18 +75,41 @@ def breakdown(compiled, trace_path: Path | None = None) -> dict:
     out["hops_and_rest"] = round(total - sum(per_kind.values()), 1)
     out["profiled_step_us"] = round(total, 1)
     out["median_task_us"] = {k: round(sorted(v)[len(v) // 2], 2) for k, v in durations.items()}
+    out["stages"] = stages(trace, t)
     return out
 
 
+def stages(trace: list[dict], t, first: int = 10, count: int = 12) -> list[dict]:
+    """One layer's timeline: ops ``first``…``first + count`` in start order, each with its kind,
+    task count, the gap since the previous op's last task ended (the event hop and ramp-up),
+    its span, and its median / longest task (µs)."""
+    per_op: dict[int, list[dict]] = defaultdict(list)
+    for e in trace:
+        op = int(t.tasks[e["args"]["task"]]["op"])
+        if op >= 0:
+            per_op[op].append(e)
+    order = sorted(per_op, key=lambda op: min(e["ts"] for e in per_op[op]))
+    rows, prev_end = [], None
+    for op in order[first: first + count]:
+        es = per_op[op]
+        lo, hi = min(e["ts"] for e in es), max(e["ts"] + e["dur"] for e in es)
+        durs = sorted(e["dur"] for e in es)
+        rows.append({"kind": t.meta["ops"][op]["kind"], "tasks": len(es),
+                     "gap": round(lo - prev_end, 2) if prev_end is not None else None,
+                     "span": round(hi - lo, 2), "median": round(durs[len(durs) // 2], 2), "max": round(durs[-1], 2)})
+        prev_end = hi
+    return rows
+
+
 def bench_mpk(model: DecoderLM, batch: int, position: int, page_size: int, profile: bool,
-              trace_path: Path | None = None) -> dict:
+              trace_path: Path | None = None, options: dict | None = None) -> dict:
     kv = PagedKVCache(model, batch, position + 1, page_size)
     kv.grow(position + 1)  # the prompt plus the token being decoded
     with torch.no_grad():
         kv.cache.normal_()
     tokens = torch.randint(0, model.cfg.vocab, (batch,), device="cuda")
     step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
-                         options={"executor": "gpu", "sync": False})
+                         options={"executor": "gpu", "sync": False, **(options or {})})
     with torch.no_grad():
         step(tokens, *kv.args())  # trace, compile, build
         torch.cuda.synchronize()
@@ -111,6 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="per-task-type breakdown of one mpk step")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--trace-dir", type=Path, default=None, help="write each profiled step's Perfetto trace here")
+    ap.add_argument("--options", type=json.loads, default={},
+                    help='extra mpk compile options as JSON, e.g. \'{"fuse_norm_prologue": true}\'')
     ap.add_argument("--skip-peer", action="store_true", help="mpk alone (for comparing mpk builds; no speedup)")
     args = ap.parse_args(argv)
     if args.trace_dir:
@@ -124,20 +149,23 @@ def main(argv=None) -> int:
         model = random_model(cfg, args.position + 64)
         for batch in args.batches:
             trace = args.trace_dir / f"{name}-b{batch}.json" if args.trace_dir else None
-            mpk = bench_mpk(model, batch, args.position, args.page_size, args.profile, trace)
+            mpk = bench_mpk(model, batch, args.position, args.page_size, args.profile, trace, args.options)
             peer = (dict.fromkeys(("eager_ms", "eager_graph_ms", "compile_graph_ms", "peer_ms", "peer_mode"), None)
                     | {"errors": {}} if args.skip_peer else time_peer(name, batch, args.position,
                                                                       compile_mode=args.compile_mode))
             floor = floor_ms(weight_bytes(SHAPES[name]) + kv_bytes(SHAPES[name], batch, args.position + 1), bw)
             row = {"date": datetime.date.today().isoformat(), "device": device, "model": name, "batch": batch,
                    "position": args.position, "page_size": args.page_size,
-                   "nvcc_flags": os.environ.get("MPK_NVCC_FLAGS", ""), **mpk,
+                   "nvcc_flags": os.environ.get("MPK_NVCC_FLAGS", ""), "options": args.options, **mpk,
                    **{k: peer[k] for k in ("eager_ms", "eager_graph_ms", "compile_graph_ms", "peer_ms", "peer_mode",
                                            "errors")},
                    "speedup": peer["peer_ms"] / mpk["mpk_ms"] if peer["peer_ms"] else None,
                    "floor_ms": floor, "floor_util": floor / mpk["mpk_ms"], "peer_floor_util":
                    floor / peer["peer_ms"] if peer["peer_ms"] else None, "bandwidth_GBps": bw / 1e9}
             rows.append(row)
+            for st in row.get("breakdown_us", {}).get("stages", []):
+                print("  {kind:14s} tasks {tasks:4d}  gap {gap!s:>6}  span {span:7.2f}  median {median:6.2f}  "
+                      "max {max:6.2f}".format(**st), flush=True)
             line = json.dumps(row)
             print(line, flush=True)
             if args.out:

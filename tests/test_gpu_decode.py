@@ -37,18 +37,45 @@ class _Linear(torch.nn.Module):
 
 
 # each case is one nvcc build (~10 s): rows 1…16, odd N, short and long K, with and without
-# the residual epilogue
-@pytest.mark.parametrize("m,n,k,residual", [(1, 1000, 64, True), (3, 520, 4096, False), (16, 24, 2048, True),
-                                            (16, 1000, 96, False)])
-def test_linear_variant_matches_float64(m, n, k, residual):
+# the residual epilogue; ``tiles`` few tiles over N: many passes and K chunks per task, so the
+# weight ring wraps around, with a partial last pass and a partial last K chunk
+@pytest.mark.parametrize("m,n,k,residual,tiles", [(1, 1000, 64, True, 0), (3, 520, 4096, False, 0),
+                                                  (16, 24, 2048, True, 0), (16, 1000, 96, False, 0),
+                                                  (2, 1000, 2400, True, 3), (16, 300, 4160, False, 2)])
+def test_linear_variant_matches_float64(m, n, k, residual, tiles):
     mod = _Linear(n, k, residual)
     x = torch.randn(m, k, device=DEV).bfloat16()
     r = torch.randn(m, n, device=DEV).bfloat16()
-    out = _gpu_compile(mod)(x, r)
+    out = _gpu_compile(mod, **({"partition": {"matmul": [1, tiles]}} if tiles else {}))(x, r)
     ref = x.double() @ mod.w.double().T + (r.double() if residual else 0)
     assert relative_error(out, ref) <= BF16_TOL
     t = COMPILED[-1].tables
     assert [linear_variant(t, i) for i, op in enumerate(COMPILED[-1].graph.ops) if op.kind == "matmul"] == [1]
+
+
+class _GateUp(torch.nn.Module):
+    def __init__(self, inter: int, k: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(0.05 * torch.randn(2 * inter, k, device=DEV).bfloat16(), requires_grad=False)
+        self.inter = inter
+
+    def forward(self, x):
+        h = torch.nn.functional.linear(x, self.w)
+        return torch.nn.functional.silu(h[:, : self.inter]) * h[:, self.inter:]
+
+
+@pytest.mark.parametrize("m,inter,k,tiles", [(1, 520, 2048, 0), (16, 300, 96, 0), (5, 1000, 2400, 3)])
+def test_silu_epilogue_linear_matches_float64(m, inter, k, tiles):
+    """The gate·up projection with SiLU·mul as its epilogue (matmul_silu, variant 1) against a
+    float64 projection rounded to bf16, then SiLU·mul with the same roundings."""
+    mod = _GateUp(inter, k)
+    x = torch.randn(m, k, device=DEV).bfloat16()
+    out = _gpu_compile(mod, **({"partition": {"matmul_silu": [1, tiles]}} if tiles else {}))(x)
+    h = (x.double() @ mod.w.double().T).bfloat16().float()
+    ref = (torch.nn.functional.silu(h[:, :inter]).bfloat16().float() * h[:, inter:]).double()
+    assert relative_error(out, ref) <= BF16_TOL
+    kinds = [op.kind for op in COMPILED[-1].graph.ops]
+    assert kinds == ["matmul_silu"] and linear_variant(COMPILED[-1].tables, 0) == 1
 
 
 class _NormLinear(torch.nn.Module):
@@ -62,15 +89,15 @@ class _NormLinear(torch.nn.Module):
         return torch.nn.functional.linear(h, self.w)
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 1000, 2048), (16, 40, 256)])
-def test_rms_norm_prologue_linear_matches_float64(m, n, k):
+@pytest.mark.parametrize("m,n,k,tiles", [(1, 1000, 2048, 0), (16, 40, 256, 0), (5, 700, 2400, 2)])
+def test_rms_norm_prologue_linear_matches_float64(m, n, k, tiles):
     """The RMSNorm fused into the projection (rms_matmul, variant 1) against the norm with the
     same bf16 roundings followed by a float64 matmul."""
     from mpk.ops.paged import rms_rows
 
     mod = _NormLinear(n, k)
     x = (3 * torch.randn(m, k, device=DEV)).bfloat16()
-    out = _gpu_compile(mod, fuse_norm_prologue=True)(x)
+    out = _gpu_compile(mod, fuse_norm_prologue=True, **({"partition": {"rms_matmul": [1, tiles]}} if tiles else {}))(x)
     ref = rms_rows(x.float(), mod.g, 1e-6, torch.bfloat16).double() @ mod.w.double().T
     assert relative_error(out, ref) <= BF16_TOL
     kinds = [op.kind for op in COMPILED[-1].graph.ops]

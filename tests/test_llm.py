@@ -112,7 +112,7 @@ def test_bad_config_and_page_size_are_named():
 
 # tiles that split query heads off their groups (rope_append [1, 3, 1] over 4 heads in groups
 # of 2: the middle tile appends no kv head) and several rows / chunks per tile
-ODD_TILES = {"rope_append": [1, 3, 1], "attn_partial": [2, 1, 1, 1, 1], "attn_merge": [2, 3, 1]}
+ODD_TILES = {"rope_append": [1, 3, 1], "attn_partial": [2, 1, 1, 1, 1], "attn_merge": [2, 3, 1], "matmul_silu": [2, 3]}
 
 
 @pytest.mark.parametrize("family,page_size,prologue,partition", [
@@ -140,13 +140,14 @@ def test_compiled_decode_matches_eager(family, page_size, prologue, partition):
             tokens = ref.argmax(-1)
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
     assert kinds.count("rope_append") == kinds.count("attn_partial") == kinds.count("attn_merge") == cfg.layers
-    # o and down take the residual in their epilogue; with the prologue option, qkv, gate_up
-    # and the head take their RMSNorm as a prologue and no rms_norm op is left
+    # o and down take the residual in their epilogue, gate_up SiLU·mul in its epilogue; with
+    # the prologue option, qkv and the head take their RMSNorm as a prologue
+    assert kinds.count("matmul_silu") == cfg.layers and "silu_mul" not in kinds
     if prologue:
-        assert kinds.count("matmul") == 2 * cfg.layers and kinds.count("rms_matmul") == 2 * cfg.layers + 1
-        assert "rms_norm" not in kinds
+        assert kinds.count("matmul") == 2 * cfg.layers and kinds.count("rms_matmul") == cfg.layers + 1
+        assert kinds.count("rms_norm") == cfg.layers
     else:
-        assert kinds.count("matmul") == 4 * cfg.layers + 1 and "rms_matmul" not in kinds
+        assert kinds.count("matmul") == 3 * cfg.layers + 1 and "rms_matmul" not in kinds
 
 
 def test_decode_example_runs_a_hf_checkpoint(tmp_path, capsys):

@@ -82,3 +82,32 @@ def _flat_args(compiled, model, ids, cos, sin):
     for b in compiled.graph.inputs:
         out.append(named[b.name])
     return out
+
+
+class _FusedGateUpMLP(torch.nn.Module):
+    """A SwiGLU MLP with one gate·up weight (gpt-fast / mpk DecoderLM layout)."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up = torch.nn.Linear(hidden, 2 * inter, bias=False)
+        self.down = torch.nn.Linear(inter, hidden, bias=False)
+        self.inter = inter
+
+    def forward(self, x):
+        h = self.gate_up(x)
+        return x + self.down(torch.nn.functional.silu(h[:, : self.inter]) * h[:, self.inter:])
+
+
+@pytest.mark.parametrize("partition", [{}, {"matmul_silu": [2, 5]}])
+def test_gate_up_projection_takes_silu_mul_as_epilogue(partition):
+    """gate·up projection + SiLU·mul of its halves → one matmul_silu op (no silu_mul, no gate·up
+    buffer), equal to eager in fp32 for the default tiling and tiles that split rows and columns."""
+    g = torch.Generator().manual_seed(7 + len(partition))
+    mlp = randomize(_FusedGateUpMLP(24, 40), g)
+    x = torch.randn(3, 24, generator=g)
+    with torch.no_grad():
+        out = _compile(mlp, partition=partition)(x)
+        ref = mlp(x)
+    assert relative_error(out, ref) <= TOL
+    kinds = [op.kind for op in COMPILED[-1].graph.ops]
+    assert kinds.count("matmul_silu") == 1 and "silu_mul" not in kinds

@@ -3,7 +3,8 @@
 // streamed with 16-byte loads), picked by codegen when the views allow it; 0: the general
 // one, one thread per output element — and ``embedding``.
 #pragma once
-#include "rows.cuh"  // rms_scale8: the RMSNorm prologue
+#include "pointwise.cuh"  // silu_times: the SiLU·mul epilogue
+#include "rows.cuh"       // rms_scale8: the RMSNorm prologue
 
 namespace mpk {
 
@@ -39,11 +40,19 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 // columns goes deeper along K); their partial sums meet in shared memory and are added in warp
 // order (deterministic), then the epilogue scales, adds the bias (the residual of a decoder
 // layer) and stores.
-// kNorm: the rms_matmul op — input 2 is an RMSNorm weight over K, applied to x as a prologue
-// (each task computes its rows' rstd; fparam[2] is eps).
-template <int kBlocks, bool kNorm>
+// The fused forms:
+// kNormPrologue: the rms_matmul op — input 2 is an RMSNorm weight over K, applied to x as a
+//   prologue (each task computes its rows' rstd, all threads at once; fparam[2] is eps).
+// kSiluEpilogue: the matmul_silu op — W has 2N rows, gate then up; a pass takes 4 blocks of
+//   gate rows and the 4 matching blocks of up rows and stores silu(gate)·up, each factor
+//   rounded to bf16 first, as the unfused projection and silu_mul would.
+enum LinearForm : int { kPlain, kNormPrologue, kSiluEpilogue };
+
+template <int kBlocks, LinearForm kForm>
 __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const TaskEnv& env) {
+  constexpr bool kNorm = kForm == kNormPrologue, kGlu = kForm == kSiluEpilogue;
   constexpr int kLinUnroll = kLinInFlight / kBlocks;
+  constexpr int kOut = kGlu ? 4 * kBlocks : 8 * kBlocks;  // output columns per pass
   const ViewC& a = c.in[0];
   const ViewC& b = c.in[1];
   const long long K = a.shape[1], N = c.out_shape[1];
@@ -64,39 +73,53 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   if constexpr (kNorm) {
     const ViewC& nw = c.in[2];
     wn = static_cast<const __nv_bfloat16*>(env.buffers[nw.buffer]) + nw.offset + 8 * t;
-    for (int row = warp; row < rows; row += warps) {
-      const auto* xr = reinterpret_cast<const uint4*>(x + (m0 + row) * lda);
-      float ss = 0.f;
-      for (long long j = lane; j < K / 8; j += 32) {
-        const uint4 v = __ldcg(xr + j);
+    // each row's sum of squares: all threads, all rows' loads in flight at once (one round trip)
+    const auto* xv = reinterpret_cast<const uint4*>(x + m0 * lda);
+    float ss[kLinRows];
+#pragma unroll
+    for (int row = 0; row < kLinRows; ++row) ss[row] = 0.f;
+    for (long long j = threadIdx.x; j < K / 8; j += blockDim.x) {
+#pragma unroll
+      for (int row = 0; row < kLinRows; ++row) {
+        if (row >= rows) break;
+        const uint4 v = __ldcg(xv + row * lda / 8 + j);
         const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float2 f = __bfloat1622float2(h[e]);
-          ss += f.x * f.x + f.y * f.y;
+          ss[row] += f.x * f.x + f.y * f.y;
         }
       }
-      ss = warp_sum(ss);
-      if (lane == 0) red[row] = rsqrtf(ss / K + c.fparam[2]);
+    }
+#pragma unroll
+    for (int row = 0; row < kLinRows; ++row) {
+      if (row >= rows) break;
+      const float sum = warp_sum(ss[row]);
+      if (lane == 0) red[warp * kLinRows + row] = sum;
     }
     __syncthreads();
-    rstd_lo = has_lo ? red[g] : 0.f;
-    rstd_hi = has_hi ? red[g + 8] : 0.f;
+    float ss_lo = 0.f, ss_hi = 0.f;
+    for (int v = 0; v < warps; ++v) {
+      ss_lo += has_lo ? red[v * kLinRows + g] : 0.f;
+      ss_hi += has_hi ? red[v * kLinRows + g + 8] : 0.f;
+    }
+    rstd_lo = has_lo ? rsqrtf(ss_lo / K + c.fparam[2]) : 0.f;
+    rstd_hi = has_hi ? rsqrtf(ss_hi / K + c.fparam[2]) : 0.f;
     __syncthreads();  // red is reused by the reduction below
   }
   // the bias (a decoder layer's residual): bf16, broadcast by zero strides (codegen checks)
   const __nv_bfloat16* bias = nullptr;
   long long bs0 = 0, bs1 = 0;
-  if (!kNorm && c.num_inputs > 2) {
+  if (kForm == kPlain && c.num_inputs > 2) {
     const ViewC& v = c.in[2];
     bias = static_cast<const __nv_bfloat16*>(env.buffers[v.buffer]) + v.offset;
     if (v.ndim >= 1) bs1 = v.shape[v.ndim - 1] == 1 ? 0 : v.stride[v.ndim - 1];
     if (v.ndim == 2) bs0 = v.shape[0] == 1 ? 0 : v.stride[0];
   }
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(env.buffers[c.out_buffer]);
-  constexpr int kPerThread = kLinRows * 8 * kBlocks / kThreadsPerTask;  // epilogue outputs per thread
-  for (long long n0 = r.lo[1]; n0 < r.hi[1]; n0 += 8 * kBlocks) {
-    const int cols = static_cast<int>(min(8LL * kBlocks, r.hi[1] - n0));
+  constexpr int kPerThread = kLinRows * kOut / kThreadsPerTask;  // epilogue outputs per thread
+  for (long long n0 = r.lo[1]; n0 < r.hi[1]; n0 += kOut) {
+    const int cols = static_cast<int>(min(static_cast<long long>(kOut), r.hi[1] - n0));
     // the pass's bias values, loaded now: they arrive while the weights stream
     float bv[kPerThread];
 #pragma unroll
@@ -109,9 +132,9 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
     bool valid[kBlocks];
 #pragma unroll
     for (int j = 0; j < kBlocks; ++j) {
-      const long long n = n0 + 8 * j + g;
-      valid[j] = n < r.hi[1];
-      wrow[j] = w + n * ldw + 8 * t;
+      const int col = 8 * (kGlu ? j % (kBlocks / 2) : j) + g;  // the output column it feeds
+      valid[j] = col < cols;
+      wrow[j] = w + (n0 + col + (kGlu && j >= kBlocks / 2 ? N : 0)) * ldw + 8 * t;
       acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     }
     for (int ks = warp; ks < ksteps; ks += warps * kLinUnroll) {
@@ -157,27 +180,43 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       const int e = threadIdx.x + j * kThreadsPerTask;
       if (e >= rows * cols) break;
       const int row = e / cols, col = e % cols;
-      float s = 0.f;
-      for (int v = 0; v < warps; ++v) s += red[(v * 64 + col) * kLinRows + row];
-      out[(m0 + row) * N + n0 + col] = __float2bfloat16(s * c.fparam[0] + c.fparam[1] * bv[j]);
+      float s = 0.f, up = 0.f;
+      for (int v = 0; v < warps; ++v) {
+        s += red[(v * 64 + col) * kLinRows + row];
+        if constexpr (kGlu) up += red[(v * 64 + 32 + col) * kLinRows + row];
+      }
+      if constexpr (kGlu) {
+        s = silu_times(round_to(kBF16, s * c.fparam[0]), round_to(kBF16, up * c.fparam[0]), kBF16);
+      } else {
+        s = s * c.fparam[0] + c.fparam[1] * bv[j];
+      }
+      out[(m0 + row) * N + n0 + col] = __float2bfloat16(s);
     }
     __syncthreads();
   }
 }
 
-template <bool kNorm>
+// The block count (columns per pass) by the tile's width: narrow tiles go deeper along K.
+// (SiLU·mul always takes 8: one instantiation, 4 gate and 4 up blocks.)
+template <LinearForm kForm>
 __device__ __forceinline__ void linear_variant1(const OpC& c, const Rect& r, const TaskEnv& env) {
   const long long cols = r.hi[1] - r.lo[1];
-  if (cols <= 16) linear_bf16<2, kNorm>(c, r, env);
-  else if (cols <= 32) linear_bf16<4, kNorm>(c, r, env);
-  else linear_bf16<kLinBlocks, kNorm>(c, r, env);
+  if constexpr (kForm == kSiluEpilogue) {
+    linear_bf16<kLinBlocks, kForm>(c, r, env);
+  } else if (cols <= 16) {
+    linear_bf16<2, kForm>(c, r, env);
+  } else if (cols <= 32) {
+    linear_bf16<4, kForm>(c, r, env);
+  } else {
+    linear_bf16<kLinBlocks, kForm>(c, r, env);
+  }
 }
 
 // rms_matmul: out = rms_norm(x, w) @ b; inputs x [M, K], b [K, N], w [K]; fparam[2] eps,
 // iparam[0] the norm's dtype code. Variant 0 (general views) normalises per output element.
 __device__ void task_rms_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
   if (c.variant == 1) {
-    linear_variant1<true>(c, r, env);
+    linear_variant1<kNormPrologue>(c, r, env);
     return;
   }
   const ViewC &a = c.in[0], &b = c.in[1], &w = c.in[2];
@@ -209,7 +248,7 @@ __device__ void task_rms_matmul(const OpC& c, const Rect& r, const TaskEnv& env)
 // fparam[0] alpha, fparam[1] beta; optional input 2 is the bias (broadcast to the output).
 __device__ void task_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
   if (c.variant == 1) {
-    linear_variant1<false>(c, r, env);
+    linear_variant1<kPlain>(c, r, env);
     return;
   }
   const ViewC& a = c.in[0];
@@ -234,6 +273,31 @@ __device__ void task_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
       acc += c.fparam[1] * load_f(env.buffers[bias.buffer], bias.dtype, view_index(bias, idx, c.ndim));
     }
     store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, c.ndim), acc);
+  }
+}
+
+// matmul_silu: out [M, N] = silu(h[:, :N]) · h[:, N:], h = x [M, K] @ b [K, 2N] rounded to the
+// output dtype; fparam[0] alpha. Variant 0 (general views): two dot products per element.
+__device__ void task_matmul_silu(const OpC& c, const Rect& r, const TaskEnv& env) {
+  if (c.variant == 1) {
+    linear_variant1<kSiluEpilogue>(c, r, env);
+    return;
+  }
+  const ViewC &a = c.in[0], &b = c.in[1];
+  const long long kdim = a.shape[1], N = c.out_shape[1];
+  for (long long e = threadIdx.x; e < rect_numel(r, 2); e += blockDim.x) {
+    long long idx[kMaxDims];
+    rect_unravel(r, 2, e, idx);
+    float gate = 0.f, up = 0.f;
+    for (long long k = 0; k < kdim; ++k) {
+      const long long ia[2] = {idx[0], k}, ig[2] = {k, idx[1]}, iu[2] = {k, idx[1] + N};
+      const float xv = load_f(env.buffers[a.buffer], a.dtype, view_index(a, ia, 2));
+      gate += xv * load_f(env.buffers[b.buffer], b.dtype, view_index(b, ig, 2));
+      up += xv * load_f(env.buffers[b.buffer], b.dtype, view_index(b, iu, 2));
+    }
+    gate = round_to(c.out_dtype, gate * c.fparam[0]);
+    up = round_to(c.out_dtype, up * c.fparam[0]);
+    store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, 2), silu_times(gate, up, c.out_dtype));
   }
 }
 

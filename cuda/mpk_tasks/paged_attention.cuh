@@ -133,10 +133,11 @@ __device__ __forceinline__ void cp_async_wait_all() {
 // output states [B, KV, C, G, D+1] fp32; iparam: layer, page_size; fparam[0] scale.
 // Each warp runs an online softmax over its share of the chunk for all G query heads (a K/V
 // row is read once per warp and used by every head); the warps' states are then combined in a
-// fixed order through shared memory. A warp takes kU consecutive positions per step: their K
-// and V rows (4 KB) are copied into its shared-memory slot with cp.async, all in flight at
-// once, and the page-table entries of its next step are loaded during the current one, so a
-// step costs one memory round trip. The position loop is not unrolled: short code.
+// fixed order through shared memory. A warp takes kU consecutive positions per step (fewer
+// when the chunk is short, so that every warp has some): their K and V rows (up to 4 KB) are
+// copied into its shared-memory slot with cp.async, all in flight at once, and the page-table
+// entries of its next step are loaded during the current one, so a step costs one memory
+// round trip. The position loop is not unrolled: short code.
 template <int kPer, int kG, typename T>
 __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, const TaskEnv& env) {
   constexpr int D = 32 * kPer;
@@ -169,21 +170,23 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
             acc[g][i] = 0.f;
           }
         }
-        long long base = t0 + warp * kU;
-        const int mine = lane % kU;  // the position of the step whose page this lane looks up
+        // positions per warp step: kU, or fewer when the chunk is short, so all warps get some
+        const int ku = static_cast<int>(min(static_cast<long long>(kU), max(1LL, (t1 - t0 + warps - 1) / warps)));
+        long long base = t0 + warp * ku;
+        const int mine = lane % ku;  // the position of the step whose page this lane looks up
         long long page = base + mine < t1 ? page_of(env, indices, span.first_page, base + mine, shift) : 0;
-        for (; base < t1; base += warps * kU) {
-          const long long ahead = base + warps * kU + mine;
+        for (; base < t1; base += warps * ku) {
+          const long long ahead = base + warps * ku + mine;
           const long long next_page = ahead < t1 ? page_of(env, indices, span.first_page, ahead, shift) : 0;
-          const int valid = static_cast<int>(min(static_cast<long long>(kU), t1 - base));
+          const int valid = static_cast<int>(min(static_cast<long long>(ku), t1 - base));
 #pragma unroll 1
-          for (int i = lane; i < 2 * kU * kPieces; i += 32) {  // piece i: row i / kPieces (K rows, then V rows)
-            const int row = i / kPieces, u = row % kU;
+          for (int i0 = 0; i0 < 2 * ku * kPieces; i0 += 32) {  // whole rounds: every lane takes the shuffle
+            const int i = i0 + lane, row = i / kPieces, u = row % ku, kv = row / ku;  // K rows, then V rows
             const long long pg = __shfl_sync(0xffffffffu, page, u);
-            if (u < valid) {
-              const T* src = head_base + (row / kU) * cache.stride[1] + pg * cache.stride[2] +
+            if (i < 2 * ku * kPieces && u < valid) {
+              const T* src = head_base + kv * cache.stride[1] + pg * cache.stride[2] +
                              ((base + u) & (page_size - 1)) * cache.stride[4] + (i % kPieces) * (16 / sizeof(T));
-              cp_async16(slot + row * D + (i % kPieces) * (16 / sizeof(T)), src);
+              cp_async16(slot + (kv * kU + u) * D + (i % kPieces) * (16 / sizeof(T)), src);
             }
           }
           cp_async_wait_all();

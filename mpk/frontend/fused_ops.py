@@ -52,6 +52,25 @@ def _(x, weight, eps, compute_dtype, norm_dtype, b):
     return x.new_empty((x.shape[0], b.shape[1]), dtype=rms_norm_out_dtype(x, weight, norm_dtype))
 
 
+@torch.library.custom_op("mpk::mm_silu_mul", mutates_args=())
+def mm_silu_mul(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``silu(h[:, :N/2]) * h[:, N/2:]`` with ``h = x @ b`` (a SwiGLU MLP's fused gate·up
+    projection and its activation): each task computes its gate and up columns together and
+    stores only the product; ``h`` never exists."""
+    return _mm_silu_mul_eager(x, b)
+
+
+def _mm_silu_mul_eager(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    M, N = x.shape[0], b.shape[1]
+    sig = OpSig((tuple(x.shape), tuple(b.shape)), (M, N // 2), torch.promote_types(x.dtype, b.dtype), {})
+    return get_op("matmul_silu").cpu(sig, full_rect(sig.out_shape), [x, b])
+
+
+@mm_silu_mul.register_fake
+def _(x, b):
+    return x.new_empty((x.shape[0], b.shape[1] // 2), dtype=torch.promote_types(x.dtype, b.dtype))
+
+
 @torch.library.custom_op("mpk::rope", mutates_args=())
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, rotate-half form: ``x·cos + cat(-x2, x1)·sin``."""

@@ -267,6 +267,11 @@ def _mm(L, node, a: View, b: View):
     return L.emit("matmul", [a, b])
 
 
+@handles(mpk_ops.mm_silu_mul.default)
+def _mm_silu_mul(L, node, x: View, b: View):
+    return L.emit("matmul_silu", [x, b])
+
+
 @handles(aten.addmm.default)
 def _addmm(L, node, bias: View, a: View, b: View, *, beta=1, alpha=1):
     return L.emit("matmul", [a, b, bias], {"alpha": alpha, "beta": beta})

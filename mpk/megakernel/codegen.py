@@ -53,6 +53,7 @@ ENCODERS: dict[str, Callable[[dict], Params]] = {
     "rope": lambda a: (0, [], []),
     "matmul": lambda a: (0, [], [float(a.get("alpha", 1)), float(a.get("beta", 1))]),
     "rms_matmul": lambda a: (0, [_dtype_code(a["norm_dtype"])], [1.0, 0.0, a["eps"]]),
+    "matmul_silu": lambda a: (0, [], [1.0, 0.0]),
     "embedding": lambda a: (0, [], []),
     "attention": lambda a: (0, [int(a["causal"])], [a["scale"]]),
     "rope_append": lambda a: (0, [a["heads"], a["kv_heads"], a["head_dim"], a["page_size"], int(a["qk_norm"]),
@@ -87,13 +88,14 @@ def _view(tables: Tables, view_id: int) -> str:
 
 
 LINEAR_ROWS = 16  # cuda/mpk_tasks/linalg.cuh: kLinRows
+LINEAR_KINDS = ("matmul", "rms_matmul", "matmul_silu")
 ATTN_REGS = 32  # registers a lane holds q in: group × head dim ≤ 32·32 (also the attn_partial scratch bound)
 
 
 def linear_variant(tables: Tables, op: int) -> int:
-    """1 (the bandwidth-grade linear of linalg.cuh) when the matmul is x [M, K] @ Wᵀ with bf16
-    operands, bias (at most 2-d) and output, unit stride along K, 16-byte aligned rows,
-    K % 32 == 0 and at most 16 rows per tile; else 0 (the general task)."""
+    """1 (the bandwidth-grade linear of linalg.cuh) when the matmul (or its fused forms) is
+    x [M, K] @ Wᵀ with bf16 operands, bias (at most 2-d) and output, unit stride along K,
+    16-byte aligned rows, K % 32 == 0 and at most 16 rows per tile; else 0 (the general task)."""
     o = tables.ops[op]
     if int(o["ndim"]) != 2:
         return 0
@@ -166,7 +168,7 @@ def aligned_inputs(tables: Tables) -> set[int]:
     need: set[int] = set()
     for i, o in enumerate(tables.ops):
         kind = tables.meta["ops"][i]["kind"]
-        vector = ((kind in ("matmul", "rms_matmul") and linear_variant(tables, i))
+        vector = ((kind in LINEAR_KINDS and linear_variant(tables, i))
                   or (kind == "rms_norm" and rms_norm_variant(tables, i))
                   or (kind == "silu_mul" and silu_mul_variant(tables, i)) or kind == "attn_partial")
         if vector:
@@ -282,7 +284,7 @@ def generate(tables: Tables) -> str:
                 raise CompileError(f"op {meta['name']!r}: head dim {int(q['shape'][3])}/{int(v['shape'][3])} exceeds "
                                    f"the CUDA attention task's {MAX_HEAD_DIM}")
         variant, ip, fp = ENCODERS[kind](meta["attrs"])
-        if kind in ("matmul", "rms_matmul"):
+        if kind in LINEAR_KINDS:
             variant = linear_variant(tables, i)
         elif kind == "rms_norm":
             variant = rms_norm_variant(tables, i)

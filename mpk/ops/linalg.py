@@ -1,4 +1,5 @@
-"""``matmul`` (mm / bmm / addmm / linear, batch dims broadcast) and ``embedding``."""
+"""``matmul`` (mm / bmm / addmm / linear, batch dims broadcast), its fused forms
+(``rms_matmul``, ``matmul_silu``) and ``embedding``."""
 
 from __future__ import annotations
 
@@ -64,6 +65,32 @@ register(OpDef(
     kind="rms_matmul", type_id=22, input_regions=_rms_matmul_regions, cpu=_rms_matmul_cpu,
     split_order=_matmul_order, min_tile_elems=16,
     doc="out = rms_norm(x, w, eps) @ b: x [M, K], b [K, N], w [K] (the norm as the matmul's prologue)",
+))
+
+
+def _matmul_silu_regions(sig: OpSig, rect):
+    (_, k), (_, n2) = sig.in_shapes
+    m, (lo, hi) = rect
+    # the gate columns [lo, hi) and the up columns n2/2 + [lo, hi): their bounding columns
+    return [(m, (0, k)), ((0, k), (lo, n2 // 2 + hi))]
+
+
+def _matmul_silu_cpu(sig: OpSig, rect, xs):
+    from mpk.ops.registry import get_op
+
+    x, b = xs  # b: the region's columns, gate first, up at offset N/2
+    width, half = rect[1][1] - rect[1][0], sig.in_shapes[1][1] // 2
+    h = torch.matmul(x, b).to(sig.out_dtype)
+    gate, up = h[:, :width], h[:, half: half + width]
+    silu_sig = OpSig((tuple(gate.shape), tuple(up.shape)), tuple(gate.shape), sig.out_dtype, {})
+    return get_op("silu_mul").cpu(silu_sig, tuple((0, n) for n in gate.shape), [gate, up])
+
+
+register(OpDef(
+    kind="matmul_silu", type_id=23, input_regions=_matmul_silu_regions, cpu=_matmul_silu_cpu,
+    split_order=_matmul_order, min_tile_elems=16,
+    doc="out = silu(h[:, :N/2]) * h[:, N/2:], h = x @ b rounded to the output dtype: x [M, K], b [K, N] "
+        "(SiLU·mul as the gate·up projection's epilogue)",
 ))
 
 
