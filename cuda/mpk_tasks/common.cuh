@@ -248,6 +248,26 @@ __device__ __forceinline__ void stage_op(OpC& dst, const OpC& src) {
   __syncthreads();
 }
 
+// 16 bytes global → shared without a register round trip (sm_80+): a warp can have many in
+// flight with no registers held for them.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))),
+               "l"(gmem));
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\n cp.async.wait_group 0;" ::: "memory");
+}
+
+// One thread, while it waits for the next task's event: start copying that task's op
+// constants into shared memory (asynchronously; cp_async_wait_all() before they are read).
+__device__ __forceinline__ void prefetch_op(OpC& dst, const OpC& src) {
+  const int4* s = reinterpret_cast<const int4*>(&src);
+  int4* d = reinterpret_cast<int4*>(&dst);
+  for (int i = 0; i < static_cast<int>(sizeof(OpC) / 16); ++i) cp_async16(d + i, s + i);
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
 // Shared-memory scratch of a task (one allocation, reused by every task family; a task must
 // __syncthreads() before it returns if it used it). Sized for the largest user: the linear
 // task's cross-warp reduction (8 warps × 64 columns × 16 rows) and attn_partial's warp states
@@ -255,7 +275,7 @@ __device__ __forceinline__ void stage_op(OpC& dst, const OpC& src) {
 constexpr int kScratchFloats = 8 * (1024 + 64);
 
 __device__ __forceinline__ float* scratch() {
-  __shared__ float s[kScratchFloats];
+  __shared__ __align__(16) float s[kScratchFloats];  // 16-byte aligned: cp.async and vector accesses
   return s;
 }
 

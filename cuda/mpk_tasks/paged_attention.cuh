@@ -118,17 +118,6 @@ __device__ __noinline__ void rope_append_impl(const OpC& c, const Rect& r, const
   }
 }
 
-// 16 bytes global → shared without a register round trip (sm_80+): a warp can have many in
-// flight with no registers held for them.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))),
-               "l"(gmem));
-}
-
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.commit_group;\n cp.async.wait_group 0;" ::: "memory");
-}
-
 // inputs: q [B, H, D], kv_cache, kv_indptr, kv_indices, kv_last_page_len;
 // output states [B, KV, C, G, D+1] fp32; iparam: layer, page_size; fparam[0] scale.
 // Each warp runs an online softmax over its share of the chunk for all G query heads (a K/V

@@ -311,13 +311,27 @@ def generate(tables: Tables) -> str:
     space = "__constant__" if in_constant else "__device__"
     used = len(ops) * OPC_BYTES if in_constant else 0
     bspace = "__constant__" if used + 8 * len(tables.buffers) <= CONSTANT_BUDGET else "__device__"
-    # A table in global memory is staged into shared memory per task: one parallel load
-    # instead of a chain of dependent L2 reads of its fields (the acquire before each task
-    # invalidates L1, so nothing of it stays cached).
-    fetch = ("  const mpk::OpC& c = mpk_gen::kOps[op];\n" if in_constant else
-             "  __shared__ mpk::OpC s_op;\n"
-             "  mpk::stage_op(s_op, mpk_gen::kOps[op]);\n"
-             "  const mpk::OpC& c = s_op;\n")
+    # A table in global memory is staged into shared memory: one parallel load instead of a
+    # chain of dependent L2 reads of its fields (the acquire before each task invalidates L1,
+    # so nothing of it stays cached). The worker's thread 0 starts that copy while it waits
+    # for the task's event (mpk_prefetch_op); the slot is reused by the next task of the op.
+    if in_constant:
+        fetch = ("__device__ __forceinline__ void mpk_prefetch_op(int) {}  // the table is in the constant bank\n\n"
+                 "// Task dispatch over the op types of this graph (the variant is decided inside each task).\n"
+                 "__device__ __noinline__ void mpk_execute_task(int op, int tile, bool) {\n"
+                 "  const mpk::OpC& c = mpk_gen::kOps[op];\n")
+    else:
+        fetch = ("__device__ __forceinline__ mpk::OpC& mpk_op_slot() {\n"
+                 "  __shared__ mpk::OpC s_op;\n"
+                 "  return s_op;\n"
+                 "}\n\n"
+                 "__device__ __forceinline__ void mpk_prefetch_op(int op) { mpk::prefetch_op(mpk_op_slot(), "
+                 "mpk_gen::kOps[op]); }\n\n"
+                 "// Task dispatch over the op types of this graph (the variant is decided inside each task).\n"
+                 "// staged: the slot already holds op's constants.\n"
+                 "__device__ __noinline__ void mpk_execute_task(int op, int tile, bool staged) {\n"
+                 "  if (!staged) mpk::stage_op(mpk_op_slot(), mpk_gen::kOps[op]);\n"
+                 "  const mpk::OpC& c = mpk_op_slot();\n")
     def case(t: int) -> str:
         if t not in instances:
             return f"    case {t}: mpk::task_{kinds[t]}(c, r, env); return;  // {kinds[t]}"
@@ -336,8 +350,6 @@ def generate(tables: Tables) -> str:
         + "}  // namespace mpk_gen\n\n"
         + "// Buffer base addresses, written by the host before each launch (constant bank when it fits).\n"
         + f'extern "C" {{ {bspace} void* mpk_buffers[{max(1, len(tables.buffers))}]; }}\n\n'
-        + "// Task dispatch over the op types of this graph (the variant is decided inside each task).\n"
-        + "__device__ __noinline__ void mpk_execute_task(int op, int tile) {\n"
         + fetch
         + "  const mpk::Rect r = mpk::tile_rect(c, tile);\n"
         + "  const mpk::TaskEnv env{mpk_buffers};\n"

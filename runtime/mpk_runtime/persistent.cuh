@@ -1,9 +1,11 @@
 // The persistent kernel: one cooperative launch, one CTA per SM. CTAs [0, num_workers) are
 // workers; the rest host scheduler warps (kSchedWarpsPerCta each). Include this after the
-// generated code has defined ``mpk_execute_task(op, tile)`` (over its own buffer table).
+// generated code has defined ``mpk_execute_task(op, tile, staged)`` and ``mpk_prefetch_op(op)``
+// (over its own op and buffer tables).
 //
 // Worker (thread 0 decides, the CTA executes): its JIT ring first; else the head of its AOT list
-// once that task's dependent event reached iteration·num_triggers; else spin. After a task the
+// once that task's dependent event reached iteration·num_triggers; else spin — having first
+// started the copy of that task's op constants into shared memory (mpk_prefetch_op). After a task the
 // CTA synchronises and thread 0 release-adds its arrival to the task's trigger event (coalesced
 // over consecutive tasks with the same trigger); the add that completes a multiple of
 // num_triggers fires the event. Firing an event that launches JIT tasks writes the iteration
@@ -127,8 +129,9 @@ struct AotCursor {
 };
 
 // Thread 0 of a worker: the next task (JIT queue first, then the AOT head once its event fired).
+// slot_op: the op whose constants the shared slot holds or is receiving.
 __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsigned long long& jit_head,
-                              Pending& pending) {
+                              Pending& pending, int& slot_op) {
   Ring<TaskInfo> jit = Ring<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_head, a.jit_capacity, w);
   volatile int* status = a.status + static_cast<long long>(w) * kStatusWords;
   if (!(aot.left() && aot.head.info.trig.id == pending.event.id)) pending.flush(a);
@@ -154,6 +157,10 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
         return aot.consume(a);
       }
       pending.flush(a);  // about to wait: owe nothing to anyone
+      if (slot_op != aot.head.info.op && aot.head.info.op >= 0) {  // and fetch the task's constants meanwhile
+        mpk_prefetch_op(aot.head.info.op);
+        slot_op = aot.head.info.op;
+      }
       if ((spin.polls & 1023) == 1023) {
         status[kStState] = kStateWaitingAot;
         status[kStTask] = aot.head.info.task;
@@ -181,6 +188,7 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
 
 __device__ void worker_loop(const RuntimeArgs& a, int w) {
   __shared__ TaskInfo s_task;
+  __shared__ bool s_staged;  // the op slot already holds s_task's op constants
   AotCursor aot;
   aot.begin = a.aot_offsets[w];
   aot.count = a.aot_offsets[w + 1] - aot.begin;
@@ -189,25 +197,29 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
   Pending pending;
   unsigned n_profiled = 0;
   unsigned long long t0 = 0;
+  int slot_op = -1;
   if (threadIdx.x == 0) aot.start(a);
   while (true) {
     if (threadIdx.x == 0) {
-      TaskInfo t = next_task(a, w, aot, jit_head, pending);
+      TaskInfo t = next_task(a, w, aot, jit_head, pending, slot_op);
       while (t.task != kExit && t.op < 0) {  // dummy tasks need no block: thread 0 completes them
         if (a.profile && n_profiled < static_cast<unsigned>(a.profile_capacity)) {
           const unsigned long long now = globaltimer_ns();
           a.profile[static_cast<long long>(w) * a.profile_capacity + n_profiled++] = ProfileRecord{t.task, sm_id(), now, now};
         }
         pending.add(a, t);
-        t = next_task(a, w, aot, jit_head, pending);
+        t = next_task(a, w, aot, jit_head, pending, slot_op);
       }
       s_task = t;
+      cp_async_wait_all();  // a prefetch landed (or must not land on another op's staging)
+      s_staged = t.op == slot_op;
+      slot_op = t.op;  // staged by mpk_execute_task otherwise
       if (a.profile) t0 = globaltimer_ns();
     }
     __syncthreads();
     const TaskInfo t = s_task;
     if (t.task == kExit) break;
-    mpk_execute_task(t.op, t.tile);
+    mpk_execute_task(t.op, t.tile, s_staged);
     __syncthreads();
     if (threadIdx.x == 0) {
       if (a.profile && n_profiled < static_cast<unsigned>(a.profile_capacity)) {
@@ -317,6 +329,6 @@ extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1)
 // Test wrapper: every tile of one op, one CTA per tile, no scheduling (task families alone).
 // Built only on request: it doubles ptxas time.
 extern "C" __global__ void __launch_bounds__(mpk::kThreads) mpk_tile_kernel(int op) {
-  mpk_execute_task(op, blockIdx.x);
+  mpk_execute_task(op, blockIdx.x, false);
 }
 #endif
