@@ -125,9 +125,13 @@ def _match_silu_mul(node: Node):
 
 def _half_slice(node, whole: int):
     """(source, 0 or 1) when ``node`` is the first or second half of its source's last dim."""
-    if not (_is(node, aten.slice.Tensor) and len(node.users) == 1 and _last_dim(node.args[0], node.args[1])):
+    if not (_is(node, aten.slice.Tensor) and len(node.users) == 1 and len(node.args) >= 2
+            and _last_dim(node.args[0], node.args[1])):
         return None
-    start, end = node.args[2], min(node.args[3], whole)
+    start, end, step = (list(node.args[2:5]) + [None, None, None])[:3]
+    if step not in (None, 1):
+        return None
+    start, end = start or 0, whole if end is None else min(end, whole)
     return (node.args[0], 0) if (start, end) == (0, whole // 2) else \
         (node.args[0], 1) if (start, end) == (whole // 2, whole) else None
 
