@@ -37,8 +37,8 @@ class _Linear(torch.nn.Module):
 
 
 # each case is one nvcc build (~10 s): rows 1…16, odd N, short and long K, with and without
-# the residual epilogue; ``tiles`` few tiles over N: many passes and K chunks per task, so the
-# weight ring wraps around, with a partial last pass and a partial last K chunk
+# the residual epilogue; ``tiles`` few tiles over N: many 64-column passes per task, with a
+# partial last pass and K not a multiple of the unrolled step
 @pytest.mark.parametrize("m,n,k,residual,tiles", [(1, 1000, 64, True, 0), (3, 520, 4096, False, 0),
                                                   (16, 24, 2048, True, 0), (16, 1000, 96, False, 0),
                                                   (2, 1000, 2400, True, 3), (16, 300, 4160, False, 2)])
