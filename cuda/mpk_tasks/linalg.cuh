@@ -68,6 +68,33 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   const __nv_bfloat16* x_hi = x + (m0 + g + 8) * lda + 8 * t;
   float* red = scratch();  // [warp][64 columns][16 rows]
   const uint4 zero = make_uint4(0, 0, 0, 0);
+  // A pass's weight rows: 8·kBlocks rows of W (kGlu: 4·kBlocks gate rows, then the matching up
+  // rows N further), lane (g, t) reading row g of each 8-row block at k offset 8t.
+  const __nv_bfloat16* wrow[kBlocks];
+  bool valid[kBlocks];
+  int cols = 0;
+  const auto start_pass = [&](long long n0) {
+    cols = static_cast<int>(min(static_cast<long long>(kOut), r.hi[1] - n0));
+#pragma unroll
+    for (int j = 0; j < kBlocks; ++j) {
+      const int col = 8 * (kGlu ? j % (kBlocks / 2) : j) + g;  // the output column it feeds
+      valid[j] = col < cols;
+      wrow[j] = w + (n0 + col + (kGlu && j >= kBlocks / 2 ? N : 0)) * ldw + 8 * t;
+    }
+  };
+  uint4 wv[kLinUnroll][kBlocks];
+  const auto load_weights = [&](int ks) {
+#pragma unroll
+    for (int u = 0; u < kLinUnroll; ++u) {
+      const int k = ks + u * warps;
+#pragma unroll
+      for (int j = 0; j < kBlocks; ++j) wv[u][j] = k < ksteps && valid[j] ? ld_stream(wrow[j] + 32LL * k) : zero;
+    }
+  };
+  // Weights first: they depend on nothing the task computes, so the first step's loads go out
+  // before the prologue, the bias and the activations, whose latencies then hide under theirs.
+  start_pass(r.lo[1]);
+  load_weights(warp);
   float rstd_lo = 0.f, rstd_hi = 0.f;
   const __nv_bfloat16* wn = nullptr;
   if constexpr (kNorm) {
@@ -119,7 +146,8 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(env.buffers[c.out_buffer]);
   constexpr int kPerThread = kLinRows * kOut / kThreadsPerTask;  // epilogue outputs per thread
   for (long long n0 = r.lo[1]; n0 < r.hi[1]; n0 += kOut) {
-    const int cols = static_cast<int>(min(static_cast<long long>(kOut), r.hi[1] - n0));
+    const bool first_pass = n0 == r.lo[1];
+    if (!first_pass) start_pass(n0);
     // the pass's bias values, loaded now: they arrive while the weights stream
     float bv[kPerThread];
 #pragma unroll
@@ -128,23 +156,15 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       bv[j] = bias && e < rows * cols ? __bfloat162float(bias[(m0 + e / cols) * bs0 + (n0 + e % cols) * bs1]) : 0.f;
     }
     float acc[kBlocks][4];
-    const __nv_bfloat16* wrow[kBlocks];
-    bool valid[kBlocks];
 #pragma unroll
-    for (int j = 0; j < kBlocks; ++j) {
-      const int col = 8 * (kGlu ? j % (kBlocks / 2) : j) + g;  // the output column it feeds
-      valid[j] = col < cols;
-      wrow[j] = w + (n0 + col + (kGlu && j >= kBlocks / 2 ? N : 0)) * ldw + 8 * t;
-      acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    }
+    for (int j = 0; j < kBlocks; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     for (int ks = warp; ks < ksteps; ks += warps * kLinUnroll) {
-      uint4 wv[kLinUnroll][kBlocks], lo[kLinUnroll], hi[kLinUnroll];
+      if (!(first_pass && ks == warp)) load_weights(ks);
+      uint4 lo[kLinUnroll], hi[kLinUnroll];
 #pragma unroll
       for (int u = 0; u < kLinUnroll; ++u) {
         const int k = ks + u * warps;
         const bool ok = k < ksteps;
-#pragma unroll
-        for (int j = 0; j < kBlocks; ++j) wv[u][j] = ok && valid[j] ? ld_stream(wrow[j] + 32LL * k) : zero;
         // activations are written inside the kernel: coherent (L2) loads, not the read-only path
         lo[u] = ok && has_lo ? __ldcg(reinterpret_cast<const uint4*>(x_lo + 32LL * k)) : zero;
         hi[u] = ok && has_hi ? __ldcg(reinterpret_cast<const uint4*>(x_hi + 32LL * k)) : zero;
