@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Decode work on the lent device: install, the decode GPU tests, then the task-bandwidth and
-# decode-latency benchmarks. STAGE=tests|bandwidth|latency|all (default all); MODELS and
-# BATCHES narrow decode_latency. Logs and JSON lines go to $OUT (or ./gpu-out).
+# decode-latency benchmarks and the linear tasks' phase split. STAGE=tests|bandwidth|latency|phases|all
+# (default all); MODELS and BATCHES narrow decode_latency and linear_phases. Logs and JSON lines go to $OUT (or ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -18,4 +18,8 @@ fi
 if [[ $STAGE == latency || $STAGE == all ]]; then
   python3 benchmarks/decode_latency.py --profile --out "$OUT/decode_latency.jsonl" ${TRACE:+--trace-dir "$OUT/traces"} \
     --models ${MODELS:-llama3.2-1b qwen3-1.7b qwen3-8b} --batches ${BATCHES:-1 4 16} 2>&1 | tee "$OUT/decode_latency.log" | tail -14
+fi
+if [[ $STAGE == phases || $STAGE == all ]]; then
+  python3 benchmarks/linear_phases.py --out "$OUT/linear_phases.jsonl" \
+    --models ${MODELS:-llama3.2-1b qwen3-8b} --batches ${BATCHES:-1 16} 2>&1 | tee "$OUT/linear_phases.log" | tail -12
 fi

@@ -72,6 +72,17 @@ def test_generated_cuda_compiles_for_sm90a(name, tables, tmp_path, monkeypatch):
 
 
 @needs_nvcc
+def test_phase_timer_build_exports_its_table(tmp_path, monkeypatch):
+    """benchmarks/linear_phases.py's build (-DMPK_PHASES) compiles and exports the phase table
+    the script reads; the default build has none."""
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
+    src = generate(_paged_decode_tables())
+    assert b"mpk_phase_ns" not in build.build_cubin(src, "sm_90a").read_bytes()
+    monkeypatch.setenv("MPK_NVCC_FLAGS", "-DMPK_PHASES")
+    assert b"mpk_phase_ns" in build.build_cubin(src, "sm_90a").read_bytes()
+
+
+@needs_nvcc
 def test_second_identical_build_skips_nvcc(tmp_path, monkeypatch):
     monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
     tables = stamp_graph(random_dag(50, random.Random(1)), iterations=2)

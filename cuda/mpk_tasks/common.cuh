@@ -279,6 +279,39 @@ __device__ __forceinline__ float* scratch() {
   return s;
 }
 
+// Phase timer (builds with -DMPK_PHASES only; benchmarks/linear_phases.py): thread 0 of a CTA
+// adds the nanoseconds since the previous mark to mpk_phase_ns[CTA][slot][phase], and counts
+// the task in phase 7. It shows where a task's time goes inside it, which the per-task profiler
+// cannot. Without MPK_PHASES the marks compile to nothing.
+constexpr int kPhaseCtas = 256, kPhaseSlots = 16, kPhases = 8;
+#ifdef MPK_PHASES
+extern "C" {
+__device__ unsigned long long mpk_phase_ns[kPhaseCtas][kPhaseSlots][kPhases];
+}
+struct PhaseTimer {
+  int slot;
+  unsigned long long last;
+  __device__ __forceinline__ static unsigned long long now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+  }
+  __device__ __forceinline__ explicit PhaseTimer(int s) : slot(s), last(now()) {
+    if (threadIdx.x == 0 && blockIdx.x < kPhaseCtas) mpk_phase_ns[blockIdx.x][slot][kPhases - 1] += 1;
+  }
+  __device__ __forceinline__ void mark(int phase) {
+    const unsigned long long t = now();
+    if (threadIdx.x == 0 && blockIdx.x < kPhaseCtas) mpk_phase_ns[blockIdx.x][slot][phase] += t - last;
+    last = t;
+  }
+};
+#else
+struct PhaseTimer {
+  __device__ __forceinline__ explicit PhaseTimer(int) {}
+  __device__ __forceinline__ void mark(int) {}
+};
+#endif
+
 // Everything a task needs besides its op constants.
 struct TaskEnv {
   void* const* buffers;

@@ -52,6 +52,9 @@ template <int kBlocks, LinearForm kForm>
 __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const TaskEnv& env) {
   constexpr bool kNorm = kForm == kNormPrologue, kGlu = kForm == kSiluEpilogue;
   constexpr int kLinUnroll = kLinInFlight / kBlocks;
+  // phases (MPK_PHASES): 0 setup and prologue; per pass 1 K loop, 2 partials to shared
+  // memory, 3 epilogue, 4 closing barrier. Slot: form · 3 + log2(kBlocks) − 1
+  PhaseTimer phase(kForm * 3 + (kBlocks == 2 ? 0 : kBlocks == 4 ? 1 : 2));
   constexpr int kOut = kGlu ? 4 * kBlocks : 8 * kBlocks;  // output columns per pass
   const ViewC& a = c.in[0];
   const ViewC& b = c.in[1];
@@ -145,6 +148,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   }
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(env.buffers[c.out_buffer]);
   constexpr int kPerThread = kLinRows * kOut / kThreadsPerTask;  // epilogue outputs per thread
+  phase.mark(0);
   for (long long n0 = r.lo[1]; n0 < r.hi[1]; n0 += kOut) {
     const bool first_pass = n0 == r.lo[1];
     if (!first_pass) start_pass(n0);
@@ -185,6 +189,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
         }
       }
     }
+    phase.mark(1);
     // accumulator fragment: rows g and g + 8, columns 2t and 2t + 1 of each 8-column block
 #pragma unroll
     for (int j = 0; j < kBlocks; ++j) {
@@ -195,6 +200,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       p[kLinRows + g + 8] = acc[j][3];
     }
     __syncthreads();
+    phase.mark(2);
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int e = threadIdx.x + j * kThreadsPerTask;
@@ -212,7 +218,9 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       }
       out[(m0 + row) * N + n0 + col] = __float2bfloat16(s);
     }
+    phase.mark(3);
     __syncthreads();
+    phase.mark(4);
   }
 }
 

@@ -1,0 +1,99 @@
+"""Where a decode step's linear tasks spend their time, phase by phase (the in-kernel
+profiler only sees a task's start and end).
+
+Builds the decode step with ``-DMPK_PHASES`` (cuda/mpk_tasks/common.cuh: PhaseTimer), runs
+``--steps`` steps and prints, per linear instantiation (form × weight blocks per pass), the
+mean nanoseconds per task of: setup and prologue (until the first pass starts), and summed over
+the task's passes the K loop (weights streamed, MMAs), partial sums into shared memory, the
+epilogue and the closing barrier. Phase times are thread 0's view (warp 0's K loop).
+
+    python benchmarks/linear_phases.py --models llama3.2-1b --batches 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_latency import random_model  # noqa: E402
+
+from mpk.backend import COMPILED, RUNNERS  # noqa: E402
+from mpk.megakernel import cuda_driver as drv  # noqa: E402
+from mpk.models.llm import SHAPES, PagedKVCache  # noqa: E402
+
+FORMS = ("plain", "norm prologue", "silu epilogue")  # linalg.cuh: LinearForm
+BLOCKS = (2, 4, 8)
+PHASES = ("setup", "k_loop", "to_shared", "epilogue", "barrier")
+SLOTS, NUM_PHASES = 16, 8  # common.cuh: kPhaseSlots, kPhases
+
+
+def phases(model_name: str, batch: int, position: int, steps: int) -> list[dict]:
+    model = random_model(SHAPES[model_name], position + 1)
+    kv = PagedKVCache(model, batch, position + 1, 16)
+    kv.grow(position + 1)
+    tokens = torch.randint(0, model.cfg.vocab, (batch,), device="cuda")
+    step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "gpu"})
+    with torch.no_grad():
+        step(tokens, *kv.args())  # compile, build, warm up
+        ex = RUNNERS[id(COMPILED[-1])].state["ex"]
+        ptr, nbytes = ex.module.global_ptr("mpk_phase_ns")
+        acc = torch.zeros(nbytes // 8, dtype=torch.int64, device="cuda")
+        stream = torch.cuda.current_stream().cuda_stream
+        drv.memset_d32_async(ptr, 0, nbytes // 4, stream)
+        for _ in range(steps):
+            step(tokens, *kv.args())
+        drv.copy_device_async(acc.data_ptr(), ptr, nbytes, stream)
+        torch.cuda.synchronize()
+    table = acc.cpu().numpy().reshape(-1, SLOTS, NUM_PHASES).sum(0)
+    rows = []
+    for slot in range(len(FORMS) * len(BLOCKS)):
+        tasks = int(table[slot, NUM_PHASES - 1])
+        if tasks:
+            per = table[slot, : len(PHASES)] / tasks
+            rows.append({"form": FORMS[slot // 3], "blocks": BLOCKS[slot % 3], "tasks_per_step": tasks // steps,
+                         **{f"{p}_us": round(float(v) / 1e3, 3) for p, v in zip(PHASES, per)},
+                         "total_us": round(float(per.sum()) / 1e3, 3)})
+    del step
+    torch._dynamo.reset()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["llama3.2-1b"], choices=sorted(SHAPES))
+    ap.add_argument("--batches", nargs="+", type=int, default=[1])
+    ap.add_argument("--position", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("linear_phases needs a CUDA device")
+    flags = os.environ.get("MPK_NVCC_FLAGS", "")
+    if "-DMPK_PHASES" not in flags.split():
+        os.environ["MPK_NVCC_FLAGS"] = (flags + " -DMPK_PHASES").strip()
+    device = torch.cuda.get_device_name()
+    print(f"{'model':12s} {'B':>3s} {'form':14s} {'blocks':>6s} {'tasks':>6s} "
+          + " ".join(f"{p:>9s}" for p in PHASES) + f" {'total µs':>9s}")
+    for name in args.models:
+        for batch in args.batches:
+            for row in phases(name, batch, args.position, args.steps):
+                print(f"{name:12s} {batch:3d} {row['form']:14s} {row['blocks']:6d} {row['tasks_per_step']:6d} "
+                      + " ".join(f"{row[p + '_us']:9.2f}" for p in PHASES) + f" {row['total_us']:9.2f}", flush=True)
+                if args.out:
+                    rec = {"date": datetime.date.today().isoformat(), "device": device, "model": name, "batch": batch,
+                           "position": args.position, **row}
+                    with args.out.open("a") as f:
+                        f.write(json.dumps(rec) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
