@@ -169,6 +169,13 @@ __device__ __forceinline__ long long view_index(const ViewC& v, const long long*
   return off;
 }
 
+// The global nanosecond timer (profiler stamps, busy waits, phase timing).
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 // i·n / g for extents whose product needs 64 bits: a slow subroutine, kept out of line so the
 // common path's code stays short.
 __device__ __noinline__ long long split_point64(unsigned long long i, unsigned long long n, unsigned long long g) {
@@ -291,16 +298,11 @@ __device__ unsigned long long mpk_phase_ns[kPhaseCtas][kPhaseSlots][kPhases];
 struct PhaseTimer {
   int slot;
   unsigned long long last;
-  __device__ __forceinline__ static unsigned long long now() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-  }
-  __device__ __forceinline__ explicit PhaseTimer(int s) : slot(s), last(now()) {
+  __device__ __forceinline__ explicit PhaseTimer(int s) : slot(s), last(globaltimer_ns()) {
     if (threadIdx.x == 0 && blockIdx.x < kPhaseCtas) mpk_phase_ns[blockIdx.x][slot][kPhases - 1] += 1;
   }
   __device__ __forceinline__ void mark(int phase) {
-    const unsigned long long t = now();
+    const unsigned long long t = globaltimer_ns();
     if (threadIdx.x == 0 && blockIdx.x < kPhaseCtas) mpk_phase_ns[blockIdx.x][slot][phase] += t - last;
     last = t;
   }

@@ -20,10 +20,9 @@ __device__ void task_stamp(const OpC& c, const Rect& r, const TaskEnv& env) {
     const long long start = static_cast<long long>(atomicAdd(clock, 1ULL));
     const long long busy = c.iparam[0] > 0 ? static_cast<long long>((t * 2654435761ULL) % (c.iparam[0] + 1)) : 0;
     if (busy > 0) {
-      long long t0;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-      long long now = t0;
-      while (now - t0 < busy) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+      const unsigned long long t0 = globaltimer_ns();
+      while (globaltimer_ns() - t0 < static_cast<unsigned long long>(busy)) {
+      }
     }
     const long long end = static_cast<long long>(atomicAdd(clock, 1ULL));
     if (run < static_cast<unsigned long long>(iters)) {

@@ -312,8 +312,8 @@ __device__ void task_matmul_silu(const OpC& c, const Rect& r, const TaskEnv& env
     return;
   }
   const ViewC &a = c.in[0], &b = c.in[1];
-  const long long kdim = a.shape[1], N = c.out_shape[1];
-  for (long long e = threadIdx.x; e < rect_numel(r, 2); e += blockDim.x) {
+  const long long kdim = a.shape[1], N = c.out_shape[1], n = rect_numel(r, 2);
+  for (long long e = threadIdx.x; e < n; e += blockDim.x) {
     long long idx[kMaxDims];
     rect_unravel(r, 2, e, idx);
     float gate = 0.f, up = 0.f;

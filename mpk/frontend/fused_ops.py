@@ -57,10 +57,6 @@ def mm_silu_mul(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``silu(h[:, :N/2]) * h[:, N/2:]`` with ``h = x @ b`` (a SwiGLU MLP's fused gate·up
     projection and its activation): each task computes its gate and up columns together and
     stores only the product; ``h`` never exists."""
-    return _mm_silu_mul_eager(x, b)
-
-
-def _mm_silu_mul_eager(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     M, N = x.shape[0], b.shape[1]
     sig = OpSig((tuple(x.shape), tuple(b.shape)), (M, N // 2), torch.promote_types(x.dtype, b.dtype), {})
     return get_op("matmul_silu").cpu(sig, full_rect(sig.out_shape), [x, b])

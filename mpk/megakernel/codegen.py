@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from mpk.compiler.tables import DTYPE_CODE, MAX_DIMS, ROLE_INPUT, Tables
 from mpk.errors import CompileError
 from mpk.ops.pointwise import POINTWISE_FNS
@@ -39,7 +41,7 @@ def _pointwise(a: dict) -> Params:
 
 
 def _dtype_code(name: str) -> int:
-    return DTYPE_CODE[getattr(__import__("torch"), name)]
+    return DTYPE_CODE[getattr(torch, name)]
 
 
 # kind -> encoder of its attrs into (variant, iparam, fparam); see each task's header comment.
@@ -87,6 +89,7 @@ def _view(tables: Tables, view_id: int) -> str:
             f"{_arr([int(s) for s in v['shape'][:nd]], MAX_DIMS)},{_arr([int(s) for s in v['strides'][:nd]], MAX_DIMS)}}}")
 
 
+BF16 = DTYPE_CODE[torch.bfloat16]
 LINEAR_ROWS = 16  # cuda/mpk_tasks/linalg.cuh: kLinRows
 LINEAR_KINDS = ("matmul", "rms_matmul", "matmul_silu")
 ATTN_REGS = 32  # registers a lane holds q in: group × head dim ≤ 32·32 (also the attn_partial scratch bound)
@@ -100,21 +103,20 @@ def linear_variant(tables: Tables, op: int) -> int:
     if int(o["ndim"]) != 2:
         return 0
     a, b = (tables.views[int(x)] for x in tables.op_inputs[[o["first_input"], o["first_input"] + 1]])
-    bf16 = DTYPE_CODE[__import__("torch").bfloat16]
     dtypes = [int(tables.buffers[int(v["buffer"])]["dtype"]) for v in (a, b)] + [int(tables.buffers[int(o["output"])]["dtype"])]
     M, K = int(a["shape"][0]), int(a["shape"][1])
     lda = int(a["strides"][0]) if M > 1 else 0  # a size-1 dim's stride is never used
     if int(tables.buffers[int(b["buffer"])]["role"]) != ROLE_INPUT:
         return 0  # weights are streamed with non-coherent loads: they must not be written in the kernel
-    ok = (all(d == bf16 for d in dtypes) and int(a["strides"][1]) == 1 and int(b["strides"][0]) == 1
+    ok = (all(d == BF16 for d in dtypes) and int(a["strides"][1]) == 1 and int(b["strides"][0]) == 1
           and K % 32 == 0 and all(int(x) % 8 == 0 for x in (a["offset"], lda, b["offset"], b["strides"][1]))
           and -(-M // int(o["grid"][0])) <= LINEAR_ROWS)
     if ok and tables.meta["ops"][op]["kind"] == "matmul" and int(o["num_inputs"]) > 2:  # the bias: bf16, ≤ 2-d
         bias = tables.views[int(tables.op_inputs[o["first_input"] + 2])]
-        ok = int(tables.buffers[int(bias["buffer"])]["dtype"]) == bf16 and int(bias["ndim"]) <= 2
+        ok = int(tables.buffers[int(bias["buffer"])]["dtype"]) == BF16 and int(bias["ndim"]) <= 2
     if ok and tables.meta["ops"][op]["kind"] == "rms_matmul":  # the norm weight is read in 16-byte words too
         w = tables.views[int(tables.op_inputs[o["first_input"] + 2])]
-        ok = (int(tables.buffers[int(w["buffer"])]["dtype"]) == bf16 and int(w["strides"][0]) == 1
+        ok = (int(tables.buffers[int(w["buffer"])]["dtype"]) == BF16 and int(w["strides"][0]) == 1
               and int(w["offset"]) % 8 == 0 and tables.meta["ops"][op]["attrs"]["norm_dtype"] == "bfloat16")
     return int(ok)
 
@@ -130,12 +132,11 @@ def rms_norm_variant(tables: Tables, op: int) -> int:
     views = [tables.views[int(x)] for x in tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]]
     if int(o["ndim"]) != 2 or len(views) != 2 or meta.get("norm_dtype") != "bfloat16":
         return 0
-    bf16 = DTYPE_CODE[__import__("torch").bfloat16]
     x, w = views
     rows, n = int(x["shape"][0]), int(x["shape"][1])
     dtypes = [int(tables.buffers[int(v["buffer"])]["dtype"]) for v in views] + [int(tables.buffers[int(o["output"])]["dtype"])]
     row_stride = int(x["strides"][0]) if rows > 1 else 0
-    ok = (all(d == bf16 for d in dtypes) and int(x["ndim"]) == 2 and int(w["ndim"]) == 1 and int(x["strides"][1]) == 1
+    ok = (all(d == BF16 for d in dtypes) and int(x["ndim"]) == 2 and int(w["ndim"]) == 1 and int(x["strides"][1]) == 1
           and int(w["strides"][0]) == 1 and n % 8 == 0 and n <= NORM_VECS * 8 * 256
           and all(v % 8 == 0 for v in (int(x["offset"]), row_stride, int(w["offset"]))))
     return int(ok)
@@ -150,15 +151,14 @@ def silu_mul_variant(tables: Tables, op: int) -> int:
         return 0
     out = tables.buffers[int(o["output"])]
     M, N = (int(x) for x in out["shape"][:2])
-    bf16 = DTYPE_CODE[__import__("torch").bfloat16]
     views = _op_views(tables, op)
     for v in views:
         if (int(v["ndim"]) != 2 or [int(x) for x in v["shape"][:2]] != [M, N] or int(v["strides"][1]) != 1
-                or int(tables.buffers[int(v["buffer"])]["dtype"]) != bf16 or int(v["offset"]) % 8
+                or int(tables.buffers[int(v["buffer"])]["dtype"]) != BF16 or int(v["offset"]) % 8
                 or (M > 1 and int(v["strides"][0]) % 8)):
             return 0
     g = int(o["grid"][1])
-    return int(int(out["dtype"]) == bf16 and all((i * N // g) % 8 == 0 for i in range(g + 1)))
+    return int(int(out["dtype"]) == BF16 and all((i * N // g) % 8 == 0 for i in range(g + 1)))
 
 
 def aligned_inputs(tables: Tables) -> set[int]:
@@ -181,7 +181,7 @@ def aligned_inputs(tables: Tables) -> set[int]:
 
 CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 DTYPE_SIZE = {"float": 4, "__half": 2, "__nv_bfloat16": 2}
-_CTYPE_OF_CODE = {DTYPE_CODE[getattr(__import__("torch"), k)]: v for k, v in CTYPES.items()}
+_CTYPE_OF_CODE = {DTYPE_CODE[getattr(torch, k)]: v for k, v in CTYPES.items()}
 
 
 def _op_views(tables: Tables, op: int) -> list:

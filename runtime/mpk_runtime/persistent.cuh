@@ -5,10 +5,10 @@
 //
 // Worker (thread 0 decides, the CTA executes): its JIT ring first; else the head of its AOT list
 // once that task's dependent event reached iteration·num_triggers; else spin — having first
-// started the copy of that task's op constants into shared memory (mpk_prefetch_op). After a task the
-// CTA synchronises and thread 0 release-adds its arrival to the task's trigger event (coalesced
-// over consecutive tasks with the same trigger); the add that completes a multiple of
-// num_triggers fires the event. Firing an event that launches JIT tasks writes the iteration
+// started the copy of that task's op constants into shared memory (mpk_prefetch_op). After a
+// task the CTA synchronises and thread 0 release-adds its arrival to the task's trigger event
+// (coalesced over consecutive tasks with the same trigger); the add that completes a multiple
+// of num_triggers fires the event. Firing an event that launches JIT tasks writes the iteration
 // number into each active scheduler's mailbox slot for it; the end event starts the next
 // iteration (start counter += 1) or, after the last, sets ``done``.
 //

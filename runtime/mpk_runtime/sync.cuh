@@ -2,6 +2,7 @@
 #pragma once
 #include <cuda/atomic>
 
+#include "mpk_tasks/common.cuh"  // globaltimer_ns
 #include "types.cuh"
 
 namespace mpk {
@@ -30,12 +31,6 @@ __device__ __forceinline__ void store_release(unsigned long long* p, unsigned lo
 
 __device__ __forceinline__ unsigned long long add_release(unsigned long long* p, unsigned long long v) {
   return dev_atomic_u64(*p).fetch_add(v, cuda::memory_order_acq_rel);
-}
-
-__device__ __forceinline__ unsigned long long globaltimer_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
 }
 
 __device__ __forceinline__ int sm_id() {
