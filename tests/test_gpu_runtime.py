@@ -16,7 +16,7 @@ import torch
 
 from helpers import compile_with, random_decode_step, random_decoder, random_partition, relative_error, trace_graph
 from mpk.megakernel import Interpreter
-from mpk.megakernel.stress import random_dag, stamp_graph, stamp_inputs
+from mpk.megakernel.stress import force_jit, random_dag, stamp_graph, stamp_inputs
 from mpk.models.toy import LLAMA, QWEN3, Config, GeluMLPBlock, randomize
 from test_property import build_program
 
@@ -96,6 +96,19 @@ def test_random_dag_stress_100k_tasks_100_iterations():
     iterations, n = 100, 100_000
     preds = random_dag(n, random.Random(2026))
     tables = stamp_graph(preds, iterations, busy_ns=2000)
+    ex = _gpu(tables, timeout_s=120)
+    clock, runs, log = stamp_inputs(tables, iterations, DEV)
+    ex.run([clock, runs, log], iterations=iterations)
+    _check_stamps(preds, log, runs, iterations)
+
+
+def test_random_dag_stress_through_the_schedulers():
+    """The same check with every task JIT: the schedulers hand each task to a worker when its
+    event fires (the plain stress above is all AOT: workers start tasks early and they wait
+    inside, on their input gate)."""
+    iterations, n = 10, 20_000
+    preds = random_dag(n, random.Random(2027))
+    tables = force_jit(stamp_graph(preds, iterations, busy_ns=500))
     ex = _gpu(tables, timeout_s=120)
     clock, runs, log = stamp_inputs(tables, iterations, DEV)
     ex.run([clock, runs, log], iterations=iterations)

@@ -314,9 +314,24 @@ struct PhaseTimer {
 };
 #endif
 
+// In a graph of AOT tasks only, the runtime starts a task while its dependent event is still
+// pending, so the task can issue the loads that depend on nothing the graph computes (a linear
+// task's weights) under that wait. Such a task opens the gate (acquire_inputs) before it reads
+// anything else; every other task family has the gate opened for it by the dispatch before it
+// runs. The gate's type and wait live in the runtime (mpk_runtime/persistent.cuh).
+struct InputGate;
+__device__ bool wait_gate(InputGate* gate);  // block-wide; false: the wait was abandoned (abort)
+
 // Everything a task needs besides its op constants.
 struct TaskEnv {
   void* const* buffers;
+  InputGate* gate;  // null: the task's inputs are ready
 };
+
+// Block-wide: returns once the task's inputs are ready; false if the runtime abandoned the
+// wait, and then the task must return at once (every thread gets the same answer).
+__device__ __forceinline__ bool acquire_inputs(const TaskEnv& env) {
+  return env.gate == nullptr || wait_gate(env.gate);
+}
 
 }  // namespace mpk

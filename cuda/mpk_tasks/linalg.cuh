@@ -94,10 +94,13 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       for (int j = 0; j < kBlocks; ++j) wv[u][j] = k < ksteps && valid[j] ? ld_stream(wrow[j] + 32LL * k) : zero;
     }
   };
-  // Weights first: they depend on nothing the task computes, so the first step's loads go out
-  // before the prologue, the bias and the activations, whose latencies then hide under theirs.
+  // Weights first: they depend on nothing the graph computes (codegen picks this variant only
+  // for weights no task writes), so the first step's loads go out before the task's event has
+  // fired (acquire_inputs) and before the prologue, the bias and the activations, whose
+  // latencies then hide under theirs.
   start_pass(r.lo[1]);
   load_weights(warp);
+  if (!acquire_inputs(env)) return;
   float rstd_lo = 0.f, rstd_hi = 0.f;
   const __nv_bfloat16* wn = nullptr;
   if constexpr (kNorm) {
@@ -247,6 +250,7 @@ __device__ void task_rms_matmul(const OpC& c, const Rect& r, const TaskEnv& env)
     linear_variant1<kNormPrologue>(c, r, env);
     return;
   }
+  if (!acquire_inputs(env)) return;
   const ViewC &a = c.in[0], &b = c.in[1], &w = c.in[2];
   const long long kdim = a.shape[1];
   const long long n = rect_numel(r, 2);
@@ -279,6 +283,7 @@ __device__ void task_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
     linear_variant1<kPlain>(c, r, env);
     return;
   }
+  if (!acquire_inputs(env)) return;
   const ViewC& a = c.in[0];
   const ViewC& b = c.in[1];
   const long long kdim = a.shape[a.ndim - 1];
@@ -311,6 +316,7 @@ __device__ void task_matmul_silu(const OpC& c, const Rect& r, const TaskEnv& env
     linear_variant1<kSiluEpilogue>(c, r, env);
     return;
   }
+  if (!acquire_inputs(env)) return;
   const ViewC &a = c.in[0], &b = c.in[1];
   const long long kdim = a.shape[1], N = c.out_shape[1], n = rect_numel(r, 2);
   for (long long e = threadIdx.x; e < n; e += blockDim.x) {

@@ -318,7 +318,7 @@ def generate(tables: Tables) -> str:
     if in_constant:
         fetch = ("__device__ __forceinline__ void mpk_prefetch_op(int) {}  // the table is in the constant bank\n\n"
                  "// Task dispatch over the op types of this graph (the variant is decided inside each task).\n"
-                 "__device__ __noinline__ void mpk_execute_task(int op, int tile, bool) {\n"
+                 "__device__ __noinline__ void mpk_execute_task(int op, int tile, bool, mpk::InputGate* gate) {\n"
                  "  const mpk::OpC& c = mpk_gen::kOps[op];\n")
     else:
         fetch = ("__device__ __forceinline__ mpk::OpC& mpk_op_slot() {\n"
@@ -329,14 +329,17 @@ def generate(tables: Tables) -> str:
                  "mpk_gen::kOps[op]); }\n\n"
                  "// Task dispatch over the op types of this graph (the variant is decided inside each task).\n"
                  "// staged: the slot already holds op's constants.\n"
-                 "__device__ __noinline__ void mpk_execute_task(int op, int tile, bool staged) {\n"
+                 "__device__ __noinline__ void mpk_execute_task(int op, int tile, bool staged, mpk::InputGate* gate) {\n"
                  "  if (!staged) mpk::stage_op(mpk_op_slot(), mpk_gen::kOps[op]);\n"
                  "  const mpk::OpC& c = mpk_op_slot();\n")
     def case(t: int) -> str:
         if t not in instances:
-            return f"    case {t}: mpk::task_{kinds[t]}(c, r, env); return;  // {kinds[t]}"
+            if kinds[t] in LINEAR_KINDS:  # opens the gate itself, after its first weight loads
+                return f"    case {t}: mpk::task_{kinds[t]}(c, r, env); return;  // {kinds[t]}"
+            return f"    case {t}: if (mpk::acquire_inputs(env)) mpk::task_{kinds[t]}(c, r, env); return;  // {kinds[t]}"
         inner = "".join(f"        case {v}: {f}(c, r, env); return;\n" for v, f in enumerate(instances[t]))
-        return f"    case {t}:  // {kinds[t]}\n      switch (c.variant) {{\n{inner}        default: __trap();\n      }}"
+        return (f"    case {t}:  // {kinds[t]}\n      if (!mpk::acquire_inputs(env)) return;\n"
+                f"      switch (c.variant) {{\n{inner}        default: __trap();\n      }}")
 
     cases = "\n".join(case(t) for t in sorted(kinds))
     return (
@@ -352,7 +355,7 @@ def generate(tables: Tables) -> str:
         + f'extern "C" {{ {bspace} void* mpk_buffers[{max(1, len(tables.buffers))}]; }}\n\n'
         + fetch
         + "  const mpk::Rect r = mpk::tile_rect(c, tile);\n"
-        + "  const mpk::TaskEnv env{mpk_buffers};\n"
+        + "  const mpk::TaskEnv env{mpk_buffers, gate};\n"
         + "  switch (c.type) {\n" + cases + "\n    default: __trap();\n  }\n}\n\n"
         + '#include "mpk_runtime/persistent.cuh"\n'
     )

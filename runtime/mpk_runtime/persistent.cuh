@@ -1,11 +1,15 @@
 // The persistent kernel: one cooperative launch, one CTA per SM. CTAs [0, num_workers) are
 // workers; the rest host scheduler warps (kSchedWarpsPerCta each). Include this after the
-// generated code has defined ``mpk_execute_task(op, tile, staged)`` and ``mpk_prefetch_op(op)``
+// generated code has defined ``mpk_execute_task(op, tile, staged, gate)`` and ``mpk_prefetch_op(op)``
 // (over its own op and buffer tables).
 //
 // Worker (thread 0 decides, the CTA executes): its JIT ring first; else the head of its AOT list
 // once that task's dependent event reached iteration·num_triggers; else spin — having first
-// started the copy of that task's op constants into shared memory (mpk_prefetch_op). After a
+// started the copy of that task's op constants into shared memory (mpk_prefetch_op). In a graph
+// without JIT tasks the worker does not spin there: it starts the head at once with an
+// InputGate, and the task waits for the event inside (after the loads that need nothing the
+// graph computes: a linear task's weights). With JIT tasks it could then wait on a task that
+// a scheduler hands this very worker, so there the worker waits outside, serving its ring. After a
 // task the CTA synchronises and thread 0 release-adds its arrival to the task's trigger event
 // (coalesced over consecutive tasks with the same trigger); the add that completes a multiple
 // of num_triggers fires the event. Firing an event that launches JIT tasks writes the iteration
@@ -128,10 +132,51 @@ struct AotCursor {
   }
 };
 
-// Thread 0 of a worker: the next task (JIT queue first, then the AOT head once its event fired).
+// A task started before its dependent event fired (see the top): what it waits for, and what
+// the watchdog is told meanwhile. In shared memory: thread 0 waits, the CTA reads ``open``.
+struct InputGate {
+  unsigned long long* counter;
+  unsigned long long need;
+  const RuntimeArgs* args;
+  volatile int* status;
+  int event, task, aot_pos;
+  int open;  // -1 until the task opened it, then 1, or 0 when the wait was abandoned (abort)
+  unsigned long long opened_ns;
+};
+
+// Declared in mpk_tasks/common.cuh; the task calls it through acquire_inputs.
+__device__ __forceinline__ bool wait_gate(InputGate* g) {
+  if (threadIdx.x == 0) {
+    Spin spin;
+    unsigned long long have;
+    int open = 1;
+    while ((have = load_acquire(g->counter)) < g->need) {
+      if ((spin.polls & 1023) == 1023) {
+        g->status[kStState] = kStateWaitingAot;
+        g->status[kStTask] = g->task;
+        g->status[kStEvent] = g->event;
+        g->status[kStCountLo] = static_cast<int>(have);
+        g->status[kStNeedLo] = static_cast<int>(g->need);
+        g->status[kStAotPos] = g->aot_pos;
+      }
+      if (spin.pause(*g->args, g->status)) {
+        g->status[kStState] = kStateAborted;
+        open = 0;
+        break;
+      }
+    }
+    g->open = open;
+    g->opened_ns = globaltimer_ns();
+  }
+  __syncthreads();
+  return g->open == 1;
+}
+
+// Thread 0 of a worker: the next task (JIT queue first, then the AOT head once its event fired,
+// or at once in a graph without JIT tasks: then ``gate`` says what it must wait for).
 // slot_op: the op whose constants the shared slot holds or is receiving.
 __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsigned long long& jit_head,
-                              Pending& pending, int& slot_op) {
+                              Pending& pending, int& slot_op, InputGate& gate) {
   Ring<TaskInfo> jit = Ring<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_head, a.jit_capacity, w);
   volatile int* status = a.status + static_cast<long long>(w) * kStatusWords;
   if (!(aot.left() && aot.head.info.trig.id == pending.event.id)) pending.flush(a);
@@ -161,6 +206,11 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
         mpk_prefetch_op(aot.head.info.op);
         slot_op = aot.head.info.op;
       }
+      if (!a.any_jit && aot.head.info.op >= 0) {  // start it now; it waits inside (wait_gate)
+        gate = InputGate{a.counters + aot.head.dep, need, &a, status, aot.head.dep, aot.head.info.task,
+                         static_cast<int>(aot.pos()), -1, 0};
+        return aot.consume(a);
+      }
       if ((spin.polls & 1023) == 1023) {
         status[kStState] = kStateWaitingAot;
         status[kStTask] = aot.head.info.task;
@@ -189,6 +239,8 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
 __device__ void worker_loop(const RuntimeArgs& a, int w) {
   __shared__ TaskInfo s_task;
   __shared__ bool s_staged;  // the op slot already holds s_task's op constants
+  __shared__ InputGate s_gate;
+  __shared__ bool s_gated;  // s_task started before its event fired: it waits on s_gate
   AotCursor aot;
   aot.begin = a.aot_offsets[w];
   aot.count = a.aot_offsets[w + 1] - aot.begin;
@@ -198,19 +250,22 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
   unsigned n_profiled = 0;
   unsigned long long t0 = 0;
   int slot_op = -1;
+  bool abandoned = false;  // a gated task's wait was abandoned: leave
   if (threadIdx.x == 0) aot.start(a);
   while (true) {
     if (threadIdx.x == 0) {
-      TaskInfo t = next_task(a, w, aot, jit_head, pending, slot_op);
+      s_gate.counter = nullptr;
+      TaskInfo t = abandoned ? TaskInfo{kExit, -1} : next_task(a, w, aot, jit_head, pending, slot_op, s_gate);
       while (t.task != kExit && t.op < 0) {  // dummy tasks need no block: thread 0 completes them
         if (a.profile && n_profiled < static_cast<unsigned>(a.profile_capacity)) {
           const unsigned long long now = globaltimer_ns();
           a.profile[static_cast<long long>(w) * a.profile_capacity + n_profiled++] = ProfileRecord{t.task, sm_id(), now, now};
         }
         pending.add(a, t);
-        t = next_task(a, w, aot, jit_head, pending, slot_op);
+        t = next_task(a, w, aot, jit_head, pending, slot_op, s_gate);
       }
       s_task = t;
+      s_gated = s_gate.counter != nullptr;
       cp_async_wait_all();  // a prefetch landed (or must not land on another op's staging)
       s_staged = t.op == slot_op;
       slot_op = t.op;  // staged by mpk_execute_task otherwise
@@ -219,9 +274,17 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
     __syncthreads();
     const TaskInfo t = s_task;
     if (t.task == kExit) break;
-    mpk_execute_task(t.op, t.tile, s_staged);
+    mpk_execute_task(t.op, t.tile, s_staged, s_gated ? &s_gate : nullptr);
     __syncthreads();
     if (threadIdx.x == 0) {
+      if (s_gated) {
+#ifdef MPK_DEBUG
+        if (s_gate.open < 0) __trap();  // the task never opened its gate: it ran without waiting
+#endif
+        abandoned = s_gate.open == 0;
+        if (abandoned) continue;  // the task returned without running: it owes no arrival
+        t0 = s_gate.opened_ns;    // the profiled span starts when its inputs were ready
+      }
       if (a.profile && n_profiled < static_cast<unsigned>(a.profile_capacity)) {
         a.profile[static_cast<long long>(w) * a.profile_capacity + n_profiled++] =
             ProfileRecord{t.task, sm_id(), t0, globaltimer_ns()};
@@ -329,6 +392,6 @@ extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1)
 // Test wrapper: every tile of one op, one CTA per tile, no scheduling (task families alone).
 // Built only on request: it doubles ptxas time.
 extern "C" __global__ void __launch_bounds__(mpk::kThreads) mpk_tile_kernel(int op) {
-  mpk_execute_task(op, blockIdx.x, false);
+  mpk_execute_task(op, blockIdx.x, false, nullptr);
 }
 #endif
