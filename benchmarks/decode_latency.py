@@ -34,9 +34,9 @@ from mpk.models.llm import SHAPES as MODELS  # noqa: E402
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache  # noqa: E402
 
 
-def random_model(cfg: LLMConfig, max_len: int, seed: int = 0) -> DecoderLM:
+def random_model(cfg: LLMConfig, max_len: int, seed: int = 0, num_splits: int = 0) -> DecoderLM:
     """Random bf16 weights drawn on the GPU (scale 0.02; norm weights near 1)."""
-    model = DecoderLM(cfg, torch.bfloat16, "cuda", max_len=max_len)
+    model = DecoderLM(cfg, torch.bfloat16, "cuda", max_len=max_len, num_splits=num_splits)
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -136,6 +136,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trace-dir", type=Path, default=None, help="write each profiled step's Perfetto trace here")
     ap.add_argument("--options", type=json.loads, default={},
                     help='extra mpk compile options as JSON, e.g. \'{"fuse_norm_prologue": true}\'')
+    ap.add_argument("--num-splits", type=int, default=0,
+                    help="attention's KV chunks per sequence (0: the compiler's default_splits)")
     ap.add_argument("--skip-peer", action="store_true", help="mpk alone (for comparing mpk builds; no speedup)")
     args = ap.parse_args(argv)
     if args.trace_dir:
@@ -146,7 +148,7 @@ def main(argv=None) -> int:
     rows = []
     for name in args.models:
         cfg = MODELS[name]
-        model = random_model(cfg, args.position + 64)
+        model = random_model(cfg, args.position + 64, num_splits=args.num_splits)
         for batch in args.batches:
             trace = args.trace_dir / f"{name}-b{batch}.json" if args.trace_dir else None
             mpk = bench_mpk(model, batch, args.position, args.page_size, args.profile, trace, args.options)
@@ -155,7 +157,7 @@ def main(argv=None) -> int:
                                                                       compile_mode=args.compile_mode))
             floor = floor_ms(weight_bytes(SHAPES[name]) + kv_bytes(SHAPES[name], batch, args.position + 1), bw)
             row = {"date": datetime.date.today().isoformat(), "device": device, "model": name, "batch": batch,
-                   "position": args.position, "page_size": args.page_size,
+                   "position": args.position, "page_size": args.page_size, "num_splits": args.num_splits,
                    "nvcc_flags": os.environ.get("MPK_NVCC_FLAGS", ""), "options": args.options, **mpk,
                    **{k: peer[k] for k in ("eager_ms", "eager_graph_ms", "compile_graph_ms", "peer_ms", "peer_mode",
                                            "errors")},

@@ -33,10 +33,12 @@ constexpr int kExit = -2;
 
 constexpr int kMaxWorkersPerScheduler = 136;
 
-// Tell every active scheduler that JIT event e fired in iteration k (one fence, then stores).
-__device__ __forceinline__ void notify_event(const RuntimeArgs& a, const EventRef& e, unsigned long long k) {
+// Tell every active scheduler that JIT event e fired in iteration k (one fence, then stores;
+// ``fenced``: the caller's fence already released this CTA's writes).
+__device__ __forceinline__ void notify_event(const RuntimeArgs& a, const EventRef& e, unsigned long long k,
+                                             bool fenced = false) {
   if (e.jit_index < 0) return;
-  cuda::atomic_thread_fence(cuda::memory_order_release, cuda::thread_scope_device);
+  if (!fenced) cuda::atomic_thread_fence(cuda::memory_order_release, cuda::thread_scope_device);
   for (int s = 0; s < a.active_schedulers; ++s) {
     dev_atomic_u64(a.mailbox[static_cast<long long>(s) * a.num_jit_events + e.jit_index])
         .store(k, cuda::memory_order_relaxed);
@@ -44,14 +46,21 @@ __device__ __forceinline__ void notify_event(const RuntimeArgs& a, const EventRe
 }
 
 // ``count`` arrivals at event e (release); the add that reaches a multiple of num_triggers fires
-// it. A single-trigger event fires on every arrival: an AOT task, which knows its iteration,
-// release-stores the counter's next value and tells the schedulers without waiting for an
-// atomic's reply; events nobody must be told about get a fire-and-forget reduction.
+// it. A single-trigger event fires on every arrival: a task that knows its iteration (AOT
+// tasks, and JIT tasks, which their scheduler stamps) stores the counter's next value and
+// tells the schedulers without waiting for an atomic's reply, all behind one release fence;
+// events nobody must be told about get a fire-and-forget reduction.
 __device__ __forceinline__ void arrive(const RuntimeArgs& a, const EventRef& e, unsigned count, int iter) {
   if (e.num_triggers == 1 && e.id != a.end_event) {
     if (iter > 0) {
-      store_release(a.counters + e.id, static_cast<unsigned long long>(iter));
-      notify_event(a, e, static_cast<unsigned long long>(iter));
+      const unsigned long long k = static_cast<unsigned long long>(iter);
+      if (e.jit_index < 0) {
+        store_release(a.counters + e.id, k);
+        return;
+      }
+      cuda::atomic_thread_fence(cuda::memory_order_release, cuda::thread_scope_device);
+      dev_atomic_u64(a.counters[e.id]).store(k, cuda::memory_order_relaxed);
+      notify_event(a, e, k, true);
       return;
     }
     if (e.jit_index < 0) {
@@ -166,7 +175,7 @@ __device__ __forceinline__ bool wait_gate(InputGate* g) {
       }
     }
     g->open = open;
-    g->opened_ns = globaltimer_ns();
+    if (g->args->profile) g->opened_ns = globaltimer_ns();
   }
   __syncthreads();
   return g->open == 1;
@@ -315,10 +324,12 @@ __device__ void scheduler_loop(const RuntimeArgs& a, int s) {
   unsigned handled = 0;      // bit i: slot cursor + i already dispatched this iteration
   unsigned rr = 0;
   JitEvent ev{};
+  TaskInfo head{};  // the first task of this scheduler's share of ev (loaded with the window)
   Spin spin;
   while (true) {
     if (loaded != cursor) {  // the window moved: load its events (static, off the hot path)
       ev = cursor + lane < J ? a.jit_events[cursor + lane] : JitEvent{-1, 0, 0, 0};
+      if (ev.event >= 0 && ev.first_task + s < ev.last_task) head = a.task_infos[ev.first_task + s];
       loaded = cursor;
     }
     const bool open = ev.event >= 0 && !((handled >> lane) & 1u);
@@ -340,6 +351,13 @@ __device__ void scheduler_loop(const RuntimeArgs& a, int s) {
       const int b = __ffs(todo) - 1;
       const int first = __shfl_sync(0xffffffffu, ev.first_task, b), last = __shfl_sync(0xffffffffu, ev.last_task, b);
       const bool all_jit = __shfl_sync(0xffffffffu, ev.flags, b) & kEventAllJit;
+      TaskInfo first_info;  // lane b's head, for the lane that pushes task first + s: no load then
+      {
+        const int* from = reinterpret_cast<const int*>(&head);
+        int* to = reinterpret_cast<int*>(&first_info);
+#pragma unroll
+        for (int f = 0; f < static_cast<int>(sizeof(TaskInfo) / 4); ++f) to[f] = __shfl_sync(0xffffffffu, from[f], b);
+      }
       // this scheduler's share: tasks first + s, first + s + S, …; in chunks that give each lane
       // a different one of its workers, so lanes never share a ring tail
       const int count = last - first > s ? (last - first - s + S - 1) / S : 0;
@@ -351,7 +369,9 @@ __device__ void scheduler_loop(const RuntimeArgs& a, int s) {
           if (all_jit || (__ldg(&a.tasks[t].flags) & kTaskJit)) {
             const int m = static_cast<int>((rr + lane) % static_cast<unsigned>(mine));
             const int w = s + S * m;
-            Ring<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_head, a.jit_capacity, w).push(tails[m]++, a.task_infos[t]);
+            TaskInfo info = i == 0 ? first_info : a.task_infos[t];
+            info.iter = static_cast<int>(k);  // its iteration: the worker can then fire a single-trigger event by a store
+            Ring<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_head, a.jit_capacity, w).push(tails[m]++, info);
           }
         }
         rr += chunk;

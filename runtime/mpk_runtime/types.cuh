@@ -41,7 +41,7 @@ struct __align__(16) EventRef {
 // What a worker needs to run a task and report it done: one load, no dependent lookups.
 struct __align__(16) TaskInfo {
   int task, op, tile;
-  int iter;  // set for AOT tasks when taken (1-based iteration); 0 for JIT tasks
+  int iter;  // 1-based iteration, set when taken: AOT tasks by their worker, JIT tasks by the scheduler
   EventRef trig;
 };
 
