@@ -69,7 +69,7 @@ def compile_fx(gm: GraphModule, opts: CompileOptions, param_flags: list[bool] | 
     fuse_patterns(gm, ("norm_prologue",) if opts.fuse_norm_prologue else ())
     failures = find_unsupported(gm)
     if not failures:
-        graph = lower(gm, param_flags, input_names)
+        graph = lower(gm, param_flags, input_names, opts.fuse_rope_attention)
         compiled = compile_graph(graph, opts.num_workers, opts.partition,
                                  {"executor": opts.executor})
         COMPILED.append(compiled)

@@ -33,6 +33,8 @@ class CompileOptions:
     fallback     "error" (default): unsupported ops raise; "eager": they run in PyTorch.
     fuse_norm_prologue  fuse an RMSNorm into the projection that consumes it (rms_matmul; default
                  False: measured slower on an H200 than a separate norm task).
+    fuse_rope_attention  run a decode layer's qk-norm + RoPE + KV append inside its paged
+                 attention tasks (rope_attn_partial; default True), one op boundary fewer.
     debug_dir    directory to dump the OpGraph, tables, summary, DOT and JSON of each graph.
     num_workers  worker count the default partitioning targets (one wave of tasks per op).
     seed         schedule seed of the cpu executor (which legal order it picks).
@@ -48,6 +50,7 @@ class CompileOptions:
     partition: dict[str, Any] = field(default_factory=dict)
     fallback: str = "error"
     fuse_norm_prologue: bool = False
+    fuse_rope_attention: bool = True
     debug_dir: str | None = None
     num_workers: int = 128
     seed: int = 0
@@ -81,7 +84,7 @@ class CompileOptions:
         n = opts["num_workers"]
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise OptionError(f"num_workers={n!r}; expected a positive int")
-        for flag in ("sync", "fuse_norm_prologue"):
+        for flag in ("sync", "fuse_norm_prologue", "fuse_rope_attention"):
             if not isinstance(opts.get(flag, False), bool):
                 raise OptionError(f"{flag}={opts[flag]!r}; expected True or False")
         part = opts.get("partition", {})

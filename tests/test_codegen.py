@@ -33,9 +33,10 @@ def _graphs():
     yield "chain", compile_with(graph, random_partition(graph, random.Random(0))).tables
     yield "stamp-dag", stamp_graph(random_dag(300, random.Random(0)), iterations=3, busy_ns=100)
     yield "qwen3-1.7b-paged", _paged_decode_tables()
+    yield "qwen3-1.7b-paged-unfused", _paged_decode_tables(fuse_rope_attention=False)
 
 
-def _paged_decode_tables():
+def _paged_decode_tables(**options):
     """One layer of the qwen3-1.7b-shaped decode step over a paged cache (meta tensors)."""
     import argparse
 
@@ -43,19 +44,23 @@ def _paged_decode_tables():
 
     ns = argparse.Namespace(layers=1, batch=2, cache_len=100, seq=1)
     model, args = PRESETS["qwen3-1.7b-paged"](ns)
-    return compile_module(model, args, {"num_workers": 128}).tables
+    return compile_module(model, args, {"num_workers": 128, **options}).tables
 
 
 def test_paged_decode_tasks_are_instantiated_per_graph():
     """Each paged task template is instantiated once for the graph's (head dim, group, dtype),
+    rope_append runs inside the attention tasks (rope_attn_partial) unless that fusion is off,
     and the decode step's SiLU·mul takes the vectorised bf16 variant."""
     from mpk.megakernel.codegen import silu_mul_variant
 
     tables = _paged_decode_tables()
     src = generate(tables)
-    for inst in ("mpk::rope_append_impl<4, __nv_bfloat16>", "mpk::attn_partial_impl<4, 2, __nv_bfloat16>",
-                 "mpk::attn_merge_impl<4, __nv_bfloat16>"):
+    for inst in ("mpk::attn_partial_impl<4, 2, __nv_bfloat16, true>", "mpk::attn_merge_impl<4, __nv_bfloat16>"):
         assert src.count(inst) == 1, inst
+    assert "rope_append_impl<" not in src
+    unfused = generate(_paged_decode_tables(fuse_rope_attention=False))
+    for inst in ("mpk::rope_append_impl<4, __nv_bfloat16>", "mpk::attn_partial_impl<4, 2, __nv_bfloat16, false>"):
+        assert unfused.count(inst) == 1, inst
     silu = [i for i, m in enumerate(tables.meta["ops"]) if m["kind"] == "silu_mul"]
     assert silu and all(silu_mul_variant(tables, i) == 1 for i in silu)
 

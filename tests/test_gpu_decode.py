@@ -147,17 +147,24 @@ def small(family: str, **kw) -> LLMConfig:
     return LLMConfig(**(base | kw))
 
 
-@pytest.mark.parametrize("family,page_size,batch,partition", [
-    ("qwen3", 16, 1, {}), ("qwen3", 1, 4, {}), ("llama", 4, 3, {}), ("llama", 256, 16, {}),
-    ("qwen3", 4, 3, {"rope_append": [1, 3, 1], "attn_partial": [3, 1, 2, 1, 1], "attn_merge": [2, 3, 1]})])
-def test_compiled_decode_matches_eager(family, page_size, batch, partition):
+UNFUSED = {"fuse_rope_attention": False}
+
+
+@pytest.mark.parametrize("family,page_size,batch,options,shape", [
+    ("qwen3", 16, 1, {}, {}), ("qwen3", 1, 4, {}, {}), ("llama", 4, 3, {}, {}), ("llama", 256, 16, {}, {}),
+    ("qwen3", 4, 3, {"partition": {"rope_append": [1, 3, 1], "attn_partial": [3, 1, 2, 1, 1], "attn_merge": [2, 3, 1]},
+                     **UNFUSED}, {}),
+    ("qwen3", 4, 3, {"partition": {"rope_attn_partial": [2, 1, 1, 1, 1], "attn_merge": [2, 3, 1]}}, {}),
+    ("qwen3", 16, 2, UNFUSED, {}), ("llama", 2, 3, {}, {"heads": 12}), ("llama", 2, 3, {}, {"heads": 16})])
+def test_compiled_decode_matches_eager(family, page_size, batch, options, shape):
     """bf16 decode steps of sequences of different lengths, compiled vs mpk's eager path:
     logits within 2e-2 of the largest |logit| (bf16 rounding of two different summation
     orders through 2 layers), top-1 agreement ≥ 99% where the eager logits are decisive
-    (``compare_logits``), and the caches agree."""
-    cfg = small(family)
+    (``compare_logits``), and the caches agree. RoPE + append run inside the attention tasks
+    (by default; groups of 6 query heads are the largest that fuse) or as their own op."""
+    cfg = small(family, **shape)
     model = DecoderLM(cfg, torch.bfloat16, DEV, max_len=256).randomize(seed=random.randrange(1 << 30))
-    step = _gpu_compile(model, partition=partition)
+    step = _gpu_compile(model, **options)
     kv_e, kv_m = PagedKVCache(model, batch, 128, page_size), PagedKVCache(model, batch, 128, page_size)
     tokens = torch.randint(0, cfg.vocab, (batch,), device=DEV)
     outs, refs = [], []
@@ -172,6 +179,9 @@ def test_compiled_decode_matches_eager(family, page_size, batch, partition):
     stats = compare_logits(torch.stack(outs), torch.stack(refs))
     assert stats["max_rel"] <= 2e-2 and stats["top1_decisive"] >= 0.99, stats
     assert relative_error(kv_m.cache.float(), kv_e.cache.float()) <= BF16_TOL
+    kinds = [op.kind for op in COMPILED[-1].graph.ops]
+    fused = options.get("fuse_rope_attention", True) and cfg.heads // cfg.kv_heads <= 6
+    assert kinds.count("rope_attn_partial" if fused else "rope_append") == cfg.layers
 
 
 def test_one_kernel_launch_per_step():

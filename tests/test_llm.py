@@ -113,19 +113,24 @@ def test_bad_config_and_page_size_are_named():
 # tiles that split query heads off their groups (rope_append [1, 3, 1] over 4 heads in groups
 # of 2: the middle tile appends no kv head) and several rows / chunks per tile
 ODD_TILES = {"rope_append": [1, 3, 1], "attn_partial": [2, 1, 1, 1, 1], "attn_merge": [2, 3, 1], "matmul_silu": [2, 3]}
+# the fused rope + attention with several rows and chunks per tile (the appending last chunk
+# shares its tile with another chunk, and both kv heads share one)
+ODD_FUSED = {"rope_attn_partial": [2, 1, 1, 1, 1], "attn_merge": [2, 3, 1]}
 
 
-@pytest.mark.parametrize("family,page_size,prologue,partition", [
-    ("llama", 4, False, {}), ("qwen3", 1, True, {}), ("qwen3", 16, False, {}), ("qwen3", 4, False, ODD_TILES)])
-def test_compiled_decode_matches_eager(family, page_size, prologue, partition):
+@pytest.mark.parametrize("family,page_size,prologue,partition,fuse_rope", [
+    ("llama", 4, False, {}, True), ("qwen3", 1, True, {}, True), ("qwen3", 16, False, {}, False),
+    ("qwen3", 4, False, ODD_TILES, False), ("qwen3", 4, False, ODD_FUSED, True), ("llama", 2, False, ODD_FUSED, True)])
+def test_compiled_decode_matches_eager(family, page_size, prologue, partition, fuse_rope):
     """The whole decode step through torch.compile(backend='mpk') on the CPU interpreter:
     batch 3 of different lengths, several steps, fp32 within 1e-5 of the eager path; the
-    cache written by the compiled step equals the eager one."""
+    cache written by the compiled step equals the eager one. With rope fused into attention
+    and without."""
     cfg = small(family)
     model = DecoderLM(cfg, torch.float32).randomize(seed=random.randrange(1 << 30))
     step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
                          options={"executor": "cpu", "seed": random.randrange(100), "fuse_norm_prologue": prologue,
-                                  "partition": partition})
+                                  "partition": partition, "fuse_rope_attention": fuse_rope})
     eager_kv, mpk_kv = PagedKVCache(model, 3, 32, page_size), PagedKVCache(model, 3, 32, page_size)
     tokens = torch.randint(0, cfg.vocab, (3,))
     with torch.no_grad():
@@ -139,7 +144,11 @@ def test_compiled_decode_matches_eager(family, page_size, prologue, partition):
             assert relative_error(mpk_kv.cache, eager_kv.cache) <= 1e-6
             tokens = ref.argmax(-1)
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
-    assert kinds.count("rope_append") == kinds.count("attn_partial") == kinds.count("attn_merge") == cfg.layers
+    if fuse_rope:
+        assert kinds.count("rope_attn_partial") == kinds.count("attn_merge") == cfg.layers
+        assert "rope_append" not in kinds and "attn_partial" not in kinds
+    else:
+        assert kinds.count("rope_append") == kinds.count("attn_partial") == kinds.count("attn_merge") == cfg.layers
     # o and down take the residual in their epilogue, gate_up SiLU·mul in its epilogue; with
     # the prologue option, qkv and the head take their RMSNorm as a prologue
     assert kinds.count("matmul_silu") == cfg.layers and "silu_mul" not in kinds

@@ -40,6 +40,69 @@ __device__ __forceinline__ long long page_of(const TaskEnv& env, const ViewC& in
 
 __device__ __forceinline__ int log2_pow2(int x) { return 31 - __clz(x); }
 
+// One warp's head row of qkv, lane l holding dims l + 32·i (so the rotate-half partner of a dim
+// sits in the same lane): loaded, then qk-normed (with HF's roundings) and rotated by RoPE.
+template <int kPer, typename T>
+struct RopeRow {
+  static constexpr int kHalf = kPer / 2, D = 32 * kPer;
+  float x[kPer], w[kPer];
+
+  // the row and, for qk-norm, its norm weight (wn: null without)
+  __device__ __forceinline__ void load(const T* row, const T* wn) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      x[i] = to_f(row[lane + 32 * i]);
+      w[i] = wn ? to_f(wn[lane + 32 * i]) : 1.f;
+    }
+  }
+  // crow: the cos | sin row of the token's position
+  __device__ __forceinline__ void rotate(const T* crow, bool norm, float eps) {
+    const int lane = threadIdx.x & 31;
+    float cv[kPer], sv[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int f = lane + 32 * (i < kHalf ? i : i - kHalf);  // the frequency of dim lane + 32·i
+      cv[i] = to_f(crow[f]);
+      sv[i] = to_f(crow[f + D / 2]);
+    }
+    if (norm) {  // normalise, round, scale, round
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) ss += x[i] * x[i];
+      const float rstd = rsqrtf(warp_sum(ss) / D + eps);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) x[i] = round_as<T>(round_as<T>(x[i] * rstd) * w[i]);
+    }
+    float y[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) y[i] = x[i] * cv[i] + (i < kHalf ? -x[i + kHalf] : x[i - kHalf]) * sv[i];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) x[i] = y[i];
+  }
+  __device__ __forceinline__ void store(T* out) const {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) out[lane + 32 * i] = from_f<T>(x[i]);
+  }
+};
+
+// Where the token at position pos of kv head `head` goes in layer `layer` of the cache: k (kv 0) or v.
+template <typename T>
+__device__ __forceinline__ T* cache_slot(const TaskEnv& env, const ViewC& cache, long long layer, int kv, long long page,
+                                         long long head, long long pos, int page_size) {
+  return static_cast<T*>(env.buffers[cache.buffer]) + cache.offset + layer * cache.stride[0] + kv * cache.stride[1] +
+         page * cache.stride[2] + head * cache.stride[3] + (pos & (page_size - 1)) * cache.stride[4];
+}
+
+// The position being decoded (len − 1) as rope reads it; a page table that does not count the
+// token, or a position past the cos/sin table, is a caller's bug that would corrupt the cache.
+__device__ __forceinline__ long long rope_position(const SeqSpan& s, const ViewC& cs) {
+  const long long pos = s.len - 1;
+  if (pos < 0 || pos >= cs.shape[0]) __trap();
+  return pos;
+}
+
 // inputs: qkv [B, (H+2KV)·D], cos_sin [P, D] (cos | sin), kv_indptr, kv_indices,
 // kv_last_page_len, kv_cache, q_norm [D], k_norm [D] (when iparam[4]); output q [B, H, D].
 // iparam: heads, kv_heads, head_dim, page_size, qk_norm, layer; fparam[0] eps.
@@ -50,14 +113,12 @@ __device__ __forceinline__ int log2_pow2(int x) { return 31 - __clz(x); }
 // token's position.
 template <int kPer, typename T>
 __device__ __noinline__ void rope_append_impl(const OpC& c, const Rect& r, const TaskEnv& env) {
-  constexpr int kHalf = kPer / 2, D = 32 * kPer;
+  constexpr int D = 32 * kPer;
   const ViewC &qkv = c.in[0], &cs = c.in[1], &indptr = c.in[2], &indices = c.in[3], &last = c.in[4],
               &cache = c.in[5];
   const int H = static_cast<int>(c.iparam[0]), KV = static_cast<int>(c.iparam[1]);
   const int page_size = static_cast<int>(c.iparam[3]), shift = log2_pow2(page_size);
   const bool qk_norm = c.iparam[4] != 0;
-  const long long layer_off = cache.offset + c.iparam[5] * cache.stride[0];
-  const int lane = threadIdx.x & 31;
   const int group = H / KV, h0 = static_cast<int>(r.lo[1]), h1 = static_cast<int>(r.hi[1]);
   const int kv0 = (h0 + group - 1) / group, kv1 = (h1 + group - 1) / group;
   const int per_row = (h1 - h0) + 2 * (kv1 - kv0);
@@ -71,55 +132,26 @@ __device__ __noinline__ void rope_append_impl(const OpC& c, const Rect& r, const
                    static_cast<long long>(head) * D;
     const T* wn = norm ? static_cast<const T*>(env.buffers[c.in[head < H ? 6 : 7].buffer]) + c.in[head < H ? 6 : 7].offset
                        : nullptr;
-    float x[kPer], w[kPer];
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      x[i] = to_f(row[lane + 32 * i]);
-      w[i] = norm ? to_f(wn[lane + 32 * i]) : 1.f;
-    }
+    RopeRow<kPer, T> x;
+    x.load(row, wn);
     const SeqSpan s = seq_span(env, indptr, last, b, page_size);
-    const long long pos = s.len - 1;
-    // the page table does not count the token being decoded, or the position is past the table
-    if (pos < 0 || pos >= cs.shape[0]) __trap();
+    const long long pos = rope_position(s, cs);
     const long long page = head >= H ? page_of(env, indices, s.first_page, pos, shift) : 0;
-    float cv[kPer], sv[kPer];
-    if (rotate) {
-      const T* crow = static_cast<const T*>(env.buffers[cs.buffer]) + cs.offset + pos * cs.stride[0];
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int f = lane + 32 * (i < kHalf ? i : i - kHalf);  // the frequency of dim lane + 32·i
-        cv[i] = to_f(crow[f]);
-        sv[i] = to_f(crow[f + D / 2]);
-      }
-      if (norm) {  // qk-norm with HF's roundings: normalise, round, scale, round
-        float ss = 0.f;
-#pragma unroll
-        for (int i = 0; i < kPer; ++i) ss += x[i] * x[i];
-        const float rstd = rsqrtf(warp_sum(ss) / D + c.fparam[0]);
-#pragma unroll
-        for (int i = 0; i < kPer; ++i) x[i] = round_as<T>(round_as<T>(x[i] * rstd) * w[i]);
-      }
-      float y[kPer];
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) y[i] = x[i] * cv[i] + (i < kHalf ? -x[i + kHalf] : x[i - kHalf]) * sv[i];
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) x[i] = y[i];
-    }
-    T* out;
-    if (head < H) {
-      out = static_cast<T*>(env.buffers[c.out_buffer]) + (b * H + head) * static_cast<long long>(D);
-    } else {
-      const int kv = head < H + KV ? 0 : 1;
-      out = static_cast<T*>(env.buffers[cache.buffer]) + layer_off + kv * cache.stride[1] + page * cache.stride[2] +
-            (head - H - kv * KV) * cache.stride[3] + (pos & (page_size - 1)) * cache.stride[4];
-    }
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) out[lane + 32 * i] = from_f<T>(x[i]);
+    if (rotate) x.rotate(static_cast<const T*>(env.buffers[cs.buffer]) + cs.offset + pos * cs.stride[0], norm, c.fparam[0]);
+    const int kv = head < H + KV ? 0 : 1;
+    x.store(head < H ? static_cast<T*>(env.buffers[c.out_buffer]) + (b * H + head) * static_cast<long long>(D)
+                     : cache_slot<T>(env, cache, c.iparam[5], kv, page, head - H - kv * KV, pos, page_size));
   }
 }
 
-// inputs: q [B, H, D], kv_cache, kv_indptr, kv_indices, kv_last_page_len;
-// output states [B, KV, C, G, D+1] fp32; iparam: layer, page_size; fparam[0] scale.
+// attn_partial — inputs: q [B, H, D], kv_cache, kv_indptr, kv_indices, kv_last_page_len;
+// iparam: layer, page_size; fparam[0] scale. kRope (rope_attn_partial) — rope_append's inputs
+// (qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache[, q_norm, k_norm]); iparam
+// adds heads, kv_heads, qk_norm; fparam[1] eps: warps 0…G−1 rotate the group's q heads into
+// shared memory and, in the last chunk's tile, warps G and G+1 rotate k and take v of the token
+// being decoded, write both to the cache and keep them in shared memory, where warp 0 attends
+// to that position after its loop (the other positions of the chunk come from the cache as
+// usual; no tile reads the slot just written). Output states [B, KV, C, G, D+1] fp32.
 // Each warp runs an online softmax over its share of the chunk for all G query heads (a K/V
 // row is read once per warp and used by every head); the warps' states are then combined in a
 // fixed order through shared memory. A warp takes kU consecutive positions per step (fewer
@@ -127,12 +159,19 @@ __device__ __noinline__ void rope_append_impl(const OpC& c, const Rect& r, const
 // copied into its shared-memory slot with cp.async, all in flight at once, and the page-table
 // entries of its next step are loaded during the current one, so a step costs one memory
 // round trip. The position loop is not unrolled: short code.
-template <int kPer, int kG, typename T>
+template <typename T, int kN>
+__device__ __forceinline__ T* rope_rows_smem() {
+  __shared__ __align__(16) T s[kN];
+  return s;
+}
+
+template <int kPer, int kG, typename T, bool kRope>
 __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, const TaskEnv& env) {
   constexpr int D = 32 * kPer;
   constexpr int kRowBytes = D * static_cast<int>(sizeof(T)), kU = 2048 / kRowBytes, kPieces = kRowBytes / 16;
   static_assert(2 * kU * kPieces == 256, "a step's copies are 8 rounds of the warp's 32 lanes");
-  const ViewC &q = c.in[0], &cache = c.in[1], &indptr = c.in[2], &indices = c.in[3], &last = c.in[4];
+  static_assert(!kRope || kG + 2 <= 8, "a warp per q head, k and v (the runtime runs 8 warps per task)");
+  const ViewC &q = c.in[0], &cache = c.in[kRope ? 5 : 1], &indptr = c.in[2], &indices = c.in[3], &last = c.in[4];
   const int KV = static_cast<int>(c.out_shape[1]), C = static_cast<int>(c.out_shape[2]);
   const int page_size = static_cast<int>(c.iparam[1]), shift = log2_pow2(page_size);
   const float scale = c.fparam[0] * kLog2e;
@@ -141,16 +180,46 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   T* slot = reinterpret_cast<T*>(red) + warp * 2 * kU * D;
   const T* kvbase = static_cast<const T*>(env.buffers[cache.buffer]) + cache.offset + c.iparam[0] * cache.stride[0];
   const T* qbase = static_cast<const T*>(env.buffers[q.buffer]) + q.offset + lane * kPer;
+  T* rope_rows = nullptr;  // kRope: [kG + 2][D]: the rotated q heads, then the new token's k and v
+  if constexpr (kRope) rope_rows = rope_rows_smem<T, (kG + 2) * D>();
   for (long long b = r.lo[0]; b < r.hi[0]; ++b) {
     const SeqSpan span = seq_span(env, indptr, last, b, page_size);
     for (long long kvh = r.lo[1]; kvh < r.hi[1]; ++kvh) {
       const T* head_base = kvbase + kvh * cache.stride[3];
       for (long long ch = r.lo[2]; ch < r.hi[2]; ++ch) {
-        const long long t0 = ch * span.len / C, t1 = (ch + 1) * span.len / C;
+        const bool fresh = kRope && ch == C - 1;  // this tile appends the new token and attends to it
+        const long long t0 = ch * span.len / C, t1 = (ch + 1) * span.len / C - (fresh ? 1 : 0);
+        // positions per warp step: kU, or fewer when the chunk is short, so all warps get some
+        const int ku = static_cast<int>(min(static_cast<long long>(kU), max(1LL, (t1 - t0 + warps - 1) / warps)));
+        long long base = t0 + warp * ku;
+        const int mine = lane % ku;  // the position of the step whose page this lane looks up
+        long long page = base + mine < t1 ? page_of(env, indices, span.first_page, base + mine, shift) : 0;
+        if constexpr (kRope) {
+          const int H = static_cast<int>(c.iparam[2]), KVh = static_cast<int>(c.iparam[3]);
+          if (warp < kG + (fresh ? 2 : 0)) {
+            const int head = warp < kG ? static_cast<int>(kvh) * kG + warp : H + (warp - kG) * KVh + static_cast<int>(kvh);
+            const bool rotate = warp <= kG, norm = c.iparam[4] != 0 && rotate;
+            const ViewC& wnv = c.in[warp < kG ? 6 : 7];
+            RopeRow<kPer, T> x;
+            x.load(static_cast<const T*>(env.buffers[q.buffer]) + q.offset + b * q.stride[0] + static_cast<long long>(head) * D,
+                   norm ? static_cast<const T*>(env.buffers[wnv.buffer]) + wnv.offset : nullptr);
+            const long long pos = rope_position(span, c.in[1]);
+            const long long new_page = warp >= kG ? page_of(env, indices, span.first_page, pos, shift) : 0;
+            if (rotate) x.rotate(static_cast<const T*>(env.buffers[c.in[1].buffer]) + c.in[1].offset + pos * c.in[1].stride[0],
+                                 norm, c.fparam[1]);
+            x.store(rope_rows + warp * D);
+            if (warp >= kG) x.store(cache_slot<T>(env, cache, c.iparam[0], warp - kG, new_page, kvh, pos, page_size));
+          }
+          __syncthreads();
+        }
         float qr[kG][kPer], acc[kG][kPer], m[kG], l[kG];
 #pragma unroll
         for (int g = 0; g < kG; ++g) {
-          load_vec<kPer>(qbase + b * q.stride[0] + (kvh * kG + g) * q.stride[1], qr[g]);
+          if constexpr (kRope) {
+            load_vec<kPer>(rope_rows + g * D + lane * kPer, qr[g]);
+          } else {
+            load_vec<kPer>(qbase + b * q.stride[0] + (kvh * kG + g) * q.stride[1], qr[g]);
+          }
           m[g] = -INFINITY;
           l[g] = 0.f;
 #pragma unroll
@@ -159,11 +228,24 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
             acc[g][i] = 0.f;
           }
         }
-        // positions per warp step: kU, or fewer when the chunk is short, so all warps get some
-        const int ku = static_cast<int>(min(static_cast<long long>(kU), max(1LL, (t1 - t0 + warps - 1) / warps)));
-        long long base = t0 + warp * ku;
-        const int mine = lane % ku;  // the position of the step whose page this lane looks up
-        long long page = base + mine < t1 ? page_of(env, indices, span.first_page, base + mine, shift) : 0;
+        // one position's K and V rows (in shared memory) into every head's online softmax
+        const auto attend = [&](const T* krow, const T* vrow) {
+          float kf[kPer], vf[kPer];
+          load_vec<kPer>(krow + lane * kPer, kf);
+          load_vec<kPer>(vrow + lane * kPer, vf);
+#pragma unroll
+          for (int g = 0; g < kG; ++g) {
+            float d = 0.f;
+#pragma unroll
+            for (int i = 0; i < kPer; ++i) d += qr[g][i] * kf[i];
+            const float s = warp_sum(d), m_new = fmaxf(m[g], s);
+            const float corr = exp2f(m[g] - m_new), p = exp2f(s - m_new);
+            l[g] = l[g] * corr + p;
+#pragma unroll
+            for (int i = 0; i < kPer; ++i) acc[g][i] = acc[g][i] * corr + p * vf[i];
+            m[g] = m_new;
+          }
+        };
         for (; base < t1; base += warps * ku) {
           const long long ahead = base + warps * ku + mine;
           const long long next_page = ahead < t1 ? page_of(env, indices, span.first_page, ahead, shift) : 0;
@@ -181,26 +263,11 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
           cp_async_wait_all();
           __syncwarp();
 #pragma unroll 1
-          for (int u = 0; u < valid; ++u) {
-            float kf[kPer], vf[kPer];
-            load_vec<kPer>(slot + u * D + lane * kPer, kf);
-            load_vec<kPer>(slot + (kU + u) * D + lane * kPer, vf);
-#pragma unroll
-            for (int g = 0; g < kG; ++g) {
-              float d = 0.f;
-#pragma unroll
-              for (int i = 0; i < kPer; ++i) d += qr[g][i] * kf[i];
-              const float s = warp_sum(d), m_new = fmaxf(m[g], s);
-              const float corr = exp2f(m[g] - m_new), p = exp2f(s - m_new);
-              l[g] = l[g] * corr + p;
-#pragma unroll
-              for (int i = 0; i < kPer; ++i) acc[g][i] = acc[g][i] * corr + p * vf[i];
-              m[g] = m_new;
-            }
-          }
+          for (int u = 0; u < valid; ++u) attend(slot + u * D, slot + (kU + u) * D);
           __syncwarp();  // the slot is refilled by the next step
           page = next_page;
         }
+        if (fresh && warp == 0) attend(rope_rows + kG * D, rope_rows + (kG + 1) * D);
         __syncthreads();  // the states below overwrite the warps' K/V slots
         // combine the warps' states in warp order (deterministic)
 #pragma unroll

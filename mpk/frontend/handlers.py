@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import math
+import operator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -374,6 +376,33 @@ def _whole_input(L, v: View, what: str) -> View:
     return v
 
 
+@dataclass(frozen=True)
+class DeferredRope:
+    """A rope_append not emitted yet: its q feeds only a paged attention, which runs it inside
+    its own tasks (rope_attn_partial)."""
+
+    inputs: tuple
+    attrs: dict
+    shape: tuple[int, int, int]
+    cache_buffer: int
+
+
+MAX_FUSED_GROUP = 6  # cuda/mpk_tasks/paged_attention.cuh: the G q heads + k + v, one warp each
+
+
+def _q_only_attended(node, layer: int, group: int) -> bool:
+    """The q output of the rope_append ``node`` is read by exactly one paged attention, of the
+    same layer, whose group fits the fused task."""
+    q_nodes = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+    users = [u for q in q_nodes for u in q.users]
+    if len(q_nodes) != 1 or len(users) != 1 or users[0].target is not mpk_ops.paged_attention.default:
+        return False
+    attn = users[0]
+    q_arg = attn.args[0] if attn.args else attn.kwargs.get("q")
+    attn_layer = attn.args[5] if len(attn.args) > 5 else attn.kwargs.get("layer")
+    return q_arg is q_nodes[0] and attn_layer == layer and group <= MAX_FUSED_GROUP
+
+
 def _rope_append(L, node, qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache, q_norm, k_norm,
                  layer, heads, kv_heads, eps):
     from mpk.frontend.fused_ops import rope_append_attrs
@@ -387,11 +416,16 @@ def _rope_append(L, node, qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len,
         raise Unsupported(str(exc)) from None
     ins = [qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, _whole_input(L, kv_cache, "kv_cache")]
     ins += [q_norm, k_norm] if q_norm is not None else []
-    q = L.emit("rope_append", ins, attrs, shape=(qkv.shape[0], heads, attrs["head_dim"]), dtype=qkv_val.dtype)
     if (kv_cache.buffer, layer) in L.attended:
         raise Unsupported(f"rope_append writes layer {layer} of a cache that an earlier paged_attention of this "
                           "graph reads; append before attending")
-    L.appended_q[(kv_cache.buffer, layer)] = q.buffer
+    shape = (qkv.shape[0], heads, attrs["head_dim"])
+    if L.fuse_rope_attention and _q_only_attended(node, layer, heads // kv_heads):
+        q = DeferredRope(tuple(ins), attrs, shape, ins[5].buffer)
+        L.appended_q[(kv_cache.buffer, layer)] = q
+    else:
+        q = L.emit("rope_append", ins, attrs, shape=shape, dtype=qkv_val.dtype)
+        L.appended_q[(kv_cache.buffer, layer)] = q.buffer
     return q, kv_cache  # the cache is written in place: its new value is the input buffer
 
 
@@ -420,6 +454,8 @@ def _paged_attention(L, node, q, kv_cache, kv_indptr, kv_indices, kv_last_page_l
 
     B, H, D = q.shape
     _, _, _, KV, page_size, head_dim = kv_cache.shape
+    if isinstance(q, DeferredRope) and q.cache_buffer != kv_cache.buffer:
+        raise Unsupported("paged_attention reads a different cache than the rope_append that made its q")
     if H % KV or D != head_dim:
         raise Unsupported(f"q {q.shape} over a cache of {KV} kv heads of dim {head_dim}")
     C = num_splits or default_splits(B, KV, kv_indices.shape[0] * page_size // max(1, B))
@@ -429,7 +465,13 @@ def _paged_attention(L, node, q, kv_cache, kv_indptr, kv_indices, kv_last_page_l
     # orders attention after the append is reading the q that same rope_append wrote (the tile
     # that appends kv head j also writes query head j·G, which every tile of kv head j reads).
     key = (cache.buffer, layer)
-    if key in L.appended_q and (L.appended_q[key] != q.buffer or q.steps):
+    if isinstance(q, DeferredRope):  # the append runs inside the attention tasks
+        L.attended.add(key)
+        states = L.emit("rope_attn_partial", list(q.inputs), {**q.attrs, **attrs},
+                        shape=(B, KV, C, H // KV, D + 1), dtype=torch.float32)
+        return L.emit("attn_merge", [states], {}, shape=(B, H, D), dtype=L.meta().dtype)
+    appended = L.appended_q.get(key)
+    if appended is not None and (appended != q.buffer or q.steps):
         raise Unsupported(f"paged_attention over layer {layer} must read the q returned by that layer's "
                           "rope_append (which appends the step's k/v); nothing else orders it after the append")
     L.attended.add(key)

@@ -65,8 +65,8 @@ class Lowering:
     their outputs become opaque inputs, so one pass finds every unsupported node."""
 
     def __init__(self, gm: GraphModule, param_flags: list[bool] | None = None,
-                 input_names: list[str] | None = None, probe: bool = False):
-        self.gm, self.probe = gm, probe
+                 input_names: list[str] | None = None, probe: bool = False, fuse_rope_attention: bool = True):
+        self.gm, self.probe, self.fuse_rope_attention = gm, probe, fuse_rope_attention
         self.param_flags, self.input_names = param_flags, input_names
         self.graph = OpGraph()
         self.env: dict[Node, Any] = {}
@@ -232,9 +232,11 @@ def _flat(args, kwargs) -> list:
 
 
 def lower(gm: GraphModule, param_flags: list[bool] | None = None,
-          input_names: list[str] | None = None) -> OpGraph:
-    """Lower a fully supported FX graph; raises ``UnsupportedOpError`` on the first bad node."""
-    return Lowering(gm, param_flags, input_names).run()
+          input_names: list[str] | None = None, fuse_rope_attention: bool = True) -> OpGraph:
+    """Lower a fully supported FX graph; raises ``UnsupportedOpError`` on the first bad node.
+    ``fuse_rope_attention``: a rope_append whose q only paged attention reads becomes part of
+    the attention op (rope_attn_partial)."""
+    return Lowering(gm, param_flags, input_names, fuse_rope_attention=fuse_rope_attention).run()
 
 
 def find_unsupported(gm: GraphModule) -> list[tuple[Node, str]]:

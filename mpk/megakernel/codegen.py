@@ -61,6 +61,8 @@ ENCODERS: dict[str, Callable[[dict], Params]] = {
     "rope_append": lambda a: (0, [a["heads"], a["kv_heads"], a["head_dim"], a["page_size"], int(a["qk_norm"]),
                                  a["layer"]], [a["eps"]]),
     "attn_partial": lambda a: (0, [a["layer"], a["page_size"]], [a["scale"]]),
+    "rope_attn_partial": lambda a: (0, [a["layer"], a["page_size"], a["heads"], a["kv_heads"], int(a["qk_norm"])],
+                                    [a["scale"], a["eps"]]),
     "attn_merge": lambda a: (0, [], []),
     "copy": lambda a: (0, [], []),
     "cat": lambda a: (0, [a["dim"]], []),
@@ -227,17 +229,24 @@ def _paged_task(tables: Tables, op: int) -> str:
             if i < len(views):
                 _check_contiguous(name, what, views[i], 1)
         return f"mpk::rope_append_impl<{D // 32}, {ctype}>"
-    if kind == "attn_partial":
-        q, cache = views[0], views[1]
-        D, heads, kv = int(q["shape"][2]), int(q["shape"][1]), int(cache["shape"][3])
+    if kind in ("attn_partial", "rope_attn_partial"):
+        fused = kind == "rope_attn_partial"
+        cache = views[5] if fused else views[1]
+        kv, D = int(cache["shape"][3]), int(cache["shape"][5])
+        heads = meta["attrs"]["heads"] if fused else int(views[0]["shape"][1])
         if D not in (64, 128, 256) or (heads // kv) * D > ATTN_REGS * 32:
             raise CompileError(f"op {name!r}: paged attention with head dim {D} and {heads // kv} query heads per kv "
                                f"head has no CUDA variant (head dim 64, 128 or 256, group × head dim ≤ "
                                f"{ATTN_REGS * 32})")
-        ctype = _one_ctype(tables, op, name, [q, cache], False)
-        _check_contiguous(name, "q", q, D // 32)
+        if fused and heads // kv > 6:
+            raise CompileError(f"op {name!r}: rope_attn_partial rotates {heads // kv} query heads, k and v with a "
+                               f"warp each; the task has 8 warps (the frontend fuses groups of at most 6)")
+        rope_views = [views[i] for i in (0, 1, *range(6, len(views)))] if fused else [views[0]]
+        ctype = _one_ctype(tables, op, name, [cache, *rope_views], False)
+        for what, v in zip(("qkv", "cos_sin", "q_norm", "k_norm") if fused else ("q",), rope_views):
+            _check_contiguous(name, what, v, 1 if fused else D // 32)
         _check_contiguous(name, "kv_cache", cache, 16 // DTYPE_SIZE[ctype])  # rows are copied in 16-byte pieces
-        return f"mpk::attn_partial_impl<{D // 32}, {heads // kv}, {ctype}>"
+        return f"mpk::attn_partial_impl<{D // 32}, {heads // kv}, {ctype}, {'true' if fused else 'false'}>"
     D = int(views[0]["shape"][4]) - 1  # attn_merge: states [B, KV, C, G, D + 1]
     if D not in (64, 128, 256):
         raise CompileError(f"op {name!r}: attn_merge with head dim {D}; the CUDA task takes 64, 128 or 256")
@@ -248,7 +257,8 @@ def _paged_task(tables: Tables, op: int) -> str:
 # dispatch names the instantiation (c.variant selects among an op type's instantiations), so
 # only the combinations a graph uses are compiled.
 SPECIALIZED: dict[str, Callable[[Tables, int], str]] = {
-    "rope_append": _paged_task, "attn_partial": _paged_task, "attn_merge": _paged_task,
+    "rope_append": _paged_task, "attn_partial": _paged_task, "rope_attn_partial": _paged_task,
+    "attn_merge": _paged_task,
 }
 
 

@@ -103,15 +103,21 @@ def kv_heads_of_tile(h0: int, h1: int, heads: int, kv_heads: int) -> range:
 
 
 def _rope_append_cpu(sig: OpSig, rect, xs):
-    a = sig.attrs
+    return _rope_rows(sig.attrs, sig.out_dtype, rect[0], rect[1], xs, append=True)
+
+
+def _rope_rows(a: dict, dtype: torch.dtype, rows, heads, xs, append: bool) -> torch.Tensor:
+    """Rotated (and qk-normed) q of query heads ``heads`` for the sequences ``rows``, in
+    ``dtype``; with ``append``, the k/v of the kv heads whose group starts in ``heads`` are
+    written to the cache slot of each sequence's last position (xs: rope_append's inputs)."""
     qkv, cos_sin, indptr, indices, last, cache, *norms = xs
     H, KV, D, ps = a["heads"], a["kv_heads"], a["head_dim"], a["page_size"]
-    (b0, b1), (h0, h1) = rect[0], rect[1]
-    kvs = kv_heads_of_tile(h0, h1, H, KV)
+    (b0, b1), (h0, h1) = rows, heads
+    kvs = kv_heads_of_tile(h0, h1, H, KV) if append else range(0)
     x = qkv.reshape(b1 - b0, H + 2 * KV, D).float()
     q, k, v = x[:, h0:h1], x[:, H + kvs.start:H + kvs.stop], x[:, H + KV + kvs.start:H + KV + kvs.stop]
     if a["qk_norm"]:
-        q, k = rms_rows(q, norms[0], a["eps"], sig.out_dtype), rms_rows(k, norms[1], a["eps"], sig.out_dtype)
+        q, k = rms_rows(q, norms[0], a["eps"], dtype), rms_rows(k, norms[1], a["eps"], dtype)
     pos = seq_lens(indptr, last, ps)[b0:b1] - 1
     if bool((pos < 0).any()):
         raise ValueError("rope_append: a sequence of the batch has no pages (length 0); the caller must "
@@ -123,11 +129,11 @@ def _rope_append_cpu(sig: OpSig, rect, xs):
         return t * cos + torch.cat([-t[..., D // 2:], t[..., : D // 2]], -1) * sin
 
     q, k = rot(q), rot(k)
-    for i, b in enumerate(range(b0, b1)):
+    for i, b in enumerate(range(b0, b1) if append else ()):
         page, slot = token_slots(indptr, indices, b, pos[i:i + 1], ps)
         cache[0, 0, page[0], kvs.start:kvs.stop, slot[0]] = k[i].to(cache.dtype)
         cache[0, 1, page[0], kvs.start:kvs.stop, slot[0]] = v[i].to(cache.dtype)
-    return q.to(sig.out_dtype)
+    return q.to(dtype)
 
 
 register(OpDef(
@@ -175,6 +181,32 @@ register(OpDef(
     splittable=lambda sig: (True, True, True, False, False), split_order=lambda sig: [0, 1, 2],
     min_tile_elems=1,
     doc="partial (O, lse) of G query heads over one KV chunk of a paged sequence",
+))
+
+
+# --- rope_attn_partial ------------------------------------------------------------------------
+# rope_append fused into attn_partial: rope_append's inputs (qkv, cos_sin, kv_indptr, kv_indices,
+# kv_last_page_len, kv_cache[, q_norm, k_norm]); output states [B, KV, C, G, D + 1] float32.
+# Tile (b, kv head j, chunk c) rotates the G query heads of j itself (every chunk's tile does;
+# they are few), and the tile of the last chunk, the only one whose positions include the token
+# being decoded, appends j's k/v to the cache. No other tile reads that slot, so the tiles of
+# one op need no order among themselves; one op boundary fewer per layer than the pair.
+
+def _rope_attn_cpu(sig: OpSig, rect, xs):
+    a = sig.attrs
+    (b0, b1), (k0, k1), (c0, c1) = rect[0], rect[1], rect[2]
+    C, G = sig.out_shape[2], sig.out_shape[3]
+    q = _rope_rows(a, xs[0].dtype, (b0, b1), (k0 * G, k1 * G), xs, append=c1 == C)  # q rounds as qkv does
+    indptr, indices, last, cache = xs[2:6]
+    psig = OpSig((), sig.out_shape, torch.float32, {"page_size": a["page_size"], "scale": a["scale"]})
+    return _partial_cpu(psig, rect, [q, cache, indptr, indices, last])
+
+
+register(OpDef(
+    kind="rope_attn_partial", type_id=33, input_regions=_rope_append_regions, cpu=_rope_attn_cpu,
+    splittable=lambda sig: (True, True, True, False, False), split_order=lambda sig: [0, 1, 2],
+    min_tile_elems=1,
+    doc="rope_append and attn_partial in one task: rotate the group's q, append k/v (last chunk), attend",
 ))
 
 
