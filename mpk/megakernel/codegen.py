@@ -323,25 +323,27 @@ def generate(tables: Tables) -> str:
     bspace = "__constant__" if used + 8 * len(tables.buffers) <= CONSTANT_BUDGET else "__device__"
     # A table in global memory is staged into shared memory: one parallel load instead of a
     # chain of dependent L2 reads of its fields (the acquire before each task invalidates L1,
-    # so nothing of it stays cached). The worker's thread 0 starts that copy while it waits
-    # for the task's event (mpk_prefetch_op); the slot is reused by the next task of the op.
+    # so nothing of it stays cached). There are two slots: the worker's thread 0 copies the next
+    # AOT task's constants into one while the CTA runs the task whose constants are in the
+    # other (mpk_prefetch_op); a slot is reused by later tasks of its op.
     if in_constant:
-        fetch = ("__device__ __forceinline__ void mpk_prefetch_op(int) {}  // the table is in the constant bank\n\n"
+        fetch = ("__device__ __forceinline__ void mpk_prefetch_op(int, int) {}  // the table is in the constant bank\n\n"
                  "// Task dispatch over the op types of this graph (the variant is decided inside each task).\n"
-                 "__device__ __noinline__ void mpk_execute_task(int op, int tile, bool, mpk::InputGate* gate) {\n"
+                 "__device__ __noinline__ void mpk_execute_task(int op, int tile, int, bool, mpk::InputGate* gate) {\n"
                  "  const mpk::OpC& c = mpk_gen::kOps[op];\n")
     else:
-        fetch = ("__device__ __forceinline__ mpk::OpC& mpk_op_slot() {\n"
-                 "  __shared__ mpk::OpC s_op;\n"
-                 "  return s_op;\n"
+        fetch = ("__device__ __forceinline__ mpk::OpC& mpk_op_slot(int slot) {\n"
+                 "  __shared__ mpk::OpC s_op[2];\n"
+                 "  return s_op[slot];\n"
                  "}\n\n"
-                 "__device__ __forceinline__ void mpk_prefetch_op(int op) { mpk::prefetch_op(mpk_op_slot(), "
+                 "__device__ __forceinline__ void mpk_prefetch_op(int op, int slot) { mpk::prefetch_op(mpk_op_slot(slot), "
                  "mpk_gen::kOps[op]); }\n\n"
                  "// Task dispatch over the op types of this graph (the variant is decided inside each task).\n"
-                 "// staged: the slot already holds op's constants.\n"
-                 "__device__ __noinline__ void mpk_execute_task(int op, int tile, bool staged, mpk::InputGate* gate) {\n"
-                 "  if (!staged) mpk::stage_op(mpk_op_slot(), mpk_gen::kOps[op]);\n"
-                 "  const mpk::OpC& c = mpk_op_slot();\n")
+                 "// staged: shared slot ``slot`` already holds op's constants; else they are copied there first.\n"
+                 "__device__ __noinline__ void mpk_execute_task(int op, int tile, int slot, bool staged, "
+                 "mpk::InputGate* gate) {\n"
+                 "  if (!staged) mpk::stage_op(mpk_op_slot(slot), mpk_gen::kOps[op]);\n"
+                 "  const mpk::OpC& c = mpk_op_slot(slot);\n")
     def case(t: int) -> str:
         if t not in instances:
             if kinds[t] in LINEAR_KINDS:  # opens the gate itself, after its first weight loads

@@ -1,11 +1,13 @@
 // The persistent kernel: one cooperative launch, one CTA per SM. CTAs [0, num_workers) are
 // workers; the rest host scheduler warps (kSchedWarpsPerCta each). Include this after the
-// generated code has defined ``mpk_execute_task(op, tile, staged, gate)`` and ``mpk_prefetch_op(op)``
+// generated code has defined ``mpk_execute_task(op, tile, slot, staged, gate)`` and
+// ``mpk_prefetch_op(op, slot)``
 // (over its own op and buffer tables).
 //
 // Worker (thread 0 decides, the CTA executes): its JIT ring first; else the head of its AOT list
-// once that task's dependent event reached iteration·num_triggers; else spin — having first
-// started the copy of that task's op constants into shared memory (mpk_prefetch_op). In a graph
+// once that task's dependent event reached iteration·num_triggers; else spin. Op constants live
+// in two shared-memory slots (OpSlots): when a task starts, the copy of the next AOT head's
+// constants into the other slot starts too (mpk_prefetch_op), and lands while the task runs. In a graph
 // without JIT tasks the worker does not spin there: it starts the head at once with an
 // InputGate, and the task waits for the event inside (after the loads that need nothing the
 // graph computes: a linear task's weights). With JIT tasks it could then wait on a task that
@@ -46,27 +48,28 @@ __device__ __forceinline__ void notify_event(const RuntimeArgs& a, const EventRe
 }
 
 // ``count`` arrivals at event e (release); the add that reaches a multiple of num_triggers fires
-// it. A single-trigger event fires on every arrival: a task that knows its iteration (AOT
-// tasks, and JIT tasks, which their scheduler stamps) stores the counter's next value and
-// tells the schedulers without waiting for an atomic's reply, all behind one release fence;
-// events nobody must be told about get a fire-and-forget reduction.
+// it. Nobody waits for an atomic's reply unless the arrival must learn whether it fired the
+// event: an event that launches no JIT task (its waiters poll the counter) gets a
+// fire-and-forget reduction, or a store of the counter's next value when it has a single
+// trigger whose task knows its iteration (AOT tasks, and JIT tasks, which their scheduler
+// stamps); such a single-trigger event that launches JIT tasks is stored and its schedulers told
+// behind one release fence.
 __device__ __forceinline__ void arrive(const RuntimeArgs& a, const EventRef& e, unsigned count, int iter) {
-  if (e.num_triggers == 1 && e.id != a.end_event) {
-    if (iter > 0) {
-      const unsigned long long k = static_cast<unsigned long long>(iter);
-      if (e.jit_index < 0) {
-        store_release(a.counters + e.id, k);
-        return;
-      }
-      cuda::atomic_thread_fence(cuda::memory_order_release, cuda::thread_scope_device);
-      dev_atomic_u64(a.counters[e.id]).store(k, cuda::memory_order_relaxed);
-      notify_event(a, e, k, true);
-      return;
+  const bool one = e.num_triggers == 1 && iter > 0;
+  if (e.jit_index < 0 && e.id != a.end_event) {
+    if (one) {
+      store_release(a.counters + e.id, static_cast<unsigned long long>(iter));
+    } else {
+      red_release(a.counters + e.id, count);
     }
-    if (e.jit_index < 0) {
-      dev_atomic_u64(a.counters[e.id]).fetch_add(count, cuda::memory_order_release);  // result unused: RED
-      return;
-    }
+    return;
+  }
+  if (one && e.id != a.end_event) {
+    const unsigned long long k = static_cast<unsigned long long>(iter);
+    cuda::atomic_thread_fence(cuda::memory_order_release, cuda::thread_scope_device);
+    dev_atomic_u64(a.counters[e.id]).store(k, cuda::memory_order_relaxed);
+    notify_event(a, e, k, true);
+    return;
   }
   const unsigned long long n = static_cast<unsigned long long>(e.num_triggers);
   const unsigned long long now = add_release(a.counters + e.id, count) + count;
@@ -183,9 +186,22 @@ __device__ __forceinline__ bool wait_gate(InputGate* g) {
 
 // Thread 0 of a worker: the next task (JIT queue first, then the AOT head once its event fired,
 // or at once in a graph without JIT tasks: then ``gate`` says what it must wait for).
-// slot_op: the op whose constants the shared slot holds or is receiving.
+// Thread 0's record of the two shared-memory slots of op constants: which op each holds or is
+// receiving, and which the latest task used (the other one takes the next prefetch).
+struct OpSlots {
+  int op[2] = {-1, -1};
+  int last = 0;
+
+  __device__ __forceinline__ int find(int o) const { return op[0] == o ? 0 : op[1] == o ? 1 : -1; }
+  __device__ __forceinline__ void prefetch(int o) {  // o's constants into the slot not in use
+    if (o < 0 || find(o) >= 0) return;
+    mpk_prefetch_op(o, 1 - last);
+    op[1 - last] = o;
+  }
+};
+
 __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsigned long long& jit_head,
-                              Pending& pending, int& slot_op, InputGate& gate) {
+                              Pending& pending, OpSlots& slots, InputGate& gate) {
   Ring<TaskInfo> jit = Ring<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_head, a.jit_capacity, w);
   volatile int* status = a.status + static_cast<long long>(w) * kStatusWords;
   if (!(aot.left() && aot.head.info.trig.id == pending.event.id)) pending.flush(a);
@@ -211,10 +227,7 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
         return aot.consume(a);
       }
       pending.flush(a);  // about to wait: owe nothing to anyone
-      if (slot_op != aot.head.info.op && aot.head.info.op >= 0) {  // and fetch the task's constants meanwhile
-        mpk_prefetch_op(aot.head.info.op);
-        slot_op = aot.head.info.op;
-      }
+      slots.prefetch(aot.head.info.op);  // and fetch the task's constants meanwhile (if not there yet)
       if (!a.any_jit && aot.head.info.op >= 0) {  // start it now; it waits inside (wait_gate)
         gate = InputGate{a.counters + aot.head.dep, need, &a, status, aot.head.dep, aot.head.info.task,
                          static_cast<int>(aot.pos()), -1, 0};
@@ -247,7 +260,8 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
 
 __device__ void worker_loop(const RuntimeArgs& a, int w) {
   __shared__ TaskInfo s_task;
-  __shared__ bool s_staged;  // the op slot already holds s_task's op constants
+  __shared__ int s_slot;     // the op-constant slot of s_task
+  __shared__ bool s_staged;  // that slot already holds s_task's op constants
   __shared__ InputGate s_gate;
   __shared__ bool s_gated;  // s_task started before its event fired: it waits on s_gate
   AotCursor aot;
@@ -258,32 +272,38 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
   Pending pending;
   unsigned n_profiled = 0;
   unsigned long long t0 = 0;
-  int slot_op = -1;
+  OpSlots slots;
   bool abandoned = false;  // a gated task's wait was abandoned: leave
   if (threadIdx.x == 0) aot.start(a);
   while (true) {
     if (threadIdx.x == 0) {
       s_gate.counter = nullptr;
-      TaskInfo t = abandoned ? TaskInfo{kExit, -1} : next_task(a, w, aot, jit_head, pending, slot_op, s_gate);
+      TaskInfo t = abandoned ? TaskInfo{kExit, -1} : next_task(a, w, aot, jit_head, pending, slots, s_gate);
       while (t.task != kExit && t.op < 0) {  // dummy tasks need no block: thread 0 completes them
         if (a.profile && n_profiled < static_cast<unsigned>(a.profile_capacity)) {
           const unsigned long long now = globaltimer_ns();
           a.profile[static_cast<long long>(w) * a.profile_capacity + n_profiled++] = ProfileRecord{t.task, sm_id(), now, now};
         }
         pending.add(a, t);
-        t = next_task(a, w, aot, jit_head, pending, slot_op, s_gate);
+        t = next_task(a, w, aot, jit_head, pending, slots, s_gate);
       }
       s_task = t;
       s_gated = s_gate.counter != nullptr;
-      cp_async_wait_all();  // a prefetch landed (or must not land on another op's staging)
-      s_staged = t.op == slot_op;
-      slot_op = t.op;  // staged by mpk_execute_task otherwise
+      cp_async_wait_all();  // the prefetches landed (or must not land on a slot being staged)
+      int slot = slots.find(t.op);
+      s_staged = slot >= 0;
+      if (slot < 0) {  // staged by mpk_execute_task, into the slot the latest task did not use
+        slot = 1 - slots.last;
+        slots.op[slot] = t.op;
+      }
+      slots.last = s_slot = slot;
+      if (t.task != kExit && aot.left()) slots.prefetch(aot.head.info.op);  // lands while t runs
       if (a.profile) t0 = globaltimer_ns();
     }
     __syncthreads();
     const TaskInfo t = s_task;
     if (t.task == kExit) break;
-    mpk_execute_task(t.op, t.tile, s_staged, s_gated ? &s_gate : nullptr);
+    mpk_execute_task(t.op, t.tile, s_slot, s_staged, s_gated ? &s_gate : nullptr);
     __syncthreads();
     if (threadIdx.x == 0) {
       if (s_gated) {
@@ -412,6 +432,6 @@ extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1)
 // Test wrapper: every tile of one op, one CTA per tile, no scheduling (task families alone).
 // Built only on request: it doubles ptxas time.
 extern "C" __global__ void __launch_bounds__(mpk::kThreads) mpk_tile_kernel(int op) {
-  mpk_execute_task(op, blockIdx.x, false, nullptr);
+  mpk_execute_task(op, blockIdx.x, 0, false, nullptr);
 }
 #endif

@@ -29,6 +29,11 @@ __device__ __forceinline__ void store_release(unsigned long long* p, unsigned lo
   dev_atomic_u64(*p).store(v, cuda::memory_order_release);
 }
 
+// A release add nobody needs the result of: a reduction, so no reply is awaited.
+__device__ __forceinline__ void red_release(unsigned long long* p, unsigned long long v) {
+  asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 __device__ __forceinline__ unsigned long long add_release(unsigned long long* p, unsigned long long v) {
   return dev_atomic_u64(*p).fetch_add(v, cuda::memory_order_acq_rel);
 }
