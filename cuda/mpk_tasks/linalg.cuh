@@ -335,10 +335,27 @@ __device__ void task_matmul_silu(const OpC& c, const Rect& r, const TaskEnv& env
   }
 }
 
-// out[..., d] = weight[ids[...], d]; inputs weight [V, D], ids.
+// out[..., d] = weight[ids[...], d]; inputs weight [V, D], ids. Rows of a 2-byte table that
+// copy as 16-byte words (the decode step's embedding) take the fast path: each row's token id
+// in one round trip, then all its words in flight; the general loop looks the id up per element.
 __device__ void task_embedding(const OpC& c, const Rect& r, const TaskEnv& env) {
   const ViewC& w = c.in[0];
   const ViewC& ids = c.in[1];
+  const bool words = c.ndim == 2 && ids.ndim == 1 && w.dtype == c.out_dtype && (w.dtype == kBF16 || w.dtype == kF16) &&
+                     w.stride[1] == 1 && w.offset % 8 == 0 && w.stride[0] % 8 == 0 && c.out_shape[1] % 8 == 0 &&
+                     r.lo[1] % 8 == 0 && r.hi[1] % 8 == 0;
+  if (words) {
+    const long long n = (r.hi[1] - r.lo[1]) / 8;
+    const auto* table = static_cast<const uint4*>(env.buffers[w.buffer]);
+    auto* out = static_cast<uint4*>(env.buffers[c.out_buffer]);
+    for (long long row = r.lo[0]; row < r.hi[0]; ++row) {
+      const long long tok = load_i(env.buffers[ids.buffer], ids.dtype, ids.offset + row * ids.stride[0]);
+      const uint4* src = table + (w.offset + tok * w.stride[0] + r.lo[1]) / 8;
+      uint4* dst = out + (row * c.out_shape[1] + r.lo[1]) / 8;
+      for (long long j = threadIdx.x; j < n; j += blockDim.x) dst[j] = src[j];
+    }
+    return;
+  }
   const long long n = rect_numel(r, c.ndim);
   for (long long e = threadIdx.x; e < n; e += blockDim.x) {
     long long idx[kMaxDims];
