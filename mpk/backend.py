@@ -67,7 +67,7 @@ def compile_fx(gm: GraphModule, opts: CompileOptions, param_flags: list[bool] | 
                input_names: list[str] | None = None) -> Callable:
     """Compile one functionalized ATen graph into a callable taking the graph's flat inputs."""
     fuse_patterns(gm, ("norm_prologue",) if opts.fuse_norm_prologue else ())
-    failures = find_unsupported(gm)
+    failures = find_unsupported(gm, opts.fuse_rope_attention)
     if not failures:
         graph = lower(gm, param_flags, input_names, opts.fuse_rope_attention)
         compiled = compile_graph(graph, opts.num_workers, opts.partition,

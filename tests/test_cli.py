@@ -37,8 +37,8 @@ def test_inspect_factory_file(tmp_path, capsys):
 
 def test_inspect_paged_decode_preset(tmp_path, capsys):
     """The LLM decode step of a public shape on meta tensors: per layer one fused qkv
-    projection, rope_append, split-KV attention + merge, residual adds folded into the
-    projections (no separate add op), all AOT."""
+    projection, rope + split-KV attention in one op (rope_attn_partial) + merge, residual adds
+    folded into the projections (no separate add op), all AOT."""
     assert main(["inspect", "qwen3-1.7b-paged", "--out", str(tmp_path), "--layers", "2", "--batch", "2",
                  "--cache-len", "256"]) == 0
     out = capsys.readouterr().out
@@ -46,5 +46,6 @@ def test_inspect_paged_decode_preset(tmp_path, capsys):
     tables = Tables.from_bytes((tmp_path / "qwen3-1.7b-paged.tables").read_bytes())
     validate(tables)
     kinds = [op["kind"] for op in tables.meta["ops"]]
-    assert kinds.count("rope_append") == kinds.count("attn_partial") == kinds.count("attn_merge") == 2
+    assert kinds.count("rope_attn_partial") == kinds.count("attn_merge") == 2
+    assert "rope_append" not in kinds and "attn_partial" not in kinds
     assert kinds.count("matmul") == 2 * 4 + 1 and "pointwise" not in kinds

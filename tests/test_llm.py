@@ -202,3 +202,32 @@ def test_attention_must_read_the_appended_q():
     with pytest.raises(Exception, match="must read the q returned"):
         with torch.no_grad():
             compiled(torch.randn(2, cfg.hidden), *kv.args())
+
+
+def test_rope_stays_apart_when_attention_reads_other_tables():
+    """rope_append runs inside the attention tasks only when both read the same cache and page
+    tables; here the attention gets its own copy of the page table, so the two stay separate
+    ops, and the step still matches eager (cache included)."""
+    cfg = small("qwen3")
+    model = DecoderLM(cfg, torch.float32).randomize(seed=random.randrange(1 << 30))
+    layer = model.layers[0]
+
+    def step(x, cache, indptr, indices, last, indptr2, indices2, last2):
+        qkv = torch.nn.functional.linear(x, layer.qkv)
+        q = torch.ops.mpk.rope_append(qkv, model.cos_sin, indptr, indices, last, cache, layer.q_norm,
+                                      layer.k_norm, 0, cfg.heads, cfg.kv_heads, cfg.eps)
+        return torch.ops.mpk.paged_attention(q, cache, indptr2, indices2, last2, 0, cfg.head_dim ** -0.5, 2)
+
+    kv_e, kv_m = PagedKVCache(model, 2, 16, 4), PagedKVCache(model, 2, 16, 4)
+    for kv in (kv_e, kv_m):
+        kv.grow([3, 6])
+        kv.cache.normal_(generator=torch.Generator().manual_seed(5))
+    x = torch.randn(2, cfg.hidden)
+    compiled = torch.compile(step, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "cpu"})
+    with torch.no_grad():
+        tables_e, tables_m = kv_e.args()[1:], kv_m.args()[1:]
+        ref = step(x, kv_e.cache, *tables_e, *[t.clone() for t in tables_e])
+        out = compiled(x, kv_m.cache, *tables_m, *[t.clone() for t in tables_m])
+    assert relative_error(out, ref) <= 1e-5 and relative_error(kv_m.cache, kv_e.cache) <= 1e-6
+    kinds = [op.kind for op in COMPILED[-1].graph.ops]
+    assert "rope_append" in kinds and "attn_partial" in kinds and "rope_attn_partial" not in kinds

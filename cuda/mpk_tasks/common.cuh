@@ -266,8 +266,9 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\n cp.async.wait_group 0;" ::: "memory");
 }
 
-// One thread, while it waits for the next task's event: start copying that task's op
-// constants into shared memory (asynchronously; cp_async_wait_all() before they are read).
+// One thread: start copying an upcoming task's op constants into shared memory (when a task
+// starts, for the next one, or while waiting for an event); cp_async_wait_all() before they
+// are read.
 __device__ __forceinline__ void prefetch_op(OpC& dst, const OpC& src) {
   const int4* s = reinterpret_cast<const int4*>(&src);
   int4* d = reinterpret_cast<int4*>(&dst);

@@ -95,9 +95,10 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
     }
   };
   // Weights first: they depend on nothing the graph computes (codegen picks this variant only
-  // for weights no task writes), so the first step's loads go out before the task's event has
-  // fired (acquire_inputs) and before the prologue, the bias and the activations, whose
-  // latencies then hide under theirs.
+  // for weights that are graph inputs, and the only input a task writes is a paged KV cache,
+  // in place), so the first step's loads go out before the task's event has fired
+  // (acquire_inputs) and before the prologue, the bias and the activations, whose latencies
+  // then hide under theirs.
   start_pass(r.lo[1]);
   load_weights(warp);
   if (!acquire_inputs(env)) return;
@@ -343,7 +344,8 @@ __device__ void task_embedding(const OpC& c, const Rect& r, const TaskEnv& env) 
   const ViewC& ids = c.in[1];
   const bool words = c.ndim == 2 && ids.ndim == 1 && w.dtype == c.out_dtype && (w.dtype == kBF16 || w.dtype == kF16) &&
                      w.stride[1] == 1 && w.offset % 8 == 0 && w.stride[0] % 8 == 0 && c.out_shape[1] % 8 == 0 &&
-                     r.lo[1] % 8 == 0 && r.hi[1] % 8 == 0;
+                     r.lo[1] % 8 == 0 && r.hi[1] % 8 == 0 &&
+                     (reinterpret_cast<uintptr_t>(env.buffers[w.buffer]) | reinterpret_cast<uintptr_t>(env.buffers[c.out_buffer])) % 16 == 0;
   if (words) {
     const long long n = (r.hi[1] - r.lo[1]) / 8;
     const auto* table = static_cast<const uint4*>(env.buffers[w.buffer]);

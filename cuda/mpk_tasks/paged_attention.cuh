@@ -1,7 +1,8 @@
 // Task family: decode over a paged KV cache (mpk/ops/paged.py documents the layout and the
 // page table). ``rope_append``: qk-norm + RoPE of one token per sequence and its k/v appended
 // to the cache; ``attn_partial``: the (O, LSE) state of a kv head's G query heads over one KV
-// chunk; ``attn_merge``: ⊕ of a head's chunk states.
+// chunk; ``rope_attn_partial``: the two in one task (attn_partial_impl with kRope);
+// ``attn_merge``: ⊕ of a head's chunk states.
 //
 // LSE base 2 everywhere: lse = log2 Σ 2^s with s = q·k·scale·log2(e); O is normalised; the
 // empty state is (O = 0, lse = −inf). attn_merge_impl below is the CUDA form of ⊕.
@@ -144,6 +145,13 @@ __device__ __noinline__ void rope_append_impl(const OpC& c, const Rect& r, const
   }
 }
 
+// rope_attn_partial's rotated rows (static shared memory of the kRope instantiations only)
+template <typename T, int kN>
+__device__ __forceinline__ T* rope_rows_smem() {
+  __shared__ __align__(16) T s[kN];
+  return s;
+}
+
 // attn_partial — inputs: q [B, H, D], kv_cache, kv_indptr, kv_indices, kv_last_page_len;
 // iparam: layer, page_size; fparam[0] scale. kRope (rope_attn_partial) — rope_append's inputs
 // (qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache[, q_norm, k_norm]); iparam
@@ -159,12 +167,6 @@ __device__ __noinline__ void rope_append_impl(const OpC& c, const Rect& r, const
 // copied into its shared-memory slot with cp.async, all in flight at once, and the page-table
 // entries of its next step are loaded during the current one, so a step costs one memory
 // round trip. The position loop is not unrolled: short code.
-template <typename T, int kN>
-__device__ __forceinline__ T* rope_rows_smem() {
-  __shared__ __align__(16) T s[kN];
-  return s;
-}
-
 template <int kPer, int kG, typename T, bool kRope>
 __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, const TaskEnv& env) {
   constexpr int D = 32 * kPer;
@@ -179,8 +181,10 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   float* red = scratch();  // during the loop: each warp's K/V slot [2][kU][D] of T; then [warps][kG][D + 2]
   T* slot = reinterpret_cast<T*>(red) + warp * 2 * kU * D;
   const T* kvbase = static_cast<const T*>(env.buffers[cache.buffer]) + cache.offset + c.iparam[0] * cache.stride[0];
-  const T* qbase = static_cast<const T*>(env.buffers[q.buffer]) + q.offset + lane * kPer;
-  T* rope_rows = nullptr;  // kRope: [kG + 2][D]: the rotated q heads, then the new token's k and v
+  // q rows: in global memory, or (kRope) [kG + 2][D] in shared memory: the rotated q heads,
+  // then the new token's k and v
+  const T* qbase = kRope ? nullptr : static_cast<const T*>(env.buffers[q.buffer]) + q.offset + lane * kPer;
+  T* rope_rows = nullptr;
   if constexpr (kRope) rope_rows = rope_rows_smem<T, (kG + 2) * D>();
   for (long long b = r.lo[0]; b < r.hi[0]; ++b) {
     const SeqSpan span = seq_span(env, indptr, last, b, page_size);

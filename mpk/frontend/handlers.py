@@ -384,7 +384,11 @@ class DeferredRope:
     inputs: tuple
     attrs: dict
     shape: tuple[int, int, int]
-    cache_buffer: int
+    dtype: torch.dtype
+
+    def emit(self, L) -> View:
+        """The rope_append after all (the attention reads other tables than it did)."""
+        return L.emit("rope_append", list(self.inputs), self.attrs, shape=self.shape, dtype=self.dtype)
 
 
 MAX_FUSED_GROUP = 6  # cuda/mpk_tasks/paged_attention.cuh: the G q heads + k + v, one warp each
@@ -421,7 +425,7 @@ def _rope_append(L, node, qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len,
                           "graph reads; append before attending")
     shape = (qkv.shape[0], heads, attrs["head_dim"])
     if L.fuse_rope_attention and _q_only_attended(node, layer, heads // kv_heads):
-        q = DeferredRope(tuple(ins), attrs, shape, ins[5].buffer)
+        q = DeferredRope(tuple(ins), attrs, shape, qkv_val.dtype)
         L.appended_q[(kv_cache.buffer, layer)] = q
     else:
         q = L.emit("rope_append", ins, attrs, shape=shape, dtype=qkv_val.dtype)
@@ -454,8 +458,11 @@ def _paged_attention(L, node, q, kv_cache, kv_indptr, kv_indices, kv_last_page_l
 
     B, H, D = q.shape
     _, _, _, KV, page_size, head_dim = kv_cache.shape
-    if isinstance(q, DeferredRope) and q.cache_buffer != kv_cache.buffer:
-        raise Unsupported("paged_attention reads a different cache than the rope_append that made its q")
+    if isinstance(q, DeferredRope) and tuple(q.inputs[2:6]) != (kv_indptr, kv_indices, kv_last_page_len,
+                                                                 _whole_input(L, kv_cache, "kv_cache")):
+        rope = q  # other page tables or another cache than the append's: the two stay apart
+        q = rope.emit(L)
+        L.appended_q[(rope.inputs[5].buffer, layer)] = q.buffer
     if H % KV or D != head_dim:
         raise Unsupported(f"q {q.shape} over a cache of {KV} kv heads of dim {head_dim}")
     C = num_splits or default_splits(B, KV, kv_indices.shape[0] * page_size // max(1, B))

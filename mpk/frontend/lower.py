@@ -74,9 +74,10 @@ class Lowering:
         self._node: Node | None = None
         self._n_inputs = 0
         self._materialized: dict[View, View] = {}
-        # (cache buffer, layer) -> buffer of the rotated q that rope_append wrote for that layer:
-        # attention over the layer must read this q, which is what orders it after the append
-        self.appended_q: dict[tuple[int, int], int] = {}
+        # (cache buffer, layer) -> buffer of the rotated q that rope_append wrote for that layer
+        # (attention over the layer must read this q, which is what orders it after the append),
+        # or the DeferredRope that the layer's attention runs inside its own tasks
+        self.appended_q: dict[tuple[int, int], Any] = {}
         self.attended: set[tuple[int, int]] = set()  # (cache buffer, layer) some attention read
 
     # --- helpers for handlers -------------------------------------------------------------
@@ -239,8 +240,8 @@ def lower(gm: GraphModule, param_flags: list[bool] | None = None,
     return Lowering(gm, param_flags, input_names, fuse_rope_attention=fuse_rope_attention).run()
 
 
-def find_unsupported(gm: GraphModule) -> list[tuple[Node, str]]:
-    """Every node mpk cannot lower, with the reason, in one pass."""
-    lowering = Lowering(gm, probe=True)
+def find_unsupported(gm: GraphModule, fuse_rope_attention: bool = True) -> list[tuple[Node, str]]:
+    """Every node mpk cannot lower, with the reason, in one pass (``lower``'s options)."""
+    lowering = Lowering(gm, probe=True, fuse_rope_attention=fuse_rope_attention)
     lowering.run()
     return lowering.failures

@@ -12,9 +12,10 @@
 // InputGate, and the task waits for the event inside (after the loads that need nothing the
 // graph computes: a linear task's weights). With JIT tasks it could then wait on a task that
 // a scheduler hands this very worker, so there the worker waits outside, serving its ring. After a
-// task the CTA synchronises and thread 0 release-adds its arrival to the task's trigger event
-// (coalesced over consecutive tasks with the same trigger); the add that completes a multiple
-// of num_triggers fires the event. Firing an event that launches JIT tasks writes the iteration
+// task the CTA synchronises and thread 0 adds its arrival to the task's trigger event with
+// release order (coalesced over consecutive tasks with the same trigger; see arrive for when
+// that is a store or a fire-and-forget reduction); the add that completes a multiple of
+// num_triggers fires the event. Firing an event that launches JIT tasks writes the iteration
 // number into each active scheduler's mailbox slot for it; the end event starts the next
 // iteration (start counter += 1) or, after the last, sets ``done``.
 //
@@ -144,6 +145,18 @@ struct AotCursor {
   }
 };
 
+// What a worker waiting for an AOT task's event tells the watchdog (host-mapped status words).
+__device__ __forceinline__ void publish_aot_wait(volatile int* status, int task, int event, unsigned long long have,
+                                                 unsigned long long need, long long aot_pos, unsigned long long jit_head) {
+  status[kStState] = kStateWaitingAot;
+  status[kStTask] = task;
+  status[kStEvent] = event;
+  status[kStCountLo] = static_cast<int>(have);
+  status[kStNeedLo] = static_cast<int>(need);
+  status[kStAotPos] = static_cast<int>(aot_pos);
+  status[kStJitHead] = static_cast<int>(jit_head);
+}
+
 // A task started before its dependent event fired (see the top): what it waits for, and what
 // the watchdog is told meanwhile. In shared memory: thread 0 waits, the CTA reads ``open``.
 struct InputGate {
@@ -163,14 +176,7 @@ __device__ __forceinline__ bool wait_gate(InputGate* g) {
     unsigned long long have;
     int open = 1;
     while ((have = load_acquire(g->counter)) < g->need) {
-      if ((spin.polls & 1023) == 1023) {
-        g->status[kStState] = kStateWaitingAot;
-        g->status[kStTask] = g->task;
-        g->status[kStEvent] = g->event;
-        g->status[kStCountLo] = static_cast<int>(have);
-        g->status[kStNeedLo] = static_cast<int>(g->need);
-        g->status[kStAotPos] = g->aot_pos;
-      }
+      if ((spin.polls & 1023) == 1023) publish_aot_wait(g->status, g->task, g->event, have, g->need, g->aot_pos, 0);
       if (spin.pause(*g->args, g->status)) {
         g->status[kStState] = kStateAborted;
         open = 0;
@@ -184,8 +190,6 @@ __device__ __forceinline__ bool wait_gate(InputGate* g) {
   return g->open == 1;
 }
 
-// Thread 0 of a worker: the next task (JIT queue first, then the AOT head once its event fired,
-// or at once in a graph without JIT tasks: then ``gate`` says what it must wait for).
 // Thread 0's record of the two shared-memory slots of op constants: which op each holds or is
 // receiving, and which the latest task used (the other one takes the next prefetch).
 struct OpSlots {
@@ -200,6 +204,8 @@ struct OpSlots {
   }
 };
 
+// Thread 0 of a worker: the next task (JIT queue first, then the AOT head once its event fired,
+// or at once in a graph without JIT tasks: then ``gate`` says what it must wait for).
 __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsigned long long& jit_head,
                               Pending& pending, OpSlots& slots, InputGate& gate) {
   Ring<TaskInfo> jit = Ring<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_head, a.jit_capacity, w);
@@ -234,13 +240,7 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
         return aot.consume(a);
       }
       if ((spin.polls & 1023) == 1023) {
-        status[kStState] = kStateWaitingAot;
-        status[kStTask] = aot.head.info.task;
-        status[kStEvent] = aot.head.dep;
-        status[kStCountLo] = static_cast<int>(have);
-        status[kStNeedLo] = static_cast<int>(aot.need());
-        status[kStAotPos] = static_cast<int>(aot.pos());
-        status[kStJitHead] = static_cast<int>(jit_head);
+        publish_aot_wait(status, aot.head.info.task, aot.head.dep, have, aot.need(), aot.pos(), jit_head);
       }
     } else {
       pending.flush(a);
