@@ -65,6 +65,18 @@ def test_paged_decode_tasks_are_instantiated_per_graph():
     assert silu and all(silu_mul_variant(tables, i) == 1 for i in silu)
 
 
+def test_vector_read_inputs_are_the_ones_checked_for_alignment():
+    """The executor refuses misaligned inputs that a task reads in 16-byte pieces: the paged
+    cache whether or not rope runs inside attention, the streamed weights; not the cos/sin
+    table, which rope reads element by element."""
+    from mpk.megakernel.codegen import aligned_inputs
+
+    for fused in (True, False):
+        tables = _paged_decode_tables(fuse_rope_attention=fused)
+        names = {tables.meta["buffers"][b]["name"] for b in aligned_inputs(tables)}
+        assert {"kv_cache", "layers.0.qkv", "layers.0.gate_up"} <= names and "cos_sin" not in names, names
+
+
 @needs_nvcc
 @pytest.mark.parametrize("name,tables", list(_graphs()), ids=lambda x: x if isinstance(x, str) else "")
 def test_generated_cuda_compiles_for_sm90a(name, tables, tmp_path, monkeypatch):

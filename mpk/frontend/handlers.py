@@ -458,8 +458,8 @@ def _paged_attention(L, node, q, kv_cache, kv_indptr, kv_indices, kv_last_page_l
 
     B, H, D = q.shape
     _, _, _, KV, page_size, head_dim = kv_cache.shape
-    if isinstance(q, DeferredRope) and tuple(q.inputs[2:6]) != (kv_indptr, kv_indices, kv_last_page_len,
-                                                                 _whole_input(L, kv_cache, "kv_cache")):
+    cache = _whole_input(L, kv_cache, "kv_cache")
+    if isinstance(q, DeferredRope) and tuple(q.inputs[2:6]) != (kv_indptr, kv_indices, kv_last_page_len, cache):
         rope = q  # other page tables or another cache than the append's: the two stay apart
         q = rope.emit(L)
         L.appended_q[(rope.inputs[5].buffer, layer)] = q.buffer
@@ -467,7 +467,6 @@ def _paged_attention(L, node, q, kv_cache, kv_indptr, kv_indices, kv_last_page_l
         raise Unsupported(f"q {q.shape} over a cache of {KV} kv heads of dim {head_dim}")
     C = num_splits or default_splits(B, KV, kv_indices.shape[0] * page_size // max(1, B))
     attrs = dict(layer=layer, scale=float(scale), page_size=page_size)
-    cache = _whole_input(L, kv_cache, "kv_cache")
     # The cache is written in place by rope_append, invisibly to the dependency analysis; what
     # orders attention after the append is reading the q that same rope_append wrote (the tile
     # that appends kv head j also writes query head j·G, which every tile of kv head j reads).

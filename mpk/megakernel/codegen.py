@@ -165,20 +165,19 @@ def silu_mul_variant(tables: Tables, op: int) -> int:
 
 def aligned_inputs(tables: Tables) -> set[int]:
     """Input buffers that tasks read with vector loads (variant-1 linear, rms_norm and silu_mul
-    operands; the paged attention tasks' inputs, the cache among them): the executor refuses
-    them at addresses not 16-byte aligned."""
+    operands; attn_partial's q and cache; rope_attn_partial's cache, whose rows it copies in
+    16-byte pieces): the executor refuses them at addresses not 16-byte aligned."""
     need: set[int] = set()
     for i, o in enumerate(tables.ops):
         kind = tables.meta["ops"][i]["kind"]
         vector = ((kind in LINEAR_KINDS and linear_variant(tables, i))
                   or (kind == "rms_norm" and rms_norm_variant(tables, i))
-                  or (kind == "silu_mul" and silu_mul_variant(tables, i))
-                  or kind in ("attn_partial", "rope_attn_partial"))
-        if vector:
-            for v in tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]:
-                buf = int(tables.views[int(v)]["buffer"])
-                if int(tables.buffers[buf]["role"]) == ROLE_INPUT:
-                    need.add(buf)
+                  or (kind == "silu_mul" and silu_mul_variant(tables, i)) or kind == "attn_partial")
+        views = tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]
+        for v in views if vector else views[5:6] if kind == "rope_attn_partial" else ():
+            buf = int(tables.views[int(v)]["buffer"])
+            if int(tables.buffers[buf]["role"]) == ROLE_INPUT:
+                need.add(buf)
     return need
 
 

@@ -1,4 +1,5 @@
-"""Decode over a paged KV cache: ``rope_append``, ``attn_partial`` and ``attn_merge``.
+"""Decode over a paged KV cache: ``rope_append``, ``attn_partial``, the two fused
+(``rope_attn_partial``) and ``attn_merge``.
 
 The cache of all layers is one tensor ``kv_cache [L, 2, num_pages, kv_heads, page_size, D]``
 (k then v; HND pages). Which pages a sequence owns is a block-sparse (BSR) row as in
