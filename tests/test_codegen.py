@@ -34,6 +34,7 @@ def _graphs():
     yield "stamp-dag", stamp_graph(random_dag(300, random.Random(0)), iterations=3, busy_ns=100)
     yield "qwen3-1.7b-paged", _paged_decode_tables()
     yield "qwen3-1.7b-paged-unfused", _paged_decode_tables(fuse_rope_attention=False)
+    yield "qwen3-bf16-fused-norm", _compiled_decode_tables("qwen3", fuse_norm_prologue=True)
 
 
 def _paged_decode_tables(**options):
@@ -45,6 +46,23 @@ def _paged_decode_tables(**options):
     ns = argparse.Namespace(layers=1, batch=2, cache_len=100, seq=1)
     model, args = PRESETS["qwen3-1.7b-paged"](ns)
     return compile_module(model, args, {"num_workers": 128, **options}).tables
+
+
+def _compiled_decode_tables(family: str, **options):
+    """A small bf16 DecoderLM decode step through torch.compile (Dynamo, as users compile it:
+    every pattern fusion applies), run once on the CPU interpreter; its tables."""
+    from mpk.backend import COMPILED
+    from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache
+
+    cfg = LLMConfig(family=family, hidden=128, inter=256, layers=1, heads=4, kv_heads=2, head_dim=64, vocab=64,
+                    tied=True, eps=1e-6, rope_theta=1e6, rope_scaling=None, max_position=64)
+    model = DecoderLM(cfg, torch.bfloat16).randomize(seed=0)
+    step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "cpu", **options})
+    kv = PagedKVCache(model, 2, 16, 4)
+    kv.grow([1, 3])
+    with torch.no_grad():
+        step(torch.tensor([1, 2]), *kv.args())
+    return COMPILED[-1].tables
 
 
 def test_paged_decode_tasks_are_instantiated_per_graph():

@@ -79,27 +79,35 @@ def test_silu_epilogue_linear_matches_float64(m, inter, k, tiles):
 
 
 class _NormLinear(torch.nn.Module):
-    def __init__(self, n: int, k: int):
+    def __init__(self, n: int, k: int, silu: bool):
         super().__init__()
-        self.w = torch.nn.Parameter(0.02 * torch.randn(n, k, device=DEV).bfloat16(), requires_grad=False)
+        self.w = torch.nn.Parameter(0.02 * torch.randn(2 * n if silu else n, k, device=DEV).bfloat16(),
+                                    requires_grad=False)
         self.g = torch.nn.Parameter((1 + 0.1 * torch.randn(k, device=DEV)).bfloat16(), requires_grad=False)
+        self.n, self.silu = n, silu
 
     def forward(self, x):
-        h = torch.ops.mpk.rms_norm(x, self.g, 1e-6, torch.float32, torch.bfloat16)
-        return torch.nn.functional.linear(h, self.w)
+        h = torch.nn.functional.linear(torch.ops.mpk.rms_norm(x, self.g, 1e-6, torch.float32, torch.bfloat16), self.w)
+        return torch.nn.functional.silu(h[:, : self.n]) * h[:, self.n:] if self.silu else h
 
 
-@pytest.mark.parametrize("m,n,k,tiles", [(1, 1000, 2048, 0), (16, 40, 256, 0), (5, 700, 2400, 2)])
-def test_rms_norm_prologue_linear_matches_float64(m, n, k, tiles):
-    """The RMSNorm fused into the projection (rms_matmul, variant 1) against the norm with the
-    same bf16 roundings followed by a float64 matmul."""
-    from mpk.ops.paged import rms_rows
-
-    mod = _NormLinear(n, k)
+@pytest.mark.parametrize("m,n,k,tiles,silu", [(1, 1000, 2048, 0, False), (16, 40, 256, 0, False),
+                                              (5, 700, 2400, 2, False), (1, 520, 2048, 0, True),
+                                              (16, 300, 96, 0, True), (5, 1000, 2400, 3, True)])
+def test_rms_norm_fused_linear_matches_float64(m, n, k, tiles, silu):
+    """The RMSNorm fused into the projection after it (rms_matmul, variant 1; with silu the
+    gate·up projection and its SiLU·mul too) against its definition in float64: rstd(x)·
+    (bf16(x·g) @ Wᵀ), each SiLU·mul factor rounded to bf16."""
+    mod = _NormLinear(n, k, silu)
     x = (3 * torch.randn(m, k, device=DEV)).bfloat16()
     out = _gpu_compile(mod, fuse_norm_prologue=True, **({"partition": {"rms_matmul": [1, tiles]}} if tiles else {}))(x)
-    ref = rms_rows(x.float(), mod.g, 1e-6, torch.bfloat16).double() @ mod.w.double().T
-    assert relative_error(out, ref) <= BF16_TOL
+    xd = x.double()
+    rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    h = (xd * mod.g.double()).bfloat16().double() @ mod.w.double().T * rstd
+    if silu:
+        h = h.bfloat16().double()
+        h = torch.nn.functional.silu(h[:, :n]).bfloat16().double() * h[:, n:]
+    assert relative_error(out, h) <= BF16_TOL
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
     assert kinds == ["rms_matmul"] and linear_variant(COMPILED[-1].tables, 0) == 1
 

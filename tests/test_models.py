@@ -111,3 +111,30 @@ def test_gate_up_projection_takes_silu_mul_as_epilogue(partition):
     assert relative_error(out, ref) <= TOL
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
     assert kinds.count("matmul_silu") == 1 and "silu_mul" not in kinds
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_rms_norm_mm_in_bf16_stays_within_a_rounding_of_the_unfused_norm(silu):
+    """The fused RMSNorm + projection applies the row's rstd to the sums instead of to x; in
+    bf16 that moves one rounding. Its output equals its float64 definition within one bf16
+    rounding, and the unfused path (norm, then projection [+ SiLU·mul]) within a few: measured
+    in units of the reference's largest |value|, on rows whose rstd is far from 1."""
+    g = torch.Generator().manual_seed(11 + silu)
+    m, k, n = 4, 512, 96
+    x = (5 * torch.randn(m, k, generator=g)).bfloat16()
+    w = (1 + 0.2 * torch.randn(k, generator=g)).bfloat16()
+    b = (torch.randn(k, 2 * n if silu else n, generator=g) / k ** 0.5).bfloat16()
+    out = torch.ops.mpk.rms_norm_mm(x, w, 1e-6, torch.float32, torch.bfloat16, b, silu)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+
+    def silu_mul(h):
+        return torch.nn.functional.silu(h[:, :n]) * h[:, n:] if silu else h
+
+    xd = x.double()
+    rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    defined = silu_mul((xd * w.double()).bfloat16().double() @ b.double() * rstd)
+    assert relative_error(out.double(), defined) <= 2 ** -8
+    norm = torch.ops.mpk.rms_norm(x, w, 1e-6, torch.float32, torch.bfloat16)
+    unfused = torch.ops.mpk.mm_silu_mul(norm, b) if silu else norm @ b
+    assert relative_error(out.double(), unfused.double()) <= 2 ** -6
+    assert relative_error(out.double(), unfused.double()) > 0  # the rounding did move

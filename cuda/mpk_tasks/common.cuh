@@ -142,6 +142,18 @@ __device__ __forceinline__ void load_vec(const T* p, float (&out)[kN]) {
   for (int i = 0; i < kN; ++i) out[i] = to_f(e[i]);
 }
 
+// Σ v² over the 8 bf16 elements of a 16-byte word, in fp32.
+__device__ __forceinline__ float sum_squares8(uint4 a) {
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&a);
+  float s = 0.f;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = __bfloat1622float2(h[e]);
+    s += f.x * f.x + f.y * f.y;
+  }
+  return s;
+}
+
 // f applied to the 8 bf16 pairs of two 16-byte words (as floats), rounded back to bf16.
 template <typename F>
 __device__ __forceinline__ uint4 zip_bf16x8(uint4 a, uint4 b, F f) {

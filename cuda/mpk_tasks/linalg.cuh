@@ -4,7 +4,6 @@
 // one, one thread per output element — and ``embedding``.
 #pragma once
 #include "pointwise.cuh"  // silu_times: the SiLU·mul epilogue
-#include "rows.cuh"       // rms_scale8: the RMSNorm prologue
 
 namespace mpk {
 
@@ -40,20 +39,24 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 // columns goes deeper along K); their partial sums meet in shared memory and are added in warp
 // order (deterministic), then the epilogue scales, adds the bias (the residual of a decoder
 // layer) and stores.
-// The fused forms:
-// kNormPrologue: the rms_matmul op — input 2 is an RMSNorm weight over K, applied to x as a
-//   prologue (each task computes its rows' rstd, all threads at once; fparam[2] is eps).
-// kSiluEpilogue: the matmul_silu op — W has 2N rows, gate then up; a pass takes 4 blocks of
-//   gate rows and the 4 matching blocks of up rows and stores silu(gate)·up, each factor
-//   rounded to bf16 first, as the unfused projection and silu_mul would.
-enum LinearForm : int { kPlain, kNormPrologue, kSiluEpilogue };
+// The fused forms (flags, combinable):
+// kNormScale: the rms_matmul op — input 2 is an RMSNorm weight w over K. The K loop feeds the
+//   MMA bf16(x·w) and sums x² from the same loads; the row's rstd = rsqrt(mean(x²) + eps)
+//   (fparam[2] is eps) scales the sums in the epilogue: out = rstd·(bf16(x·w) @ Wᵀ). rstd is a
+//   per-row scalar, so nothing waits for the row's sum of squares before the first MMA (a
+//   prologue that normalised x first stalled the weight stream for a round trip).
+// kSiluEpilogue: the matmul_silu op (and rms_matmul with iparam[1]) — W has 2N rows, gate then
+//   up; a pass takes 4 blocks of gate rows and the 4 matching blocks of up rows and stores
+//   silu(gate)·up, each factor rounded to bf16 first, as the unfused projection and silu_mul
+//   would.
+enum LinearForm : int { kPlain = 0, kNormScale = 1, kSiluEpilogue = 2 };
 
-template <int kBlocks, LinearForm kForm>
+template <int kBlocks, int kForm>
 __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const TaskEnv& env) {
-  constexpr bool kNorm = kForm == kNormPrologue, kGlu = kForm == kSiluEpilogue;
+  constexpr bool kNorm = kForm & kNormScale, kGlu = kForm & kSiluEpilogue;
   constexpr int kLinUnroll = kLinInFlight / kBlocks;
-  // phases (MPK_PHASES): 0 setup and prologue; per pass 1 K loop, 2 partials to shared
-  // memory, 3 epilogue, 4 closing barrier. Slot: form · 3 + log2(kBlocks) − 1
+  // phases (MPK_PHASES): 0 setup; per pass 1 K loop, 2 partials to shared memory, 3 epilogue,
+  // 4 closing barrier. Slot: form · 3 + log2(kBlocks) − 1
   PhaseTimer phase(kForm * 3 + (kBlocks == 2 ? 0 : kBlocks == 4 ? 1 : 2));
   constexpr int kOut = kGlu ? 4 * kBlocks : 8 * kBlocks;  // output columns per pass
   const ViewC& a = c.in[0];
@@ -70,6 +73,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   const __nv_bfloat16* x_lo = x + (m0 + g) * lda + 8 * t;
   const __nv_bfloat16* x_hi = x + (m0 + g + 8) * lda + 8 * t;
   float* red = scratch();  // [warp][64 columns][16 rows]
+  float* red_ss = red + 8 * 64 * kLinRows;  // kNorm: [warp][16 rows], each warp's sums of x²
   const uint4 zero = make_uint4(0, 0, 0, 0);
   // A pass's weight rows: 8·kBlocks rows of W (kGlu: 4·kBlocks gate rows, then the matching up
   // rows N further), lane (g, t) reading row g of each 8-row block at k offset 8t.
@@ -102,44 +106,10 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   start_pass(r.lo[1]);
   load_weights(warp);
   if (!acquire_inputs(env)) return;
-  float rstd_lo = 0.f, rstd_hi = 0.f;
-  const __nv_bfloat16* wn = nullptr;
+  const __nv_bfloat16* wn = nullptr;  // kNorm: the norm weight, at this lane's k offset
   if constexpr (kNorm) {
     const ViewC& nw = c.in[2];
     wn = static_cast<const __nv_bfloat16*>(env.buffers[nw.buffer]) + nw.offset + 8 * t;
-    // each row's sum of squares: all threads, all rows' loads in flight at once (one round trip)
-    const auto* xv = reinterpret_cast<const uint4*>(x + m0 * lda);
-    float ss[kLinRows];
-#pragma unroll
-    for (int row = 0; row < kLinRows; ++row) ss[row] = 0.f;
-    for (long long j = threadIdx.x; j < K / 8; j += blockDim.x) {
-#pragma unroll
-      for (int row = 0; row < kLinRows; ++row) {
-        if (row >= rows) break;
-        const uint4 v = __ldcg(xv + row * lda / 8 + j);
-        const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = __bfloat1622float2(h[e]);
-          ss[row] += f.x * f.x + f.y * f.y;
-        }
-      }
-    }
-#pragma unroll
-    for (int row = 0; row < kLinRows; ++row) {
-      if (row >= rows) break;
-      const float sum = warp_sum(ss[row]);
-      if (lane == 0) red[warp * kLinRows + row] = sum;
-    }
-    __syncthreads();
-    float ss_lo = 0.f, ss_hi = 0.f;
-    for (int v = 0; v < warps; ++v) {
-      ss_lo += has_lo ? red[v * kLinRows + g] : 0.f;
-      ss_hi += has_hi ? red[v * kLinRows + g + 8] : 0.f;
-    }
-    rstd_lo = has_lo ? rsqrtf(ss_lo / K + c.fparam[2]) : 0.f;
-    rstd_hi = has_hi ? rsqrtf(ss_hi / K + c.fparam[2]) : 0.f;
-    __syncthreads();  // red is reused by the reduction below
   }
   // the bias (a decoder layer's residual): bf16, broadcast by zero strides (codegen checks)
   const __nv_bfloat16* bias = nullptr;
@@ -166,6 +136,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
     float acc[kBlocks][4];
 #pragma unroll
     for (int j = 0; j < kBlocks; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    float ss_lo = 0.f, ss_hi = 0.f;  // kNorm: this lane's share of rows g's and g + 8's Σx²
     for (int ks = warp; ks < ksteps; ks += warps * kLinUnroll) {
       if (!(first_pass && ks == warp)) load_weights(ks);
       uint4 lo[kLinUnroll], hi[kLinUnroll];
@@ -179,8 +150,10 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
         if constexpr (kNorm) {
           if (ok) {
             const uint4 wk = __ldg(reinterpret_cast<const uint4*>(wn + 32LL * k));
-            if (has_lo) lo[u] = rms_scale8(lo[u], wk, rstd_lo);
-            if (has_hi) hi[u] = rms_scale8(hi[u], wk, rstd_hi);
+            ss_lo += sum_squares8(lo[u]);
+            ss_hi += sum_squares8(hi[u]);
+            lo[u] = zip_bf16x8(lo[u], wk, [](float v, float g) { return v * g; });
+            hi[u] = zip_bf16x8(hi[u], wk, [](float v, float g) { return v * g; });
           }
         }
       }
@@ -203,6 +176,16 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       p[g + 8] = acc[j][2];
       p[kLinRows + g + 8] = acc[j][3];
     }
+    if constexpr (kNorm) {  // the 4 lanes of a row hold its 8-element pieces of each 32-wide step
+      ss_lo += __shfl_xor_sync(0xffffffffu, ss_lo, 1);
+      ss_lo += __shfl_xor_sync(0xffffffffu, ss_lo, 2);
+      ss_hi += __shfl_xor_sync(0xffffffffu, ss_hi, 1);
+      ss_hi += __shfl_xor_sync(0xffffffffu, ss_hi, 2);
+      if (t == 0) {
+        red_ss[warp * kLinRows + g] = ss_lo;
+        red_ss[warp * kLinRows + g + 8] = ss_hi;
+      }
+    }
     __syncthreads();
     phase.mark(2);
 #pragma unroll
@@ -210,15 +193,18 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       const int e = threadIdx.x + j * kThreadsPerTask;
       if (e >= rows * cols) break;
       const int row = e / cols, col = e % cols;
-      float s = 0.f, up = 0.f;
+      float s = 0.f, up = 0.f, ss = 0.f;
       for (int v = 0; v < warps; ++v) {
         s += red[(v * 64 + col) * kLinRows + row];
         if constexpr (kGlu) up += red[(v * 64 + 32 + col) * kLinRows + row];
+        if constexpr (kNorm) ss += red_ss[v * kLinRows + row];
       }
+      // alpha, times the row's rstd under kNorm
+      const float scale = kNorm ? c.fparam[0] * rsqrtf(ss / K + c.fparam[2]) : c.fparam[0];
       if constexpr (kGlu) {
-        s = silu_times(round_to(kBF16, s * c.fparam[0]), round_to(kBF16, up * c.fparam[0]), kBF16);
+        s = silu_times(round_to(kBF16, s * scale), round_to(kBF16, up * scale), kBF16);
       } else {
-        s = s * c.fparam[0] + c.fparam[1] * bv[j];
+        s = s * scale + c.fparam[1] * bv[j];
       }
       out[(m0 + row) * N + n0 + col] = __float2bfloat16(s);
     }
@@ -230,10 +216,10 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
 
 // The block count (columns per pass) by the tile's width: narrow tiles go deeper along K.
 // (SiLU·mul always takes 8: one instantiation, 4 gate and 4 up blocks.)
-template <LinearForm kForm>
+template <int kForm>
 __device__ __forceinline__ void linear_variant1(const OpC& c, const Rect& r, const TaskEnv& env) {
   const long long cols = r.hi[1] - r.lo[1];
-  if constexpr (kForm == kSiluEpilogue) {
+  if constexpr ((kForm & kSiluEpilogue) != 0) {
     linear_bf16<kLinBlocks, kForm>(c, r, env);
   } else if (cols <= 16) {
     linear_bf16<2, kForm>(c, r, env);
@@ -244,37 +230,41 @@ __device__ __forceinline__ void linear_variant1(const OpC& c, const Rect& r, con
   }
 }
 
-// rms_matmul: out = rms_norm(x, w) @ b; inputs x [M, K], b [K, N], w [K]; fparam[2] eps,
-// iparam[0] the norm's dtype code. Variant 0 (general views) normalises per output element.
+// rms_matmul: an RMSNorm fused into the projection after it, with the row's rstd applied to
+// the sums: out = rstd(x)·(bf16(x·w) @ b) (rounded to the output dtype: mpk/ops/linalg.py
+// defines it), or with iparam[0] its SiLU·mul: silu(rstd·h[:, :N])·(rstd·h[:, N:]), h the
+// product with b [K, 2N]. Inputs x [M, K], b [K, N or 2N], w [K]; fparam[2] eps. Variant 0
+// (general views) computes each output element alone.
 __device__ void task_rms_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
   if (c.variant == 1) {
-    linear_variant1<kNormPrologue>(c, r, env);
+    if (c.iparam[0]) {
+      linear_variant1<kNormScale | kSiluEpilogue>(c, r, env);
+    } else {
+      linear_variant1<kNormScale>(c, r, env);
+    }
     return;
   }
   if (!acquire_inputs(env)) return;
   const ViewC &a = c.in[0], &b = c.in[1], &w = c.in[2];
-  const long long kdim = a.shape[1];
+  const long long kdim = a.shape[1], N = c.out_shape[1];
   const long long n = rect_numel(r, 2);
-  const int norm_dtype = static_cast<int>(c.iparam[0]);
+  const bool glu = c.iparam[0] != 0;
   for (long long e = threadIdx.x; e < n; e += blockDim.x) {
     long long idx[kMaxDims];
     rect_unravel(r, 2, e, idx);
-    long long ia[2] = {idx[0], 0}, ib[2] = {0, idx[1]}, iw[1] = {0};
-    float ss = 0.f;
+    float ss = 0.f, gate = 0.f, up = 0.f;
     for (long long k = 0; k < kdim; ++k) {
-      ia[1] = k;
+      const long long ia[2] = {idx[0], k}, iw[1] = {k}, ig[2] = {k, idx[1]}, iu[2] = {k, idx[1] + N};
       const float v = load_f(env.buffers[a.buffer], a.dtype, view_index(a, ia, 2));
+      const float h = round_to(c.out_dtype, v * load_f(env.buffers[w.buffer], w.dtype, view_index(w, iw, 1)));
       ss += v * v;
+      gate += h * load_f(env.buffers[b.buffer], b.dtype, view_index(b, ig, 2));
+      if (glu) up += h * load_f(env.buffers[b.buffer], b.dtype, view_index(b, iu, 2));
     }
     const float rstd = rsqrtf(ss / kdim + c.fparam[2]);
-    float acc = 0.f;
-    for (long long k = 0; k < kdim; ++k) {
-      ia[1] = ib[0] = iw[0] = k;
-      const float xn = round_to(norm_dtype, load_f(env.buffers[a.buffer], a.dtype, view_index(a, ia, 2)) * rstd);
-      const float h = round_to(c.out_dtype, xn * load_f(env.buffers[w.buffer], w.dtype, view_index(w, iw, 1)));
-      acc += h * load_f(env.buffers[b.buffer], b.dtype, view_index(b, ib, 2));
-    }
-    store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, 2), acc);
+    const float out = glu ? silu_times(round_to(c.out_dtype, gate * rstd), round_to(c.out_dtype, up * rstd), c.out_dtype)
+                          : gate * rstd;
+    store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, 2), out);
   }
 }
 

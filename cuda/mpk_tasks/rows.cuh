@@ -110,7 +110,7 @@ __device__ void task_layer_norm(const OpC& c, const Rect& r, const TaskEnv& env)
 // and a bf16 output — decode's case, where one row (the batch-1 hidden state) is a task. The
 // whole CTA shares a row: 16-byte loads kept in registers, one block reduction, one pass out.
 // 8 bf16 elements of a row normalised as HF does: round(x·rstd) to bf16, times the weight,
-// round again (also the linear's RMSNorm prologue).
+// round again.
 __device__ __forceinline__ uint4 rms_scale8(uint4 x, uint4 w, float rstd) {
   return zip_bf16x8(x, w, [rstd](float v, float g) { return round_to(kBF16, v * rstd) * g; });
 }
@@ -133,12 +133,7 @@ __device__ void rms_norm_rows_bf16(const OpC& c, const Rect& r, const TaskEnv& e
     for (int i = 0; i < kNormVecs; ++i) {
       const int j = threadIdx.x + i * blockDim.x;
       v[i] = j < vecs ? xv[j] : make_uint4(0, 0, 0, 0);
-      const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[i]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = __bfloat1622float2(h[e]);
-        ss += f.x * f.x + f.y * f.y;
-      }
+      ss += sum_squares8(v[i]);
     }
     ss = warp_sum(ss);
     if (lane == 0) red[warp] = ss;

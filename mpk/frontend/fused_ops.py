@@ -41,15 +41,22 @@ def _(x, weight, eps, compute_dtype, norm_dtype):
 
 @torch.library.custom_op("mpk::rms_norm_mm", mutates_args=())
 def rms_norm_mm(x: torch.Tensor, weight: torch.Tensor, eps: float, compute_dtype: torch.dtype,
-                norm_dtype: torch.dtype, b: torch.Tensor) -> torch.Tensor:
-    """``rms_norm(x, weight) @ b``: a projection with its RMSNorm fused as a prologue (each
-    matmul task normalises the rows it reads; the normalised activations never exist)."""
-    return rms_norm(x, weight, eps, compute_dtype, norm_dtype) @ b
+                norm_dtype: torch.dtype, b: torch.Tensor, silu: bool = False) -> torch.Tensor:
+    """``rms_norm(x, weight) @ b`` (with ``silu``: then SiLU·mul of its two halves, as
+    ``mm_silu_mul``): a projection with its RMSNorm fused. Each task feeds its matmul
+    ``x·weight`` and applies the row's ``rstd`` to the sums; the normalised activations never
+    exist. That moves one rounding (mpk.ops.linalg's rms_matmul defines it)."""
+    out_dtype = rms_norm_out_dtype(x, weight, norm_dtype)
+    M, N = x.shape[0], b.shape[1] // 2 if silu else b.shape[1]
+    sig = OpSig((tuple(x.shape), tuple(b.shape), tuple(weight.shape)), (M, N), out_dtype,
+                {"eps": eps, "compute_dtype": str(compute_dtype)[6:], "norm_dtype": str(norm_dtype)[6:], "silu": silu})
+    return get_op("rms_matmul").cpu(sig, full_rect(sig.out_shape), [x, b, weight]).contiguous()
 
 
 @rms_norm_mm.register_fake
-def _(x, weight, eps, compute_dtype, norm_dtype, b):
-    return x.new_empty((x.shape[0], b.shape[1]), dtype=rms_norm_out_dtype(x, weight, norm_dtype))
+def _(x, weight, eps, compute_dtype, norm_dtype, b, silu=False):
+    return x.new_empty((x.shape[0], b.shape[1] // 2 if silu else b.shape[1]),
+                       dtype=rms_norm_out_dtype(x, weight, norm_dtype))
 
 
 @torch.library.custom_op("mpk::mm_silu_mul", mutates_args=())

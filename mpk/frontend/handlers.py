@@ -245,9 +245,9 @@ def _rms_norm(L, node, x: View, weight, eps, compute_dtype, norm_dtype):
 
 
 @handles(mpk_ops.rms_norm_mm.default)
-def _rms_norm_mm(L, node, x: View, weight: View, eps, compute_dtype, norm_dtype, b: View):
+def _rms_norm_mm(L, node, x: View, weight: View, eps, compute_dtype, norm_dtype, b: View, silu=False):
     return L.emit("rms_matmul", [x, b, weight], {"eps": float(eps), "compute_dtype": str(compute_dtype)[6:],
-                                                 "norm_dtype": str(norm_dtype)[6:]})
+                                                 "norm_dtype": str(norm_dtype)[6:], "silu": bool(silu)})
 
 
 @handles(mpk_ops.rope.default)

@@ -172,9 +172,11 @@ def _match_residual_matmul(node: Node):
 
 
 def _match_rms_norm_mm(node: Node):
-    """``mm(rms_norm(x, w), b)`` whose norm feeds nothing else → ``rms_norm_mm``: the norm
-    becomes the projection's prologue, saving a task, an event hop and a buffer."""
-    if not _is(node, aten.mm.default):
+    """``mm(rms_norm(x, w), b)`` or ``mm_silu_mul(rms_norm(x, w), b)`` whose norm feeds nothing
+    else → ``rms_norm_mm``: the norm runs inside the projection's tasks, saving a task, an event
+    hop and a buffer."""
+    silu = _is(node, torch.ops.mpk.mm_silu_mul.default)
+    if not (silu or _is(node, aten.mm.default)):
         return None
     norm, b = node.args[:2]
     if not (_is(norm, torch.ops.mpk.rms_norm.default) and len(norm.users) == 1 and norm.args[1] is not None):
@@ -182,7 +184,7 @@ def _match_rms_norm_mm(node: Node):
     x, weight, eps, compute_dtype, norm_dtype = norm.args
     if _val(x).dim() != 2 or _val(norm).dtype != _val(b).dtype:
         return None
-    return node, (torch.ops.mpk.rms_norm_mm.default, (x, weight, eps, compute_dtype, norm_dtype, b))
+    return node, (torch.ops.mpk.rms_norm_mm.default, (x, weight, eps, compute_dtype, norm_dtype, b, silu))
 
 
 MATCHERS = (_match_rms_norm, _match_rope, _match_silu_mul, _match_mm_silu_mul, _match_residual_matmul)

@@ -54,7 +54,7 @@ ENCODERS: dict[str, Callable[[dict], Params]] = {
     "rms_norm": lambda a: (0, [int(a["has_weight"]), _dtype_code(a["norm_dtype"])], [a["eps"]]),
     "rope": lambda a: (0, [], []),
     "matmul": lambda a: (0, [], [float(a.get("alpha", 1)), float(a.get("beta", 1))]),
-    "rms_matmul": lambda a: (0, [_dtype_code(a["norm_dtype"])], [1.0, 0.0, a["eps"]]),
+    "rms_matmul": lambda a: (0, [int(a.get("silu", False))], [1.0, 0.0, a["eps"]]),
     "matmul_silu": lambda a: (0, [], [1.0, 0.0]),
     "embedding": lambda a: (0, [], []),
     "attention": lambda a: (0, [int(a["causal"])], [a["scale"]]),
@@ -116,10 +116,10 @@ def linear_variant(tables: Tables, op: int) -> int:
     if ok and tables.meta["ops"][op]["kind"] == "matmul" and int(o["num_inputs"]) > 2:  # the bias: bf16, ≤ 2-d
         bias = tables.views[int(tables.op_inputs[o["first_input"] + 2])]
         ok = int(tables.buffers[int(bias["buffer"])]["dtype"]) == BF16 and int(bias["ndim"]) <= 2
-    if ok and tables.meta["ops"][op]["kind"] == "rms_matmul":  # the norm weight is read in 16-byte words too
+    if ok and tables.meta["ops"][op]["kind"] == "rms_matmul":  # the norm weight in 16-byte words; Σx² in fp32
         w = tables.views[int(tables.op_inputs[o["first_input"] + 2])]
         ok = (int(tables.buffers[int(w["buffer"])]["dtype"]) == BF16 and int(w["strides"][0]) == 1
-              and int(w["offset"]) % 8 == 0 and tables.meta["ops"][op]["attrs"]["norm_dtype"] == "bfloat16")
+              and int(w["offset"]) % 8 == 0 and tables.meta["ops"][op]["attrs"]["compute_dtype"] == "float32")
     return int(ok)
 
 

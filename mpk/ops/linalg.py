@@ -45,26 +45,36 @@ register(OpDef(
 
 def _rms_matmul_regions(sig: OpSig, rect):
     x_shape, b_shape, w_shape = sig.in_shapes
-    m, n = rect
+    m, (lo, hi) = rect
+    # with SiLU·mul: the gate columns [lo, hi) and the up columns N + [lo, hi), bounded
+    n = (lo, b_shape[1] // 2 + hi) if sig.attrs.get("silu") else (lo, hi)
     return [(m, (0, x_shape[1])), ((0, b_shape[0]), n), ((0, w_shape[0]),)]
 
 
 def _rms_matmul_cpu(sig: OpSig, rect, xs):
-    from mpk.ops.registry import get_op
-
     x, b, w = xs
     a = sig.attrs
-    norm_sig = OpSig((tuple(x.shape), tuple(w.shape)), tuple(x.shape), getattr(torch, a["norm_dtype"]),
-                     {"eps": a["eps"], "has_weight": True, "compute_dtype": a["compute_dtype"],
-                      "norm_dtype": a["norm_dtype"]})
-    h = get_op("rms_norm").cpu(norm_sig, tuple((0, n) for n in x.shape), [x, w])
-    return torch.matmul(h, b).to(sig.out_dtype)
+    cd = getattr(torch, a["compute_dtype"])
+    xc = x.to(cd)
+    rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + a["eps"])
+    h = (xc * w.to(cd)).to(sig.out_dtype).to(cd)  # the MMA operand: rounded like the norm's output
+    if not a.get("silu"):
+        return (torch.matmul(h, b.to(cd)) * rstd).to(sig.out_dtype)
+    from mpk.ops.registry import get_op
+
+    width, half = rect[1][1] - rect[1][0], sig.in_shapes[1][1] // 2  # b: gate columns, then up at N
+    gate = (torch.matmul(h, b[:, :width].to(cd)) * rstd).to(sig.out_dtype)
+    up = (torch.matmul(h, b[:, half: half + width].to(cd)) * rstd).to(sig.out_dtype)
+    silu_sig = OpSig((tuple(gate.shape), tuple(up.shape)), tuple(gate.shape), sig.out_dtype, {})
+    return get_op("silu_mul").cpu(silu_sig, tuple((0, n) for n in gate.shape), [gate, up])
 
 
 register(OpDef(
     kind="rms_matmul", type_id=22, input_regions=_rms_matmul_regions, cpu=_rms_matmul_cpu,
     split_order=_matmul_order, min_tile_elems=16,
-    doc="out = rms_norm(x, w, eps) @ b: x [M, K], b [K, N], w [K] (the norm as the matmul's prologue)",
+    doc="out = rstd(x)·(round(x·w) @ b), rstd = rsqrt(mean(x²) + eps) in compute_dtype, round to the output "
+        "dtype: x [M, K], b [K, N], w [K] (an RMSNorm fused into the projection after it, its per-row scale "
+        "applied to the sums). With silu: b [K, 2N] and out = silu(gate)·up of the two scaled, rounded halves",
 ))
 
 
