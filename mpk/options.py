@@ -31,8 +31,9 @@ class CompileOptions:
                  CUDA is available, else cpu with a one-time warning.
     partition    {op name or op kind: tiles per output dim (list) or {dim: tiles}}.
     fallback     "error" (default): unsupported ops raise; "eager": they run in PyTorch.
-    fuse_norm_prologue  fuse an RMSNorm into the projection that consumes it (rms_matmul; default
-                 False: measured slower on an H200 than a separate norm task).
+    fuse_norm_prologue  fuse an RMSNorm into the projection that consumes it (rms_matmul, also
+                 the gate·up projection with its SiLU·mul; default False: measured slower on an
+                 H200 than a separate norm task).
     fuse_rope_attention  run a decode layer's qk-norm + RoPE + KV append inside its paged
                  attention tasks (rope_attn_partial; default True), one op boundary fewer.
     debug_dir    directory to dump the OpGraph, tables, summary, DOT and JSON of each graph.

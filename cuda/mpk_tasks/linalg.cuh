@@ -147,13 +147,11 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
         // activations are written inside the kernel: coherent (L2) loads, not the read-only path
         lo[u] = ok && has_lo ? __ldcg(reinterpret_cast<const uint4*>(x_lo + 32LL * k)) : zero;
         hi[u] = ok && has_hi ? __ldcg(reinterpret_cast<const uint4*>(x_hi + 32LL * k)) : zero;
-        if constexpr (kNorm) {
+        if constexpr (kNorm) {  // on the path from the loads to the MMAs: as little as possible
           if (ok) {
             const uint4 wk = __ldg(reinterpret_cast<const uint4*>(wn + 32LL * k));
-            ss_lo += sum_squares8(lo[u]);
-            ss_hi += sum_squares8(hi[u]);
-            lo[u] = zip_bf16x8(lo[u], wk, [](float v, float g) { return v * g; });
-            hi[u] = zip_bf16x8(hi[u], wk, [](float v, float g) { return v * g; });
+            lo[u] = zip_bf16x8(lo[u], wk, [&ss_lo](float v, float g) { ss_lo += v * v; return v * g; });
+            if (rows > 8) hi[u] = zip_bf16x8(hi[u], wk, [&ss_hi](float v, float g) { ss_hi += v * v; return v * g; });
           }
         }
       }

@@ -188,9 +188,10 @@ def _match_rms_norm_mm(node: Node):
 
 
 MATCHERS = (_match_rms_norm, _match_rope, _match_silu_mul, _match_mm_silu_mul, _match_residual_matmul)
-# Opt-in (CompileOptions.fuse_norm_prologue): on an H200 the fused prologue made decode steps
-# 4–19% slower than a separate rms_norm task plus its event hop (every projection task then
-# re-reads and re-normalises its rows, and the scaling sits in its load-to-MMA path).
+# Opt-in (CompileOptions.fuse_norm_prologue): on an H200 decode steps stay 0–11% slower than
+# with a separate rms_norm task plus its event hop. The fused task applies rstd to its sums (no
+# stall before the first MMA), but the x·w scaling and Σx² sit between each K step's loads and
+# its MMAs, and the K loop is bound by that path's latency (2026-11-22 decode_latency results).
 OPTIONAL_MATCHERS = {"norm_prologue": _match_rms_norm_mm}
 
 
