@@ -39,11 +39,11 @@ def time_launch(ex: GpuExecutor, inputs, repeats: int) -> float:
     return statistics.median(times)
 
 
-def graph_ms(preds, repeats: int, jit: bool = False) -> float:
+def graph_ms(preds, repeats: int, jit: bool = False, local_jit: bool = True) -> float:
     tables = stamp_graph(preds, 1, record=False)
     if jit:
         force_jit(tables)
-    ex = GpuExecutor(tables)
+    ex = GpuExecutor(tables, local_jit=local_jit)
     return time_launch(ex, stamp_inputs(tables, 1, "cuda"), repeats)
 
 
@@ -90,9 +90,12 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     n1, n2 = 500, 4500
-    for mode in ("aot", "jit"):
-        t1 = graph_ms(chain(n1), ns.repeats, jit=mode == "jit")
-        t2 = graph_ms(chain(n2), ns.repeats, jit=mode == "jit")
+    # jit: each event's single JIT task runs on the worker that fired it (the default);
+    # jit_via_scheduler: the same chain with that off, every hop through a scheduler and a ring
+    for mode in ("aot", "jit", "jit_via_scheduler"):
+        jit, local = mode != "aot", mode == "jit"
+        t1 = graph_ms(chain(n1), ns.repeats, jit=jit, local_jit=local)
+        t2 = graph_ms(chain(n2), ns.repeats, jit=jit, local_jit=local)
         emit(f"{mode}_hop", (t2 - t1) / (n2 - n1) * 1e3, "us/hop", 1.0 if mode == "aot" else 2.0,
              chain_ms={n1: t1, n2: t2})
     t1, tb = graph_ms(independent(1), ns.repeats), graph_ms(independent(100_000), ns.repeats)

@@ -212,11 +212,13 @@ def test_one_kernel_launch_per_step():
 
 @pytest.mark.parametrize("name", ["qwen3-small", "llama-small", "qwen3-1.7b"])
 def test_bf16_decode_agrees_with_transformers(name):
-    """64 teacher-forced bf16 steps, random weights shared through safetensors, against
-    transformers' float32 logits of the same weights: top-1 ≥ 99% where the reference is
-    decisive (``compare_logits``; random models are full of near-ties that bf16 rounding
+    """64 teacher-forced bf16 steps of 8 sequences, random weights shared through safetensors,
+    against transformers' float32 logits of the same weights: top-1 ≥ 99% where the reference
+    is decisive (``compare_logits``; random models are full of near-ties that bf16 rounding
     flips, for transformers' own bf16 run as much as for mpk's), the same against mpk's eager
-    path, and a median relative logit error within 1.25× of transformers' own bf16 run's. All
+    path, and a median relative logit error within 1.25× of transformers' own bf16 run's. The
+    decisive positions number ≥ 128, so 99% is a statement about more than one flip (with 2
+    sequences there were ~36, and a single flip of a near-decisive logit failed it). All
     numbers are printed (pytest -s) for the record."""
     if name == "qwen3-1.7b":
         cfg = LLMConfig(family="qwen3", hidden=2048, inter=6144, layers=28, heads=16, kv_heads=8, head_dim=128,
@@ -224,7 +226,7 @@ def test_bf16_decode_agrees_with_transformers(name):
     else:
         cfg = small(name.split("-")[0])
     hf, ours = hf_twin(cfg, seed=random.randrange(1 << 30), dtype=torch.bfloat16, device=DEV, max_len=128)
-    tokens = torch.randint(0, cfg.vocab, (2, 64), device=DEV)
+    tokens = torch.randint(0, cfg.vocab, (8, 64), device=DEV)
     hf_bf16 = hf_logits(hf, tokens)
     ref = hf_logits(hf.float(), tokens)  # the float32 truth of the same weights
     del hf
@@ -236,7 +238,7 @@ def test_bf16_decode_agrees_with_transformers(name):
     print(f"\n{name}: mpk bf16 vs transformers fp32 {vs_hf}; transformers bf16 vs fp32 {hf_own}; "
           f"mpk vs transformers bf16 {compare_logits(mpk_logits, hf_bf16)}; mpk vs mpk eager {vs_eager}")
     assert vs_hf["top1_decisive"] >= 0.99 and vs_eager["top1_decisive"] >= 0.99, (vs_hf, vs_eager)
-    assert vs_hf["decisive_share"] >= 0.25, vs_hf  # the decisive positions are not a handful
+    assert vs_hf["decisive_share"] >= 0.25, vs_hf  # ≥ 128 of the 512 positions
     # as close to the float32 truth as transformers' own bf16 run is (median over steps)
     assert vs_hf["median_rel"] <= 1.25 * hf_own["median_rel"], (vs_hf, hf_own)
     assert math.isfinite(vs_hf["max_rel"])

@@ -102,14 +102,18 @@ def test_random_dag_stress_100k_tasks_100_iterations():
     _check_stamps(preds, log, runs, iterations)
 
 
-def test_random_dag_stress_through_the_schedulers():
+@pytest.mark.parametrize("local_jit", [True, False])
+def test_random_dag_stress_through_the_schedulers(local_jit):
     """The same check with every task JIT: the schedulers hand each task to a worker when its
     event fires (the plain stress above is all AOT: workers start tasks early and they wait
-    inside, on their input gate)."""
+    inside, on their input gate). With ``local_jit`` an event whose only task is JIT hands it
+    to the worker that fired it instead (a share of this DAG's events)."""
     iterations, n = 10, 20_000
     preds = random_dag(n, random.Random(2027))
     tables = force_jit(stamp_graph(preds, iterations, busy_ns=500))
-    ex = _gpu(tables, timeout_s=120)
+    ex = _gpu(tables, timeout_s=120, local_jit=local_jit)
+    from mpk.megakernel.gpu import EVENT_LOCAL_JIT
+    assert ((ex.events["flags"] & EVENT_LOCAL_JIT) != 0).any() == local_jit
     clock, runs, log = stamp_inputs(tables, iterations, DEV)
     ex.run([clock, runs, log], iterations=iterations)
     _check_stamps(preds, log, runs, iterations)

@@ -29,7 +29,7 @@ THREADS = 256
 SCHED_WARPS_PER_CTA = 4
 STATUS_WORDS = 8  # runtime/mpk_runtime/types.cuh: StatusWord
 MAX_WORKERS_PER_SCHEDULER = 136  # runtime/mpk_runtime/persistent.cuh: kMaxWorkersPerScheduler
-EVENT_HAS_JIT, EVENT_ALL_JIT = 2, 4
+EVENT_HAS_JIT, EVENT_ALL_JIT, EVENT_LOCAL_JIT = 2, 4, 8
 STATES = {0: "starting", 1: "waiting for its AOT task", 2: "idle (no AOT work left)", 3: "exited", 4: "aborted"}
 
 
@@ -68,18 +68,21 @@ class GpuExecutor:
     ``num_workers``: worker CTAs (default: SMs − scheduler CTAs); ``scheduler_ctas``: CTAs
     holding 4 scheduler warps each (default 4, the seed layout: 128 workers + 16 schedulers on
     a 132-SM H100); ``profile``: record per-task spans; ``timeout_s``: watchdog limit;
-    ``debug``: build with bounded spins (a hang traps instead of spinning forever).
+    ``debug``: build with bounded spins (a hang traps instead of spinning forever);
+    ``local_jit``: an event whose only task is a JIT task hands it to the worker that fired it
+    rather than to a scheduler (default; False sends every JIT task through the schedulers).
     """
 
     def __init__(self, tables: Tables, num_workers: int | None = None, scheduler_ctas: int = 4,
                  profile: bool = False, profile_capacity: int = 1 << 16, timeout_s: float = 30.0,
                  debug: bool = False, arch: str | None = None, validate_tables: bool = True,
-                 tile_kernel: bool = False):
+                 tile_kernel: bool = False, local_jit: bool = True):
         if not torch.cuda.is_available():
             raise ExecutorUnavailableError("the gpu executor needs a CUDA device; use executor='cpu'")
         if validate_tables:
             validate(tables)
         self.t, self.timeout_s, self.device = tables, timeout_s, torch.device("cuda", torch.cuda.current_device())
+        self.local_jit = local_jit
         self._context = torch.empty(1, device=self.device)  # the driver calls below need a current context
         props = torch.cuda.get_device_properties(self.device)
         if arch is None:
@@ -113,6 +116,10 @@ class GpuExecutor:
                 events[e]["flags"] |= EVENT_HAS_JIT
             if hi > lo and jit[lo:hi].all():
                 events[e]["flags"] |= EVENT_ALL_JIT
+            # one JIT task: the worker whose arrival fires the event runs it (no scheduler hops);
+            # not the start event, which the host announces to the schedulers
+            if self.local_jit and hi - lo == 1 and jit[lo] and e != t.start_event:
+                events[e]["flags"] |= EVENT_LOCAL_JIT
         # AOT tasks are placed round-robin in linear order, as the CPU interpreter does.
         aot = np.nonzero(~jit)[0].astype(np.int32)
         per_worker = [aot[w::self.num_workers] for w in range(self.num_workers)]
@@ -122,6 +129,7 @@ class GpuExecutor:
         W, S = self.num_workers, self.num_schedulers
         i64 = dict(dtype=torch.int64, device=dev)
         self.d_tasks = _dev(t.tasks, dev)
+        self.events = events  # with the flags the host sets (types.cuh: EventDesc)
         self.d_events = _dev(events, dev)
         self.d_aot_offsets = torch.from_numpy(offsets).to(dev)
         # JIT events (types.cuh: JitEvent) in event order; EventRef.jit_index points into them

@@ -17,7 +17,10 @@
 // that is a store or a fire-and-forget reduction); the add that completes a multiple of
 // num_triggers fires the event. Firing an event that launches JIT tasks writes the iteration
 // number into each active scheduler's mailbox slot for it; the end event starts the next
-// iteration (start counter += 1) or, after the last, sets ``done``.
+// iteration (start counter += 1) or, after the last, sets ``done``. An event whose only task is a
+// JIT task (kEventLocalJit, set by the host) goes to no scheduler: the worker that fired it runs
+// the task next — it is free, and the task's inputs are ready — saving the two hops through a
+// scheduler and its ring.
 //
 // Scheduler warp s owns workers w ≡ s (mod active schedulers) and is the only producer of their
 // JIT rings. Its 32 lanes poll 32 consecutive mailbox slots (events in linear order, so an
@@ -48,36 +51,49 @@ __device__ __forceinline__ void notify_event(const RuntimeArgs& a, const EventRe
   }
 }
 
+// A JIT task of a kEventLocalJit event that this worker fired, and the iteration it belongs to.
+struct LocalTask {
+  int task = -1, iter = 0;
+};
+
 // ``count`` arrivals at event e (release); the add that reaches a multiple of num_triggers fires
 // it. Nobody waits for an atomic's reply unless the arrival must learn whether it fired the
 // event: an event that launches no JIT task (its waiters poll the counter) gets a
 // fire-and-forget reduction, or a store of the counter's next value when it has a single
 // trigger whose task knows its iteration (AOT tasks, and JIT tasks, which their scheduler
 // stamps); such a single-trigger event that launches JIT tasks is stored and its schedulers told
-// behind one release fence.
-__device__ __forceinline__ void arrive(const RuntimeArgs& a, const EventRef& e, unsigned count, int iter) {
+// behind one release fence. Returns the task the caller runs itself when it fired a
+// kEventLocalJit event (its single trigger ran on this CTA, or the acq_rel add acquired the
+// other triggers' writes).
+__device__ __forceinline__ LocalTask arrive(const RuntimeArgs& a, const EventRef& e, unsigned count, int iter) {
   const bool one = e.num_triggers == 1 && iter > 0;
+  const bool local = e.flags & kEventLocalJit;
   if (e.jit_index < 0 && e.id != a.end_event) {
     if (one) {
       store_release(a.counters + e.id, static_cast<unsigned long long>(iter));
     } else {
       red_release(a.counters + e.id, count);
     }
-    return;
+    return {};
   }
   if (one && e.id != a.end_event) {
     const unsigned long long k = static_cast<unsigned long long>(iter);
+    if (local) {  // nobody waits on the counter; it is kept for the watchdog's report
+      dev_atomic_u64(a.counters[e.id]).store(k, cuda::memory_order_relaxed);
+      return {e.first_task, iter};
+    }
     cuda::atomic_thread_fence(cuda::memory_order_release, cuda::thread_scope_device);
     dev_atomic_u64(a.counters[e.id]).store(k, cuda::memory_order_relaxed);
     notify_event(a, e, k, true);
-    return;
+    return {};
   }
   const unsigned long long n = static_cast<unsigned long long>(e.num_triggers);
   const unsigned long long now = add_release(a.counters + e.id, count) + count;
-  if (now % n != 0) return;
+  if (now % n != 0) return {};
   if (e.id != a.end_event) {
+    if (local) return {e.first_task, static_cast<int>(now / n)};
     notify_event(a, e, now / n);
-    return;
+    return {};
   }
   if (now / n < static_cast<unsigned long long>(a.iterations)) {
     const unsigned long long next = add_release(a.counters + a.start_event, 1) + 1;
@@ -87,16 +103,21 @@ __device__ __forceinline__ void arrive(const RuntimeArgs& a, const EventRef& e, 
   } else {
     dev_atomic_u32(*a.done).store(1u, cuda::memory_order_release);
   }
+  return {};
 }
 
 // Arrivals a worker owes one event, added in one atomic: consecutive tasks of a worker that
 // trigger the same event (a fan-in) cost one atomic, not one each. Flushed before the worker
 // runs a task that triggers another event and before it waits, so no event is held back
 // while anyone waits for it.
+// The JIT tasks its arrivals fired for it to run (LocalTask) wait in ``local`` (a worker
+// flushes at most twice between two next_task decisions).
 struct Pending {
   EventRef event{-1};
   unsigned count = 0;
   int iter = 0;
+  LocalTask local[2];
+  int n_local = 0;
 
   __device__ __forceinline__ void add(const RuntimeArgs& a, const TaskInfo& t) {
     if (t.trig.id != event.id) flush(a);
@@ -105,7 +126,15 @@ struct Pending {
     ++count;
   }
   __device__ __forceinline__ void flush(const RuntimeArgs& a) {
-    if (count) arrive(a, event, count, iter);
+    if (count) {
+      const LocalTask l = arrive(a, event, count, iter);
+      if (l.task >= 0) {
+#ifdef MPK_DEBUG
+        if (n_local == 2) __trap();
+#endif
+        local[n_local++] = l;
+      }
+    }
     count = 0;
   }
 };
@@ -214,6 +243,13 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
   Spin spin;
   while (true) {
     TaskInfo t;
+    if (a.any_jit && pending.n_local) {  // a JIT task this worker's own arrival released: first
+      const LocalTask l = pending.local[--pending.n_local];
+      t = a.task_infos[l.task];
+      t.iter = l.iter;
+      if (t.trig.id != pending.event.id) pending.flush(a);
+      return t;
+    }
     const bool aot_left = aot.left();
     const unsigned long long need = aot_left ? aot.need() : 0;
     const bool known = aot_left && aot.head.dep == aot.seen_event && need <= aot.seen_need;
@@ -341,7 +377,7 @@ __device__ void scheduler_loop(const RuntimeArgs& a, int s) {
   const unsigned long long* box = a.mailbox + static_cast<long long>(s) * J;
   int cursor = 0, loaded = -1;
   unsigned long long k = 1;  // the iteration the window's events belong to
-  unsigned handled = 0;      // bit i: slot cursor + i already dispatched this iteration
+  unsigned handled = 0;      // bit i: slot cursor + i dispatched this iteration (or kEventLocalJit)
   unsigned rr = 0;
   JitEvent ev{};
   TaskInfo head{};  // the first task of this scheduler's share of ev (loaded with the window)
@@ -351,6 +387,22 @@ __device__ void scheduler_loop(const RuntimeArgs& a, int s) {
       ev = cursor + lane < J ? a.jit_events[cursor + lane] : JitEvent{-1, 0, 0, 0};
       if (ev.event >= 0 && ev.first_task + s < ev.last_task) head = a.task_infos[ev.first_task + s];
       loaded = cursor;
+      handled |= __ballot_sync(0xffffffffu, ev.event >= 0 && (ev.flags & kEventLocalJit));  // their firers run them
+    }
+    const int advance = handled == 0xffffffffu ? 32 : __ffs(~handled) - 1;  // leading handled slots
+    if (advance) {
+      handled = advance == 32 ? 0u : handled >> advance;
+      cursor += advance;
+      if (cursor >= J) {  // every JIT event of iteration k handled: the next iteration's window
+        cursor = 0;
+        handled = 0;
+        loaded = -1;
+        if (++k > static_cast<unsigned long long>(a.iterations)) {  // nothing left to hand out
+          if (lane == 0) status[kStState] = kStateExited;
+          return;
+        }
+      }
+      continue;
     }
     const bool open = ev.event >= 0 && !((handled >> lane) & 1u);
     const unsigned long long v = open ? load_relaxed(const_cast<unsigned long long*>(box) + cursor + lane) : 0;
@@ -399,16 +451,6 @@ __device__ void scheduler_loop(const RuntimeArgs& a, int s) {
       }
     }
     handled |= fired;
-    const int advance = handled == 0xffffffffu ? 32 : __ffs(~handled) - 1;  // leading dispatched slots
-    if (advance) {
-      handled = advance == 32 ? 0u : handled >> advance;
-      cursor += advance;
-      if (cursor >= J) {  // every JIT event of iteration k dispatched: the next iteration's window
-        cursor = 0;
-        handled = 0;
-        ++k;
-      }
-    }
   }
 }
 

@@ -18,12 +18,13 @@ struct EventDesc {  // EVENT_DTYPE
   int first_task;
   int last_task;
   unsigned flags;  // bit 0: global barrier (closes a JIT region); set by the host: bit 1 launches a JIT
-                   // task, bit 2 only JIT tasks
+                   // task, bit 2 only JIT tasks, bit 3 one JIT task, run by the worker that fires it
 };
 
 constexpr unsigned kTaskJit = 1u;
 constexpr unsigned kEventHasJit = 2u;
 constexpr unsigned kEventAllJit = 4u;
+constexpr unsigned kEventLocalJit = 8u;
 
 // Worker status words published to host-mapped memory while a worker waits (watchdog).
 enum StatusWord : int { kStState, kStTask, kStEvent, kStCountLo, kStNeedLo, kStAotPos, kStJitHead, kStSpins, kStatusWords };
