@@ -110,14 +110,20 @@ __device__ __forceinline__ LocalTask arrive(const RuntimeArgs& a, const EventRef
 // trigger the same event (a fan-in) cost one atomic, not one each. Flushed before the worker
 // runs a task that triggers another event and before it waits, so no event is held back
 // while anyone waits for it.
-// The JIT tasks its arrivals fired for it to run (LocalTask) wait in ``local`` (a worker
-// flushes at most twice between two next_task decisions).
+// A JIT task its arrival fired for the worker to run (kEventLocalJit) waits in the worker's
+// shared-memory slot (not in registers: graphs without JIT tasks pay nothing for it).
+// next_task takes it before anything else, and every flush finds the slot empty (a flush
+// either ends next_task's search, which returns the slot's task first, or follows next_task
+// returning a task with the same trigger, which leaves nothing to flush).
+__device__ __forceinline__ LocalTask& local_slot() {
+  __shared__ LocalTask s_local;
+  return s_local;
+}
+
 struct Pending {
   EventRef event{-1};
   unsigned count = 0;
   int iter = 0;
-  LocalTask local[2];
-  int n_local = 0;
 
   __device__ __forceinline__ void add(const RuntimeArgs& a, const TaskInfo& t) {
     if (t.trig.id != event.id) flush(a);
@@ -130,9 +136,9 @@ struct Pending {
       const LocalTask l = arrive(a, event, count, iter);
       if (l.task >= 0) {
 #ifdef MPK_DEBUG
-        if (n_local == 2) __trap();
+        if (local_slot().task >= 0) __trap();
 #endif
-        local[n_local++] = l;
+        local_slot() = l;
       }
     }
     count = 0;
@@ -239,17 +245,22 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
                               Pending& pending, OpSlots& slots, InputGate& gate) {
   Ring<TaskInfo> jit = Ring<TaskInfo>::at(a.jit_values, a.jit_seq, a.jit_head, a.jit_capacity, w);
   volatile int* status = a.status + static_cast<long long>(w) * kStatusWords;
+  // a JIT task this worker's own arrival released comes first (checked before every flush)
+  const auto take_local = [&](TaskInfo& t) {
+    if (!a.any_jit || local_slot().task < 0) return false;
+    const LocalTask l = local_slot();
+    local_slot() = LocalTask{};
+    t = a.task_infos[l.task];
+    t.iter = l.iter;
+    if (t.trig.id != pending.event.id) pending.flush(a);
+    return true;
+  };
+  TaskInfo t;
+  if (take_local(t)) return t;
   if (!(aot.left() && aot.head.info.trig.id == pending.event.id)) pending.flush(a);
   Spin spin;
   while (true) {
-    TaskInfo t;
-    if (a.any_jit && pending.n_local) {  // a JIT task this worker's own arrival released: first
-      const LocalTask l = pending.local[--pending.n_local];
-      t = a.task_infos[l.task];
-      t.iter = l.iter;
-      if (t.trig.id != pending.event.id) pending.flush(a);
-      return t;
-    }
+    if (take_local(t)) return t;
     const bool aot_left = aot.left();
     const unsigned long long need = aot_left ? aot.need() : 0;
     const bool known = aot_left && aot.head.dep == aot.seen_event && need <= aot.seen_need;
@@ -310,7 +321,10 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
   unsigned long long t0 = 0;
   OpSlots slots;
   bool abandoned = false;  // a gated task's wait was abandoned: leave
-  if (threadIdx.x == 0) aot.start(a);
+  if (threadIdx.x == 0) {
+    aot.start(a);
+    local_slot() = LocalTask{};
+  }
   while (true) {
     if (threadIdx.x == 0) {
       s_gate.counter = nullptr;
