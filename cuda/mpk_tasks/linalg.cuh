@@ -45,7 +45,7 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 //   (fparam[2] is eps) scales the sums in the epilogue: out = rstd·(bf16(x·w) @ Wᵀ). rstd is a
 //   per-row scalar, so nothing waits for the row's sum of squares before the first MMA (a
 //   prologue that normalised x first stalled the weight stream for a round trip).
-// kSiluEpilogue: the matmul_silu op (and rms_matmul with iparam[1]) — W has 2N rows, gate then
+// kSiluEpilogue: the matmul_silu op (and rms_matmul with iparam[0]) — W has 2N rows, gate then
 //   up; a pass takes 4 blocks of gate rows and the 4 matching blocks of up rows and stores
 //   silu(gate)·up, each factor rounded to bf16 first, as the unfused projection and silu_mul
 //   would.
@@ -101,8 +101,8 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   // Weights first: they depend on nothing the graph computes (codegen picks this variant only
   // for weights that are graph inputs, and the only input a task writes is a paged KV cache,
   // in place), so the first step's loads go out before the task's event has fired
-  // (acquire_inputs) and before the prologue, the bias and the activations, whose latencies
-  // then hide under theirs.
+  // (acquire_inputs) and before the bias and the activations, whose latencies then hide
+  // under theirs.
   start_pass(r.lo[1]);
   load_weights(warp);
   if (!acquire_inputs(env)) return;

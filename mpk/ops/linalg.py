@@ -43,12 +43,28 @@ register(OpDef(
 ))
 
 
+def _gate_up_columns(n2: int, rect) -> tuple[int, int]:
+    """b's columns a SiLU·mul tile over output columns [lo, hi) reads: the gate columns
+    [lo, hi) and the up columns n2/2 + [lo, hi), bounded."""
+    lo, hi = rect[-1]
+    return lo, n2 // 2 + hi
+
+
+def _silu_of_halves(sig: OpSig, rect, h: torch.Tensor) -> torch.Tensor:
+    """silu(gate)·up of a gate·up product over ``_gate_up_columns`` (gate first, up at n2/2),
+    rounded to the output dtype already."""
+    from mpk.ops.registry import get_op
+
+    width, half = rect[1][1] - rect[1][0], sig.in_shapes[1][1] // 2
+    gate, up = h[:, :width], h[:, half: half + width]
+    silu_sig = OpSig((tuple(gate.shape), tuple(up.shape)), tuple(gate.shape), sig.out_dtype, {})
+    return get_op("silu_mul").cpu(silu_sig, tuple((0, n) for n in gate.shape), [gate, up])
+
+
 def _rms_matmul_regions(sig: OpSig, rect):
     x_shape, b_shape, w_shape = sig.in_shapes
-    m, (lo, hi) = rect
-    # with SiLU·mul: the gate columns [lo, hi) and the up columns N + [lo, hi), bounded
-    n = (lo, b_shape[1] // 2 + hi) if sig.attrs.get("silu") else (lo, hi)
-    return [(m, (0, x_shape[1])), ((0, b_shape[0]), n), ((0, w_shape[0]),)]
+    n = _gate_up_columns(b_shape[1], rect) if sig.attrs.get("silu") else rect[1]
+    return [(rect[0], (0, x_shape[1])), ((0, b_shape[0]), n), ((0, w_shape[0]),)]
 
 
 def _rms_matmul_cpu(sig: OpSig, rect, xs):
@@ -58,15 +74,8 @@ def _rms_matmul_cpu(sig: OpSig, rect, xs):
     xc = x.to(cd)
     rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + a["eps"])
     h = (xc * w.to(cd)).to(sig.out_dtype).to(cd)  # the MMA operand: rounded like the norm's output
-    if not a.get("silu"):
-        return (torch.matmul(h, b.to(cd)) * rstd).to(sig.out_dtype)
-    from mpk.ops.registry import get_op
-
-    width, half = rect[1][1] - rect[1][0], sig.in_shapes[1][1] // 2  # b: gate columns, then up at N
-    gate = (torch.matmul(h, b[:, :width].to(cd)) * rstd).to(sig.out_dtype)
-    up = (torch.matmul(h, b[:, half: half + width].to(cd)) * rstd).to(sig.out_dtype)
-    silu_sig = OpSig((tuple(gate.shape), tuple(up.shape)), tuple(gate.shape), sig.out_dtype, {})
-    return get_op("silu_mul").cpu(silu_sig, tuple((0, n) for n in gate.shape), [gate, up])
+    out = (torch.matmul(h, b.to(cd)) * rstd).to(sig.out_dtype)
+    return _silu_of_halves(sig, rect, out) if a.get("silu") else out
 
 
 register(OpDef(
@@ -80,20 +89,12 @@ register(OpDef(
 
 def _matmul_silu_regions(sig: OpSig, rect):
     (_, k), (_, n2) = sig.in_shapes
-    m, (lo, hi) = rect
-    # the gate columns [lo, hi) and the up columns n2/2 + [lo, hi): their bounding columns
-    return [(m, (0, k)), ((0, k), (lo, n2 // 2 + hi))]
+    return [(rect[0], (0, k)), ((0, k), _gate_up_columns(n2, rect))]
 
 
 def _matmul_silu_cpu(sig: OpSig, rect, xs):
-    from mpk.ops.registry import get_op
-
-    x, b = xs  # b: the region's columns, gate first, up at offset N/2
-    width, half = rect[1][1] - rect[1][0], sig.in_shapes[1][1] // 2
-    h = torch.matmul(x, b).to(sig.out_dtype)
-    gate, up = h[:, :width], h[:, half: half + width]
-    silu_sig = OpSig((tuple(gate.shape), tuple(up.shape)), tuple(gate.shape), sig.out_dtype, {})
-    return get_op("silu_mul").cpu(silu_sig, tuple((0, n) for n in gate.shape), [gate, up])
+    x, b = xs
+    return _silu_of_halves(sig, rect, torch.matmul(x, b).to(sig.out_dtype))
 
 
 register(OpDef(

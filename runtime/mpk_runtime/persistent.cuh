@@ -113,10 +113,6 @@ __device__ __forceinline__ LocalTask arrive(const RuntimeArgs& a, const EventRef
   return arrive_jit(a, e, count, iter);
 }
 
-// Arrivals a worker owes one event, added in one atomic: consecutive tasks of a worker that
-// trigger the same event (a fan-in) cost one atomic, not one each. Flushed before the worker
-// runs a task that triggers another event and before it waits, so no event is held back
-// while anyone waits for it.
 // A JIT task its arrival fired for the worker to run (kEventLocalJit) waits in the worker's
 // shared-memory slot (not in registers: graphs without JIT tasks pay nothing for it).
 // next_task takes it before anything else, and every flush finds the slot empty (a flush
@@ -127,6 +123,10 @@ __device__ __forceinline__ LocalTask& local_slot() {
   return s_local;
 }
 
+// Arrivals a worker owes one event, added in one atomic: consecutive tasks of a worker that
+// trigger the same event (a fan-in) cost one atomic, not one each. Flushed before the worker
+// runs a task that triggers another event and before it waits, so no event is held back
+// while anyone waits for it.
 struct Pending {
   EventRef event{-1};
   unsigned count = 0;
