@@ -75,6 +75,58 @@ struct Spin {
   __device__ __forceinline__ void reset() { polls = 0; }
 };
 
+// Hop clocks (builds with -DMPK_HOP_CLOCKS only; benchmarks/hop_breakdown.py --clocks): thread
+// 0 of each worker stamps its SM's cycle counter where a gated task's hop passes, sums three
+// stretches in shared memory and writes them out when it leaves, so nothing is stored to
+// global memory meanwhile (a release fence would wait for such a store). The stretches: kHopSeen
+// → kHopStart (the waiter's wake-up: gate opened, block barrier, into the task), kHopStart →
+// kHopEnd (task body and the closing barrier), kHopEnd → kHopRelease (the finisher's way to its
+// release store). What a hop has beyond them is the store's way to the waiter's poll.
+enum HopMark : int { kHopSeen, kHopStart, kHopEnd, kHopRelease, kHopMarks };
+constexpr int kHopWorkers = 256, kHopFields = 8;  // per worker: 3 sums, count, cycles, ns, 2 spare
+#ifdef MPK_HOP_CLOCKS
+extern "C" {
+__device__ long long mpk_hop_cycles[kHopWorkers][kHopFields];
+}
+struct HopClocks {
+  long long at[kHopMarks];
+  long long sum[kHopFields];
+};
+__device__ __forceinline__ HopClocks& hop_clocks() {
+  __shared__ HopClocks s_hop;
+  return s_hop;
+}
+__device__ __forceinline__ void hop_mark(HopMark m) {
+  if (threadIdx.x != 0) return;
+  HopClocks& h = hop_clocks();
+  const long long now = clock64();
+  const HopMark from = m == kHopStart ? kHopSeen : m == kHopEnd ? kHopStart : m == kHopRelease ? kHopEnd : kHopMarks;
+  if (from != kHopMarks && h.at[from] > 0) {
+    h.sum[from] += now - h.at[from];
+    if (m == kHopEnd) ++h.sum[3];
+    h.at[from] = 0;  // each stretch once per hop
+  }
+  h.at[m] = now;
+}
+__device__ __forceinline__ void hop_clocks_begin() {
+  if (threadIdx.x != 0) return;
+  hop_clocks() = HopClocks{};
+  hop_clocks().sum[4] = clock64();
+  hop_clocks().sum[5] = static_cast<long long>(globaltimer_ns());
+}
+__device__ __forceinline__ void hop_clocks_end(int w) {
+  if (threadIdx.x != 0 || w >= kHopWorkers) return;
+  HopClocks& h = hop_clocks();
+  h.sum[4] = clock64() - h.sum[4];
+  h.sum[5] = static_cast<long long>(globaltimer_ns()) - h.sum[5];
+  for (int f = 0; f < kHopFields; ++f) mpk_hop_cycles[w][f] = h.sum[f];
+}
+#else
+__device__ __forceinline__ void hop_mark(HopMark) {}
+__device__ __forceinline__ void hop_clocks_begin() {}
+__device__ __forceinline__ void hop_clocks_end(int) {}
+#endif
+
 // Single-producer single-consumer ring: the producer writes the slot and release-stores its
 // sequence number (position + 1); the consumer polls the sequence (relaxed, issued with its
 // other polls), fences, reads the value and publishes its head (read by debug checks). The host
