@@ -126,8 +126,9 @@ __device__ __forceinline__ LocalTask arrive(const RuntimeArgs& a, const EventRef
 // A JIT task its arrival fired for the worker to run (kEventLocalJit) waits in the worker's
 // shared-memory slot (not in registers: graphs without JIT tasks pay nothing for it).
 // next_task takes it before anything else, and every flush finds the slot empty (a flush
-// either ends next_task's search, which returns the slot's task first, or follows next_task
-// returning a task with the same trigger, which leaves nothing to flush).
+// follows a task in the worker loop or ends next_task's search, and either way next_task
+// returns the slot's task first, or it follows next_task returning a task with the same
+// trigger, which leaves nothing to flush).
 __device__ __forceinline__ LocalTask& local_slot() {
   __shared__ LocalTask s_local;
   return s_local;
@@ -405,8 +406,9 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
       // The arrival goes out now, not after the bookkeeping below and in next_task, unless the
       // next AOT task triggers the same event (its arrival then joins this one).
       if (!(aot.left() && aot.head.info.trig.id == t.trig.id)) pending.flush(a);
-      if (a.profile && n_profiled < static_cast<unsigned>(a.profile_capacity)) {  // after the release: its
-        a.profile[static_cast<long long>(w) * a.profile_capacity + n_profiled++] =  // fence need not wait for this
+      // the profile record after the release, whose fence then does not wait for its store
+      if (a.profile && n_profiled < static_cast<unsigned>(a.profile_capacity)) {
+        a.profile[static_cast<long long>(w) * a.profile_capacity + n_profiled++] =
             ProfileRecord{t.task, sm_id(), t0, t1};
       }
     }
