@@ -266,12 +266,19 @@ struct OpSlots {
   }
 };
 
-// The task in the local slot, which the worker runs next (out of line: JIT graphs only).
-__device__ __noinline__ TaskInfo take_local(const RuntimeArgs& a) {
+// The task in the local slot, which the worker runs next (out of line: JIT graphs only; it
+// takes the shared copy of the arguments, and no reference to the caller's registers).
+__device__ __noinline__ TaskInfo load_local(const RuntimeArgs& a) {
   const LocalTask l = local_slot();
   local_slot() = LocalTask{};
   TaskInfo t = a.task_infos[l.task];
   t.iter = l.iter;
+  return t;
+}
+
+__device__ __forceinline__ TaskInfo take_local(const RuntimeArgs& a, Pending& pending) {
+  const TaskInfo t = load_local(shared_args());
+  if (t.trig.id != pending.event.id) pending.flush(a);
   return t;
 }
 
@@ -283,19 +290,11 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
   volatile int* status = a.status + static_cast<long long>(w) * kStatusWords;
   // a JIT task this worker's own arrival released comes first (checked before every flush)
   TaskInfo t;
-  if (a.any_jit && local_slot().task >= 0) {
-    t = take_local(shared_args());
-    if (t.trig.id != pending.event.id) pending.flush(a);
-    return t;
-  }
+  if (a.any_jit && local_slot().task >= 0) return take_local(a, pending);
   if (!(aot.left() && aot.head.info.trig.id == pending.event.id)) pending.flush(a);
   Spin spin;
   while (true) {
-    if (a.any_jit && local_slot().task >= 0) {
-      t = take_local(shared_args());
-      if (t.trig.id != pending.event.id) pending.flush(a);
-      return t;
-    }
+    if (a.any_jit && local_slot().task >= 0) return take_local(a, pending);
     const bool aot_left = aot.left();
     const unsigned long long need = aot_left ? aot.need() : 0;
     const bool known = aot_left && aot.head.dep == aot.seen_event && need <= aot.seen_need;
