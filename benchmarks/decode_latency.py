@@ -82,7 +82,8 @@ def breakdown(compiled, trace_path: Path | None = None) -> dict:
 def stages(trace: list[dict], t, first: int = 10, count: int = 12) -> list[dict]:
     """One layer's timeline: ops ``first``…``first + count`` in start order, each with its kind,
     task count, the gap since the previous op's last task ended (the event hop and ramp-up),
-    its span, and its median / longest task (µs)."""
+    its span, its median / longest task, and the spread of its tasks' starts (first to last
+    gate opening: tasks whose workers were still busy, or slow to come back, start late) (µs)."""
     per_op: dict[int, list[dict]] = defaultdict(list)
     for e in trace:
         op = int(t.tasks[e["args"]["task"]]["op"])
@@ -96,7 +97,8 @@ def stages(trace: list[dict], t, first: int = 10, count: int = 12) -> list[dict]
         durs = sorted(e["dur"] for e in es)
         rows.append({"kind": t.meta["ops"][op]["kind"], "tasks": len(es),
                      "gap": round(lo - prev_end, 2) if prev_end is not None else None,
-                     "span": round(hi - lo, 2), "median": round(durs[len(durs) // 2], 2), "max": round(durs[-1], 2)})
+                     "span": round(hi - lo, 2), "median": round(durs[len(durs) // 2], 2), "max": round(durs[-1], 2),
+                     "start_spread": round(max(e["ts"] for e in es) - lo, 2)})
         prev_end = hi
     return rows
 
@@ -167,7 +169,7 @@ def main(argv=None) -> int:
             rows.append(row)
             for st in row.get("breakdown_us", {}).get("stages", []):
                 print("  {kind:14s} tasks {tasks:4d}  gap {gap!s:>6}  span {span:7.2f}  median {median:6.2f}  "
-                      "max {max:6.2f}".format(**st), flush=True)
+                      "max {max:6.2f}  start spread {start_spread:5.2f}".format(**st), flush=True)
             line = json.dumps(row)
             print(line, flush=True)
             if args.out:
