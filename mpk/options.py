@@ -32,8 +32,10 @@ class CompileOptions:
     partition    {op name or op kind: tiles per output dim (list) or {dim: tiles}}.
     fallback     "error" (default): unsupported ops raise; "eager": they run in PyTorch.
     fuse_norm_prologue  fuse an RMSNorm into the projection that consumes it (rms_matmul, also
-                 the gate·up projection with its SiLU·mul; default False: measured slower on an
-                 H200 than a separate norm task).
+                 the gate·up projection with its SiLU·mul; default True) when its input fits
+                 a task's on-chip tile (mpk.ops.linalg.NORM_TILE_BYTES: a decode step at batch
+                 1, or 2 for hidden ≤ 2048); larger inputs keep the separate norm task, which
+                 measured faster on an H200 from batch 4 on.
     fuse_rope_attention  run a decode layer's qk-norm + RoPE + KV append inside its paged
                  attention tasks (rope_attn_partial; default True), one op boundary fewer.
     debug_dir    directory to dump the OpGraph, tables, summary, DOT and JSON of each graph.
@@ -50,7 +52,7 @@ class CompileOptions:
     executor: str = "cpu"
     partition: dict[str, Any] = field(default_factory=dict)
     fallback: str = "error"
-    fuse_norm_prologue: bool = False
+    fuse_norm_prologue: bool = True
     fuse_rope_attention: bool = True
     debug_dir: str | None = None
     num_workers: int = 128

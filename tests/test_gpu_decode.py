@@ -15,6 +15,7 @@ from mpk.backend import COMPILED
 from mpk.megakernel.codegen import linear_variant
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache
 from mpk.models.parity import compare_logits, decode_logits, hf_logits, hf_twin
+from mpk.ops.linalg import NORM_TILE_BYTES
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -92,24 +93,29 @@ class _NormLinear(torch.nn.Module):
 
 
 @pytest.mark.parametrize("m,n,k,tiles,silu", [(1, 1000, 2048, 0, False), (16, 40, 256, 0, False),
-                                              (5, 700, 2400, 2, False), (1, 520, 2048, 0, True),
-                                              (16, 300, 96, 0, True), (5, 1000, 2400, 3, True)])
+                                              (3, 700, 1344, 2, False), (1, 520, 4096, 0, True),
+                                              (4, 300, 1024, 0, True), (3, 1000, 1344, 3, True)])
 def test_rms_norm_fused_linear_matches_float64(m, n, k, tiles, silu):
     """The RMSNorm fused into the projection after it (rms_matmul, variant 1; with silu the
-    gate·up projection and its SiLU·mul too) against its definition in float64: rstd(x)·
-    (bf16(x·g) @ Wᵀ), each SiLU·mul factor rounded to bf16."""
+    gate·up projection and its SiLU·mul too): bit for bit the unfused pair (rms_norm variant 1,
+    then the projection, same tiles), and within a bf16 rounding of its definition with the
+    norm's roundings and a float64 product (rows of odd counts, x normalised in its tile)."""
+    from mpk.ops.paged import rms_rows
+
     mod = _NormLinear(n, k, silu)
     x = (3 * torch.randn(m, k, device=DEV)).bfloat16()
+    projection = "matmul_silu" if silu else "matmul"
     out = _gpu_compile(mod, fuse_norm_prologue=True, **({"partition": {"rms_matmul": [1, tiles]}} if tiles else {}))(x)
-    xd = x.double()
-    rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
-    h = (xd * mod.g.double()).bfloat16().double() @ mod.w.double().T * rstd
+    kinds = [op.kind for op in COMPILED[-1].graph.ops]
+    assert kinds == ["rms_matmul"] and linear_variant(COMPILED[-1].tables, 0) == 1
+    unfused = _gpu_compile(mod, fuse_norm_prologue=False, **({"partition": {projection: [1, tiles]}} if tiles else {}))(x)
+    assert [op.kind for op in COMPILED[-1].graph.ops] == ["rms_norm", projection]
+    assert torch.equal(out, unfused)
+    h = rms_rows(x.float(), mod.g, 1e-6, torch.bfloat16).double() @ mod.w.double().T
     if silu:
         h = h.bfloat16().double()
         h = torch.nn.functional.silu(h[:, :n]).bfloat16().double() * h[:, n:]
     assert relative_error(out, h) <= BF16_TOL
-    kinds = [op.kind for op in COMPILED[-1].graph.ops]
-    assert kinds == ["rms_matmul"] and linear_variant(COMPILED[-1].tables, 0) == 1
 
 
 @pytest.mark.parametrize("rows,n", [(1, 4096), (16, 2056), (3, 8192)])  # 2056: a partial last vector round
@@ -163,12 +169,14 @@ UNFUSED = {"fuse_rope_attention": False}
     ("qwen3", 4, 3, {"partition": {"rope_append": [1, 3, 1], "attn_partial": [3, 1, 2, 1, 1], "attn_merge": [2, 3, 1]},
                      **UNFUSED}, {}),
     ("qwen3", 4, 3, {"partition": {"rope_attn_partial": [2, 1, 1, 1, 1], "attn_merge": [2, 3, 1]}}, {}),
-    ("qwen3", 16, 2, UNFUSED, {}), ("llama", 2, 3, {}, {"heads": 12}), ("llama", 2, 3, {}, {"heads": 16})])
+    ("qwen3", 16, 2, UNFUSED, {}), ("llama", 2, 3, {}, {"heads": 12}), ("llama", 2, 3, {}, {"heads": 16}),
+    ("qwen3", 16, 3, {"fuse_norm_prologue": False}, {}), ("llama", 4, 16, {}, {"hidden": 512})])
 def test_compiled_decode_matches_eager(family, page_size, batch, options, shape):
     """bf16 decode steps of sequences of different lengths, compiled vs mpk's eager path:
     logits within 2e-2 of the largest |logit| (bf16 rounding of two different summation
     orders through 2 layers), top-1 agreement ≥ 99% where the eager logits are decisive
-    (``compare_logits``), and the caches agree. RoPE + append run inside the attention tasks
+    (``compare_logits``), and the caches agree (layer 0 within a bf16 rounding, later layers
+    within the logits' bound). RoPE + append run inside the attention tasks
     (by default; groups of 6 query heads are the largest that fuse) or as their own op."""
     cfg = small(family, **shape)
     model = DecoderLM(cfg, torch.bfloat16, DEV, max_len=256).randomize(seed=random.randrange(1 << 30))
@@ -186,10 +194,20 @@ def test_compiled_decode_matches_eager(family, page_size, batch, options, shape)
             tokens = refs[-1].argmax(-1)
     stats = compare_logits(torch.stack(outs), torch.stack(refs))
     assert stats["max_rel"] <= 2e-2 and stats["top1_decisive"] >= 0.99, stats
-    assert relative_error(kv_m.cache.float(), kv_e.cache.float()) <= BF16_TOL
+    # layer 0's k/v come from the same inputs through one projection (a rounding apart); a
+    # later layer's carry the earlier layers' differences, as the logits do (their bound)
+    for layer in range(cfg.layers):
+        err = relative_error(kv_m.cache[layer].float(), kv_e.cache[layer].float())
+        assert err <= (BF16_TOL if layer == 0 else 2e-2), (layer, err)
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
     fused = options.get("fuse_rope_attention", True) and cfg.heads // cfg.kv_heads <= 6
     assert kinds.count("rope_attn_partial" if fused else "rope_append") == cfg.layers
+    # by default every RMSNorm runs inside the projection after it (fast path) while x fits a tile
+    if options.get("fuse_norm_prologue", True) and batch * cfg.hidden * 2 <= NORM_TILE_BYTES:
+        assert "rms_norm" not in kinds and kinds.count("rms_matmul") == 2 * cfg.layers + 1
+        assert all(linear_variant(COMPILED[-1].tables, i) for i, k in enumerate(kinds) if k == "rms_matmul")
+    else:
+        assert "rms_matmul" not in kinds and kinds.count("rms_norm") == 2 * cfg.layers + 1
 
 
 def test_one_kernel_launch_per_step():

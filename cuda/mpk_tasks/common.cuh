@@ -299,6 +299,13 @@ __device__ __forceinline__ float* scratch() {
   return s;
 }
 
+// The launch's dynamic shared memory: rms_matmul's tile of normalised activations, sized per
+// graph by the host (mpk.megakernel.codegen.dynamic_smem_bytes; none when no task uses it).
+__device__ __forceinline__ uint4* norm_tile() {
+  extern __shared__ __align__(16) uint4 mpk_dynamic_smem[];
+  return mpk_dynamic_smem;
+}
+
 // Phase timer (builds with -DMPK_PHASES only; benchmarks/linear_phases.py): thread 0 of a CTA
 // adds the nanoseconds since the previous mark to mpk_phase_ns[CTA][slot][phase], and counts
 // the task in phase 7. It shows where a task's time goes inside it, which the per-task profiler

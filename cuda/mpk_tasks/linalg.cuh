@@ -4,6 +4,7 @@
 // one, one thread per output element — and ``embedding``.
 #pragma once
 #include "pointwise.cuh"  // silu_times: the SiLU·mul epilogue
+#include "rows.cuh"       // rms_scale8, kNormVecs: rms_matmul's normalisation, as rms_norm's
 
 namespace mpk {
 
@@ -40,20 +41,24 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 // order (deterministic), then the epilogue scales, adds the bias (the residual of a decoder
 // layer) and stores.
 // The fused forms (flags, combinable):
-// kNormScale: the rms_matmul op — input 2 is an RMSNorm weight w over K. The K loop feeds the
-//   MMA bf16(x·w) and sums x² from the same loads; the row's rstd = rsqrt(mean(x²) + eps)
-//   (fparam[2] is eps) scales the sums in the epilogue: out = rstd·(bf16(x·w) @ Wᵀ). rstd is a
-//   per-row scalar, so nothing waits for the row's sum of squares before the first MMA (a
-//   prologue that normalised x first stalled the weight stream for a round trip).
+// kNormPrologue: the rms_matmul op — input 2 is an RMSNorm weight g over K (fparam[2] is eps).
+//   After its gate the task copies its rows of x into shared memory (norm_tile; one round
+//   trip, as the plain form's first activation loads), and normalises them there with
+//   rms_norm's sums and roundings (bf16(bf16(x·rstd)·g), the thread ↔ element map of the
+//   rms_norm task, so the result equals the unfused pair's); the K loop then reads its
+//   activations from the tile. g's words are loaded before the gate. (Applying x·g and rstd
+//   inside the K loop measured slower: the loop's pace is set by the path from its loads to
+//   its MMAs.) The tile holds row r's 16-byte word j at j ^ 4(r & 1): the rows g and g + 1 a
+//   quarter warp reads then fall in different banks.
 // kSiluEpilogue: the matmul_silu op (and rms_matmul with iparam[0]) — W has 2N rows, gate then
 //   up; a pass takes 4 blocks of gate rows and the 4 matching blocks of up rows and stores
 //   silu(gate)·up, each factor rounded to bf16 first, as the unfused projection and silu_mul
 //   would.
-enum LinearForm : int { kPlain = 0, kNormScale = 1, kSiluEpilogue = 2 };
+enum LinearForm : int { kPlain = 0, kNormPrologue = 1, kSiluEpilogue = 2 };
 
 template <int kBlocks, int kForm>
 __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const TaskEnv& env) {
-  constexpr bool kNorm = kForm & kNormScale, kGlu = kForm & kSiluEpilogue;
+  constexpr bool kNorm = kForm & kNormPrologue, kGlu = kForm & kSiluEpilogue;
   constexpr int kLinUnroll = kLinInFlight / kBlocks;
   // phases (MPK_PHASES): 0 setup; per pass 1 K loop, 2 partials to shared memory, 3 epilogue,
   // 4 closing barrier. Slot: form · 3 + log2(kBlocks) − 1
@@ -74,6 +79,8 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   const __nv_bfloat16* x_hi = x + (m0 + g + 8) * lda + 8 * t;
   float* red = scratch();  // [warp][64 columns][16 rows]
   float* red_ss = red + 8 * 64 * kLinRows;  // kNorm: [warp][16 rows], each warp's sums of x²
+  const int words = static_cast<int>(K / 8);  // kNorm: 16-byte words of a row of x
+  const auto swz = [](int row, int j) { return j ^ ((row & 1) << 2); };
   const uint4 zero = make_uint4(0, 0, 0, 0);
   // A pass's weight rows: 8·kBlocks rows of W (kGlu: 4·kBlocks gate rows, then the matching up
   // rows N further), lane (g, t) reading row g of each 8-row block at k offset 8t.
@@ -105,11 +112,51 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   // under theirs.
   start_pass(r.lo[1]);
   load_weights(warp);
-  if (!acquire_inputs(env)) return;
-  const __nv_bfloat16* wn = nullptr;  // kNorm: the norm weight, at this lane's k offset
+  uint4 gw[kNorm ? kNormVecs : 1];  // kNorm: the norm weight's words threadIdx.x + 256·i (a graph input too)
   if constexpr (kNorm) {
     const ViewC& nw = c.in[2];
-    wn = static_cast<const __nv_bfloat16*>(env.buffers[nw.buffer]) + nw.offset + 8 * t;
+    const auto* g16 = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(env.buffers[nw.buffer]) + nw.offset);
+#pragma unroll
+    for (int i = 0; i < kNormVecs; ++i) {
+      const int j = threadIdx.x + i * kThreadsPerTask;
+      gw[i] = j < words ? __ldg(g16 + j) : zero;
+    }
+  }
+  if (!acquire_inputs(env)) return;
+  uint4* tile = nullptr;  // kNorm: the rows of x, normalised
+  if constexpr (kNorm) {
+    tile = norm_tile();
+    for (int e = threadIdx.x; e < rows * words; e += blockDim.x) {
+      const int row = e / words, j = e % words;
+      cp_async16(tile + row * words + swz(row, j), x + (m0 + row) * lda + 8 * j);
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    for (int row = 0; row < rows; ++row) {
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < kNormVecs; ++i) {
+        const int j = threadIdx.x + i * kThreadsPerTask;
+        if (j < words) ss += sum_squares8(tile[row * words + swz(row, j)]);
+      }
+      ss = warp_sum(ss);
+      if (lane == 0) red_ss[warp * kLinRows + row] = ss;
+    }
+    __syncthreads();
+    for (int row = 0; row < rows; ++row) {
+      float total = 0.f;
+      for (int v = 0; v < warps; ++v) total += red_ss[v * kLinRows + row];
+      const float rstd = rsqrtf(total / K + c.fparam[2]);
+#pragma unroll
+      for (int i = 0; i < kNormVecs; ++i) {
+        const int j = threadIdx.x + i * kThreadsPerTask;
+        if (j < words) {
+          uint4& word = tile[row * words + swz(row, j)];
+          word = rms_scale8(word, gw[i], rstd);
+        }
+      }
+    }
+    __syncthreads();
   }
   // the bias (a decoder layer's residual): bf16, broadcast by zero strides (codegen checks)
   const __nv_bfloat16* bias = nullptr;
@@ -136,7 +183,6 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
     float acc[kBlocks][4];
 #pragma unroll
     for (int j = 0; j < kBlocks; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    float ss_lo = 0.f, ss_hi = 0.f;  // kNorm: this lane's share of rows g's and g + 8's Σx²
     for (int ks = warp; ks < ksteps; ks += warps * kLinUnroll) {
       if (!(first_pass && ks == warp)) load_weights(ks);
       uint4 lo[kLinUnroll], hi[kLinUnroll];
@@ -144,15 +190,12 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       for (int u = 0; u < kLinUnroll; ++u) {
         const int k = ks + u * warps;
         const bool ok = k < ksteps;
-        // activations are written inside the kernel: coherent (L2) loads, not the read-only path
-        lo[u] = ok && has_lo ? __ldcg(reinterpret_cast<const uint4*>(x_lo + 32LL * k)) : zero;
-        hi[u] = ok && has_hi ? __ldcg(reinterpret_cast<const uint4*>(x_hi + 32LL * k)) : zero;
-        if constexpr (kNorm) {  // on the path from the loads to the MMAs: as little as possible
-          if (ok) {
-            const uint4 wk = __ldg(reinterpret_cast<const uint4*>(wn + 32LL * k));
-            lo[u] = zip_bf16x8(lo[u], wk, [&ss_lo](float v, float g) { ss_lo += v * v; return v * g; });
-            if (rows > 8) hi[u] = zip_bf16x8(hi[u], wk, [&ss_hi](float v, float g) { ss_hi += v * v; return v * g; });
-          }
+        if constexpr (kNorm) {  // word 4k + t of rows g and g + 8 (same parity: same swizzle)
+          lo[u] = ok && has_lo ? tile[g * words + swz(g, 4 * k + t)] : zero;
+          hi[u] = ok && has_hi ? tile[(g + 8) * words + swz(g, 4 * k + t)] : zero;
+        } else {  // activations are written inside the kernel: coherent (L2) loads, not the read-only path
+          lo[u] = ok && has_lo ? __ldcg(reinterpret_cast<const uint4*>(x_lo + 32LL * k)) : zero;
+          hi[u] = ok && has_hi ? __ldcg(reinterpret_cast<const uint4*>(x_hi + 32LL * k)) : zero;
         }
       }
 #pragma unroll
@@ -174,16 +217,6 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       p[g + 8] = acc[j][2];
       p[kLinRows + g + 8] = acc[j][3];
     }
-    if constexpr (kNorm) {  // the 4 lanes of a row hold its 8-element pieces of each 32-wide step
-      ss_lo += __shfl_xor_sync(0xffffffffu, ss_lo, 1);
-      ss_lo += __shfl_xor_sync(0xffffffffu, ss_lo, 2);
-      ss_hi += __shfl_xor_sync(0xffffffffu, ss_hi, 1);
-      ss_hi += __shfl_xor_sync(0xffffffffu, ss_hi, 2);
-      if (t == 0) {
-        red_ss[warp * kLinRows + g] = ss_lo;
-        red_ss[warp * kLinRows + g + 8] = ss_hi;
-      }
-    }
     __syncthreads();
     phase.mark(2);
 #pragma unroll
@@ -191,14 +224,12 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       const int e = threadIdx.x + j * kThreadsPerTask;
       if (e >= rows * cols) break;
       const int row = e / cols, col = e % cols;
-      float s = 0.f, up = 0.f, ss = 0.f;
+      float s = 0.f, up = 0.f;
       for (int v = 0; v < warps; ++v) {
         s += red[(v * 64 + col) * kLinRows + row];
         if constexpr (kGlu) up += red[(v * 64 + 32 + col) * kLinRows + row];
-        if constexpr (kNorm) ss += red_ss[v * kLinRows + row];
       }
-      // alpha, times the row's rstd under kNorm
-      const float scale = kNorm ? c.fparam[0] * rsqrtf(ss / K + c.fparam[2]) : c.fparam[0];
+      const float scale = c.fparam[0];  // alpha
       if constexpr (kGlu) {
         s = silu_times(round_to(kBF16, s * scale), round_to(kBF16, up * scale), kBF16);
       } else {
@@ -228,17 +259,17 @@ __device__ __forceinline__ void linear_variant1(const OpC& c, const Rect& r, con
   }
 }
 
-// rms_matmul: an RMSNorm fused into the projection after it, with the row's rstd applied to
-// the sums: out = rstd(x)·(bf16(x·w) @ b) (rounded to the output dtype: mpk/ops/linalg.py
-// defines it), or with iparam[0] its SiLU·mul: silu(rstd·h[:, :N])·(rstd·h[:, N:]), h the
-// product with b [K, 2N]. Inputs x [M, K], b [K, N or 2N], w [K]; fparam[2] eps. Variant 0
-// (general views) computes each output element alone.
+// rms_matmul: an RMSNorm fused into the projection after it, out = rms_norm(x, w) @ b with
+// rms_norm's roundings (mpk/ops/linalg.py defines it), or with iparam[0] its SiLU·mul:
+// silu(h[:, :N])·h[:, N:], h the product with b [K, 2N] rounded to the output dtype. Inputs
+// x [M, K], b [K, N or 2N], w [K]; iparam[1] the norm dtype, fparam[2] eps. Variant 0 (general
+// views) computes each output element alone.
 __device__ void task_rms_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
   if (c.variant == 1) {
     if (c.iparam[0]) {
-      linear_variant1<kNormScale | kSiluEpilogue>(c, r, env);
+      linear_variant1<kNormPrologue | kSiluEpilogue>(c, r, env);
     } else {
-      linear_variant1<kNormScale>(c, r, env);
+      linear_variant1<kNormPrologue>(c, r, env);
     }
     return;
   }
@@ -252,16 +283,19 @@ __device__ void task_rms_matmul(const OpC& c, const Rect& r, const TaskEnv& env)
     rect_unravel(r, 2, e, idx);
     float ss = 0.f, gate = 0.f, up = 0.f;
     for (long long k = 0; k < kdim; ++k) {
-      const long long ia[2] = {idx[0], k}, iw[1] = {k}, ig[2] = {k, idx[1]}, iu[2] = {k, idx[1] + N};
+      const long long ia[2] = {idx[0], k};
       const float v = load_f(env.buffers[a.buffer], a.dtype, view_index(a, ia, 2));
-      const float h = round_to(c.out_dtype, v * load_f(env.buffers[w.buffer], w.dtype, view_index(w, iw, 1)));
       ss += v * v;
+    }
+    const float rstd = rsqrtf(ss / kdim + c.fparam[2]);
+    for (long long k = 0; k < kdim; ++k) {
+      const long long ia[2] = {idx[0], k}, iw[1] = {k}, ig[2] = {k, idx[1]}, iu[2] = {k, idx[1] + N};
+      const float v = round_to(static_cast<int>(c.iparam[1]), load_f(env.buffers[a.buffer], a.dtype, view_index(a, ia, 2)) * rstd);
+      const float h = round_to(c.out_dtype, v * load_f(env.buffers[w.buffer], w.dtype, view_index(w, iw, 1)));
       gate += h * load_f(env.buffers[b.buffer], b.dtype, view_index(b, ig, 2));
       if (glu) up += h * load_f(env.buffers[b.buffer], b.dtype, view_index(b, iu, 2));
     }
-    const float rstd = rsqrtf(ss / kdim + c.fparam[2]);
-    const float out = glu ? silu_times(round_to(c.out_dtype, gate * rstd), round_to(c.out_dtype, up * rstd), c.out_dtype)
-                          : gate * rstd;
+    const float out = glu ? silu_times(round_to(c.out_dtype, gate), round_to(c.out_dtype, up), c.out_dtype) : gate;
     store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, 2), out);
   }
 }

@@ -43,9 +43,9 @@ def _(x, weight, eps, compute_dtype, norm_dtype):
 def rms_norm_mm(x: torch.Tensor, weight: torch.Tensor, eps: float, compute_dtype: torch.dtype,
                 norm_dtype: torch.dtype, b: torch.Tensor, silu: bool = False) -> torch.Tensor:
     """``rms_norm(x, weight) @ b`` (with ``silu``: then SiLU·mul of its two halves, as
-    ``mm_silu_mul``): a projection with its RMSNorm fused. Each task feeds its matmul
-    ``x·weight`` and applies the row's ``rstd`` to the sums; the normalised activations never
-    exist. That moves one rounding (mpk.ops.linalg's rms_matmul defines it)."""
+    ``mm_silu_mul``): a projection with its RMSNorm fused, with the unfused pair's roundings
+    (mpk.ops.linalg's rms_matmul defines it). Each task normalises its rows of x on chip; the
+    normalised activations never reach memory."""
     out_dtype = rms_norm_out_dtype(x, weight, norm_dtype)
     M, N = x.shape[0], b.shape[1] // 2 if silu else b.shape[1]
     sig = OpSig((tuple(x.shape), tuple(b.shape), tuple(weight.shape)), (M, N), out_dtype,

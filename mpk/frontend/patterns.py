@@ -16,6 +16,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 import mpk.frontend.fused_ops  # noqa: F401  (registers torch.ops.mpk.*)
+from mpk.ops.linalg import NORM_TILE_BYTES
 
 aten = torch.ops.aten
 _CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
@@ -182,16 +183,19 @@ def _match_rms_norm_mm(node: Node):
     if not (_is(norm, torch.ops.mpk.rms_norm.default) and len(norm.users) == 1 and norm.args[1] is not None):
         return None
     x, weight, eps, compute_dtype, norm_dtype = norm.args
-    if _val(x).dim() != 2 or _val(norm).dtype != _val(b).dtype:
+    xv = _val(x)
+    if xv.dim() != 2 or _val(norm).dtype != _val(b).dtype:
+        return None
+    if xv.numel() * _val(norm).element_size() > NORM_TILE_BYTES:  # the task keeps all of x on chip
         return None
     return node, (torch.ops.mpk.rms_norm_mm.default, (x, weight, eps, compute_dtype, norm_dtype, b, silu))
 
 
 MATCHERS = (_match_rms_norm, _match_rope, _match_silu_mul, _match_mm_silu_mul, _match_residual_matmul)
-# Opt-in (CompileOptions.fuse_norm_prologue): on an H200 decode steps stay 0–11% slower than
-# with a separate rms_norm task plus its event hop. The fused task applies rstd to its sums (no
-# stall before the first MMA), but the x·w scaling and Σx² sit between each K step's loads and
-# its MMAs, and the K loop is bound by that path's latency (2026-11-22 decode_latency results).
+# Opt-in (CompileOptions.fuse_norm_prologue). Each task normalises its rows of x into shared
+# memory after its gate (rms_norm's roundings: the result equals the unfused pair) and its K
+# loop reads them from there; earlier forms that applied the norm inside the K loop were 0–11%
+# slower on an H200 (that path sets the loop's pace).
 OPTIONAL_MATCHERS = {"norm_prologue": _match_rms_norm_mm}
 
 

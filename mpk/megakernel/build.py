@@ -88,5 +88,7 @@ def prebuild(sources: list[str], arch: str = "sm_90a", jobs: int | None = None) 
     ``GpuExecutor``s find their cubins in the cache."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=jobs or min(len(sources), os.cpu_count() or 1) or 1) as pool:
-        return list(pool.map(lambda s: build_cubin(s, arch), sources))
+    unique = list(dict.fromkeys(sources))  # one build per source: equal ones would share temp files
+    with ThreadPoolExecutor(max_workers=jobs or min(len(unique), os.cpu_count() or 1) or 1) as pool:
+        built = dict(zip(unique, pool.map(lambda s: build_cubin(s, arch), unique)))
+    return [built[s] for s in sources]

@@ -15,6 +15,7 @@ import torch
 
 from mpk.compiler.tables import DTYPE_CODE, MAX_DIMS, ROLE_INPUT, Tables
 from mpk.errors import CompileError
+from mpk.ops.linalg import NORM_TILE_BYTES
 from mpk.ops.pointwise import POINTWISE_FNS
 from mpk.ops.rows import REDUCE_FNS
 
@@ -54,7 +55,7 @@ ENCODERS: dict[str, Callable[[dict], Params]] = {
     "rms_norm": lambda a: (0, [int(a["has_weight"]), _dtype_code(a["norm_dtype"])], [a["eps"]]),
     "rope": lambda a: (0, [], []),
     "matmul": lambda a: (0, [], [float(a.get("alpha", 1)), float(a.get("beta", 1))]),
-    "rms_matmul": lambda a: (0, [int(a.get("silu", False))], [1.0, 0.0, a["eps"]]),
+    "rms_matmul": lambda a: (0, [int(a.get("silu", False)), _dtype_code(a["norm_dtype"])], [1.0, 0.0, a["eps"]]),
     "matmul_silu": lambda a: (0, [], [1.0, 0.0]),
     "embedding": lambda a: (0, [], []),
     "attention": lambda a: (0, [int(a["causal"])], [a["scale"]]),
@@ -116,11 +117,33 @@ def linear_variant(tables: Tables, op: int) -> int:
     if ok and tables.meta["ops"][op]["kind"] == "matmul" and int(o["num_inputs"]) > 2:  # the bias: bf16, ≤ 2-d
         bias = tables.views[int(tables.op_inputs[o["first_input"] + 2])]
         ok = int(tables.buffers[int(bias["buffer"])]["dtype"]) == BF16 and int(bias["ndim"]) <= 2
-    if ok and tables.meta["ops"][op]["kind"] == "rms_matmul":  # the norm weight in 16-byte words; Σx² in fp32
+    if ok and tables.meta["ops"][op]["kind"] == "rms_matmul":
+        # the norm weight in 16-byte words, read before the gate (a graph input); x's rows
+        # normalised in fp32 into a bf16 tile of whole 8-word groups (its swizzle) that fits
+        attrs = tables.meta["ops"][op]["attrs"]
         w = tables.views[int(tables.op_inputs[o["first_input"] + 2])]
-        ok = (int(tables.buffers[int(w["buffer"])]["dtype"]) == BF16 and int(w["strides"][0]) == 1
-              and int(w["offset"]) % 8 == 0 and tables.meta["ops"][op]["attrs"]["compute_dtype"] == "float32")
+        wbuf = tables.buffers[int(w["buffer"])]
+        ok = (int(wbuf["dtype"]) == BF16 and int(wbuf["role"]) == ROLE_INPUT and int(w["strides"][0]) == 1
+              and int(w["offset"]) % 8 == 0 and attrs["compute_dtype"] == "float32" and attrs["norm_dtype"] == "bfloat16"
+              and K % 64 == 0 and K <= NORM_VECS * 8 * 256 and _tile_rows(tables, op) * K * 2 <= NORM_TILE_BYTES)
     return int(ok)
+
+
+def _tile_rows(tables: Tables, op: int) -> int:
+    """The most rows (dim 0) a tile of ``op`` holds: the balanced split's ceiling."""
+    o = tables.ops[op]
+    return -(-int(tables.buffers[int(o["output"])]["shape"][0]) // int(o["grid"][0]))
+
+
+def dynamic_smem_bytes(tables: Tables) -> int:
+    """Dynamic shared memory a launch of ``tables``' kernel needs: the largest tile of
+    normalised activations among its variant-1 rms_matmul ops (``mpk::norm_tile``), else 0."""
+    need = 0
+    for i, o in enumerate(tables.ops):
+        if tables.meta["ops"][i]["kind"] == "rms_matmul" and linear_variant(tables, i):
+            K = int(tables.views[int(tables.op_inputs[o["first_input"]])]["shape"][1])
+            need = max(need, _tile_rows(tables, i) * K * 2)
+    return need
 
 
 NORM_VECS = 4  # cuda/mpk_tasks/rows.cuh: kNormVecs (8-element vectors per thread, 256 threads)

@@ -77,13 +77,31 @@ def _params(values: list) -> ctypes.Array:
     return arr
 
 
-def launch(fn, grid: int, threads: int, stream: int, params: list, cooperative: bool = False) -> None:
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+
+
+def prefer_carveout(fn: ctypes.c_void_p, percent: int) -> None:
+    """Ask for ``percent`` of the SM's unified L1/shared memory as shared memory (the driver
+    rounds up to a configuration that fits a CTA; -1: no preference)."""
+    check(_lib().cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, ctypes.c_int(percent)),
+          f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT={percent})")
+
+
+def allow_dynamic_smem(fn: ctypes.c_void_p, nbytes: int) -> None:
+    """Let launches of ``fn`` ask for ``nbytes`` of dynamic shared memory (beyond the 48 KiB a
+    launch gets without asking)."""
+    check(_lib().cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ctypes.c_int(nbytes)),
+          f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={nbytes})")
+
+
+def launch(fn, grid: int, threads: int, stream: int, params: list, cooperative: bool = False, smem: int = 0) -> None:
     p = _params(params)
     if cooperative:
-        check(_lib().cuLaunchCooperativeKernel(fn, grid, 1, 1, threads, 1, 1, 0, ctypes.c_void_p(stream), p),
+        check(_lib().cuLaunchCooperativeKernel(fn, grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), p),
               "cuLaunchCooperativeKernel")
     else:
-        check(_lib().cuLaunchKernel(fn, grid, 1, 1, threads, 1, 1, 0, ctypes.c_void_p(stream), p, None),
+        check(_lib().cuLaunchKernel(fn, grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), p, None),
               "cuLaunchKernel")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -23,7 +24,7 @@ from mpk.compiler.tables import DTYPES, FLAG_JIT, ROLE_INPUT, Tables, validate
 from mpk.errors import ExecutorUnavailableError, MpkError
 from mpk.megakernel import cuda_driver as drv
 from mpk.megakernel.build import build_cubin
-from mpk.megakernel.codegen import aligned_inputs, generate
+from mpk.megakernel.codegen import aligned_inputs, dynamic_smem_bytes, generate
 
 THREADS = 256
 SCHED_WARPS_PER_CTA = 4
@@ -92,8 +93,15 @@ class GpuExecutor:
         self.module = drv.Module(Path(self.cubin_path).read_bytes())
         self.kernel = self.module.function("mpk_persistent_kernel")
         self.tile_kernel = self.module.function("mpk_tile_kernel") if tile_kernel else None
-        if drv.max_blocks_per_sm(self.kernel, THREADS) < 1:
-            raise MpkError("the persistent kernel cannot fit one CTA per SM (registers/shared memory)")
+        self.smem = dynamic_smem_bytes(tables)
+        for fn in (self.kernel, self.tile_kernel):
+            if fn is not None and self.smem:
+                drv.allow_dynamic_smem(fn, self.smem)
+            if fn is not None and "MPK_CARVEOUT" in os.environ:
+                drv.prefer_carveout(fn, int(os.environ["MPK_CARVEOUT"]))
+        if drv.max_blocks_per_sm(self.kernel, THREADS, self.smem) < 1:
+            raise MpkError(f"the persistent kernel cannot fit one CTA per SM (registers/shared memory; "
+                           f"{self.smem} bytes of dynamic shared memory)")
         sms = props.multi_processor_count
         self.scheduler_ctas = scheduler_ctas
         self.num_workers = num_workers or sms - scheduler_ctas
@@ -273,7 +281,7 @@ class GpuExecutor:
                               stream.cuda_stream)
         self.h_status.array[:] = 0
         self.h_abort.array[:] = 0
-        drv.launch(self.kernel, self.grid, THREADS, stream.cuda_stream, [self.args], cooperative=True)
+        drv.launch(self.kernel, self.grid, THREADS, stream.cuda_stream, [self.args], cooperative=True, smem=self.smem)
         done = torch.cuda.Event()
         done.record(stream)
         self._last_done = done
@@ -325,7 +333,7 @@ class GpuExecutor:
         self._bind(args)
         n_tiles = int(self.t.ops[op]["num_tiles"])
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        drv.launch(self.tile_kernel, n_tiles, THREADS, stream, [ctypes.c_int(op)])
+        drv.launch(self.tile_kernel, n_tiles, THREADS, stream, [ctypes.c_int(op)], smem=self.smem)
         torch.cuda.synchronize(self.device)
 
     # --- watchdog ------------------------------------------------------------------------------

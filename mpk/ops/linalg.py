@@ -67,23 +67,33 @@ def _rms_matmul_regions(sig: OpSig, rect):
     return [(rect[0], (0, x_shape[1])), ((0, b_shape[0]), n), ((0, w_shape[0]),)]
 
 
+# The largest tile of normalised activations (rows × K) an rms_matmul task keeps in shared
+# memory (cuda/mpk_tasks/linalg.cuh: the launch's dynamic shared memory). The frontend fuses
+# an RMSNorm into its projection only when all of x fits: every task normalises all rows
+# after its gate, which on an H200 paid at batch 1 (llama3.2-1b / qwen3-1.7b steps −4%) and
+# cost at batch 4 (+2–4%) and 16 (+20%) against one norm task per row
+# (benchmarks/results/2026-11-22-nvidia-h200-decode_latency-session10-*).
+NORM_TILE_BYTES = 8 * 1024
+
+
 def _rms_matmul_cpu(sig: OpSig, rect, xs):
+    from mpk.ops.registry import get_op
+
     x, b, w = xs
     a = sig.attrs
-    cd = getattr(torch, a["compute_dtype"])
-    xc = x.to(cd)
-    rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + a["eps"])
-    h = (xc * w.to(cd)).to(sig.out_dtype).to(cd)  # the MMA operand: rounded like the norm's output
-    out = (torch.matmul(h, b.to(cd)) * rstd).to(sig.out_dtype)
+    norm = OpSig((tuple(x.shape), tuple(w.shape)), tuple(x.shape), sig.out_dtype,
+                 {"eps": a["eps"], "has_weight": True, "compute_dtype": a["compute_dtype"], "norm_dtype": a["norm_dtype"]})
+    h = get_op("rms_norm").cpu(norm, tuple((0, n) for n in x.shape), [x, w])
+    out = torch.matmul(h, b).to(sig.out_dtype)
     return _silu_of_halves(sig, rect, out) if a.get("silu") else out
 
 
 register(OpDef(
     kind="rms_matmul", type_id=22, input_regions=_rms_matmul_regions, cpu=_rms_matmul_cpu,
     split_order=_matmul_order, min_tile_elems=16,
-    doc="out = rstd(x)·(round(x·w) @ b), rstd = rsqrt(mean(x²) + eps) in compute_dtype, round to the output "
-        "dtype: x [M, K], b [K, N], w [K] (an RMSNorm fused into the projection after it, its per-row scale "
-        "applied to the sums). With silu: b [K, 2N] and out = silu(gate)·up of the two scaled, rounded halves",
+    doc="out = rms_norm(x, w) @ b with rms_norm's roundings (rstd = rsqrt(mean(x²) + eps) in compute_dtype, "
+        "x·rstd cast to norm_dtype, times w, cast to the output dtype): x [M, K], b [K, N], w [K] (an RMSNorm "
+        "fused into the projection after it). With silu: b [K, 2N] and out = silu(gate)·up of the two halves",
 ))
 
 
