@@ -78,14 +78,6 @@ def _params(values: list) -> ctypes.Array:
 
 
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
-
-
-def prefer_carveout(fn: ctypes.c_void_p, percent: int) -> None:
-    """Ask for ``percent`` of the SM's unified L1/shared memory as shared memory (the driver
-    rounds up to a configuration that fits a CTA; -1: no preference)."""
-    check(_lib().cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, ctypes.c_int(percent)),
-          f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT={percent})")
 
 
 def allow_dynamic_smem(fn: ctypes.c_void_p, nbytes: int) -> None:

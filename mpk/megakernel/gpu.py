@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -97,8 +96,6 @@ class GpuExecutor:
         for fn in (self.kernel, self.tile_kernel):
             if fn is not None and self.smem:
                 drv.allow_dynamic_smem(fn, self.smem)
-            if fn is not None and "MPK_CARVEOUT" in os.environ:
-                drv.prefer_carveout(fn, int(os.environ["MPK_CARVEOUT"]))
         if drv.max_blocks_per_sm(self.kernel, THREADS, self.smem) < 1:
             raise MpkError(f"the persistent kernel cannot fit one CTA per SM (registers/shared memory; "
                            f"{self.smem} bytes of dynamic shared memory)")
