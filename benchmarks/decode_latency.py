@@ -103,15 +103,38 @@ def stages(trace: list[dict], t, first: int = 10, count: int = 12) -> list[dict]
     return rows
 
 
+def add_step_args(ap: argparse.ArgumentParser) -> None:
+    """The arguments that pick the benchmarked decode steps (shared with prebuild_decode.py,
+    whose cubins must be these steps')."""
+    ap.add_argument("--models", nargs="+", default=["llama3.2-1b", "qwen3-1.7b", "qwen3-8b"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
+    ap.add_argument("--position", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--num-splits", type=int, default=0,
+                    help="attention's KV chunks per sequence (0: the compiler's default_splits)")
+
+
+def max_len(position: int) -> int:
+    """The models' cache length: the prompt and 64 more tokens."""
+    return position + 64
+
+
+def compile_step(model: DecoderLM, batch: int, position: int, page_size: int, options: dict | None = None):
+    """The benchmarked step: the cache holding ``position`` tokens plus the one being decoded,
+    and the model compiled for the GPU executor (asynchronous launches). Returns (step, kv)."""
+    kv = PagedKVCache(model, batch, position + 1, page_size)
+    kv.grow(position + 1)
+    step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
+                         options={"executor": "gpu", "sync": False, **(options or {})})
+    return step, kv
+
+
 def bench_mpk(model: DecoderLM, batch: int, position: int, page_size: int, profile: bool,
               trace_path: Path | None = None, options: dict | None = None) -> dict:
-    kv = PagedKVCache(model, batch, position + 1, page_size)
-    kv.grow(position + 1)  # the prompt plus the token being decoded
+    step, kv = compile_step(model, batch, position, page_size, options)
     with torch.no_grad():
         kv.cache.normal_()
     tokens = torch.randint(0, model.cfg.vocab, (batch,), device="cuda")
-    step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
-                         options={"executor": "gpu", "sync": False, **(options or {})})
     with torch.no_grad():
         step(tokens, *kv.args())  # trace, compile, build
         torch.cuda.synchronize()
@@ -127,10 +150,7 @@ def bench_mpk(model: DecoderLM, batch: int, position: int, page_size: int, profi
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=["llama3.2-1b", "qwen3-1.7b", "qwen3-8b"])
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
-    ap.add_argument("--position", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=16)
+    add_step_args(ap)
     ap.add_argument("--compile-mode", default="default",
                     help="the peer's torch.compile mode (max-autotune costs minutes per shape)")
     ap.add_argument("--profile", action="store_true", help="per-task-type breakdown of one mpk step")
@@ -138,8 +158,6 @@ def main(argv=None) -> int:
     ap.add_argument("--trace-dir", type=Path, default=None, help="write each profiled step's Perfetto trace here")
     ap.add_argument("--options", type=json.loads, default={},
                     help='extra mpk compile options as JSON, e.g. \'{"fuse_norm_prologue": true}\'')
-    ap.add_argument("--num-splits", type=int, default=0,
-                    help="attention's KV chunks per sequence (0: the compiler's default_splits)")
     ap.add_argument("--skip-peer", action="store_true", help="mpk alone (for comparing mpk builds; no speedup)")
     args = ap.parse_args(argv)
     if args.trace_dir:
@@ -150,7 +168,7 @@ def main(argv=None) -> int:
     rows = []
     for name in args.models:
         cfg = MODELS[name]
-        model = random_model(cfg, args.position + 64, num_splits=args.num_splits)
+        model = random_model(cfg, max_len(args.position), num_splits=args.num_splits)
         for batch in args.batches:
             trace = args.trace_dir / f"{name}-b{batch}.json" if args.trace_dir else None
             mpk = bench_mpk(model, batch, args.position, args.page_size, args.profile, trace, args.options)

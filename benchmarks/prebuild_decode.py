@@ -13,24 +13,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from mpk.backend import COMPILED
-from mpk.errors import ExecutorUnavailableError
-from mpk.megakernel import build
-from mpk.megakernel.codegen import generate
-from mpk.models.llm import SHAPES, DecoderLM, PagedKVCache
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_latency import add_step_args, compile_step, max_len  # noqa: E402
+
+from mpk.backend import COMPILED  # noqa: E402
+from mpk.errors import ExecutorUnavailableError  # noqa: E402
+from mpk.megakernel import build  # noqa: E402
+from mpk.megakernel.codegen import generate  # noqa: E402
+from mpk.models.llm import SHAPES, DecoderLM  # noqa: E402
 
 
 def decode_source(name: str, batch: int, position: int, page_size: int, num_splits: int, options: dict) -> str:
     """The generated CUDA of ``decode_latency.bench_mpk``'s step for this configuration."""
-    model = DecoderLM(SHAPES[name], torch.bfloat16, "cpu", max_len=position + 64, num_splits=num_splits)
-    kv = PagedKVCache(model, batch, position + 1, page_size)
-    kv.grow(position + 1)
-    step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
-                         options={"executor": "gpu", "sync": False, **options})
+    model = DecoderLM(SHAPES[name], torch.bfloat16, "cpu", max_len=max_len(position), num_splits=num_splits)
+    step, kv = compile_step(model, batch, position, page_size, options)
     COMPILED.clear()
     try:
         with torch.no_grad():
@@ -45,11 +47,7 @@ def decode_source(name: str, batch: int, position: int, page_size: int, num_spli
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=["llama3.2-1b", "qwen3-1.7b", "qwen3-8b"])
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
-    ap.add_argument("--position", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--num-splits", type=int, default=0)
+    add_step_args(ap)
     ap.add_argument("--options", nargs="+", type=json.loads, default=[{}], help="one JSON object per build variant")
     ap.add_argument("--jobs", type=int, default=None)
     args = ap.parse_args(argv)

@@ -113,7 +113,7 @@ def linear_variant(tables: Tables, op: int) -> int:
         return 0  # weights are streamed with non-coherent loads: they must not be written in the kernel
     ok = (all(d == BF16 for d in dtypes) and int(a["strides"][1]) == 1 and int(b["strides"][0]) == 1
           and K % 32 == 0 and all(int(x) % 8 == 0 for x in (a["offset"], lda, b["offset"], b["strides"][1]))
-          and -(-M // int(o["grid"][0])) <= LINEAR_ROWS)
+          and _tile_rows(tables, op) <= LINEAR_ROWS)
     if ok and tables.meta["ops"][op]["kind"] == "matmul" and int(o["num_inputs"]) > 2:  # the bias: bf16, ≤ 2-d
         bias = tables.views[int(tables.op_inputs[o["first_input"] + 2])]
         ok = int(tables.buffers[int(bias["buffer"])]["dtype"]) == BF16 and int(bias["ndim"]) <= 2
