@@ -156,8 +156,10 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="per-task-type breakdown of one mpk step")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--trace-dir", type=Path, default=None, help="write each profiled step's Perfetto trace here")
-    ap.add_argument("--options", type=json.loads, default={},
-                    help='extra mpk compile options as JSON, e.g. \'{"fuse_norm_prologue": true}\'')
+    ap.add_argument("--options", nargs="+", type=json.loads, default=[{}],
+                    help='extra mpk compile options as JSON, e.g. \'{"linear_pool": 0}\'; several: an A/B of '
+                         'builds, timed in turn on the same model and inputs')
+    ap.add_argument("--rounds", type=int, default=1, help="time every --options build this many times, alternating")
     ap.add_argument("--skip-peer", action="store_true", help="mpk alone (for comparing mpk builds; no speedup)")
     args = ap.parse_args(argv)
     if args.trace_dir:
@@ -170,38 +172,42 @@ def main(argv=None) -> int:
         cfg = MODELS[name]
         model = random_model(cfg, max_len(args.position), num_splits=args.num_splits)
         for batch in args.batches:
-            trace = args.trace_dir / f"{name}-b{batch}.json" if args.trace_dir else None
-            mpk = bench_mpk(model, batch, args.position, args.page_size, args.profile, trace, args.options)
             peer = (dict.fromkeys(("eager_ms", "eager_graph_ms", "compile_graph_ms", "peer_ms", "peer_mode"), None)
                     | {"errors": {}} if args.skip_peer else time_peer(name, batch, args.position,
                                                                       compile_mode=args.compile_mode))
             floor = floor_ms(weight_bytes(SHAPES[name]) + kv_bytes(SHAPES[name], batch, args.position + 1), bw)
-            row = {"date": datetime.date.today().isoformat(), "device": device, "model": name, "batch": batch,
-                   "position": args.position, "page_size": args.page_size, "num_splits": args.num_splits,
-                   "nvcc_flags": os.environ.get("MPK_NVCC_FLAGS", ""), "options": args.options, **mpk,
-                   **{k: peer[k] for k in ("eager_ms", "eager_graph_ms", "compile_graph_ms", "peer_ms", "peer_mode",
-                                           "errors")},
-                   "speedup": peer["peer_ms"] / mpk["mpk_ms"] if peer["peer_ms"] else None,
-                   "floor_ms": floor, "floor_util": floor / mpk["mpk_ms"], "peer_floor_util":
-                   floor / peer["peer_ms"] if peer["peer_ms"] else None, "bandwidth_GBps": bw / 1e9}
-            rows.append(row)
-            for st in row.get("breakdown_us", {}).get("stages", []):
-                print("  {kind:14s} tasks {tasks:4d}  gap {gap!s:>6}  span {span:7.2f}  median {median:6.2f}  "
-                      "max {max:6.2f}  start spread {start_spread:5.2f}".format(**st), flush=True)
-            line = json.dumps(row)
-            print(line, flush=True)
-            if args.out:
-                with args.out.open("a") as fh:
-                    fh.write(line + "\n")
+            for rnd in range(args.rounds):
+                for v, options in enumerate(args.options):
+                    tag = f"{name}-b{batch}" + (f"-v{v}" if len(args.options) > 1 else "") + (f"-r{rnd}" if rnd else "")
+                    trace = args.trace_dir / f"{tag}.json" if args.trace_dir else None
+                    mpk = bench_mpk(model, batch, args.position, args.page_size, args.profile, trace, options)
+                    row = {"date": datetime.date.today().isoformat(), "device": device, "model": name, "batch": batch,
+                           "position": args.position, "page_size": args.page_size, "num_splits": args.num_splits,
+                           "nvcc_flags": os.environ.get("MPK_NVCC_FLAGS", ""), "options": options, "round": rnd, **mpk,
+                           **{k: peer[k] for k in ("eager_ms", "eager_graph_ms", "compile_graph_ms", "peer_ms",
+                                                   "peer_mode", "errors")},
+                           "speedup": peer["peer_ms"] / mpk["mpk_ms"] if peer["peer_ms"] else None,
+                           "floor_ms": floor, "floor_util": floor / mpk["mpk_ms"], "peer_floor_util":
+                           floor / peer["peer_ms"] if peer["peer_ms"] else None, "bandwidth_GBps": bw / 1e9}
+                    rows.append(row)
+                    for st in row.get("breakdown_us", {}).get("stages", []):
+                        print("  {kind:14s} tasks {tasks:4d}  gap {gap!s:>6}  span {span:7.2f}  median {median:6.2f}  "
+                              "max {max:6.2f}  start spread {start_spread:5.2f}".format(**st), flush=True)
+                    line = json.dumps(row)
+                    print(line, flush=True)
+                    if args.out:
+                        with args.out.open("a") as fh:
+                            fh.write(line + "\n")
         del model
         gc.collect()
         torch.cuda.empty_cache()
     print(f"\n{'model':12s} {'B':>3s} {'mpk ms':>8s} {'peer ms':>8s} {'peer':>13s} {'speedup':>8s} "
-          f"{'floor ms':>9s} {'floor_util':>10s}")
+          f"{'floor ms':>9s} {'floor_util':>10s}" + ("  options" if len(args.options) > 1 else ""))
     for r in rows:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         print(f"{r['model']:12s} {r['batch']:3d} {r['mpk_ms']:8.3f} {r['peer_ms'] or float('nan'):8.3f} "
-              f"{str(r['peer_mode']):>13s} {sp:>8s} {r['floor_ms']:9.3f} {r['floor_util']:10.2f}")
+              f"{str(r['peer_mode']):>13s} {sp:>8s} {r['floor_ms']:9.3f} {r['floor_util']:10.2f}"
+              + (f"  {json.dumps(r['options'])}" if len(args.options) > 1 else ""))
     return 0
 
 

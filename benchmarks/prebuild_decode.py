@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -50,6 +51,9 @@ def main(argv=None) -> int:
     add_step_args(ap)
     ap.add_argument("--options", nargs="+", type=json.loads, default=[{}], help="one JSON object per build variant")
     ap.add_argument("--jobs", type=int, default=None)
+    ap.add_argument("--nvcc-flags", action="append", default=None,
+                    help="repeatable, e.g. --nvcc-flags=-DMPK_PHASES: build every step once per flag set (as "
+                         "$MPK_NVCC_FLAGS; default: the environment's)")
     args = ap.parse_args(argv)
     sources = []
     for name in args.models:
@@ -57,9 +61,12 @@ def main(argv=None) -> int:
             for options in args.options:
                 sources.append(decode_source(name, batch, args.position, args.page_size, args.num_splits, options))
                 print(f"traced {name} batch {batch} {json.dumps(options)}", flush=True)
-    start = time.perf_counter()
-    paths = build.prebuild(sources, jobs=args.jobs)
-    print(f"built {len(paths)} cubins in {time.perf_counter() - start:.0f} s into {build.cache_dir()}", flush=True)
+    for flags in args.nvcc_flags or [os.environ.get("MPK_NVCC_FLAGS", "")]:
+        os.environ["MPK_NVCC_FLAGS"] = flags
+        start = time.perf_counter()
+        paths = build.prebuild(sources, jobs=args.jobs)
+        print(f"built {len(paths)} cubins (MPK_NVCC_FLAGS={flags!r}) in {time.perf_counter() - start:.0f} s into "
+              f"{build.cache_dir()}", flush=True)
     return 0
 
 
