@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from helpers import compile_with, random_decode_step, random_decoder, random_partition, relative_error, trace_graph
+from mpk.errors import MpkError
 from mpk.megakernel import Interpreter
 from mpk.megakernel.stress import force_jit, random_dag, stamp_graph, stamp_inputs
 from mpk.models.toy import LLAMA, QWEN3, Config, GeluMLPBlock, randomize
@@ -97,6 +98,8 @@ def test_random_dag_stress_100k_tasks_100_iterations():
     preds = random_dag(n, random.Random(2026))
     tables = stamp_graph(preds, iterations, busy_ns=2000)
     ex = _gpu(tables, timeout_s=120)
+    # no JIT task: no scheduler CTA, every SM is a worker
+    assert ex.scheduler_ctas == 0 and ex.num_workers == torch.cuda.get_device_properties(0).multi_processor_count
     clock, runs, log = stamp_inputs(tables, iterations, DEV)
     ex.run([clock, runs, log], iterations=iterations)
     _check_stamps(preds, log, runs, iterations)
@@ -112,7 +115,10 @@ def test_random_dag_stress_through_the_schedulers(local_jit):
     preds = random_dag(n, random.Random(2027))
     tables = force_jit(stamp_graph(preds, iterations, busy_ns=500))
     ex = _gpu(tables, timeout_s=120, local_jit=local_jit)
-    from mpk.megakernel.gpu import EVENT_LOCAL_JIT
+    from mpk.megakernel.gpu import EVENT_LOCAL_JIT, SCHEDULER_CTAS
+    assert ex.scheduler_ctas == SCHEDULER_CTAS
+    with pytest.raises(MpkError, match="the graph has JIT tasks, which scheduler warps hand out"):
+        _gpu(tables, scheduler_ctas=0)
     assert ((ex.events["flags"] & EVENT_LOCAL_JIT) != 0).any() == local_jit
     clock, runs, log = stamp_inputs(tables, iterations, DEV)
     ex.run([clock, runs, log], iterations=iterations)
@@ -123,7 +129,7 @@ def test_every_worker_count_runs_to_completion():
     preds = random_dag(3000, random.Random(3), window=64)
     tables = stamp_graph(preds, 3, busy_ns=200)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for sched_ctas in (1, 4):
+    for sched_ctas in (0, 1, 4):  # an AOT graph runs with scheduler CTAs or without
         for workers in sorted({1, 2, 7, 32, sms // 2, sms - sched_ctas}):
             ex = _gpu(tables, num_workers=workers, scheduler_ctas=sched_ctas, timeout_s=60)
             clock, runs, log = stamp_inputs(tables, 3, DEV)

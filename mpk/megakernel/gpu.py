@@ -27,6 +27,7 @@ from mpk.megakernel.codegen import aligned_inputs, dynamic_smem_bytes, generate
 
 THREADS = 256
 SCHED_WARPS_PER_CTA = 4
+SCHEDULER_CTAS = 4  # scheduler CTAs of a graph with JIT tasks, by default
 STATUS_WORDS = 8  # runtime/mpk_runtime/types.cuh: StatusWord
 MAX_WORKERS_PER_SCHEDULER = 136  # runtime/mpk_runtime/persistent.cuh: kMaxWorkersPerScheduler
 EVENT_HAS_JIT, EVENT_ALL_JIT, EVENT_LOCAL_JIT = 2, 4, 8
@@ -66,14 +67,15 @@ class GpuExecutor:
     """Runs ``tables`` as one persistent kernel on the current CUDA device.
 
     ``num_workers``: worker CTAs (default: SMs − scheduler CTAs); ``scheduler_ctas``: CTAs
-    holding 4 scheduler warps each (default 4, the seed layout: 128 workers + 16 schedulers on
-    a 132-SM H100); ``profile``: record per-task spans; ``timeout_s``: watchdog limit;
+    holding 4 scheduler warps each (default: 4 when the graph has JIT tasks, the seed layout of
+    128 workers + 16 schedulers on a 132-SM H100; none without, where every SM is a worker);
+    ``profile``: record per-task spans; ``timeout_s``: watchdog limit;
     ``debug``: build with bounded spins (a hang traps instead of spinning forever);
     ``local_jit``: an event whose only task is a JIT task hands it to the worker that fired it
     rather than to a scheduler (default; False sends every JIT task through the schedulers).
     """
 
-    def __init__(self, tables: Tables, num_workers: int | None = None, scheduler_ctas: int = 4,
+    def __init__(self, tables: Tables, num_workers: int | None = None, scheduler_ctas: int | None = None,
                  profile: bool = False, profile_capacity: int = 1 << 16, timeout_s: float = 30.0,
                  debug: bool = False, arch: str | None = None, validate_tables: bool = True,
                  tile_kernel: bool = False, local_jit: bool = True):
@@ -81,6 +83,11 @@ class GpuExecutor:
             raise ExecutorUnavailableError("the gpu executor needs a CUDA device; use executor='cpu'")
         if validate_tables:
             validate(tables)
+        has_jit = bool((tables.tasks["flags"] & FLAG_JIT).any())
+        if scheduler_ctas is None:  # schedulers only hand out JIT tasks: without any, every SM works
+            scheduler_ctas = SCHEDULER_CTAS if has_jit else 0
+        if has_jit and scheduler_ctas < 1:
+            raise MpkError("the graph has JIT tasks, which scheduler warps hand out; pass scheduler_ctas >= 1")
         self.t, self.timeout_s, self.device = tables, timeout_s, torch.device("cuda", torch.cuda.current_device())
         self.local_jit = local_jit
         self._context = torch.empty(1, device=self.device)  # the driver calls below need a current context
@@ -170,7 +177,7 @@ class GpuExecutor:
         self.d_jit_events = torch.from_numpy(jit_events).to(dev)
         # Everything reset before each launch lives in one zeroed block.
         self.active_schedulers = min(S, W)
-        if -(-W // self.active_schedulers) > MAX_WORKERS_PER_SCHEDULER:
+        if self.active_schedulers and -(-W // self.active_schedulers) > MAX_WORKERS_PER_SCHEDULER:
             raise MpkError(f"{W} workers over {self.active_schedulers} schedulers exceeds "
                            f"{MAX_WORKERS_PER_SCHEDULER} workers per scheduler; add scheduler CTAs")
         self.jit_capacity = self._jit_ring_capacity(jit_events[: self.num_jit_events])
