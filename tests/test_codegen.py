@@ -33,17 +33,19 @@ def _graphs():
     yield "chain", compile_with(graph, random_partition(graph, random.Random(0))).tables
     yield "stamp-dag", stamp_graph(random_dag(300, random.Random(0)), iterations=3, busy_ns=100)
     yield "qwen3-1.7b-paged", _paged_decode_tables()
+    yield "qwen3-1.7b-paged-split", _paged_decode_tables(cache_len=1000)  # KV chunks merged by attn_merge
     yield "qwen3-1.7b-paged-unfused", _paged_decode_tables(fuse_rope_attention=False)
     yield "qwen3-bf16-fused-norm", _compiled_decode_tables("qwen3", fuse_norm_prologue=True)
 
 
-def _paged_decode_tables(**options):
-    """One layer of the qwen3-1.7b-shaped decode step over a paged cache (meta tensors)."""
+def _paged_decode_tables(cache_len: int = 100, **options):
+    """One layer of the qwen3-1.7b-shaped decode step over a paged cache (meta tensors); up to
+    255 positions attend in one chunk (no merge op), 1000 in 3."""
     import argparse
 
     from mpk.cli import PRESETS
 
-    ns = argparse.Namespace(layers=1, batch=2, cache_len=100, seq=1)
+    ns = argparse.Namespace(layers=1, batch=2, cache_len=cache_len, seq=1)
     model, args = PRESETS["qwen3-1.7b-paged"](ns)
     return compile_module(model, args, {"num_workers": 128, **options}).tables
 
@@ -73,11 +75,13 @@ def test_paged_decode_tasks_are_instantiated_per_graph():
 
     tables = _paged_decode_tables()
     src = generate(tables)
-    for inst in ("mpk::attn_partial_impl<4, 2, __nv_bfloat16, true>", "mpk::attn_merge_impl<4, __nv_bfloat16>"):
-        assert src.count(inst) == 1, inst
-    assert "rope_append_impl<" not in src
+    assert src.count("mpk::attn_partial_impl<4, 2, __nv_bfloat16, true, true>") == 1  # one chunk: no merge
+    assert "rope_append_impl<" not in src and "attn_merge_impl<" not in src
+    split = generate(_paged_decode_tables(cache_len=1000))
+    for inst in ("mpk::attn_partial_impl<4, 2, __nv_bfloat16, true, false>", "mpk::attn_merge_impl<4, __nv_bfloat16>"):
+        assert split.count(inst) == 1, inst
     unfused = generate(_paged_decode_tables(fuse_rope_attention=False))
-    for inst in ("mpk::rope_append_impl<4, __nv_bfloat16>", "mpk::attn_partial_impl<4, 2, __nv_bfloat16, false>"):
+    for inst in ("mpk::rope_append_impl<4, __nv_bfloat16>", "mpk::attn_partial_impl<4, 2, __nv_bfloat16, false, true>"):
         assert unfused.count(inst) == 1, inst
     silu = [i for i, m in enumerate(tables.meta["ops"]) if m["kind"] == "silu_mul"]
     assert silu and all(silu_mul_variant(tables, i) == 1 for i in silu)

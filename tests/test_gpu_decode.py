@@ -164,14 +164,16 @@ def small(family: str, **kw) -> LLMConfig:
 UNFUSED = {"fuse_rope_attention": False}
 
 
-@pytest.mark.parametrize("family,page_size,batch,options,shape", [
-    ("qwen3", 16, 1, {}, {}), ("qwen3", 1, 4, {}, {}), ("llama", 4, 3, {}, {}), ("llama", 256, 16, {}, {}),
+# splits: KV chunks per sequence (0: the default, one for this short cache: no merge op)
+@pytest.mark.parametrize("family,page_size,batch,options,shape,splits", [
+    ("qwen3", 16, 1, {}, {}, 0), ("qwen3", 1, 4, {}, {}, 3), ("llama", 4, 3, {}, {}, 0), ("llama", 256, 16, {}, {}, 0),
     ("qwen3", 4, 3, {"partition": {"rope_append": [1, 3, 1], "attn_partial": [3, 1, 2, 1, 1], "attn_merge": [2, 3, 1]},
-                     **UNFUSED}, {}),
-    ("qwen3", 4, 3, {"partition": {"rope_attn_partial": [2, 1, 1, 1, 1], "attn_merge": [2, 3, 1]}}, {}),
-    ("qwen3", 16, 2, UNFUSED, {}), ("llama", 2, 3, {}, {"heads": 12}), ("llama", 2, 3, {}, {"heads": 16}),
-    ("qwen3", 16, 3, {"fuse_norm_prologue": False}, {}), ("llama", 4, 16, {}, {"hidden": 512})])
-def test_compiled_decode_matches_eager(family, page_size, batch, options, shape):
+                     **UNFUSED}, {}, 4),
+    ("qwen3", 4, 3, {"partition": {"rope_attn_partial": [2, 1, 1, 1, 1], "attn_merge": [2, 3, 1]}}, {}, 2),
+    ("qwen3", 4, 3, {"partition": {"rope_attn_partial": [2, 1, 1, 1]}}, {}, 1),
+    ("qwen3", 16, 2, UNFUSED, {}, 5), ("llama", 2, 3, {}, {"heads": 12}, 2), ("llama", 2, 3, {}, {"heads": 16}, 0),
+    ("qwen3", 16, 3, {"fuse_norm_prologue": False}, {}, 0), ("llama", 4, 16, {}, {"hidden": 512}, 2)])
+def test_compiled_decode_matches_eager(family, page_size, batch, options, shape, splits):
     """bf16 decode steps of sequences of different lengths, compiled vs mpk's eager path:
     logits within 2e-2 of the largest |logit| (bf16 rounding of two different summation
     orders through 2 layers), top-1 agreement ≥ 99% where the eager logits are decisive
@@ -179,7 +181,7 @@ def test_compiled_decode_matches_eager(family, page_size, batch, options, shape)
     within the logits' bound). RoPE + append run inside the attention tasks
     (by default; groups of 6 query heads are the largest that fuse) or as their own op."""
     cfg = small(family, **shape)
-    model = DecoderLM(cfg, torch.bfloat16, DEV, max_len=256).randomize(seed=random.randrange(1 << 30))
+    model = DecoderLM(cfg, torch.bfloat16, DEV, max_len=256, num_splits=splits).randomize(seed=random.randrange(1 << 30))
     step = _gpu_compile(model, **options)
     kv_e, kv_m = PagedKVCache(model, batch, 128, page_size), PagedKVCache(model, batch, 128, page_size)
     tokens = torch.randint(0, cfg.vocab, (batch,), device=DEV)
@@ -202,6 +204,7 @@ def test_compiled_decode_matches_eager(family, page_size, batch, options, shape)
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
     fused = options.get("fuse_rope_attention", True) and cfg.heads // cfg.kv_heads <= 6
     assert kinds.count("rope_attn_partial" if fused else "rope_append") == cfg.layers
+    assert kinds.count("attn_merge") == (0 if splits <= 1 else cfg.layers)  # one chunk: written directly
     # by default every RMSNorm runs inside the projection after it (fast path) while x fits a tile
     if options.get("fuse_norm_prologue", True) and batch * cfg.hidden * 2 <= NORM_TILE_BYTES:
         assert "rms_norm" not in kinds and kinds.count("rms_matmul") == 2 * cfg.layers + 1

@@ -69,6 +69,32 @@ def test_paged_attention_matches_dense(page_size, heads, kv_heads, splits):
     assert relative_error(out, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_chunk_attention_writes_what_the_merge_would(dtype):
+    """With one chunk per sequence attn_partial writes O itself ('final', no merge op): equal
+    bit for bit to merging its one state with attn_merge, an empty sequence included (0)."""
+    from mpk.ir.regions import full_rect
+    from mpk.ops.registry import OpSig, get_op
+
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    lens = [0, 1, 9, 21]
+    pages, indptr, indices, last, num_pages = random_page_table(lens, 4, g, spare=1)
+    cache = torch.randn(1, 2, num_pages, 2, 4, 16, generator=g).to(dtype)
+    q = torch.randn(len(lens), 8, 16, generator=g).to(dtype)
+    ins = [q, cache, indptr, indices, last]
+    shapes = tuple(tuple(t.shape) for t in ins)
+    attrs = dict(layer=0, scale=0.25, page_size=4)
+    part = get_op("attn_partial")
+    states_sig = OpSig(shapes, (4, 2, 1, 4, 17), torch.float32, {**attrs, "final": False})
+    states = part.cpu(states_sig, full_rect(states_sig.out_shape), ins)
+    merge_sig = OpSig((states_sig.out_shape,), (4, 8, 16), dtype, {})
+    merged = get_op("attn_merge").cpu(merge_sig, full_rect(merge_sig.out_shape), [states])
+    final_sig = OpSig(shapes, (4, 2, 4, 16), dtype, {**attrs, "final": True})
+    final = part.cpu(final_sig, full_rect(final_sig.out_shape), ins)
+    assert final.dtype == dtype and torch.equal(final.reshape(4, 8, 16), merged)
+    assert (final[0] == 0).all() and not final.isnan().any()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_float32_decode_matches_transformers(family):
     """fp32: every teacher-forced step within 1e-5 of transformers (relative to max |logit|)."""
@@ -118,16 +144,20 @@ ODD_TILES = {"rope_append": [1, 3, 1], "attn_partial": [2, 1, 1, 1, 1], "attn_me
 ODD_FUSED = {"rope_attn_partial": [2, 1, 1, 1, 1], "attn_merge": [2, 3, 1]}
 
 
-@pytest.mark.parametrize("family,page_size,prologue,partition,fuse_rope", [
-    ("llama", 4, False, {}, True), ("qwen3", 1, True, {}, True), ("qwen3", 16, False, {}, False),
-    ("qwen3", 4, False, ODD_TILES, False), ("qwen3", 4, False, ODD_FUSED, True), ("llama", 2, False, ODD_FUSED, True)])
-def test_compiled_decode_matches_eager(family, page_size, prologue, partition, fuse_rope):
+@pytest.mark.parametrize("family,page_size,prologue,partition,fuse_rope,splits", [
+    ("llama", 4, False, {}, True, 2), ("qwen3", 1, True, {}, True, 3), ("qwen3", 16, False, {}, False, 2),
+    ("qwen3", 4, False, ODD_TILES, False, 2), ("qwen3", 4, False, ODD_FUSED, True, 2),
+    ("llama", 2, False, ODD_FUSED, True, 3),
+    # one chunk per sequence (the default for this short cache): the attention tasks write the
+    # output and there is no merge op (two rows per tile)
+    ("qwen3", 4, False, {"rope_attn_partial": [2, 1, 1, 1]}, True, 1), ("llama", 16, True, {}, False, 0)])
+def test_compiled_decode_matches_eager(family, page_size, prologue, partition, fuse_rope, splits):
     """The whole decode step through torch.compile(backend='mpk') on the CPU interpreter:
     batch 3 of different lengths, several steps, fp32 within 1e-5 of the eager path; the
     cache written by the compiled step equals the eager one. With rope fused into attention
-    and without."""
+    and without, with KV chunks merged by ⊕ and with one chunk written directly."""
     cfg = small(family)
-    model = DecoderLM(cfg, torch.float32).randomize(seed=random.randrange(1 << 30))
+    model = DecoderLM(cfg, torch.float32, num_splits=splits).randomize(seed=random.randrange(1 << 30))
     step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
                          options={"executor": "cpu", "seed": random.randrange(100), "fuse_norm_prologue": prologue,
                                   "partition": partition, "fuse_rope_attention": fuse_rope})
@@ -144,11 +174,12 @@ def test_compiled_decode_matches_eager(family, page_size, prologue, partition, f
             assert relative_error(mpk_kv.cache, eager_kv.cache) <= 1e-6
             tokens = ref.argmax(-1)
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
+    assert kinds.count("attn_merge") == (0 if splits <= 1 else cfg.layers)
     if fuse_rope:
-        assert kinds.count("rope_attn_partial") == kinds.count("attn_merge") == cfg.layers
+        assert kinds.count("rope_attn_partial") == cfg.layers
         assert "rope_append" not in kinds and "attn_partial" not in kinds
     else:
-        assert kinds.count("rope_append") == kinds.count("attn_partial") == kinds.count("attn_merge") == cfg.layers
+        assert kinds.count("rope_append") == kinds.count("attn_partial") == cfg.layers
     # o and down take the residual in their epilogue, gate_up SiLU·mul in its epilogue; with
     # the prologue option, qkv and the head take their RMSNorm as a prologue
     assert "silu_mul" not in kinds

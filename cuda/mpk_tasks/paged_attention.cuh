@@ -167,14 +167,16 @@ __device__ __forceinline__ T* rope_rows_smem() {
 // copied into its shared-memory slot with cp.async, all in flight at once, and the page-table
 // entries of its next step are loaded during the current one, so a step costs one memory
 // round trip. The position loop is not unrolled: short code.
-template <int kPer, int kG, typename T, bool kRope>
+// kFinal (one chunk per sequence): the output is O itself, [B, KV, G, D] of T — attn_merge's
+// result for a single state (its weight is 2^0 = 1), so no merge op follows.
+template <int kPer, int kG, typename T, bool kRope, bool kFinal>
 __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, const TaskEnv& env) {
   constexpr int D = 32 * kPer;
   constexpr int kRowBytes = D * static_cast<int>(sizeof(T)), kU = 2048 / kRowBytes, kPieces = kRowBytes / 16;
   static_assert(2 * kU * kPieces == 256, "a step's copies are 8 rounds of the warp's 32 lanes");
   static_assert(!kRope || kG + 2 <= 8, "a warp per q head, k and v (the runtime runs 8 warps per task)");
   const ViewC &q = c.in[0], &cache = c.in[kRope ? 5 : 1], &indptr = c.in[2], &indices = c.in[3], &last = c.in[4];
-  const int KV = static_cast<int>(c.out_shape[1]), C = static_cast<int>(c.out_shape[2]);
+  const int KV = static_cast<int>(c.out_shape[1]), C = kFinal ? 1 : static_cast<int>(c.out_shape[2]);
   const int page_size = static_cast<int>(c.iparam[1]), shift = log2_pow2(page_size);
   const float scale = c.fparam[0] * kLog2e;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -190,7 +192,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
     const SeqSpan span = seq_span(env, indptr, last, b, page_size);
     for (long long kvh = r.lo[1]; kvh < r.hi[1]; ++kvh) {
       const T* head_base = kvbase + kvh * cache.stride[3];
-      for (long long ch = r.lo[2]; ch < r.hi[2]; ++ch) {
+      for (long long ch = kFinal ? 0 : r.lo[2]; ch < (kFinal ? 1 : r.hi[2]); ++ch) {
         const bool fresh = kRope && ch == C - 1;  // this tile appends the new token and attends to it
         const long long t0 = ch * span.len / C, t1 = (ch + 1) * span.len / C - (fresh ? 1 : 0);
         // positions per warp step: kU, or fewer when the chunk is short, so all warps get some
@@ -285,9 +287,10 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
           for (int i = 0; i < kPer; ++i) w[2 + lane * kPer + i] = acc[g][i];
         }
         __syncthreads();
-        float* out = static_cast<float*>(env.buffers[c.out_buffer]) + ((b * KV + kvh) * C + ch) * kG * (D + 1);
-        for (int e = threadIdx.x; e < kG * (D + 1); e += blockDim.x) {
-          const int g = e / (D + 1), d = e % (D + 1);
+        constexpr int kOutRow = kFinal ? D : D + 1;  // kFinal: O only
+        const long long first = ((b * KV + kvh) * C + ch) * kG * kOutRow;
+        for (int e = threadIdx.x; e < kG * kOutRow; e += blockDim.x) {
+          const int g = e / kOutRow, d = e % kOutRow;
           float mx = -INFINITY;
           for (int w = 0; w < warps; ++w) mx = fmaxf(mx, red[(w * kG + g) * (D + 2)]);
           float sum = 0.f, o = 0.f;
@@ -299,7 +302,12 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
               if (d < D) o += s[2 + d] * f;
             }
           }
-          out[e] = d < D ? (sum > 0.f ? o / sum : 0.f) : (sum > 0.f ? mx + log2f(sum) : -INFINITY);
+          if constexpr (kFinal) {
+            static_cast<T*>(env.buffers[c.out_buffer])[first + e] = from_f<T>(sum > 0.f ? o / sum : 0.f);
+          } else {
+            static_cast<float*>(env.buffers[c.out_buffer])[first + e] =
+                d < D ? (sum > 0.f ? o / sum : 0.f) : (sum > 0.f ? mx + log2f(sum) : -INFINITY);
+          }
         }
         __syncthreads();
       }

@@ -471,16 +471,24 @@ def _paged_attention(L, node, q, kv_cache, kv_indptr, kv_indices, kv_last_page_l
     # orders attention after the append is reading the q that same rope_append wrote (the tile
     # that appends kv head j also writes query head j·G, which every tile of kv head j reads).
     key = (cache.buffer, layer)
+    # one chunk per sequence: ⊕ over one state is that state, so the tasks write the output
+    # ([B, KV, G, D], viewed as [B, H, D]) and there is no merge op
+    final = C == 1
+    shape = (B, KV, H // KV, D) if final else (B, KV, C, H // KV, D + 1)
+    dtype = L.meta().dtype if final else torch.float32
+    attrs["final"] = final
+
+    def merged(states: View) -> View:
+        return states.then(("reshape", (B, H, D))) if final else \
+            L.emit("attn_merge", [states], {}, shape=(B, H, D), dtype=L.meta().dtype)
+
     if isinstance(q, DeferredRope):  # the append runs inside the attention tasks
         L.attended.add(key)
-        states = L.emit("rope_attn_partial", list(q.inputs), {**q.attrs, **attrs},
-                        shape=(B, KV, C, H // KV, D + 1), dtype=torch.float32)
-        return L.emit("attn_merge", [states], {}, shape=(B, H, D), dtype=L.meta().dtype)
+        return merged(L.emit("rope_attn_partial", list(q.inputs), {**q.attrs, **attrs}, shape=shape, dtype=dtype))
     appended = L.appended_q.get(key)
     if appended is not None and (appended != q.buffer or q.steps):
         raise Unsupported(f"paged_attention over layer {layer} must read the q returned by that layer's "
                           "rope_append (which appends the step's k/v); nothing else orders it after the append")
     L.attended.add(key)
-    states = L.emit("attn_partial", [q, cache, kv_indptr, kv_indices, kv_last_page_len], attrs,
-                    shape=(B, KV, C, H // KV, D + 1), dtype=torch.float32)
-    return L.emit("attn_merge", [states], {}, shape=(B, H, D), dtype=L.meta().dtype)
+    return merged(L.emit("attn_partial", [q, cache, kv_indptr, kv_indices, kv_last_page_len], attrs, shape=shape,
+                         dtype=dtype))

@@ -265,11 +265,13 @@ def _paged_task(tables: Tables, op: int) -> str:
             raise CompileError(f"op {name!r}: rope_attn_partial rotates {heads // kv} query heads, k and v with a "
                                f"warp each; the task has 8 warps (the frontend fuses groups of at most 6)")
         rope_views = [views[i] for i in (0, 1, *range(6, len(views)))] if fused else [views[0]]
-        ctype = _one_ctype(tables, op, name, [cache, *rope_views], False)
+        final = bool(meta["attrs"].get("final", False))  # writes O in the cache's type, no merge op
+        ctype = _one_ctype(tables, op, name, [cache, *rope_views], final)
         for what, v in zip(("qkv", "cos_sin", "q_norm", "k_norm") if fused else ("q",), rope_views):
             _check_contiguous(name, what, v, 1 if fused else D // 32)
         _check_contiguous(name, "kv_cache", cache, 16 // DTYPE_SIZE[ctype])  # rows are copied in 16-byte pieces
-        return f"mpk::attn_partial_impl<{D // 32}, {heads // kv}, {ctype}, {'true' if fused else 'false'}>"
+        return (f"mpk::attn_partial_impl<{D // 32}, {heads // kv}, {ctype}, {'true' if fused else 'false'}, "
+                f"{'true' if final else 'false'}>")
     D = int(views[0]["shape"][4]) - 1  # attn_merge: states [B, KV, C, G, D + 1]
     if D not in (64, 128, 256):
         raise CompileError(f"op {name!r}: attn_merge with head dim {D}; the CUDA task takes 64, 128 or 256")

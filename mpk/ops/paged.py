@@ -14,7 +14,10 @@ positions ``[c·len/C, (c+1)·len/C)`` (balanced over the runtime length, so the
 static) for the ``G`` query heads of its kv head, and writes a partial state ``(O, LSE)``;
 ``attn_merge`` combines the C states of each head with ⊕ (in a fixed order, so results are
 deterministic; the CUDA task uses the n-ary form, weights 2^(lse_c − max lse) / Σ, which is
-what folding with ⊕ computes).
+what folding with ⊕ computes). With one chunk per sequence (``attrs['final']``, chosen when
+C = 1) there is nothing to merge: the attention tasks write O in q's dtype, [B, KV, G, D]
+viewed as [B, H, D] — bit for bit what the merge of the one state would write — and the
+graph has no merge op.
 
 LSE base: **2**. A state's ``lse`` is ``log2 Σ_j 2^(s_j)`` with ``s_j = q·k_j · scale · log2(e)``
 and ``O`` is the softmax-weighted mean of v (already normalised). The empty set is
@@ -146,11 +149,19 @@ register(OpDef(
 
 # --- attn_partial -----------------------------------------------------------------------------
 # inputs: q [B, H, D], kv_cache, kv_indptr, kv_indices, kv_last_page_len;
-# output: states [B, KV, C, G, D + 1] float32 (O in [..., :D], lse in [..., D]).
+# output: states [B, KV, C, G, D + 1] float32 (O in [..., :D], lse in [..., D]); with attrs
+# ``final`` (one chunk per sequence) O itself, [B, KV, G, D] in q's dtype: what attn_merge would
+# make of the one state (⊕ with the identity), bit for bit.
+
+def _chunks(sig: OpSig) -> tuple[bool, int, int]:
+    """(final, C, G) of an attn_partial / rope_attn_partial signature."""
+    final = bool(sig.attrs.get("final", False))
+    return (final, 1, sig.out_shape[2]) if final else (final, sig.out_shape[2], sig.out_shape[3])
+
 
 def _partial_regions(sig: OpSig, rect):
     (b0, b1), (k0, k1) = rect[0], rect[1]
-    G, D, layer = sig.out_shape[3], sig.in_shapes[0][2], sig.attrs["layer"]
+    G, D, layer = _chunks(sig)[2], sig.in_shapes[0][2], sig.attrs["layer"]
     cache = sig.in_shapes[1]
     return [((b0, b1), (k0 * G, k1 * G), (0, D)),
             ((layer, layer + 1),) + tuple((0, n) for n in cache[1:]),
@@ -160,26 +171,34 @@ def _partial_regions(sig: OpSig, rect):
 def _partial_cpu(sig: OpSig, rect, xs):
     q, cache, indptr, indices, last = xs
     a = sig.attrs
-    ps, C, G = a["page_size"], sig.out_shape[2], sig.out_shape[3]
-    (b0, b1), (k0, k1), (c0, c1) = rect[0], rect[1], rect[2]
+    final, C, G = _chunks(sig)
+    ps = a["page_size"]
+    (b0, b1), (k0, k1) = rect[0], rect[1]
     lens = seq_lens(indptr, last, ps)
     out = torch.empty(tuple(h - lo for lo, h in rect), dtype=torch.float32)
     for i, b in enumerate(range(b0, b1)):
         n = int(lens[b])
-        for j, c in enumerate(range(c0, c1)):
+        for j, c in enumerate(range(1) if final else range(*rect[2])):
             t0, t1 = c * n // C, (c + 1) * n // C
             page, slot = token_slots(indptr, indices, b, torch.arange(t0, t1), ps)
             for h, kv in enumerate(range(k0, k1)):
                 kk = cache[0, 0, page, kv, slot].float()
                 vv = cache[0, 1, page, kv, slot].float()
                 o, lse = attend_chunk(q[i, h * G:(h + 1) * G].float(), kk, vv, a["scale"])
-                out[i, h, j, :, :-1], out[i, h, j, :, -1] = o, lse
-    return out
+                if final:
+                    out[i, h] = o
+                else:
+                    out[i, h, j, :, :-1], out[i, h, j, :, -1] = o, lse
+    return out.to(sig.out_dtype) if final else out
+
+
+def _chunk_splits(sig: OpSig) -> tuple[bool, ...]:
+    return (True, True, False, False) if sig.attrs.get("final") else (True, True, True, False, False)
 
 
 register(OpDef(
     kind="attn_partial", type_id=31, input_regions=_partial_regions, cpu=_partial_cpu,
-    splittable=lambda sig: (True, True, True, False, False), split_order=lambda sig: [0, 1, 2],
+    splittable=_chunk_splits, split_order=lambda sig: [0, 1] if sig.attrs.get("final") else [0, 1, 2],
     min_tile_elems=1,
     doc="partial (O, lse) of G query heads over one KV chunk of a paged sequence",
 ))
@@ -195,17 +214,18 @@ register(OpDef(
 
 def _rope_attn_cpu(sig: OpSig, rect, xs):
     a = sig.attrs
-    (b0, b1), (k0, k1), (c0, c1) = rect[0], rect[1], rect[2]
-    C, G = sig.out_shape[2], sig.out_shape[3]
-    q = _rope_rows(a, xs[0].dtype, (b0, b1), (k0 * G, k1 * G), xs, append=c1 == C)  # q rounds as qkv does
+    final, C, G = _chunks(sig)
+    (b0, b1), (k0, k1) = rect[0], rect[1]
+    last_chunk = final or rect[2][1] == C
+    q = _rope_rows(a, xs[0].dtype, (b0, b1), (k0 * G, k1 * G), xs, append=last_chunk)  # q rounds as qkv does
     indptr, indices, last, cache = xs[2:6]
-    psig = OpSig((), sig.out_shape, torch.float32, {"page_size": a["page_size"], "scale": a["scale"]})
+    psig = OpSig((), sig.out_shape, sig.out_dtype, {"page_size": a["page_size"], "scale": a["scale"], "final": final})
     return _partial_cpu(psig, rect, [q, cache, indptr, indices, last])
 
 
 register(OpDef(
     kind="rope_attn_partial", type_id=33, input_regions=_rope_append_regions, cpu=_rope_attn_cpu,
-    splittable=lambda sig: (True, True, True, False, False), split_order=lambda sig: [0, 1, 2],
+    splittable=_chunk_splits, split_order=lambda sig: [0, 1] if sig.attrs.get("final") else [0, 1, 2],
     min_tile_elems=1,
     doc="rope_append and attn_partial in one task: rotate the group's q, append k/v (last chunk), attend",
 ))
