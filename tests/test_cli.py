@@ -37,10 +37,11 @@ def test_inspect_factory_file(tmp_path, capsys):
 
 def test_inspect_paged_decode_preset(tmp_path, capsys):
     """The LLM decode step of a public shape on meta tensors: per layer one fused qkv
-    projection, rope + split-KV attention in one op (rope_attn_partial) + merge, residual adds
-    folded into the projections (no separate add op), all AOT."""
+    projection, rope + split-KV attention in one op (rope_attn_partial) + merge (1024 positions:
+    4 KV chunks per sequence), residual adds folded into the projections (no separate add op),
+    all AOT."""
     assert main(["inspect", "qwen3-1.7b-paged", "--out", str(tmp_path), "--layers", "2", "--batch", "2",
-                 "--cache-len", "256"]) == 0
+                 "--cache-len", "1024"]) == 0
     out = capsys.readouterr().out
     assert "0 JIT" in out
     tables = Tables.from_bytes((tmp_path / "qwen3-1.7b-paged.tables").read_bytes())
