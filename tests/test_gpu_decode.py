@@ -118,6 +118,19 @@ def test_rms_norm_fused_linear_matches_float64(m, n, k, tiles, silu):
     assert relative_error(out, h) <= BF16_TOL
 
 
+@pytest.mark.parametrize("rows,dim,tiles", [(1, 2048, 0), (16, 2048, 0), (5, 1000, 3), (16, 4096, 2)])
+def test_embedding_rows_copy_exactly(rows, dim, tiles):
+    """The embedding's word-copy path (a thread per 16-byte word of the tile, all rows at once):
+    the rows of the table the ids name, bit for bit, with a repeated id; tiles whose column
+    bounds are not on 8-element words (1000 over 3) take the general path."""
+    table = torch.randn(3000, dim, device=DEV).bfloat16()
+    ids = torch.randint(0, 3000, (rows,), device=DEV)
+    ids[-1] = ids[0]
+    fn = _gpu_compile(lambda w, i: torch.nn.functional.embedding(i, w),
+                      **({"partition": {"embedding": [1, tiles]}} if tiles else {}))
+    assert torch.equal(fn(table, ids), table[ids])
+
+
 @pytest.mark.parametrize("rows,n", [(1, 4096), (16, 2056), (3, 8192)])  # 2056: a partial last vector round
 def test_rms_norm_variant_matches_reference(rows, n):
     """The CTA-per-row bf16 RMSNorm (rms_norm variant 1) against the same roundings in float."""
