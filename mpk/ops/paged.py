@@ -193,14 +193,19 @@ def _partial_cpu(sig: OpSig, rect, xs):
 
 
 def _chunk_splits(sig: OpSig) -> tuple[bool, ...]:
+    """Tiles split sequences, kv heads and chunks; never a group's heads or a head's dims."""
     return (True, True, False, False) if sig.attrs.get("final") else (True, True, True, False, False)
+
+
+def _chunk_order(sig: OpSig) -> list[int]:
+    return [0, 1] if sig.attrs.get("final") else [0, 1, 2]
 
 
 register(OpDef(
     kind="attn_partial", type_id=31, input_regions=_partial_regions, cpu=_partial_cpu,
-    splittable=_chunk_splits, split_order=lambda sig: [0, 1] if sig.attrs.get("final") else [0, 1, 2],
+    splittable=_chunk_splits, split_order=_chunk_order,
     min_tile_elems=1,
-    doc="partial (O, lse) of G query heads over one KV chunk of a paged sequence",
+    doc="partial (O, lse) of G query heads over one KV chunk of a paged sequence (final: O, one chunk)",
 ))
 
 
@@ -225,7 +230,7 @@ def _rope_attn_cpu(sig: OpSig, rect, xs):
 
 register(OpDef(
     kind="rope_attn_partial", type_id=33, input_regions=_rope_append_regions, cpu=_rope_attn_cpu,
-    splittable=_chunk_splits, split_order=lambda sig: [0, 1] if sig.attrs.get("final") else [0, 1, 2],
+    splittable=_chunk_splits, split_order=_chunk_order,
     min_tile_elems=1,
     doc="rope_append and attn_partial in one task: rotate the group's q, append k/v (last chunk), attend",
 ))
