@@ -157,8 +157,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--trace-dir", type=Path, default=None, help="write each profiled step's Perfetto trace here")
     ap.add_argument("--options", nargs="+", type=json.loads, default=[{}],
-                    help='extra mpk compile options as JSON, e.g. \'{"fuse_norm_prologue": false}\'; several: an A/B of '
-                         'builds, timed in turn on the same model and inputs')
+                    help='extra mpk compile options as JSON, e.g. \'{"fuse_norm_prologue": false}\'; '
+                         'several: an A/B of builds, timed in turn on the same model and inputs')
     ap.add_argument("--rounds", type=int, default=1, help="time every --options build this many times, alternating")
     ap.add_argument("--skip-peer", action="store_true", help="mpk alone (for comparing mpk builds; no speedup)")
     args = ap.parse_args(argv)

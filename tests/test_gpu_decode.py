@@ -194,7 +194,8 @@ def test_compiled_decode_matches_eager(family, page_size, batch, options, shape,
     within the logits' bound). RoPE + append run inside the attention tasks
     (by default; groups of 6 query heads are the largest that fuse) or as their own op."""
     cfg = small(family, **shape)
-    model = DecoderLM(cfg, torch.bfloat16, DEV, max_len=256, num_splits=splits).randomize(seed=random.randrange(1 << 30))
+    model = DecoderLM(cfg, torch.bfloat16, DEV, max_len=256, num_splits=splits)
+    model.randomize(seed=random.randrange(1 << 30))
     step = _gpu_compile(model, **options)
     kv_e, kv_m = PagedKVCache(model, batch, 128, page_size), PagedKVCache(model, batch, 128, page_size)
     tokens = torch.randint(0, cfg.vocab, (batch,), device=DEV)

@@ -87,8 +87,8 @@ class GpuExecutor:
         if scheduler_ctas is None:  # schedulers only hand out JIT tasks: without any, every SM works
             scheduler_ctas = SCHEDULER_CTAS if has_jit else 0
         if has_jit and scheduler_ctas < 1:
-            raise MpkError(f"the graph has JIT tasks, which scheduler warps hand out; got scheduler_ctas={scheduler_ctas}, "
-                           "expected >= 1 (or None: 4)")
+            raise MpkError(f"the graph has JIT tasks, which scheduler warps hand out; got "
+                           f"scheduler_ctas={scheduler_ctas}, expected >= 1 (or None: 4)")
         self.t, self.timeout_s, self.device = tables, timeout_s, torch.device("cuda", torch.cuda.current_device())
         self.local_jit = local_jit
         self._context = torch.empty(1, device=self.device)  # the driver calls below need a current context
