@@ -75,17 +75,49 @@ def test_paged_decode_tasks_are_instantiated_per_graph():
 
     tables = _paged_decode_tables()
     src = generate(tables)
-    assert src.count("mpk::attn_partial_impl<4, 2, __nv_bfloat16, true, true>") == 1  # one chunk: no merge
+    assert src.count("mpk::attn_partial_impl<4, 2, __nv_bfloat16, int, true, true>") == 1  # one chunk: no merge
     assert "rope_append_impl<" not in src and "attn_merge_impl<" not in src
     split = generate(_paged_decode_tables(cache_len=1000))
-    for inst in ("mpk::attn_partial_impl<4, 2, __nv_bfloat16, true, false>", "mpk::attn_merge_impl<4, __nv_bfloat16>"):
+    for inst in ("mpk::attn_partial_impl<4, 2, __nv_bfloat16, int, true, false>", "mpk::attn_merge_impl<4, __nv_bfloat16>"):
         assert split.count(inst) == 1, inst
     unfused = generate(_paged_decode_tables(fuse_rope_attention=False))
-    for inst in ("mpk::rope_append_impl<4, __nv_bfloat16>", "mpk::attn_partial_impl<4, 2, __nv_bfloat16, false, true>"):
+    for inst in ("mpk::rope_append_impl<4, __nv_bfloat16, int>", "mpk::attn_partial_impl<4, 2, __nv_bfloat16, int, false, true>"):
         assert unfused.count(inst) == 1, inst
     silu = [i for i, m in enumerate(tables.meta["ops"]) if m["kind"] == "silu_mul"]
     assert silu and all(silu_mul_variant(tables, i) == 1 for i in silu)
 
+
+
+def _paged_attention_tables(index_dtypes):
+    """A paged attention (one layer, sequences of 3 and 9 positions over pages of 4) compiled
+    for the CPU interpreter, its page table (kv_indptr, kv_indices, kv_last_page_len) in
+    ``index_dtypes``; its tables."""
+    from mpk.backend import COMPILED
+
+    page_size = 4
+    indptr, indices, last = ([0, 1, 4], [2, 0, 1, 3], [3, 1])
+    q, cache = torch.randn(2, 4, 64), torch.randn(1, 2, 5, 2, page_size, 64)
+    table = [torch.tensor(v, dtype=d) for v, d in zip((indptr, indices, last), index_dtypes)]
+
+    def attend(q, cache, indptr, indices, last):
+        return torch.ops.mpk.paged_attention(q, cache, indptr, indices, last, 0, 0.125, 1)
+
+    torch.compile(attend, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "cpu"})(q, cache, *table)
+    return COMPILED[-1].tables
+
+
+def test_page_table_index_type_is_a_template_argument():
+    """The paged tasks read the page table as its own integer type (no per-element dtype
+    switch): int32 and int64 tables instantiate ``int`` and ``long long``; tables of mixed or
+    other dtypes are refused with the dtypes named."""
+    from mpk.errors import CompileError
+
+    assert "float, int, false, true>" in generate(_paged_attention_tables([torch.int32] * 3))
+    assert "float, long long, false, true>" in generate(_paged_attention_tables([torch.int64] * 3))
+    with pytest.raises(CompileError, match=r"share one dtype, int32 or int64; got \['int32', 'int64'\]"):
+        generate(_paged_attention_tables([torch.int32, torch.int64, torch.int32]))
+    with pytest.raises(CompileError, match=r"got \['int16'\]"):
+        generate(_paged_attention_tables([torch.int16] * 3))
 
 def test_vector_read_inputs_are_the_ones_checked_for_alignment():
     """The executor refuses misaligned inputs that a task reads in 16-byte pieces: the paged

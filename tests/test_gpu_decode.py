@@ -167,6 +167,39 @@ def test_paged_attention_matches_float64(page_size, heads, kv_heads, dim, splits
     assert relative_error(out.cpu(), dense_paged_attention(q, cache, lens, pages, page_size, 0, scale)) <= BF16_TOL
 
 
+@pytest.mark.parametrize("page_size,dim,splits,qk_norm,computed_cos", [
+    (16, 64, 0, False, False), (4, 128, 3, True, False), (1, 128, 0, True, True), (2, 64, 2, False, True)])
+def test_fused_rope_attention_matches_eager(page_size, dim, splits, qk_norm, computed_cos):
+    """rope_attn_partial (qk-norm, RoPE, the append and attention in one task) against mpk's
+    eager ops on the CPU, for lengths 1, odd, a full page and a partial last page, one chunk or
+    several, the cos/sin table a graph input or computed in the graph: the output and the whole
+    cache."""
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    heads, kv_heads = 8, 2
+    lens = [1, 37, page_size, 2 * page_size + 5]
+    pages, indptr, indices, last, num_pages = random_page_table(lens, page_size, g)
+    cache = torch.randn(1, 2, num_pages, kv_heads, page_size, dim, generator=g).bfloat16()
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
+    angles = 10 * torch.rand(max(lens), dim // 2, generator=g)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], -1).bfloat16()
+    norms = [(1 + 0.1 * torch.randn(dim, generator=g)).bfloat16() for _ in range(2)] if qk_norm else [None, None]
+
+    def step(qkv, cos_sin, indptr, indices, last, cache, q_norm, k_norm):
+        cs = cos_sin * 2 if computed_cos else cos_sin  # given halved: the doubling is exact
+        q = torch.ops.mpk.rope_append(qkv, cs, indptr, indices, last, cache, q_norm, k_norm, 0, heads, kv_heads, 1e-6)
+        return torch.ops.mpk.paged_attention(q, cache, indptr, indices, last, 0, dim ** -0.5, splits)
+
+    args = [qkv, cos_sin / 2 if computed_cos else cos_sin, indptr, indices, last, cache, *norms]
+    ref_cache, before = cache.clone(), cache.clone()
+    ref = step(*args[:5], ref_cache, *norms)
+    dev_args = [a.to(DEV) if a is not None else None for a in args]
+    out = _gpu_compile(step)(*dev_args)
+    assert [op.kind for op in COMPILED[-1].graph.ops].count("rope_attn_partial") == 1
+    assert relative_error(out.cpu(), ref) <= BF16_TOL
+    assert relative_error(dev_args[5].cpu().float(), ref_cache.float()) <= BF16_TOL
+    assert (dev_args[5].cpu() != before).any()  # the step's k/v were appended
+
+
 def small(family: str, **kw) -> LLMConfig:
     base = dict(family=family, hidden=256, inter=512, layers=2, heads=8, kv_heads=2, head_dim=128 if family == "qwen3"
                 else 64, vocab=1000, tied=family == "llama", eps=1e-6, rope_theta=1e6 if family == "qwen3" else 5e5,

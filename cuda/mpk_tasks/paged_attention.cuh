@@ -8,7 +8,8 @@
 // empty state is (O = 0, lse = −inf). attn_merge_impl below is the CUDA form of ⊕.
 //
 // The tasks are templates over the head dim (kPer = D / 32 elements per lane), the group size
-// G and the element type T of q, the cache and the rope inputs; codegen instantiates only the
+// G, the element type T of q, the cache and the rope inputs, and the page table's integer type
+// I; codegen instantiates only the
 // combinations of its graph (mpk.megakernel.codegen.SPECIALIZED). Straight-line typed code
 // keeps each task's instructions few: the persistent kernel holds every task family, and a
 // task whose code is not in the instruction cache pays for fetching it.
@@ -24,19 +25,23 @@ struct SeqSpan {
   long long first_page, len;
 };
 
+// Sequence b's span. I: the page table's integer type (int or long long; codegen checks that
+// its three tensors share it).
+template <typename I>
 __device__ __forceinline__ SeqSpan seq_span(const TaskEnv& env, const ViewC& indptr, const ViewC& last, long long b,
                                             int page_size) {
   // three independent loads: one round trip
-  const long long p0 = load_i(env.buffers[indptr.buffer], indptr.dtype, indptr.offset + b * indptr.stride[0]);
-  const long long p1 = load_i(env.buffers[indptr.buffer], indptr.dtype, indptr.offset + (b + 1) * indptr.stride[0]);
-  const long long tail = load_i(env.buffers[last.buffer], last.dtype, last.offset + b * last.stride[0]);
+  const I* ip = static_cast<const I*>(env.buffers[indptr.buffer]) + indptr.offset;
+  const long long p0 = ip[b * indptr.stride[0]], p1 = ip[(b + 1) * indptr.stride[0]];
+  const long long tail = static_cast<const I*>(env.buffers[last.buffer])[last.offset + b * last.stride[0]];
   return SeqSpan{p0, p1 <= p0 ? 0 : (p1 - p0 - 1) * page_size + tail};
 }
 
 // Page holding position t of a sequence whose pages start at kv_indices[first_page].
+template <typename I>
 __device__ __forceinline__ long long page_of(const TaskEnv& env, const ViewC& indices, long long first_page,
                                              long long t, int shift) {
-  return load_i(env.buffers[indices.buffer], indices.dtype, indices.offset + (first_page + (t >> shift)) * indices.stride[0]);
+  return static_cast<const I*>(env.buffers[indices.buffer])[indices.offset + (first_page + (t >> shift)) * indices.stride[0]];
 }
 
 __device__ __forceinline__ int log2_pow2(int x) { return 31 - __clz(x); }
@@ -46,27 +51,26 @@ __device__ __forceinline__ int log2_pow2(int x) { return 31 - __clz(x); }
 template <int kPer, typename T>
 struct RopeRow {
   static constexpr int kHalf = kPer / 2, D = 32 * kPer;
-  float x[kPer], w[kPer];
+  float x[kPer], w[kPer], cv[kPer], sv[kPer];
 
-  // the row and, for qk-norm, its norm weight (wn: null without)
-  __device__ __forceinline__ void load(const T* row, const T* wn) {
+  // wn: the qk-norm weight (null: none); crow: the cos | sin row of the token's position (null:
+  // no rotation)
+  __device__ __forceinline__ void load_consts(const T* wn, const T* crow) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
-      x[i] = to_f(row[lane + 32 * i]);
       w[i] = wn ? to_f(wn[lane + 32 * i]) : 1.f;
+      const int f = lane + 32 * (i < kHalf ? i : i - kHalf);  // the frequency of dim lane + 32·i
+      cv[i] = crow ? to_f(crow[f]) : 1.f;
+      sv[i] = crow ? to_f(crow[f + D / 2]) : 0.f;
     }
   }
-  // crow: the cos | sin row of the token's position
-  __device__ __forceinline__ void rotate(const T* crow, bool norm, float eps) {
+  __device__ __forceinline__ void load(const T* row) {
     const int lane = threadIdx.x & 31;
-    float cv[kPer], sv[kPer];
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int f = lane + 32 * (i < kHalf ? i : i - kHalf);  // the frequency of dim lane + 32·i
-      cv[i] = to_f(crow[f]);
-      sv[i] = to_f(crow[f + D / 2]);
-    }
+    for (int i = 0; i < kPer; ++i) x[i] = to_f(row[lane + 32 * i]);
+  }
+  __device__ __forceinline__ void rotate(bool norm, float eps) {
     if (norm) {  // normalise, round, scale, round
       float ss = 0.f;
 #pragma unroll
@@ -110,9 +114,9 @@ __device__ __forceinline__ long long rope_position(const SeqSpan& s, const ViewC
 // A tile covers query heads [h0, h1) and appends the k/v of the kv heads whose group starts
 // in it (mpk/ops/paged.py: kv_heads_of_tile). One warp per (sequence, head); lane l holds dims
 // l + 32·i, so the rotate-half partner of a dim sits in the same lane. Two round trips: the
-// row, the page-table entries and the norm weight together, then cos/sin and the page at the
-// token's position.
-template <int kPer, typename T>
+// page-table entries, then the row, the norm weight, cos/sin and the page at the token's
+// position together.
+template <int kPer, typename T, typename I>
 __device__ __noinline__ void rope_append_impl(const OpC& c, const Rect& r, const TaskEnv& env) {
   constexpr int D = 32 * kPer;
   const ViewC &qkv = c.in[0], &cs = c.in[1], &indptr = c.in[2], &indices = c.in[3], &last = c.in[4],
@@ -133,12 +137,13 @@ __device__ __noinline__ void rope_append_impl(const OpC& c, const Rect& r, const
                    static_cast<long long>(head) * D;
     const T* wn = norm ? static_cast<const T*>(env.buffers[c.in[head < H ? 6 : 7].buffer]) + c.in[head < H ? 6 : 7].offset
                        : nullptr;
-    RopeRow<kPer, T> x;
-    x.load(row, wn);
-    const SeqSpan s = seq_span(env, indptr, last, b, page_size);
+    const SeqSpan s = seq_span<I>(env, indptr, last, b, page_size);
     const long long pos = rope_position(s, cs);
-    const long long page = head >= H ? page_of(env, indices, s.first_page, pos, shift) : 0;
-    if (rotate) x.rotate(static_cast<const T*>(env.buffers[cs.buffer]) + cs.offset + pos * cs.stride[0], norm, c.fparam[0]);
+    RopeRow<kPer, T> x;
+    x.load_consts(wn, rotate ? static_cast<const T*>(env.buffers[cs.buffer]) + cs.offset + pos * cs.stride[0] : nullptr);
+    x.load(row);
+    const long long page = head >= H ? page_of<I>(env, indices, s.first_page, pos, shift) : 0;
+    if (rotate) x.rotate(norm, c.fparam[0]);
     const int kv = head < H + KV ? 0 : 1;
     x.store(head < H ? static_cast<T*>(env.buffers[c.out_buffer]) + (b * H + head) * static_cast<long long>(D)
                      : cache_slot<T>(env, cache, c.iparam[5], kv, page, head - H - kv * KV, pos, page_size));
@@ -152,24 +157,89 @@ __device__ __forceinline__ T* rope_rows_smem() {
   return s;
 }
 
+// A warp's online-softmax states of a kv head's G query heads, over the positions it attends
+// to; q is pre-scaled by scale·log2(e) (LSE base 2).
+template <int kPer, int kG>
+struct HeadStates {
+  static constexpr int D = 32 * kPer;
+  float q[kG][kPer], acc[kG][kPer], m[kG], l[kG];
+
+  __device__ __forceinline__ void start(float scale) {
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      m[g] = -INFINITY;
+      l[g] = 0.f;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        q[g][i] *= scale;
+        acc[g][i] = 0.f;
+      }
+    }
+  }
+  // kN consecutive positions (K rows at k, V rows at v, D elements apart) into every head's
+  // state: their scores' warp reductions are independent, so two positions cost about the
+  // latency of one
+  template <int kN, typename T>
+  __device__ __forceinline__ void attend(const T* k, const T* v) {
+    const int lane = threadIdx.x & 31;
+    float kf[kN][kPer], vf[kN][kPer];
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      load_vec<kPer>(k + n * D + lane * kPer, kf[n]);
+      load_vec<kPer>(v + n * D + lane * kPer, vf[n]);
+    }
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      float s[kN], m_new = m[g];
+#pragma unroll
+      for (int n = 0; n < kN; ++n) {
+        float d = 0.f;
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) d += q[g][i] * kf[n][i];
+        s[n] = warp_sum(d);
+        m_new = fmaxf(m_new, s[n]);
+      }
+      const float corr = exp2f(m[g] - m_new);
+      float p[kN], psum = 0.f;
+#pragma unroll
+      for (int n = 0; n < kN; ++n) {
+        p[n] = exp2f(s[n] - m_new);
+        psum += p[n];
+      }
+      l[g] = l[g] * corr + psum;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        float a = acc[g][i] * corr;
+#pragma unroll
+        for (int n = 0; n < kN; ++n) a += p[n] * vf[n][i];
+        acc[g][i] = a;
+      }
+      m[g] = m_new;
+    }
+  }
+};
+
 // attn_partial — inputs: q [B, H, D], kv_cache, kv_indptr, kv_indices, kv_last_page_len;
 // iparam: layer, page_size; fparam[0] scale. kRope (rope_attn_partial) — rope_append's inputs
 // (qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache[, q_norm, k_norm]); iparam
-// adds heads, kv_heads, qk_norm; fparam[1] eps: warps 0…G−1 rotate the group's q heads into
-// shared memory and, in the last chunk's tile, warps G and G+1 rotate k and take v of the token
-// being decoded, write both to the cache and keep them in shared memory, where warp 0 attends
-// to that position after its loop (the other positions of the chunk come from the cache as
-// usual; no tile reads the slot just written). Output states [B, KV, C, G, D+1] fp32.
+// adds heads, kv_heads, qk_norm; fparam[1] eps: warps 0…G−1 rotate the group's q heads
+// into shared memory and, in the last chunk's tile, warps G and G+1 rotate k and take v of the
+// token being decoded, write both to the cache and keep them in shared memory, where warp 0
+// attends to that position after its loop (the other positions of the chunk come from the
+// cache as usual; no tile reads the slot just written). Output states [B, KV, C, G, D+1] fp32.
 // Each warp runs an online softmax over its share of the chunk for all G query heads (a K/V
 // row is read once per warp and used by every head); the warps' states are then combined in a
 // fixed order through shared memory. A warp takes kU consecutive positions per step (fewer
 // when the chunk is short, so that every warp has some): their K and V rows (up to 4 KB) are
 // copied into its shared-memory slot with cp.async, all in flight at once, and the page-table
 // entries of its next step are loaded during the current one, so a step costs one memory
-// round trip. The position loop is not unrolled: short code.
+// round trip (the first step's copies go out before kRope's rotations, under their loads).
+// The position loop takes two positions at a time (HeadStates::attend) and is not unrolled
+// further: short code. (Issuing the first step's copies before the task's gate, into the wait
+// for the qkv projection, measured slower on an H200: +3–4% per step at batch 16, none at 1.)
 // kFinal (one chunk per sequence): the output is O itself, [B, KV, G, D] of T — attn_merge's
 // result for a single state (its weight is 2^0 = 1), so no merge op follows.
-template <int kPer, int kG, typename T, bool kRope, bool kFinal>
+template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal>
 __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, const TaskEnv& env) {
   constexpr int D = 32 * kPer;
   constexpr int kRowBytes = D * static_cast<int>(sizeof(T)), kU = 2048 / kRowBytes, kPieces = kRowBytes / 16;
@@ -178,7 +248,6 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   const ViewC &q = c.in[0], &cache = c.in[kRope ? 5 : 1], &indptr = c.in[2], &indices = c.in[3], &last = c.in[4];
   const int KV = static_cast<int>(c.out_shape[1]), C = kFinal ? 1 : static_cast<int>(c.out_shape[2]);
   const int page_size = static_cast<int>(c.iparam[1]), shift = log2_pow2(page_size);
-  const float scale = c.fparam[0] * kLog2e;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   float* red = scratch();  // during the loop: each warp's K/V slot [2][kU][D] of T; then [warps][kG][D + 2]
   T* slot = reinterpret_cast<T*>(red) + warp * 2 * kU * D;
@@ -189,7 +258,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   T* rope_rows = nullptr;
   if constexpr (kRope) rope_rows = rope_rows_smem<T, (kG + 2) * D>();
   for (long long b = r.lo[0]; b < r.hi[0]; ++b) {
-    const SeqSpan span = seq_span(env, indptr, last, b, page_size);
+    const SeqSpan span = seq_span<I>(env, indptr, last, b, page_size);
     for (long long kvh = r.lo[1]; kvh < r.hi[1]; ++kvh) {
       const T* head_base = kvbase + kvh * cache.stride[3];
       for (long long ch = kFinal ? 0 : r.lo[2]; ch < (kFinal ? 1 : r.hi[2]); ++ch) {
@@ -197,94 +266,80 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
         const long long t0 = ch * span.len / C, t1 = (ch + 1) * span.len / C - (fresh ? 1 : 0);
         // positions per warp step: kU, or fewer when the chunk is short, so all warps get some
         const int ku = static_cast<int>(min(static_cast<long long>(kU), max(1LL, (t1 - t0 + warps - 1) / warps)));
+        const int stride = warps * ku;
         long long base = t0 + warp * ku;
         const int mine = lane % ku;  // the position of the step whose page this lane looks up
-        long long page = base + mine < t1 ? page_of(env, indices, span.first_page, base + mine, shift) : 0;
+        const long long page = base + mine < t1 ? page_of<I>(env, indices, span.first_page, base + mine, shift) : 0;
+        // the K and V rows of the step at ``at`` into the warp's slot; pg: lane u's page is position at + u's
+        const auto issue = [&](long long at, long long pg) {
+          const int valid = static_cast<int>(min(static_cast<long long>(ku), t1 - at));
+#pragma unroll 1
+          for (int i0 = 0; i0 < 2 * ku * kPieces; i0 += 32) {  // whole rounds: every lane takes the shuffle
+            const int i = i0 + lane, row = i / kPieces, u = row % ku, kv = row / ku;  // K rows, then V rows
+            const long long p = __shfl_sync(0xffffffffu, pg, u);
+            if (i < 2 * ku * kPieces && u < valid) {
+              const T* src = head_base + kv * cache.stride[1] + p * cache.stride[2] +
+                             ((at + u) & (page_size - 1)) * cache.stride[4] + (i % kPieces) * (16 / sizeof(T));
+              cp_async16(slot + (kv * kU + u) * D + (i % kPieces) * (16 / sizeof(T)), src);
+            }
+          }
+        };
+        if (base < t1) issue(base, page);
+        HeadStates<kPer, kG> st;
         if constexpr (kRope) {
           const int H = static_cast<int>(c.iparam[2]), KVh = static_cast<int>(c.iparam[3]);
-          if (warp < kG + (fresh ? 2 : 0)) {
-            const int head = warp < kG ? static_cast<int>(kvh) * kG + warp : H + (warp - kG) * KVh + static_cast<int>(kvh);
-            const bool rotate = warp <= kG, norm = c.iparam[4] != 0 && rotate;
-            const ViewC& wnv = c.in[warp < kG ? 6 : 7];
-            RopeRow<kPer, T> x;
-            x.load(static_cast<const T*>(env.buffers[q.buffer]) + q.offset + b * q.stride[0] + static_cast<long long>(head) * D,
-                   norm ? static_cast<const T*>(env.buffers[wnv.buffer]) + wnv.offset : nullptr);
+          const bool rows = warp < kG + (fresh ? 2 : 0);  // this warp rotates a q head, or takes k or v
+          const int head = warp < kG ? static_cast<int>(kvh) * kG + warp : H + (warp - kG) * KVh + static_cast<int>(kvh);
+          const bool rotate = warp <= kG, norm = c.iparam[4] != 0 && rotate;
+          if (rows) {
             const long long pos = rope_position(span, c.in[1]);
-            const long long new_page = warp >= kG ? page_of(env, indices, span.first_page, pos, shift) : 0;
-            if (rotate) x.rotate(static_cast<const T*>(env.buffers[c.in[1].buffer]) + c.in[1].offset + pos * c.in[1].stride[0],
-                                 norm, c.fparam[1]);
+            const long long new_page = warp >= kG ? page_of<I>(env, indices, span.first_page, pos, shift) : 0;
+            const ViewC &wnv = c.in[warp < kG ? 6 : 7], &cs = c.in[1];
+            RopeRow<kPer, T> x;
+            x.load_consts(norm ? static_cast<const T*>(env.buffers[wnv.buffer]) + wnv.offset : nullptr,
+                          rotate ? static_cast<const T*>(env.buffers[cs.buffer]) + cs.offset + pos * cs.stride[0] : nullptr);
+            x.load(static_cast<const T*>(env.buffers[q.buffer]) + q.offset + b * q.stride[0] + static_cast<long long>(head) * D);
+            if (rotate) x.rotate(norm, c.fparam[1]);
             x.store(rope_rows + warp * D);
             if (warp >= kG) x.store(cache_slot<T>(env, cache, c.iparam[0], warp - kG, new_page, kvh, pos, page_size));
           }
           __syncthreads();
         }
-        float qr[kG][kPer], acc[kG][kPer], m[kG], l[kG];
 #pragma unroll
         for (int g = 0; g < kG; ++g) {
           if constexpr (kRope) {
-            load_vec<kPer>(rope_rows + g * D + lane * kPer, qr[g]);
+            load_vec<kPer>(rope_rows + g * D + lane * kPer, st.q[g]);
           } else {
-            load_vec<kPer>(qbase + b * q.stride[0] + (kvh * kG + g) * q.stride[1], qr[g]);
-          }
-          m[g] = -INFINITY;
-          l[g] = 0.f;
-#pragma unroll
-          for (int i = 0; i < kPer; ++i) {
-            qr[g][i] *= scale;
-            acc[g][i] = 0.f;
+            load_vec<kPer>(qbase + b * q.stride[0] + (kvh * kG + g) * q.stride[1], st.q[g]);
           }
         }
-        // one position's K and V rows (in shared memory) into every head's online softmax
-        const auto attend = [&](const T* krow, const T* vrow) {
-          float kf[kPer], vf[kPer];
-          load_vec<kPer>(krow + lane * kPer, kf);
-          load_vec<kPer>(vrow + lane * kPer, vf);
-#pragma unroll
-          for (int g = 0; g < kG; ++g) {
-            float d = 0.f;
-#pragma unroll
-            for (int i = 0; i < kPer; ++i) d += qr[g][i] * kf[i];
-            const float s = warp_sum(d), m_new = fmaxf(m[g], s);
-            const float corr = exp2f(m[g] - m_new), p = exp2f(s - m_new);
-            l[g] = l[g] * corr + p;
-#pragma unroll
-            for (int i = 0; i < kPer; ++i) acc[g][i] = acc[g][i] * corr + p * vf[i];
-            m[g] = m_new;
-          }
-        };
-        for (; base < t1; base += warps * ku) {
-          const long long ahead = base + warps * ku + mine;
-          const long long next_page = ahead < t1 ? page_of(env, indices, span.first_page, ahead, shift) : 0;
+        st.start(c.fparam[0] * kLog2e);
+        for (; base < t1; base += stride) {
+          const long long ahead = base + stride + mine;
+          const long long next_page = ahead < t1 ? page_of<I>(env, indices, span.first_page, ahead, shift) : 0;
           const int valid = static_cast<int>(min(static_cast<long long>(ku), t1 - base));
-#pragma unroll 1
-          for (int i0 = 0; i0 < 2 * ku * kPieces; i0 += 32) {  // whole rounds: every lane takes the shuffle
-            const int i = i0 + lane, row = i / kPieces, u = row % ku, kv = row / ku;  // K rows, then V rows
-            const long long pg = __shfl_sync(0xffffffffu, page, u);
-            if (i < 2 * ku * kPieces && u < valid) {
-              const T* src = head_base + kv * cache.stride[1] + pg * cache.stride[2] +
-                             ((base + u) & (page_size - 1)) * cache.stride[4] + (i % kPieces) * (16 / sizeof(T));
-              cp_async16(slot + (kv * kU + u) * D + (i % kPieces) * (16 / sizeof(T)), src);
-            }
-          }
           cp_async_wait_all();
           __syncwarp();
+          int u = 0;
 #pragma unroll 1
-          for (int u = 0; u < valid; ++u) attend(slot + u * D, slot + (kU + u) * D);
+          for (; u + 1 < valid; u += 2) st.template attend<2>(slot + u * D, slot + (kU + u) * D);
+#pragma unroll 1
+          for (; u < valid; ++u) st.template attend<1>(slot + u * D, slot + (kU + u) * D);
           __syncwarp();  // the slot is refilled by the next step
-          page = next_page;
+          if (base + stride < t1) issue(base + stride, next_page);
         }
-        if (fresh && warp == 0) attend(rope_rows + kG * D, rope_rows + (kG + 1) * D);
+        if (fresh && warp == 0) st.template attend<1>(rope_rows + kG * D, rope_rows + (kG + 1) * D);
         __syncthreads();  // the states below overwrite the warps' K/V slots
         // combine the warps' states in warp order (deterministic)
 #pragma unroll
         for (int g = 0; g < kG; ++g) {
           float* w = red + (warp * kG + g) * (D + 2);
           if (lane == 0) {
-            w[0] = m[g];
-            w[1] = l[g];
+            w[0] = st.m[g];
+            w[1] = st.l[g];
           }
 #pragma unroll
-          for (int i = 0; i < kPer; ++i) w[2 + lane * kPer + i] = acc[g][i];
+          for (int i = 0; i < kPer; ++i) w[2 + lane * kPer + i] = st.acc[g][i];
         }
         __syncthreads();
         constexpr int kOutRow = kFinal ? D : D + 1;  // kFinal: O only

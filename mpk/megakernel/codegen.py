@@ -236,6 +236,20 @@ def _check_contiguous(name: str, what: str, view, vec: int) -> None:
                            f"multiples of {vec} elements; got offset {int(view['offset'])}, strides {strides}")
 
 
+_INDEX_CTYPES = {DTYPE_CODE[torch.int32]: "int", DTYPE_CODE[torch.int64]: "long long"}
+
+
+def _index_ctype(tables: Tables, op: int, name: str, views: list) -> str:
+    """The C++ type of a paged op's page table (kv_indptr, kv_indices, kv_last_page_len: one of
+    int32 / int64, shared by the three), which its task reads without a per-element dtype switch."""
+    codes = {int(tables.buffers[int(v["buffer"])]["dtype"]) for v in views}
+    if len(codes) != 1 or next(iter(codes)) not in _INDEX_CTYPES:
+        names = sorted(str(k).removeprefix("torch.") for k, c in DTYPE_CODE.items() if c in codes)
+        raise CompileError(f"op {name!r}: kv_indptr, kv_indices and kv_last_page_len must share one dtype, int32 "
+                           f"or int64; got {names}")
+    return _INDEX_CTYPES[next(iter(codes))]
+
+
 def _paged_task(tables: Tables, op: int) -> str:
     """The instantiation of the typed paged-decode task template for ``op`` (head dim, group
     size and dtype are template arguments); checks what the template assumes."""
@@ -251,7 +265,7 @@ def _paged_task(tables: Tables, op: int) -> str:
         for what, i in (("qkv", 0), ("cos_sin", 1), ("kv_cache", 5), ("q_norm", 6), ("k_norm", 7)):
             if i < len(views):
                 _check_contiguous(name, what, views[i], 1)
-        return f"mpk::rope_append_impl<{D // 32}, {ctype}>"
+        return f"mpk::rope_append_impl<{D // 32}, {ctype}, {_index_ctype(tables, op, name, views[2:5])}>"
     if kind in ("attn_partial", "rope_attn_partial"):
         fused = kind == "rope_attn_partial"
         cache = views[5] if fused else views[1]
@@ -270,7 +284,8 @@ def _paged_task(tables: Tables, op: int) -> str:
         for what, v in zip(("qkv", "cos_sin", "q_norm", "k_norm") if fused else ("q",), rope_views):
             _check_contiguous(name, what, v, 1 if fused else D // 32)
         _check_contiguous(name, "kv_cache", cache, 16 // DTYPE_SIZE[ctype])  # rows are copied in 16-byte pieces
-        return (f"mpk::attn_partial_impl<{D // 32}, {heads // kv}, {ctype}, {'true' if fused else 'false'}, "
+        index = _index_ctype(tables, op, name, views[2:5])
+        return (f"mpk::attn_partial_impl<{D // 32}, {heads // kv}, {ctype}, {index}, {'true' if fused else 'false'}, "
                 f"{'true' if final else 'false'}>")
     D = int(views[0]["shape"][4]) - 1  # attn_merge: states [B, KV, C, G, D + 1]
     if D not in (64, 128, 256):
