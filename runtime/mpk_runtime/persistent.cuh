@@ -223,10 +223,8 @@ struct InputGate {
   unsigned long long opened_ns;
 };
 
-// Declared in mpk_tasks/common.cuh; the task calls it through acquire_inputs. Out of line: one
-// copy for every task family that opens its own gate (inlined, its spin and watchdog code
-// lengthened each of them, and a task pays for fetching its instructions).
-__device__ __noinline__ bool wait_gate(InputGate* g) {
+// Declared in mpk_tasks/common.cuh; the task calls it through acquire_inputs.
+__device__ __forceinline__ bool wait_gate(InputGate* g) {
   if (threadIdx.x == 0) {
     Spin spin;
     unsigned long long have;
