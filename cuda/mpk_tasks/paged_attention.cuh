@@ -41,7 +41,8 @@ __device__ __forceinline__ SeqSpan seq_span(const TaskEnv& env, const ViewC& ind
 template <typename I>
 __device__ __forceinline__ long long page_of(const TaskEnv& env, const ViewC& indices, long long first_page,
                                              long long t, int shift) {
-  return static_cast<const I*>(env.buffers[indices.buffer])[indices.offset + (first_page + (t >> shift)) * indices.stride[0]];
+  const I* ix = static_cast<const I*>(env.buffers[indices.buffer]) + indices.offset;
+  return ix[(first_page + (t >> shift)) * indices.stride[0]];
 }
 
 __device__ __forceinline__ int log2_pow2(int x) { return 31 - __clz(x); }
@@ -295,10 +296,12 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
             const long long pos = rope_position(span, c.in[1]);
             const long long new_page = warp >= kG ? page_of<I>(env, indices, span.first_page, pos, shift) : 0;
             const ViewC &wnv = c.in[warp < kG ? 6 : 7], &cs = c.in[1];
+            const T* crow = static_cast<const T*>(env.buffers[cs.buffer]) + cs.offset + pos * cs.stride[0];
             RopeRow<kPer, T> x;
             x.load_consts(norm ? static_cast<const T*>(env.buffers[wnv.buffer]) + wnv.offset : nullptr,
-                          rotate ? static_cast<const T*>(env.buffers[cs.buffer]) + cs.offset + pos * cs.stride[0] : nullptr);
-            x.load(static_cast<const T*>(env.buffers[q.buffer]) + q.offset + b * q.stride[0] + static_cast<long long>(head) * D);
+                          rotate ? crow : nullptr);
+            x.load(static_cast<const T*>(env.buffers[q.buffer]) + q.offset + b * q.stride[0] +
+                   static_cast<long long>(head) * D);
             if (rotate) x.rotate(norm, c.fparam[1]);
             x.store(rope_rows + warp * D);
             if (warp >= kG) x.store(cache_slot<T>(env, cache, c.iparam[0], warp - kG, new_page, kvh, pos, page_size));
