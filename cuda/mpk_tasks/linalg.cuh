@@ -133,20 +133,15 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
     cp_async_wait_all();
     __syncthreads();
     for (int row = 0; row < rows; ++row) {
-      float ss = 0.f;
-#pragma unroll
-      for (int i = 0; i < kNormVecs; ++i) {
+      const float ss = warp_sum_squares([&](int i) {
         const int j = threadIdx.x + i * kThreadsPerTask;
-        if (j < words) ss += sum_squares8(tile[row * words + swz(row, j)]);
-      }
-      ss = warp_sum(ss);
+        return j < words ? tile[row * words + swz(row, j)] : zero;
+      });
       if (lane == 0) red_ss[warp * kLinRows + row] = ss;
     }
     __syncthreads();
     for (int row = 0; row < rows; ++row) {
-      float total = 0.f;
-      for (int v = 0; v < warps; ++v) total += red_ss[v * kLinRows + row];
-      const float rstd = rsqrtf(total / K + c.fparam[2]);
+      const float rstd = warp_rstd(red_ss + row, kLinRows, static_cast<int>(K), c.fparam[2]);
 #pragma unroll
       for (int i = 0; i < kNormVecs; ++i) {
         const int j = threadIdx.x + i * kThreadsPerTask;

@@ -117,30 +117,45 @@ __device__ __forceinline__ uint4 rms_scale8(uint4 x, uint4 w, float rstd) {
 
 constexpr int kNormVecs = 4;  // 8-element vectors per thread held in registers: rows ≤ 8192 at 256 threads
 
+// The bf16 RMSNorm's order of summing a row's squares, which rms_matmul's prologue
+// (linalg.cuh) shares so that its rows equal the rms_norm task's bit for bit: thread t adds the
+// squares of words t + blockDim·i in i order (``word(i)``: that word, zero past the row), the
+// warp reduces, and warp_rstd adds the warps' sums in warp order.
+template <typename Word>
+__device__ __forceinline__ float warp_sum_squares(Word word) {
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < kNormVecs; ++i) ss += sum_squares8(word(i));
+  return warp_sum(ss);
+}
+
+// sums: the row's per-warp sums (warp_sum_squares), ``stride`` floats apart.
+__device__ __forceinline__ float warp_rstd(const float* sums, int stride, int len, float eps) {
+  float total = 0.f;
+  for (int v = 0; v < static_cast<int>(blockDim.x >> 5); ++v) total += sums[v * stride];
+  return rsqrtf(total / len + eps);
+}
+
 __device__ void rms_norm_rows_bf16(const OpC& c, const Rect& r, const TaskEnv& env) {
   const ViewC &x = c.in[0], &w = c.in[1];
   const int len = static_cast<int>(c.out_shape[c.ndim - 1]), vecs = len / 8;
   const long long row_stride = x.ndim > 1 ? x.stride[x.ndim - 2] : 0;
   float* red = scratch();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const auto* wv = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(env.buffers[w.buffer]) + w.offset);
   for (long long row = r.lo[0]; row < r.hi[0]; ++row) {
     const auto* xv = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(env.buffers[x.buffer]) +
                                                     x.offset + row * row_stride);
     uint4 v[kNormVecs];
-    float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < kNormVecs; ++i) {
       const int j = threadIdx.x + i * blockDim.x;
       v[i] = j < vecs ? xv[j] : make_uint4(0, 0, 0, 0);
-      ss += sum_squares8(v[i]);
     }
-    ss = warp_sum(ss);
+    const float ss = warp_sum_squares([&v](int i) { return v[i]; });
     if (lane == 0) red[warp] = ss;
     __syncthreads();
-    float total = 0.f;
-    for (int i = 0; i < warps; ++i) total += red[i];
-    const float rstd = rsqrtf(total / len + c.fparam[0]);
+    const float rstd = warp_rstd(red, 1, len, c.fparam[0]);
     auto* ov = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(env.buffers[c.out_buffer]) + row * len);
 #pragma unroll
     for (int i = 0; i < kNormVecs; ++i) {
