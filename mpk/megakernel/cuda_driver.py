@@ -77,6 +77,7 @@ def _params(values: list) -> ctypes.Array:
     return arr
 
 
+CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
@@ -85,6 +86,14 @@ def allow_dynamic_smem(fn: ctypes.c_void_p, nbytes: int) -> None:
     launch gets without asking)."""
     check(_lib().cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ctypes.c_int(nbytes)),
           f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={nbytes})")
+
+
+def static_smem(fn: ctypes.c_void_p) -> int:
+    """Bytes of static shared memory ``fn`` declares."""
+    v = ctypes.c_int()
+    check(_lib().cuFuncGetAttribute(ctypes.byref(v), CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn),
+          "cuFuncGetAttribute(SHARED_SIZE_BYTES)")
+    return v.value
 
 
 def launch(fn, grid: int, threads: int, stream: int, params: list, cooperative: bool = False, smem: int = 0) -> None:
