@@ -14,20 +14,25 @@ import torch
 from mpk.megakernel import weight_ring as wr
 
 
-def _slot_data(w_bytes: np.ndarray, d) -> np.ndarray:
-    """A slot's rows as the bulk copies fill them: ``rows`` × ``words``·8 bf16 values (as float32)."""
-    rows, n = int(d["rows"]), int(d["words"]) * 16
-    out = np.stack([w_bytes[int(d["offset"]) + r * int(d["stride"]): int(d["offset"]) + r * int(d["stride"]) + n]
-                    for r in range(rows)])
-    return torch.from_numpy(out.copy()).view(torch.bfloat16).float().numpy()
+def _slot_data(w: np.ndarray, d) -> np.ndarray:
+    """A slot as its tensor copies fill it: ``box_rows`` rows × boxes·64 k of the weight ``w``
+    [rows, K] from (x, y), zeros past either extent (the maps' out-of-bounds fill)."""
+    rows, k = int(d["box_rows"]), 64 * int(d["boxes"])
+    y, x = int(d["y"]), int(d["x"])
+    out = np.zeros((rows, k))
+    part = w[y: y + rows, x: x + k]
+    out[: part.shape[0], : part.shape[1]] = part
+    return out
 
 
-def _replay(spec: dict, lo: int, hi: int, w_bytes: np.ndarray, x: np.ndarray, slots: np.ndarray) -> np.ndarray:
+def _replay(spec: dict, lo: int, hi: int, w: np.ndarray, x: np.ndarray, slots: np.ndarray) -> np.ndarray:
     """linear_ring's loop over the stream: per pass, per 256-k group, its 1 or 2 slots in order;
     a slot's rows are the pass's output columns (gate·up: block 0 gate, block 1 up)."""
     K, glu = spec["K"], spec["glu"]
     width = 32 if glu else 64
     groups = -(-K // 256)
+    xz = np.zeros((x.shape[0], 256 * groups))
+    xz[:, :K] = x  # x past K is zero (linear_ring loads none)
     out = np.zeros((x.shape[0], hi - lo))
     i = 0
     for n0 in range(lo, hi, width):
@@ -36,10 +41,10 @@ def _replay(spec: dict, lo: int, hi: int, w_bytes: np.ndarray, x: np.ndarray, sl
         acc = np.zeros((2, 32, x.shape[0]))
         for kc in range(groups):
             for b in range(blocks):
-                data = _slot_data(w_bytes, slots[i])
+                data = _slot_data(w, slots[i])
+                assert int(slots[i]["x"]) == 256 * kc
                 i += 1
-                k0 = 256 * kc
-                acc[b, : data.shape[0]] += data.astype(np.float64) @ x[:, k0: k0 + data.shape[1]].T
+                acc[b, : data.shape[0]] += data @ xz[:, 256 * kc: 256 * kc + data.shape[1]].T
         if glu:
             gate, up = acc[0, :cols].T, acc[1, :cols].T
             out[:, n0 - lo: n0 - lo + cols] = gate / (1 + np.exp(-gate)) * up
@@ -52,40 +57,40 @@ def _replay(spec: dict, lo: int, hi: int, w_bytes: np.ndarray, x: np.ndarray, sl
 @pytest.mark.parametrize("trial", range(6))
 def test_task_slots_replay_the_product(trial):
     rng = random.Random()
-    K = 32 * rng.randint(1, 40)  # below, at and off multiples of 256
+    K = 32 * rng.randint(1, 40)  # below, at and off multiples of 64 and 256
     N = rng.randint(1, 300)
     glu = rng.random() < 0.5
-    ldw = K + 8 * rng.randint(0, 3)  # weight rows may be padded
-    offset = 8 * rng.randint(0, 5)
-    rows_w = 2 * N if glu else N
-    w = 0.1 * torch.randn(offset + rows_w * ldw)
-    w_bytes = w.bfloat16().view(torch.uint8).numpy()
-    wmat = w.bfloat16().float()[offset:].reshape(rows_w, ldw)[:, :K].double().numpy()
+    w = np.random.randn(2 * N if glu else N, K)
     lo = rng.randint(0, N - 1)
     hi = rng.randint(lo + 1, N)
-    spec = {"buffer": 3, "offset": offset, "ldw": ldw, "K": K, "N": N, "glu": glu}
-    slots = wr.task_slots(spec, lo, hi)
-    assert (slots["rows"] <= wr.RING_ROWS).all() and (slots["words"] * 8 <= wr.RING_K).all()
-    assert (slots["offset"] % 16 == 0).all() and (slots["stride"] == 2 * ldw).all() and (slots["buffer"] == 3).all()
+    spec = {"weight": (3, 0, K, K, w.shape[0]), "K": K, "N": N, "glu": glu}
+    slots = wr.task_slots(spec, lo, hi, weight_index=5)
+    heights = slots["box_rows"]
+    assert np.isin(heights, wr.BOX_HEIGHTS).all()
+    assert (slots["map"] == 4 * 5 + np.searchsorted(wr.BOX_HEIGHTS, heights)).all()
+    assert ((slots["boxes"] >= 1) & (slots["boxes"] <= 4)).all() and (slots["x"] + 64 * (slots["boxes"] - 1) < K).all()
     x = np.random.randn(rng.randint(1, 16), K)
-    got = _replay(spec, lo, hi, w_bytes, x, slots)
-    h = x @ wmat.T
+    got = _replay(spec, lo, hi, w, x, slots)
+    h = x @ w.T
     ref = h[:, lo:hi]
     if glu:
         gate, up = h[:, lo:hi], h[:, N + lo: N + hi]
         ref = gate / (1 + np.exp(-gate)) * up
     np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-9)
-    # every weight element of the task read once: the slots' byte ranges are disjoint and cover it
-    touched = np.zeros(len(w_bytes), np.int32)
+    # every weight element of the task in exactly one slot's first ``rows`` rows; a box reads at
+    # most 7 rows past its block (its height is the block's rows rounded up to 8)
+    need = np.zeros(w.shape, bool)
+    need[lo:hi] = True
+    if glu:
+        need[N + lo: N + hi] = True
+    seen = np.zeros(w.shape, np.int32)
     for d in slots:
-        for r in range(int(d["rows"])):
-            start = int(d["offset"]) + r * int(d["stride"])
-            touched[start: start + 16 * int(d["words"])] += 1
-    expect = np.zeros_like(touched)
-    for row in [*range(lo, hi), *(range(N + lo, N + hi) if glu else ())]:
-        start = 2 * (offset + row * ldw)
-        expect[start: start + 2 * K] = 1
-    assert np.array_equal(touched, expect)
+        y, x0, rows = int(d["y"]), int(d["x"]), int(d["box_rows"])
+        block = need[y: y + rows, x0: x0 + 64 * int(d["boxes"])]
+        valid = int(block.any(axis=1).sum())
+        assert rows - valid < 8
+        seen[y: y + valid, x0: x0 + 64 * int(d["boxes"])] += 1
+    assert np.array_equal(seen > 0, need) and seen.max() == 1
 
 
 def test_worker_streams_cover_each_linear_task_once():
@@ -107,23 +112,26 @@ def test_worker_streams_cover_each_linear_task_once():
     workers = 7  # few workers: several ring tasks each
     order = np.arange(len(t.tasks), dtype=np.int32)
     per_worker = [order[w::workers] for w in range(workers)]
-    table, offsets = wr.worker_streams(t, per_worker, ops)
+    table, offsets, weights = wr.worker_streams(t, per_worker, ops)
+    assert len(weights) == len(ops)  # five projections, five weights
     assert len(offsets) == workers + 1 and offsets[-1] == len(table)
     weight_bytes = 0
     for w in range(workers):
         mine = [int(task) for task in per_worker[w] if int(t.tasks["op"][task]) in ops]
-        expect = [wr.task_slots(wr._linear_spec(t, int(t.tasks["op"][k])),
-                                *wr._tile_columns(t, int(t.tasks["op"][k]), int(t.tasks["tile"][k]))) for k in mine]
+        specs = [wr._linear_spec(t, int(t.tasks["op"][k])) for k in mine]
+        expect = [wr.task_slots(spec, *wr._tile_columns(t, int(t.tasks["op"][k]), int(t.tasks["tile"][k])),
+                                weights.index(spec["weight"])) for spec, k in zip(specs, mine)]
         stream = np.concatenate(expect)
         got = table[offsets[w]: offsets[w + 1]]
         assert np.array_equal(got[: len(stream)], stream)
         assert np.array_equal(got[len(stream):], stream[np.arange(wr.DESC_BLOCK) % len(stream)])
-        weight_bytes += int((stream["rows"].astype(np.int64) * stream["words"] * 16).sum())
+        weight_bytes += int((stream["box_rows"].astype(np.int64) * stream["boxes"] * 128).sum())
     expect_bytes = 0
     for op in ops:
         spec = wr._linear_spec(t, op)
         expect_bytes += 2 * spec["K"] * spec["N"] * (2 if spec["glu"] else 1)
-    assert weight_bytes == expect_bytes
+    # boxes cover all of it, reading past a tile's last row only up to the next multiple of 8
+    assert expect_bytes <= weight_bytes <= expect_bytes * 1.05
 
 
 def test_ring_fits_the_shared_memory_it_is_given():

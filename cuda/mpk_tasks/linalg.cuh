@@ -270,10 +270,12 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
 // memory, so the roles turn: the weight rows are the MMA's M (two m16 blocks per 32-row slot)
 // and the tile's batch rows its N (kHalves n8 halves: 1 for ≤ 8 rows, 2 for ≤ 16). A pass
 // covers 64 output columns (kSiluEpilogue: 32, gate and up rows in one slot each); its K loop
-// takes one group per 256 k — the pass's slots at those k — in which warp w does the 32-wide
-// k step w of every slot (lane (g, t): 16 bytes of weight rows g and g + 8 of each m16 block,
-// and of x's batch row g of each half, at k offset 8t; the same k permutation as linear_bf16).
-// x's words go kDepth groups ahead (from L2, or from the norm tile). After a group each warp
+// takes one group per 256 k — the pass's slots at those k — in which warp w reads box w / 2 of
+// every slot, the 16-byte chunks of parity w % 2: lane (g, t) chunk 2t + w % 2 of weight rows g
+// and g + 8 of each m16 block and the same 8 k of x's batch row g of each half (any k
+// permutation shared by both operands gives the same dot product; this one makes rows g and
+// g + 1, which a quarter warp reads together, hit different banks under the swizzle). x's
+// words go kDepth groups ahead (from L2, or from the norm tile). After a group each warp
 // releases its slots, and warp 0 refills the ones the group before released. The partial sums
 // meet in shared memory as [warp][batch row][64 columns + 4] (conflict-free both ways), are added
 // in warp order and finished by linear_out. Sums differ from linear_bf16's in order only.
@@ -282,9 +284,8 @@ __device__ __noinline__ void linear_ring(const OpC& c, const Rect& r, const Task
   constexpr bool kNorm = kForm & kNormPrologue, kGlu = kForm & kSiluEpilogue;
   constexpr int kPass = kGlu ? kRingRows : 2 * kRingRows;  // output columns per pass
   constexpr int kDepth = 8;                                // groups of x words in flight
-  constexpr int kStepsPerGroup = kRingK / 32;              // = warps: one 32-wide k step each
   constexpr int kRedStride = 2 * kRingRows + 4;            // floats per (warp, batch row) of partial sums
-  static_assert(kStepsPerGroup * 32 == kThreadsPerTask, "a group gives every warp one k step");
+  static_assert(2 * (kRingK / kRingBoxK) * 32 == kThreadsPerTask, "a group gives every warp half a box");
   static_assert(8 * kLinRows * kRedStride <= kScratchFloats, "partial sums fit the scratch");
   // phases (MPK_PHASES) as linear_bf16's; slots 9 + form
   PhaseTimer phase(9 + kForm);
@@ -308,18 +309,18 @@ __device__ __noinline__ void linear_ring(const OpC& c, const Rect& r, const Task
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(env.buffers[c.out_buffer]);
   float* red = scratch();
   unsigned next = R.consumed;  // the stream slot this task reads first
-  // x's words of group kc for this warp's k step: batch rows g (+ 8)
+  const int box = warp >> 1, chunk = 2 * t + (warp & 1);  // this lane's 8 k of a group: box·64 + chunk·8
+  // x's words of group kc at this lane's k: batch rows g (+ 8)
   const auto load_x = [&](int kc, uint4 (&v)[kHalves]) {
-    const int step = kc * kStepsPerGroup + warp;
-    const bool ok = kc < groups && step * 32 < K;
+    const int k = kc * kRingK + box * kRingBoxK + 8 * chunk;
+    const bool ok = kc < groups && k < K;
 #pragma unroll
     for (int h = 0; h < kHalves; ++h) {
       const int row = 8 * h + g;
       if constexpr (kNorm) {
-        v[h] = ok && row < rows ? tile[row * words + norm_swizzle(row, 4 * step + t)] : zero;
+        v[h] = ok && row < rows ? tile[row * words + norm_swizzle(row, k / 8)] : zero;
       } else {
-        v[h] = ok && row < rows ? __ldcg(reinterpret_cast<const uint4*>(x + (m0 + row) * lda + 32 * step + 8 * t))
-                                : zero;
+        v[h] = ok && row < rows ? __ldcg(reinterpret_cast<const uint4*>(x + (m0 + row) * lda + k)) : zero;
       }
     }
   };
@@ -349,16 +350,17 @@ __device__ __noinline__ void linear_ring(const OpC& c, const Rect& r, const Task
       for (int d = 0; d < kDepth; ++d) {
         const int kc = k0 + d;
         if (kc >= groups) break;
-        const bool has = (kc * kStepsPerGroup + warp) * 32 < K;
+        const bool has = kc * kRingK + box * kRingBoxK < K;  // the slot holds this warp's box
 #pragma unroll
         for (int b = 0; b < 2; ++b) {
           if (b >= blocks) break;
           const uint4* slot = ring_acquire(R, next + b);
           if (has) {
+            const uint4* b16 = slot + box * (kRingBoxBytes / 16) + (chunk ^ (g & 7));  // rows g, g + 8: same swizzle
 #pragma unroll
             for (int m = 0; m < 2; ++m) {
-              const uint4 lo = slot[(16 * m + g) * kRingRowWords + 4 * warp + t];
-              const uint4 hi = slot[(16 * m + g + 8) * kRingRowWords + 4 * warp + t];
+              const uint4 lo = b16[8 * (16 * m + g)];
+              const uint4 hi = b16[8 * (16 * m + g + 8)];
 #pragma unroll
               for (int h = 0; h < kHalves; ++h) {
                 mma_bf16(acc[b][m][h], lo.x, hi.x, lo.y, hi.y, xq[d][h].x, xq[d][h].y);

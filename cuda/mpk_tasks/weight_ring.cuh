@@ -7,31 +7,35 @@
 // its weights resident when its inputs become ready.
 //
 // The stream is host-built (mpk/megakernel/weight_ring.py): one 16-byte descriptor per slot, a
-// block of up to 32 weight rows × 256 k, in exactly the order linear_ring consumes them; each
-// row is one bulk copy. Slot i of the stream lives in ring slot i mod S. Per slot two
-// mbarriers: ``full`` (the fill's bytes landed: TMA transaction count) and ``empty`` (all 8
-// warps read it). Warp 0 of the CTA is the producer, inside the consuming task: after each of
-// its groups it refills the slots the group before released, so the ring is topped up to S
-// slots ahead of the consumer whenever the CTA is not consuming (gates, other task families).
-// Descriptors arrive in blocks of 16 by bulk copy into two halves (one in use, one landing).
+// block of up to 32 weight rows × 256 k, in exactly the order linear_ring consumes them. A slot
+// is filled by up to four TMA tensor copies, boxes of 64 k × 8–32 rows (tensor maps per weight
+// and box height, encoded by the host), stored with the 128-byte swizzle: box b of the slot at
+// b·4 KiB, row r at r·128 bytes, its 16-byte chunk c at c ^ (r & 7). Slot i of the stream lives
+// in ring slot i mod S. Per slot two mbarriers: ``full`` (the fill's bytes landed: TMA
+// transaction count) and ``empty`` (all 8 warps read it). Warp 0 of the CTA is the producer,
+// inside the consuming task: after each of its groups it refills the slots the group before
+// released, so the ring is topped up to S slots ahead of the consumer whenever the CTA is not
+// consuming (gates, other task families). Descriptors arrive in blocks of 16 by bulk copy into
+// two halves (one in use, one landing).
 #pragma once
 #include "common.cuh"
 
 namespace mpk {
 
-constexpr int kRingRows = 32;                   // weight rows a slot holds: two m16 MMA blocks
-constexpr int kRingK = 256;                     // k elements of a row a slot holds (512 bytes)
-constexpr int kRingRowBytes = 2 * kRingK + 64;  // +64: rows g and g + 1 fall in different bank halves
-constexpr int kRingRowWords = kRingRowBytes / 16;
-constexpr int kRingSlotBytes = kRingRows * kRingRowBytes;
+constexpr int kRingRows = 32;    // weight rows a slot holds: two m16 MMA blocks
+constexpr int kRingK = 256;      // k elements of a row a slot holds
+constexpr int kRingBoxK = 64;    // k elements per tensor copy: one 128-byte swizzled row
+constexpr int kRingBoxBytes = kRingRows * kRingBoxK * 2;
+constexpr int kRingSlotBytes = kRingRows * kRingK * 2;
+constexpr int kRingAlign = 1024;    // the 128-byte swizzle's atom: slots start at multiples of it
 constexpr int kRingDescBlock = 16;  // descriptors per bulk copy; the host repeats a stream's first block after it
+constexpr int kTensorMapBytes = 128;
 
 // One slot's fill (mpk/megakernel/weight_ring.py: DESC_DTYPE).
 struct alignas(16) RingDesc {
-  unsigned long long offset;  // bytes from the weight buffer's base to row 0 at the slot's k0
-  unsigned stride;            // bytes between the rows
-  unsigned short buffer;
-  unsigned char rows, words;  // rows (≤ 32) and 16-byte words per row (≤ 32)
+  unsigned map;     // tensor map index
+  int x, y;         // the box's first k and first row
+  unsigned char boxes, box_rows, pad[2];  // 64-k copies (≤ 4) and rows per copy (8, 16, 24 or 32)
 };
 static_assert(sizeof(RingDesc) == 16, "RingDesc is one bulk-copy word");
 
@@ -44,7 +48,7 @@ struct WeightRing {
   unsigned long long* empty;  // per slot
   unsigned long long* dfull;  // per descriptor half
   const RingDesc* table;      // this worker's stream (count entries, then its first block again)
-  void* const* buffers;
+  const unsigned char* maps;  // the tensor maps (global memory, kTensorMapBytes each)
   volatile int* abort_flag;
   unsigned count, total, nslots;  // total: count × iterations, the slots the launch consumes
   unsigned issued, consumed;      // written by warp 0's lane 0 / thread 0 only
@@ -80,6 +84,13 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsign
                ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
 }
 
+// The box of a 2-d tensor map at (x, y) → shared, completing its bytes on ``bar``
+__device__ __forceinline__ void tensor_copy_g2s(void* dst, const void* map, int x, int y, unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+      ::"r"(smem_u32(dst)), "l"(map), "r"(x), "r"(y), "r"(smem_u32(bar)) : "memory");
+}
+
 // Waits for phase ``parity`` of ``b``. Fills always land, so only a stream that disagrees with
 // its consumers (a bug) can hang here: debug builds trap after MPK_MAX_SPINS polls, and an
 // abort from the watchdog traps too (a task cannot leave mid-stream).
@@ -105,7 +116,7 @@ __device__ __forceinline__ void ring_fetch_desc(const WeightRing& R, unsigned q)
 }
 
 // Warp 0: issue the stream's slots below ``target`` (and below total), each once the 8 warps
-// released the slot's previous use. Lane r copies row r of the block.
+// released the slot's previous use. Lane b issues the slot's box b.
 __device__ __noinline__ void ring_refill(WeightRing& R, unsigned target) {
   const int lane = threadIdx.x & 31;
   const unsigned end = min(target, R.total);
@@ -116,12 +127,11 @@ __device__ __noinline__ void ring_refill(WeightRing& R, unsigned target) {
     if (lane == 0 && i % kRingDescBlock == 0 && (q + 1) * kRingDescBlock < R.total) ring_fetch_desc(R, q + 1);
     ring_wait(R, R.dfull + (q & 1u), (q >> 1) & 1u);
     const RingDesc d = R.desc[(q & 1u) * kRingDescBlock + i % kRingDescBlock];
-    if (lane == 0) mbar_expect_tx(R.full + s, static_cast<unsigned>(d.rows) * d.words * 16u);
+    if (lane == 0) mbar_expect_tx(R.full + s, static_cast<unsigned>(d.boxes) * d.box_rows * (kRingBoxK * 2));
     __syncwarp();
-    if (lane < d.rows) {
-      const char* src = static_cast<const char*>(R.buffers[d.buffer]) + d.offset +
-                        static_cast<unsigned long long>(lane) * d.stride;
-      bulk_copy_g2s(R.slots + s * kRingSlotBytes + lane * kRingRowBytes, src, d.words * 16u, R.full + s);
+    if (lane < d.boxes) {
+      tensor_copy_g2s(R.slots + s * kRingSlotBytes + lane * kRingBoxBytes, R.maps + d.map * kTensorMapBytes,
+                      d.x + lane * kRingBoxK, d.y, R.full + s);
     }
   }
   __syncwarp();
@@ -129,18 +139,19 @@ __device__ __noinline__ void ring_refill(WeightRing& R, unsigned target) {
   __syncwarp();
 }
 
-// Thread 0 at the worker's start: lay the ring out in ``smem`` and initialise its barriers. The
-// CTA synchronises, then warp 0 calls ring_start.
+// Thread 0 at the worker's start: lay the ring out in ``smem`` (kRingAlign bytes beyond the ring
+// are spare: its start is rounded up to that alignment) and initialise its barriers. The CTA
+// synchronises, then warp 0 calls ring_start.
 __device__ __noinline__ void ring_init(WeightRing& R, unsigned char* smem, int nslots, const RingDesc* table,
-                                          int entries, int iterations, void* const* buffers,
-                                          volatile int* abort_flag) {
+                                       int entries, int iterations, const void* maps, volatile int* abort_flag) {
+  smem += (kRingAlign - smem_u32(smem) % kRingAlign) % kRingAlign;
   R.slots = smem;
   R.desc = reinterpret_cast<RingDesc*>(smem + nslots * kRingSlotBytes);
   R.full = reinterpret_cast<unsigned long long*>(R.desc + 2 * kRingDescBlock);
   R.empty = R.full + nslots;
   R.dfull = R.empty + nslots;
   R.table = table;
-  R.buffers = buffers;
+  R.maps = static_cast<const unsigned char*>(maps);
   R.abort_flag = abort_flag;
   R.count = entries > kRingDescBlock ? static_cast<unsigned>(entries - kRingDescBlock) : 0u;
   R.total = R.count * static_cast<unsigned>(iterations);

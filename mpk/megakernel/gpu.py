@@ -45,7 +45,7 @@ class _Args(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in (
         "tasks", "events", "counters", "aot_offsets", "aot_entries", "task_infos", "jit_events", "mailbox",
         "jit_values", "jit_seq", "jit_head", "done", "status", "abort_flag", "profile", "profile_count",
-        "ring_desc", "ring_offsets")] + [
+        "ring_desc", "ring_offsets", "ring_maps")] + [
         (n, ctypes.c_int) for n in (
         "profile_capacity", "num_workers", "num_schedulers", "active_schedulers", "num_tasks", "num_events",
         "num_jit_events", "start_jit_index", "start_event", "end_event", "iterations", "any_jit", "jit_capacity",
@@ -158,10 +158,14 @@ class GpuExecutor:
         self.events = events  # with the flags the host sets (types.cuh: EventDesc)
         self.d_events = _dev(events, dev)
         self.d_aot_offsets = torch.from_numpy(offsets).to(dev)
-        ring_table, ring_offsets = wr.worker_streams(t, per_worker, self.ring_ops if self.ring_slots else set())
+        ring_table, ring_offsets, self.ring_weights = wr.worker_streams(
+            t, per_worker, self.ring_ops if self.ring_slots else set())
         self.ring_slots = self.ring_slots if ring_offsets[-1] else 0  # no AOT linear task: no ring
         self.d_ring_desc = _dev(ring_table, dev)
         self.d_ring_offsets = torch.from_numpy(ring_offsets).to(dev)
+        # the descriptors' TMA tensor maps, encoded for the weights' addresses when they are bound
+        n_maps = max(1, len(self.ring_weights) * len(wr.BOX_HEIGHTS))
+        self.d_ring_maps = torch.zeros(n_maps * drv.TENSOR_MAP_BYTES, dtype=torch.uint8, device=dev)
         # JIT events (types.cuh: JitEvent) in event order; EventRef.jit_index points into them
         jit_ids = np.nonzero(events["flags"] & EVENT_HAS_JIT)[0]
         jit_index = np.full(n_events, -1, np.int32)
@@ -258,7 +262,8 @@ class GpuExecutor:
             num_jit_events=self.num_jit_events, start_jit_index=self.start_jit_index,
             start_event=self.t.start_event, end_event=self.t.end_event, iterations=iterations,
             any_jit=int(self.any_jit), jit_capacity=self.jit_capacity, ring_desc=self.d_ring_desc.data_ptr(),
-            ring_offsets=self.d_ring_offsets.data_ptr(), ring_slots=self.ring_slots, ring_smem=self.ring_smem)
+            ring_offsets=self.d_ring_offsets.data_ptr(), ring_maps=self.d_ring_maps.data_ptr(),
+            ring_slots=self.ring_slots, ring_smem=self.ring_smem)
         self.args = args  # passed by value at launch (a __grid_constant__ parameter)
 
     def _bind(self, args: Sequence[torch.Tensor]) -> None:
@@ -284,6 +289,9 @@ class GpuExecutor:
         if ptrs == self._bound_ptrs:  # the module's table still holds them
             return
         self._bound_ptrs = ptrs
+        if self.ring_slots:  # ordered on the stream before the launch, like the buffer table below
+            maps = torch.frombuffer(bytearray(wr.tensor_maps(self.ring_weights, ptrs)), dtype=torch.uint8)
+            self.d_ring_maps.copy_(maps)
         self.d_buffer_ptrs[: len(ptrs)].copy_(torch.tensor(ptrs, dtype=torch.int64))
         # into the module's buffer table (constant bank), ordered on the stream before the launch
         dst, nbytes = self.module.global_ptr("mpk_buffers")

@@ -366,7 +366,7 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
     if (ring) {
       ring_init(s_ring, dynamic_smem() + a.ring_smem, a.ring_slots,
                 static_cast<const RingDesc*>(a.ring_desc) + a.ring_offsets[w], a.ring_offsets[w + 1] - a.ring_offsets[w],
-                a.iterations, mpk_buffers, a.abort_flag);
+                a.iterations, a.ring_maps, a.abort_flag);
     }
   }
   if (ring) {  // the first slots go out now, under the first tasks' waits

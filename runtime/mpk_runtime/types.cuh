@@ -84,6 +84,7 @@ struct RuntimeArgs {
   unsigned long long* profile_count;
   const void* ring_desc;             // weight rings (mpk_tasks/weight_ring.cuh): every worker's RingDesc stream,
   const int* ring_offsets;           //   worker w's at [ring_offsets[w], ring_offsets[w + 1])
+  const void* ring_maps;             //   and the TMA tensor maps (128 bytes each) the descriptors index
   int profile_capacity;
   int num_workers;
   int num_schedulers;                // scheduler warps launched
