@@ -128,7 +128,7 @@ def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
             # Built on first call: the compiler runs under fake tensors, the executor needs real ones.
             if "ex" not in state:
                 state["ex"] = GpuExecutor(compiled.tables, timeout_s=opts.timeout_s,
-                                          profile=opts.profile_dir is not None, weight_ring=opts.weight_ring)
+                                          profile=opts.profile_dir is not None)
             state["args"] = args  # the last launch's arguments (benchmarks re-run them profiled)
             out = state["ex"].run(args, wait=opts.sync)
             if opts.profile_dir:

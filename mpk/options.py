@@ -38,9 +38,6 @@ class CompileOptions:
                  measured faster on an H200 from batch 4 on.
     fuse_rope_attention  run a decode layer's qk-norm + RoPE + KV append inside its paged
                  attention tasks (rope_attn_partial; default True), one op boundary fewer.
-    weight_ring  gpu executor: each worker streams the weights of its linear tasks into a ring
-                 of shared-memory slots ahead of them, across task boundaries (default True;
-                 False: each linear task loads its own weights when it starts).
     debug_dir    directory to dump the OpGraph, tables, summary, DOT and JSON of each graph.
     num_workers  worker count the default partitioning targets (one wave of tasks per op).
     seed         schedule seed of the cpu executor (which legal order it picks).
@@ -57,7 +54,6 @@ class CompileOptions:
     fallback: str = "error"
     fuse_norm_prologue: bool = True
     fuse_rope_attention: bool = True
-    weight_ring: bool = True
     debug_dir: str | None = None
     num_workers: int = 128
     seed: int = 0
@@ -91,7 +87,7 @@ class CompileOptions:
         n = opts["num_workers"]
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise OptionError(f"num_workers={n!r}; expected a positive int")
-        for flag in ("sync", "fuse_norm_prologue", "fuse_rope_attention", "weight_ring"):
+        for flag in ("sync", "fuse_norm_prologue", "fuse_rope_attention"):
             if not isinstance(opts.get(flag, False), bool):
                 raise OptionError(f"{flag}={opts[flag]!r}; expected True or False")
         part = opts.get("partition", {})

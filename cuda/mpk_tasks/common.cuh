@@ -11,12 +11,6 @@ namespace mpk {
 
 constexpr int kMaxDims = 8;
 constexpr int kMaxInputs = 8;
-constexpr int kThreadsPerTask = 256;  // mpk_runtime/persistent.cuh: kThreads
-
-// Debug builds (MPK_DEBUG) trap after this many polls of one wait, so a hang becomes an error.
-#ifndef MPK_MAX_SPINS
-#define MPK_MAX_SPINS (1LL << 26)
-#endif
 
 // dtype codes: the order of mpk.compiler.tables.DTYPES
 enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kF64 = 3, kI64 = 4, kI32 = 5, kI16 = 6, kI8 = 7, kU8 = 8, kBool = 9 };
@@ -305,15 +299,12 @@ __device__ __forceinline__ float* scratch() {
   return s;
 }
 
-// The launch's dynamic shared memory, sized per graph by the host
-// (mpk.megakernel.codegen.dynamic_smem_bytes and the weight rings, mpk/megakernel/weight_ring.py):
-// rms_matmul's tile of normalised activations first, then the worker's weight ring.
-__device__ __forceinline__ unsigned char* dynamic_smem() {
-  extern __shared__ __align__(128) unsigned char mpk_dynamic_smem[];
+// The launch's dynamic shared memory: rms_matmul's tile of normalised activations, sized per
+// graph by the host (mpk.megakernel.codegen.dynamic_smem_bytes; none when no task uses it).
+__device__ __forceinline__ uint4* norm_tile() {
+  extern __shared__ __align__(16) uint4 mpk_dynamic_smem[];
   return mpk_dynamic_smem;
 }
-
-__device__ __forceinline__ uint4* norm_tile() { return reinterpret_cast<uint4*>(dynamic_smem()); }
 
 // Phase timer (builds with -DMPK_PHASES only; benchmarks/linear_phases.py): thread 0 of a CTA
 // adds the nanoseconds since the previous mark to mpk_phase_ns[CTA][slot][phase], and counts
@@ -349,14 +340,12 @@ struct PhaseTimer {
 // anything else; every other task family has the gate opened for it by the dispatch before it
 // runs. The gate's type and wait live in the runtime (mpk_runtime/persistent.cuh).
 struct InputGate;
-struct WeightRing;  // weight_ring.cuh
 __device__ bool wait_gate(InputGate* gate);  // block-wide; false: the wait was abandoned (abort)
 
 // Everything a task needs besides its op constants.
 struct TaskEnv {
   void* const* buffers;
   InputGate* gate;  // null: the task's inputs are ready
-  WeightRing* ring;  // an AOT task's worker ring (weight_ring.cuh); null: a linear task loads its own weights
 };
 
 // Block-wide: returns once the task's inputs are ready; false if the runtime abandoned the

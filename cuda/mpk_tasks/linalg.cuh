@@ -5,13 +5,13 @@
 #pragma once
 #include "pointwise.cuh"  // silu_times: the SiLU·mul epilogue
 #include "rows.cuh"       // rms_scale8, kNormVecs: rms_matmul's normalisation, as rms_norm's
-#include "weight_ring.cuh"  // linear_ring's weights
 
 namespace mpk {
 
 constexpr int kLinRows = 16;     // rows (batch) a variant-1 tile may hold: the MMA's M
 constexpr int kLinBlocks = 8;    // 8-column weight blocks per pass, at most: 64 columns
 constexpr int kLinInFlight = 16; // 16-byte weight loads each lane keeps in flight
+constexpr int kThreadsPerTask = 256;  // mpk_runtime/persistent.cuh: kThreads
 
 // A 16-byte load that bypasses L1: weights are read exactly once. (An L2 evict-first hint on
 // these loads measured no faster on H200 decode steps.)
@@ -56,86 +56,6 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 //   would.
 enum LinearForm : int { kPlain = 0, kNormPrologue = 1, kSiluEpilogue = 2 };
 
-// Pieces both variant-1 paths share (the register-streamed linear_bf16 and the ring-fed
-// linear_ring).
-
-// kNormPrologue, before the gate: the norm weight's words threadIdx.x + 256·i (a graph input).
-__device__ __forceinline__ void load_norm_weight(const OpC& c, const TaskEnv& env, int words, uint4 (&gw)[kNormVecs]) {
-  const ViewC& nw = c.in[2];
-  const auto* g16 = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(env.buffers[nw.buffer]) + nw.offset);
-#pragma unroll
-  for (int i = 0; i < kNormVecs; ++i) {
-    const int j = threadIdx.x + i * kThreadsPerTask;
-    gw[i] = j < words ? __ldg(g16 + j) : make_uint4(0, 0, 0, 0);
-  }
-}
-
-// The norm tile's layout: row r's 16-byte word j at j ^ 4(r & 1).
-__device__ __forceinline__ int norm_swizzle(int row, int j) { return j ^ ((row & 1) << 2); }
-
-// kNormPrologue, after the gate: rows [m0, m0 + rows) of x copied into the norm tile and
-// normalised there with rms_norm's sums and roundings; returns the tile (block-wide).
-__device__ __forceinline__ const uint4* normalise_rows(const OpC& c, const __nv_bfloat16* x, long long lda,
-                                                       long long m0, int rows, int K, const uint4 (&gw)[kNormVecs]) {
-  uint4* tile = norm_tile();
-  float* red_ss = scratch() + 8 * 64 * kLinRows;  // [warp][16 rows], each warp's sums of x²
-  const int words = K / 8, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int e = threadIdx.x; e < rows * words; e += kThreadsPerTask) {
-    const int row = e / words, j = e % words;
-    cp_async16(tile + row * words + norm_swizzle(row, j), x + (m0 + row) * lda + 8 * j);
-  }
-  cp_async_wait_all();
-  __syncthreads();
-  for (int row = 0; row < rows; ++row) {
-    const float ss = warp_sum_squares([&](int i) {
-      const int j = threadIdx.x + i * kThreadsPerTask;
-      return j < words ? tile[row * words + norm_swizzle(row, j)] : zero;
-    });
-    if (lane == 0) red_ss[warp * kLinRows + row] = ss;
-  }
-  __syncthreads();
-  for (int row = 0; row < rows; ++row) {
-    const float rstd = warp_rstd(red_ss + row, kLinRows, K, c.fparam[2]);
-#pragma unroll
-    for (int i = 0; i < kNormVecs; ++i) {
-      const int j = threadIdx.x + i * kThreadsPerTask;
-      if (j < words) {
-        uint4& word = tile[row * words + norm_swizzle(row, j)];
-        word = rms_scale8(word, gw[i], rstd);
-      }
-    }
-  }
-  __syncthreads();
-  return tile;
-}
-
-// The plain form's bias (a decoder layer's residual): bf16, broadcast by zero strides (codegen
-// checks); null for the fused forms and without a third input.
-struct LinearBias {
-  const __nv_bfloat16* p = nullptr;
-  long long s0 = 0, s1 = 0;
-  __device__ __forceinline__ LinearBias(const OpC& c, const TaskEnv& env, int form) {
-    if (form != kPlain || c.num_inputs <= 2) return;
-    const ViewC& v = c.in[2];
-    p = static_cast<const __nv_bfloat16*>(env.buffers[v.buffer]) + v.offset;
-    if (v.ndim >= 1) s1 = v.shape[v.ndim - 1] == 1 ? 0 : v.stride[v.ndim - 1];
-    if (v.ndim == 2) s0 = v.shape[0] == 1 ? 0 : v.stride[0];
-  }
-  __device__ __forceinline__ float at(long long m, long long n) const {
-    return p ? __bfloat162float(p[m * s0 + n * s1]) : 0.f;
-  }
-};
-
-// An output element from its sums over K: alpha·s + beta·bias, or silu(alpha·gate)·(alpha·up)
-// with each factor rounded to bf16 first, as the unfused projection and silu_mul would.
-template <bool kGlu>
-__device__ __forceinline__ float linear_out(const OpC& c, float s, float up, float bias) {
-  const float scale = c.fparam[0];  // alpha
-  if constexpr (kGlu) return silu_times(round_to(kBF16, s * scale), round_to(kBF16, up * scale), kBF16);
-  return s * scale + c.fparam[1] * bias;
-}
-
 template <int kBlocks, int kForm>
 __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const TaskEnv& env) {
   constexpr bool kNorm = kForm & kNormPrologue, kGlu = kForm & kSiluEpilogue;
@@ -158,7 +78,9 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   const __nv_bfloat16* x_lo = x + (m0 + g) * lda + 8 * t;
   const __nv_bfloat16* x_hi = x + (m0 + g + 8) * lda + 8 * t;
   float* red = scratch();  // [warp][64 columns][16 rows]
+  float* red_ss = red + 8 * 64 * kLinRows;  // kNorm: [warp][16 rows], each warp's sums of x²
   const int words = static_cast<int>(K / 8);  // kNorm: 16-byte words of a row of x
+  const auto swz = [](int row, int j) { return j ^ ((row & 1) << 2); };
   const uint4 zero = make_uint4(0, 0, 0, 0);
   // A pass's weight rows: 8·kBlocks rows of W (kGlu: 4·kBlocks gate rows, then the matching up
   // rows N further), lane (g, t) reading row g of each 8-row block at k offset 8t.
@@ -190,12 +112,56 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   // under theirs.
   start_pass(r.lo[1]);
   load_weights(warp);
-  uint4 gw[kNormVecs];
-  if constexpr (kNorm) load_norm_weight(c, env, words, gw);
+  uint4 gw[kNorm ? kNormVecs : 1];  // kNorm: the norm weight's words threadIdx.x + 256·i (a graph input too)
+  if constexpr (kNorm) {
+    const ViewC& nw = c.in[2];
+    const auto* g16 = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(env.buffers[nw.buffer]) + nw.offset);
+#pragma unroll
+    for (int i = 0; i < kNormVecs; ++i) {
+      const int j = threadIdx.x + i * kThreadsPerTask;
+      gw[i] = j < words ? __ldg(g16 + j) : zero;
+    }
+  }
   if (!acquire_inputs(env)) return;
-  const uint4* tile = nullptr;  // kNorm: the rows of x, normalised
-  if constexpr (kNorm) tile = normalise_rows(c, x, lda, m0, rows, static_cast<int>(K), gw);
-  const LinearBias bias(c, env, kForm);
+  uint4* tile = nullptr;  // kNorm: the rows of x, normalised
+  if constexpr (kNorm) {
+    tile = norm_tile();
+    for (int e = threadIdx.x; e < rows * words; e += blockDim.x) {
+      const int row = e / words, j = e % words;
+      cp_async16(tile + row * words + swz(row, j), x + (m0 + row) * lda + 8 * j);
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    for (int row = 0; row < rows; ++row) {
+      const float ss = warp_sum_squares([&](int i) {
+        const int j = threadIdx.x + i * kThreadsPerTask;
+        return j < words ? tile[row * words + swz(row, j)] : zero;
+      });
+      if (lane == 0) red_ss[warp * kLinRows + row] = ss;
+    }
+    __syncthreads();
+    for (int row = 0; row < rows; ++row) {
+      const float rstd = warp_rstd(red_ss + row, kLinRows, static_cast<int>(K), c.fparam[2]);
+#pragma unroll
+      for (int i = 0; i < kNormVecs; ++i) {
+        const int j = threadIdx.x + i * kThreadsPerTask;
+        if (j < words) {
+          uint4& word = tile[row * words + swz(row, j)];
+          word = rms_scale8(word, gw[i], rstd);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  // the bias (a decoder layer's residual): bf16, broadcast by zero strides (codegen checks)
+  const __nv_bfloat16* bias = nullptr;
+  long long bs0 = 0, bs1 = 0;
+  if (kForm == kPlain && c.num_inputs > 2) {
+    const ViewC& v = c.in[2];
+    bias = static_cast<const __nv_bfloat16*>(env.buffers[v.buffer]) + v.offset;
+    if (v.ndim >= 1) bs1 = v.shape[v.ndim - 1] == 1 ? 0 : v.stride[v.ndim - 1];
+    if (v.ndim == 2) bs0 = v.shape[0] == 1 ? 0 : v.stride[0];
+  }
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(env.buffers[c.out_buffer]);
   constexpr int kPerThread = kLinRows * kOut / kThreadsPerTask;  // epilogue outputs per thread
   phase.mark(0);
@@ -207,7 +173,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int e = threadIdx.x + j * kThreadsPerTask;
-      bv[j] = e < rows * cols ? bias.at(m0 + e / cols, n0 + e % cols) : 0.f;
+      bv[j] = bias && e < rows * cols ? __bfloat162float(bias[(m0 + e / cols) * bs0 + (n0 + e % cols) * bs1]) : 0.f;
     }
     float acc[kBlocks][4];
 #pragma unroll
@@ -220,8 +186,8 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
         const int k = ks + u * warps;
         const bool ok = k < ksteps;
         if constexpr (kNorm) {  // word 4k + t of rows g and g + 8 (same parity: same swizzle)
-          lo[u] = ok && has_lo ? tile[g * words + norm_swizzle(g, 4 * k + t)] : zero;
-          hi[u] = ok && has_hi ? tile[(g + 8) * words + norm_swizzle(g, 4 * k + t)] : zero;
+          lo[u] = ok && has_lo ? tile[g * words + swz(g, 4 * k + t)] : zero;
+          hi[u] = ok && has_hi ? tile[(g + 8) * words + swz(g, 4 * k + t)] : zero;
         } else {  // activations are written inside the kernel: coherent (L2) loads, not the read-only path
           lo[u] = ok && has_lo ? __ldcg(reinterpret_cast<const uint4*>(x_lo + 32LL * k)) : zero;
           hi[u] = ok && has_hi ? __ldcg(reinterpret_cast<const uint4*>(x_hi + 32LL * k)) : zero;
@@ -258,173 +224,26 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
         s += red[(v * 64 + col) * kLinRows + row];
         if constexpr (kGlu) up += red[(v * 64 + 32 + col) * kLinRows + row];
       }
-      out[(m0 + row) * N + n0 + col] = __float2bfloat16(linear_out<kGlu>(c, s, up, bv[j]));
-    }
-    phase.mark(3);
-    __syncthreads();
-    phase.mark(4);
-  }
-}
-
-// Variant 1 fed by the worker's weight ring (weight_ring.cuh): the weights are already in shared
-// memory, so the roles turn: the weight rows are the MMA's M (two m16 blocks per 32-row slot)
-// and the tile's batch rows its N (kHalves n8 halves: 1 for ≤ 8 rows, 2 for ≤ 16). A pass
-// covers 64 output columns (kSiluEpilogue: 32, gate and up rows in one slot each); its K loop
-// takes one group per 256 k — the pass's slots at those k — in which warp w reads box w / 2 of
-// every slot, the 16-byte chunks of parity w % 2: lane (g, t) chunk 2t + w % 2 of weight rows g
-// and g + 8 of each m16 block and the same 8 k of x's batch row g of each half (any k
-// permutation shared by both operands gives the same dot product; this one makes rows g and
-// g + 1, which a quarter warp reads together, hit different banks under the swizzle). x's
-// words go kDepth groups ahead (from L2, or from the norm tile). After a group each warp
-// releases its slots, and warp 0 refills the ones the group before released. The partial sums
-// meet in shared memory as [warp][batch row][64 columns + 4] (conflict-free both ways), are added
-// in warp order and finished by linear_out. Sums differ from linear_bf16's in order only.
-template <int kForm, int kHalves>
-__device__ __noinline__ void linear_ring(const OpC& c, const Rect& r, const TaskEnv& env) {
-  constexpr bool kNorm = kForm & kNormPrologue, kGlu = kForm & kSiluEpilogue;
-  constexpr int kPass = kGlu ? kRingRows : 2 * kRingRows;  // output columns per pass
-  constexpr int kDepth = 8;                                // groups of x words in flight
-  constexpr int kRedStride = 2 * kRingRows + 4;            // floats per (warp, batch row) of partial sums
-  static_assert(2 * (kRingK / kRingBoxK) * 32 == kThreadsPerTask, "a group gives every warp half a box");
-  static_assert(8 * kLinRows * kRedStride <= kScratchFloats, "partial sums fit the scratch");
-  // phases (MPK_PHASES) as linear_bf16's; slots 9 + form
-  PhaseTimer phase(9 + kForm);
-  WeightRing& R = *env.ring;
-  const ViewC& a = c.in[0];
-  const int K = static_cast<int>(a.shape[1]);
-  const long long N = c.out_shape[1];
-  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(env.buffers[a.buffer]) + a.offset;
-  const long long lda = a.stride[0];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const long long m0 = r.lo[0];
-  const int rows = static_cast<int>(r.hi[0] - m0), words = K / 8, groups = (K + kRingK - 1) / kRingK;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  uint4 gw[kNormVecs];
-  if constexpr (kNorm) load_norm_weight(c, env, words, gw);
-  if (!acquire_inputs(env)) return;
-  const uint4* tile = nullptr;  // kNorm: the rows of x, normalised
-  if constexpr (kNorm) tile = normalise_rows(c, x, lda, m0, rows, K, gw);
-  const LinearBias bias(c, env, kForm);
-  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(env.buffers[c.out_buffer]);
-  float* red = scratch();
-  unsigned next = R.consumed;  // the stream slot this task reads first
-  const int box = warp >> 1, chunk = 2 * t + (warp & 1);  // this lane's 8 k of a group: box·64 + chunk·8
-  // x's words of group kc at this lane's k: batch rows g (+ 8)
-  const auto load_x = [&](int kc, uint4 (&v)[kHalves]) {
-    const int k = kc * kRingK + box * kRingBoxK + 8 * chunk;
-    const bool ok = kc < groups && k < K;
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h) {
-      const int row = 8 * h + g;
-      if constexpr (kNorm) {
-        v[h] = ok && row < rows ? tile[row * words + norm_swizzle(row, k / 8)] : zero;
+      const float scale = c.fparam[0];  // alpha
+      if constexpr (kGlu) {
+        s = silu_times(round_to(kBF16, s * scale), round_to(kBF16, up * scale), kBF16);
       } else {
-        v[h] = ok && row < rows ? __ldcg(reinterpret_cast<const uint4*>(x + (m0 + row) * lda + k)) : zero;
+        s = s * scale + c.fparam[1] * bv[j];
       }
-    }
-  };
-  constexpr int kPerThread = kLinRows * kPass / kThreadsPerTask;  // epilogue outputs per thread
-  phase.mark(0);
-  for (long long n0 = r.lo[1]; n0 < r.hi[1]; n0 += kPass) {
-    const int cols = static_cast<int>(min(static_cast<long long>(kPass), r.hi[1] - n0));
-    const int blocks = kGlu || cols > kRingRows ? 2 : 1;  // slots per group
-    float bv[kPerThread];
-#pragma unroll
-    for (int j = 0; j < kPerThread; ++j) {
-      const int e = threadIdx.x + j * kThreadsPerTask;
-      bv[j] = e < rows * cols ? bias.at(m0 + e / cols, n0 + e % cols) : 0.f;
-    }
-    float acc[2][2][kHalves][4];  // [slot of the group][m16 block][batch half][fragment]
-#pragma unroll
-    for (int b = 0; b < 2; ++b)
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h) acc[b][m][h][0] = acc[b][m][h][1] = acc[b][m][h][2] = acc[b][m][h][3] = 0.f;
-    uint4 xq[kDepth][kHalves];
-#pragma unroll
-    for (int d = 0; d < kDepth; ++d) load_x(d, xq[d]);
-    for (int k0 = 0; k0 < groups; k0 += kDepth) {
-#pragma unroll
-      for (int d = 0; d < kDepth; ++d) {
-        const int kc = k0 + d;
-        if (kc >= groups) break;
-        const bool has = kc * kRingK + box * kRingBoxK < K;  // the slot holds this warp's box
-#pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          if (b >= blocks) break;
-          const uint4* slot = ring_acquire(R, next + b);
-          if (has) {
-            const uint4* b16 = slot + box * (kRingBoxBytes / 16) + (chunk ^ (g & 7));  // rows g, g + 8: same swizzle
-#pragma unroll
-            for (int m = 0; m < 2; ++m) {
-              const uint4 lo = b16[8 * (16 * m + g)];
-              const uint4 hi = b16[8 * (16 * m + g + 8)];
-#pragma unroll
-              for (int h = 0; h < kHalves; ++h) {
-                mma_bf16(acc[b][m][h], lo.x, hi.x, lo.y, hi.y, xq[d][h].x, xq[d][h].y);
-                mma_bf16(acc[b][m][h], lo.z, hi.z, lo.w, hi.w, xq[d][h].z, xq[d][h].w);
-              }
-            }
-          }
-          ring_release(R, next + b);
-        }
-        if (warp == 0) ring_refill(R, next + R.nslots);  // the group before's slots, released by now
-        next += blocks;
-        load_x(kc + kDepth, xq[d]);
-      }
-    }
-    phase.mark(1);
-    // accumulator fragment: weight rows g and g + 8 of each m16 block, batch rows 2t and 2t + 1
-    // of each half
-#pragma unroll
-    for (int b = 0; b < 2; ++b)
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h) {
-          float* p = red + (warp * kLinRows + 8 * h + 2 * t) * kRedStride + kRingRows * b + 16 * m + g;
-          p[0] = acc[b][m][h][0];
-          p[kRedStride] = acc[b][m][h][1];
-          p[8] = acc[b][m][h][2];
-          p[kRedStride + 8] = acc[b][m][h][3];
-        }
-    __syncthreads();
-    phase.mark(2);
-#pragma unroll
-    for (int j = 0; j < kPerThread; ++j) {
-      const int e = threadIdx.x + j * kThreadsPerTask;
-      if (e >= rows * cols) break;
-      const int row = e / cols, col = e % cols;
-      float s = 0.f, up = 0.f;
-      for (int v = 0; v < kThreadsPerTask / 32; ++v) {
-        s += red[(v * kLinRows + row) * kRedStride + col];
-        if constexpr (kGlu) up += red[(v * kLinRows + row) * kRedStride + kRingRows + col];
-      }
-      out[(m0 + row) * N + n0 + col] = __float2bfloat16(linear_out<kGlu>(c, s, up, bv[j]));
+      out[(m0 + row) * N + n0 + col] = __float2bfloat16(s);
     }
     phase.mark(3);
     __syncthreads();
     phase.mark(4);
   }
-  if (warp == 0) ring_refill(R, next + R.nslots);  // every warp is past the closing barrier
-  if (threadIdx.x == 0) R.consumed = next;
 }
 
 // The block count (columns per pass) by the tile's width: narrow tiles go deeper along K.
-// (SiLU·mul always takes 8: one instantiation, 4 gate and 4 up blocks.) A task whose worker
-// streams its weights (env.ring) reads them from the ring instead.
+// (SiLU·mul always takes 8: one instantiation, 4 gate and 4 up blocks.)
 template <int kForm>
 __device__ __forceinline__ void linear_variant1(const OpC& c, const Rect& r, const TaskEnv& env) {
   const long long cols = r.hi[1] - r.lo[1];
-  if (env.ring != nullptr) {
-    if (r.hi[0] - r.lo[0] <= 8) {
-      linear_ring<kForm, 1>(c, r, env);
-    } else {
-      linear_ring<kForm, 2>(c, r, env);
-    }
-  } else if constexpr ((kForm & kSiluEpilogue) != 0) {
+  if constexpr ((kForm & kSiluEpilogue) != 0) {
     linear_bf16<kLinBlocks, kForm>(c, r, env);
   } else if (cols <= 16) {
     linear_bf16<2, kForm>(c, r, env);

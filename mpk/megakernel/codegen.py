@@ -129,14 +129,6 @@ def linear_variant(tables: Tables, op: int) -> int:
     return int(ok)
 
 
-def ring_ops(tables: Tables) -> set[int]:
-    """The ops whose AOT tasks a worker's weight ring feeds: the variant-1 linear ops (their
-    weights are graph inputs nothing in the kernel writes). ``linear_variant1`` in linalg.cuh
-    reads from the ring exactly when the runtime hands such a task its worker's ring."""
-    return {i for i in range(len(tables.ops))
-            if tables.meta["ops"][i]["kind"] in LINEAR_KINDS and linear_variant(tables, i) == 1}
-
-
 def _tile_rows(tables: Tables, op: int) -> int:
     """The most rows (dim 0) a tile of ``op`` holds: the balanced split's ceiling."""
     o = tables.ops[op]
@@ -377,8 +369,7 @@ def generate(tables: Tables) -> str:
     if in_constant:
         fetch = ("__device__ __forceinline__ void mpk_prefetch_op(int, int) {}  // the table is in the constant bank\n\n"
                  "// Task dispatch over the op types of this graph (the variant is decided inside each task).\n"
-                 "__device__ __noinline__ void mpk_execute_task(int op, int tile, int, bool, mpk::InputGate* gate, "
-                 "mpk::WeightRing* ring) {\n"
+                 "__device__ __noinline__ void mpk_execute_task(int op, int tile, int, bool, mpk::InputGate* gate) {\n"
                  "  const mpk::OpC& c = mpk_gen::kOps[op];\n")
     else:
         fetch = ("__device__ __forceinline__ mpk::OpC& mpk_op_slot(int slot) {\n"
@@ -390,7 +381,7 @@ def generate(tables: Tables) -> str:
                  "// Task dispatch over the op types of this graph (the variant is decided inside each task).\n"
                  "// staged: shared slot ``slot`` already holds op's constants; else they are copied there first.\n"
                  "__device__ __noinline__ void mpk_execute_task(int op, int tile, int slot, bool staged, "
-                 "mpk::InputGate* gate, mpk::WeightRing* ring) {\n"
+                 "mpk::InputGate* gate) {\n"
                  "  if (!staged) mpk::stage_op(mpk_op_slot(slot), mpk_gen::kOps[op]);\n"
                  "  const mpk::OpC& c = mpk_op_slot(slot);\n")
     def case(t: int) -> str:
@@ -416,7 +407,7 @@ def generate(tables: Tables) -> str:
         + f'extern "C" {{ {bspace} void* mpk_buffers[{max(1, len(tables.buffers))}]; }}\n\n'
         + fetch
         + "  const mpk::Rect r = mpk::tile_rect(c, tile);\n"
-        + "  const mpk::TaskEnv env{mpk_buffers, gate, ring};\n"
+        + "  const mpk::TaskEnv env{mpk_buffers, gate};\n"
         + "  switch (c.type) {\n" + cases + "\n    default: __trap();\n  }\n}\n\n"
         + '#include "mpk_runtime/persistent.cuh"\n'
     )

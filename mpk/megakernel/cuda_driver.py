@@ -77,7 +77,6 @@ def _params(values: list) -> ctypes.Array:
     return arr
 
 
-CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
@@ -86,35 +85,6 @@ def allow_dynamic_smem(fn: ctypes.c_void_p, nbytes: int) -> None:
     launch gets without asking)."""
     check(_lib().cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ctypes.c_int(nbytes)),
           f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={nbytes})")
-
-
-def static_smem(fn: ctypes.c_void_p) -> int:
-    """Bytes of static shared memory ``fn`` declares."""
-    v = ctypes.c_int()
-    check(_lib().cuFuncGetAttribute(ctypes.byref(v), CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn),
-          "cuFuncGetAttribute(SHARED_SIZE_BYTES)")
-    return v.value
-
-
-TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
-_TMAP_UINT16, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO = 1, 0, 3, 3, 0
-
-
-def encode_tensor_map_2d(address: int, inner: int, outer: int, outer_stride_bytes: int, box_inner: int,
-                         box_outer: int) -> bytes:
-    """A TMA descriptor (CUtensorMap) of a 2-d array of 16-bit elements at ``address``: ``inner``
-    contiguous elements per row, ``outer`` rows ``outer_stride_bytes`` apart, copied in boxes of
-    box_inner × box_outer with the 128-byte shared-memory swizzle (box_inner · 2 ≤ 128); reads
-    past either extent fill zeros."""
-    tmap = (ctypes.c_uint8 * TENSOR_MAP_BYTES)()
-    dims = (ctypes.c_uint64 * 2)(inner, outer)
-    strides = (ctypes.c_uint64 * 1)(outer_stride_bytes)
-    box = (ctypes.c_uint32 * 2)(box_inner, box_outer)
-    unit = (ctypes.c_uint32 * 2)(1, 1)
-    check(_lib().cuTensorMapEncodeTiled(tmap, _TMAP_UINT16, 2, ctypes.c_void_p(address), dims, strides, box, unit,
-                                        _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO),
-          f"cuTensorMapEncodeTiled(dims=({inner}, {outer}), stride={outer_stride_bytes}, box=({box_inner}, {box_outer}))")
-    return bytes(tmap)
 
 
 def launch(fn, grid: int, threads: int, stream: int, params: list, cooperative: bool = False, smem: int = 0) -> None:

@@ -22,9 +22,8 @@ import torch
 from mpk.compiler.tables import DTYPES, FLAG_JIT, ROLE_INPUT, Tables, validate
 from mpk.errors import ExecutorUnavailableError, MpkError
 from mpk.megakernel import cuda_driver as drv
-from mpk.megakernel import weight_ring as wr
 from mpk.megakernel.build import build_cubin
-from mpk.megakernel.codegen import aligned_inputs, dynamic_smem_bytes, generate, ring_ops
+from mpk.megakernel.codegen import aligned_inputs, dynamic_smem_bytes, generate
 
 THREADS = 256
 SCHED_WARPS_PER_CTA = 4
@@ -44,12 +43,10 @@ class _Args(ctypes.Structure):
 
     _fields_ = [(n, ctypes.c_void_p) for n in (
         "tasks", "events", "counters", "aot_offsets", "aot_entries", "task_infos", "jit_events", "mailbox",
-        "jit_values", "jit_seq", "jit_head", "done", "status", "abort_flag", "profile", "profile_count",
-        "ring_desc", "ring_offsets", "ring_maps")] + [
+        "jit_values", "jit_seq", "jit_head", "done", "status", "abort_flag", "profile", "profile_count")] + [
         (n, ctypes.c_int) for n in (
         "profile_capacity", "num_workers", "num_schedulers", "active_schedulers", "num_tasks", "num_events",
-        "num_jit_events", "start_jit_index", "start_event", "end_event", "iterations", "any_jit", "jit_capacity",
-        "ring_slots", "ring_smem")]
+        "num_jit_events", "start_jit_index", "start_event", "end_event", "iterations", "any_jit", "jit_capacity")]
 
     def __init__(self, **kw):
         unknown = set(kw) - {name for name, _ in self._fields_}
@@ -75,16 +72,13 @@ class GpuExecutor:
     ``profile``: record per-task spans; ``timeout_s``: watchdog limit;
     ``debug``: build with bounded spins (a hang traps instead of spinning forever);
     ``local_jit``: an event whose only task is a JIT task hands it to the worker that fired it
-    rather than to a scheduler (default; False sends every JIT task through the schedulers);
-    ``weight_ring``: each worker streams the weights of its AOT variant-1 linear tasks into a
-    ring of shared-memory slots (as many as fit beside the kernel's other shared memory, at most
-    ``weight_ring.MAX_SLOTS``) ahead of them (default; False: the tasks load their own).
+    rather than to a scheduler (default; False sends every JIT task through the schedulers).
     """
 
     def __init__(self, tables: Tables, num_workers: int | None = None, scheduler_ctas: int | None = None,
                  profile: bool = False, profile_capacity: int = 1 << 16, timeout_s: float = 30.0,
                  debug: bool = False, arch: str | None = None, validate_tables: bool = True,
-                 tile_kernel: bool = False, local_jit: bool = True, weight_ring: bool = True):
+                 tile_kernel: bool = False, local_jit: bool = True):
         if not torch.cuda.is_available():
             raise ExecutorUnavailableError("the gpu executor needs a CUDA device; use executor='cpu'")
         if validate_tables:
@@ -106,14 +100,7 @@ class GpuExecutor:
         self.module = drv.Module(Path(self.cubin_path).read_bytes())
         self.kernel = self.module.function("mpk_persistent_kernel")
         self.tile_kernel = self.module.function("mpk_tile_kernel") if tile_kernel else None
-        # dynamic shared memory: the norm tile, then (aligned) the weight ring, as many slots as fit
-        norm = dynamic_smem_bytes(tables)
-        self.ring_ops = ring_ops(tables) if weight_ring else set()
-        self.ring_smem = -(-norm // 128) * 128
-        optin = getattr(props, "shared_memory_per_block_optin", 227 * 1024)
-        free = optin - drv.static_smem(self.kernel) - self.ring_smem
-        self.ring_slots = wr.ring_slots_that_fit(free) if self.ring_ops else 0
-        self.smem = self.ring_smem + wr.ring_bytes(self.ring_slots) if self.ring_slots else norm
+        self.smem = dynamic_smem_bytes(tables)
         for fn in (self.kernel, self.tile_kernel):
             if fn is not None and self.smem:
                 drv.allow_dynamic_smem(fn, self.smem)
@@ -158,14 +145,6 @@ class GpuExecutor:
         self.events = events  # with the flags the host sets (types.cuh: EventDesc)
         self.d_events = _dev(events, dev)
         self.d_aot_offsets = torch.from_numpy(offsets).to(dev)
-        ring_table, ring_offsets, self.ring_weights = wr.worker_streams(
-            t, per_worker, self.ring_ops if self.ring_slots else set())
-        self.ring_slots = self.ring_slots if ring_offsets[-1] else 0  # no AOT linear task: no ring
-        self.d_ring_desc = _dev(ring_table, dev)
-        self.d_ring_offsets = torch.from_numpy(ring_offsets).to(dev)
-        # the descriptors' TMA tensor maps, encoded for the weights' addresses when they are bound
-        n_maps = max(1, len(self.ring_weights) * len(wr.BOX_HEIGHTS))
-        self.d_ring_maps = torch.zeros(n_maps * drv.TENSOR_MAP_BYTES, dtype=torch.uint8, device=dev)
         # JIT events (types.cuh: JitEvent) in event order; EventRef.jit_index points into them
         jit_ids = np.nonzero(events["flags"] & EVENT_HAS_JIT)[0]
         jit_index = np.full(n_events, -1, np.int32)
@@ -261,9 +240,7 @@ class GpuExecutor:
             active_schedulers=self.active_schedulers, num_tasks=len(self.t.tasks), num_events=len(self.t.events),
             num_jit_events=self.num_jit_events, start_jit_index=self.start_jit_index,
             start_event=self.t.start_event, end_event=self.t.end_event, iterations=iterations,
-            any_jit=int(self.any_jit), jit_capacity=self.jit_capacity, ring_desc=self.d_ring_desc.data_ptr(),
-            ring_offsets=self.d_ring_offsets.data_ptr(), ring_maps=self.d_ring_maps.data_ptr(),
-            ring_slots=self.ring_slots, ring_smem=self.ring_smem)
+            any_jit=int(self.any_jit), jit_capacity=self.jit_capacity)
         self.args = args  # passed by value at launch (a __grid_constant__ parameter)
 
     def _bind(self, args: Sequence[torch.Tensor]) -> None:
@@ -289,9 +266,6 @@ class GpuExecutor:
         if ptrs == self._bound_ptrs:  # the module's table still holds them
             return
         self._bound_ptrs = ptrs
-        if self.ring_slots:  # ordered on the stream before the launch, like the buffer table below
-            maps = torch.frombuffer(bytearray(wr.tensor_maps(self.ring_weights, ptrs)), dtype=torch.uint8)
-            self.d_ring_maps.copy_(maps)
         self.d_buffer_ptrs[: len(ptrs)].copy_(torch.tensor(ptrs, dtype=torch.int64))
         # into the module's buffer table (constant bank), ordered on the stream before the launch
         dst, nbytes = self.module.global_ptr("mpk_buffers")

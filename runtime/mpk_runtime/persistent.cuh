@@ -1,8 +1,8 @@
 // The persistent kernel: one cooperative launch, one CTA per SM. CTAs [0, num_workers) are
 // workers; the rest host scheduler warps (kSchedWarpsPerCta each). Include this after the
-// generated code has defined ``mpk_execute_task(op, tile, slot, staged, gate, ring)``,
-// ``mpk_prefetch_op(op, slot)`` and the buffer table ``mpk_buffers`` (over its own op and
-// buffer tables).
+// generated code has defined ``mpk_execute_task(op, tile, slot, staged, gate)`` and
+// ``mpk_prefetch_op(op, slot)``
+// (over its own op and buffer tables).
 //
 // Worker (thread 0 decides, the CTA executes): its JIT ring first; else the head of its AOT list
 // once that task's dependent event reached iteration·num_triggers; else spin. Op constants live
@@ -169,7 +169,6 @@ struct AotCursor {
   int begin, count, idx = 0, iter = 1, iterations;  // head = entry idx of iteration iter (1-based)
   AotEntry head, next;
   int seen_event = -1;  // counters only grow: once seen_event reached seen_need, it stays there
-  unsigned taken = 0;   // entries consumed
   unsigned long long seen_need = 0;
 
   __device__ __forceinline__ bool left() const { return count > 0 && iter <= iterations; }
@@ -188,7 +187,6 @@ struct AotCursor {
   __device__ __forceinline__ TaskInfo consume(const RuntimeArgs& a) {
     TaskInfo ready = head.info;
     ready.iter = iter;
-    ++taken;
     if (++idx == count) {
       idx = 0;
       ++iter;
@@ -342,8 +340,6 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
 }
 
 __device__ void worker_loop(const RuntimeArgs& a, int w) {
-  __shared__ WeightRing s_ring;
-  __shared__ bool s_ring_fed;  // s_task came from the AOT list, whose linear tasks the ring streams
   __shared__ TaskInfo s_task;
   __shared__ int s_slot;     // the op-constant slot of s_task
   __shared__ bool s_staged;  // that slot already holds s_task's op constants
@@ -359,25 +355,14 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
   unsigned long long t0 = 0;
   OpSlots slots;
   bool abandoned = false;  // a gated task's wait was abandoned: leave
-  const bool ring = a.ring_slots > 0;
   if (threadIdx.x == 0) {
     aot.start(a);
     local_slot() = LocalTask{};
-    if (ring) {
-      ring_init(s_ring, dynamic_smem() + a.ring_smem, a.ring_slots,
-                static_cast<const RingDesc*>(a.ring_desc) + a.ring_offsets[w], a.ring_offsets[w + 1] - a.ring_offsets[w],
-                a.iterations, a.ring_maps, a.abort_flag);
-    }
-  }
-  if (ring) {  // the first slots go out now, under the first tasks' waits
-    __syncthreads();
-    if (threadIdx.x < 32) ring_start(s_ring);
   }
   hop_clocks_begin();
   while (true) {
     if (threadIdx.x == 0) {
       s_gate.counter = nullptr;
-      unsigned taken = aot.taken;
       TaskInfo t = abandoned ? TaskInfo{kExit, -1} : next_task(a, w, aot, jit_head, pending, slots, s_gate);
       while (t.task != kExit && t.op < 0) {  // dummy tasks need no block: thread 0 completes them
         if (a.profile && n_profiled < static_cast<unsigned>(a.profile_capacity)) {
@@ -385,10 +370,8 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
           a.profile[static_cast<long long>(w) * a.profile_capacity + n_profiled++] = ProfileRecord{t.task, sm_id(), now, now};
         }
         pending.add(a, t);
-        taken = aot.taken;
         t = next_task(a, w, aot, jit_head, pending, slots, s_gate);
       }
-      s_ring_fed = ring && aot.taken != taken;  // taken from the AOT list (not a JIT ring or the local slot)
       s_task = t;
       s_gated = s_gate.counter != nullptr;
       cp_async_wait_all();  // the prefetches landed (or must not land on a slot being staged)
@@ -405,7 +388,7 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
     __syncthreads();
     const TaskInfo t = s_task;
     if (t.task == kExit) break;
-    mpk_execute_task(t.op, t.tile, s_slot, s_staged, s_gated ? &s_gate : nullptr, s_ring_fed ? &s_ring : nullptr);
+    mpk_execute_task(t.op, t.tile, s_slot, s_staged, s_gated ? &s_gate : nullptr);
     __syncthreads();
     hop_mark(kHopEnd);
     if (threadIdx.x == 0) {
@@ -429,7 +412,6 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
       }
     }
   }
-  if (ring && threadIdx.x < 32) ring_drain(s_ring);
   if (threadIdx.x == 0) {
     volatile int* status = a.status + static_cast<long long>(w) * kStatusWords;
     if (status[kStState] != kStateAborted) status[kStState] = kStateExited;
@@ -554,6 +536,6 @@ extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1)
 // Test wrapper: every tile of one op, one CTA per tile, no scheduling (task families alone).
 // Built only on request: it doubles ptxas time.
 extern "C" __global__ void __launch_bounds__(mpk::kThreads) mpk_tile_kernel(int op) {
-  mpk_execute_task(op, blockIdx.x, 0, false, nullptr, nullptr);
+  mpk_execute_task(op, blockIdx.x, 0, false, nullptr);
 }
 #endif

@@ -82,9 +82,6 @@ struct RuntimeArgs {
   volatile int* abort_flag;          // host-mapped: the watchdog asks everyone to stop
   ProfileRecord* profile;            // null unless profiling: profile_capacity per worker
   unsigned long long* profile_count;
-  const void* ring_desc;             // weight rings (mpk_tasks/weight_ring.cuh): every worker's RingDesc stream,
-  const int* ring_offsets;           //   worker w's at [ring_offsets[w], ring_offsets[w + 1])
-  const void* ring_maps;             //   and the TMA tensor maps (128 bytes each) the descriptors index
   int profile_capacity;
   int num_workers;
   int num_schedulers;                // scheduler warps launched
@@ -98,8 +95,6 @@ struct RuntimeArgs {
   int iterations;
   int any_jit;                       // 0: no JIT task at all, workers skip the JIT ring
   int jit_capacity;                  // power of two
-  int ring_slots;                    // slots per worker ring; 0: no rings (linear tasks load their own weights)
-  int ring_smem;                     // the rings' byte offset in the dynamic shared memory (after the norm tile)
 };
 
 }  // namespace mpk
