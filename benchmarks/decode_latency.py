@@ -103,6 +103,9 @@ def stages(trace: list[dict], t, first: int = 10, count: int = 12) -> list[dict]
     return rows
 
 
+_ENV_FLAGS = os.environ.get("MPK_NVCC_FLAGS", "")
+
+
 def add_step_args(ap: argparse.ArgumentParser) -> None:
     """The arguments that pick the benchmarked decode steps (shared with prebuild_decode.py,
     whose cubins must be these steps')."""
@@ -121,11 +124,16 @@ def max_len(position: int) -> int:
 
 def compile_step(model: DecoderLM, batch: int, position: int, page_size: int, options: dict | None = None):
     """The benchmarked step: the cache holding ``position`` tokens plus the one being decoded,
-    and the model compiled for the GPU executor (asynchronous launches). Returns (step, kv)."""
+    and the model compiled for the GPU executor (asynchronous launches). Returns (step, kv).
+    ``options``: mpk compile options, plus an optional ``"nvcc_flags"`` string that becomes
+    ``$MPK_NVCC_FLAGS`` for this step's build (an A/B of a compile-time switch; the cubin cache
+    keys on the flags)."""
+    options = dict(options or {})
+    os.environ["MPK_NVCC_FLAGS"] = options.pop("nvcc_flags", _ENV_FLAGS)
     kv = PagedKVCache(model, batch, position + 1, page_size)
     kv.grow(position + 1)
     step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
-                         options={"executor": "gpu", "sync": False, **(options or {})})
+                         options={"executor": "gpu", "sync": False, **options})
     return step, kv
 
 
@@ -157,8 +165,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--trace-dir", type=Path, default=None, help="write each profiled step's Perfetto trace here")
     ap.add_argument("--options", nargs="+", type=json.loads, default=[{}],
-                    help='extra mpk compile options as JSON, e.g. \'{"fuse_norm_prologue": false}\'; '
-                         'several: an A/B of builds, timed in turn on the same model and inputs')
+                    help='extra mpk compile options as JSON, e.g. \'{"fuse_norm_prologue": false}\' or '
+                         '\'{"nvcc_flags": "-DMPK_X"}\'; several: an A/B of builds, timed in turn on the same '
+                         'model and inputs')
     ap.add_argument("--rounds", type=int, default=1, help="time every --options build this many times, alternating")
     ap.add_argument("--skip-peer", action="store_true", help="mpk alone (for comparing mpk builds; no speedup)")
     args = ap.parse_args(argv)
@@ -181,9 +190,10 @@ def main(argv=None) -> int:
                     tag = f"{name}-b{batch}" + (f"-v{v}" if len(args.options) > 1 else "") + (f"-r{rnd}" if rnd else "")
                     trace = args.trace_dir / f"{tag}.json" if args.trace_dir else None
                     mpk = bench_mpk(model, batch, args.position, args.page_size, args.profile, trace, options)
+                    flags = os.environ["MPK_NVCC_FLAGS"]
                     row = {"date": datetime.date.today().isoformat(), "device": device, "model": name, "batch": batch,
                            "position": args.position, "page_size": args.page_size, "num_splits": args.num_splits,
-                           "nvcc_flags": os.environ.get("MPK_NVCC_FLAGS", ""), "options": options, "round": rnd, **mpk,
+                           "nvcc_flags": flags, "options": options, "round": rnd, **mpk,
                            **{k: peer[k] for k in ("eager_ms", "eager_graph_ms", "compile_graph_ms", "peer_ms",
                                                    "peer_mode", "errors")},
                            "speedup": peer["peer_ms"] / mpk["mpk_ms"] if peer["peer_ms"] else None,

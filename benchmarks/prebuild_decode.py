@@ -53,15 +53,19 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--nvcc-flags", action="append", default=None,
                     help="repeatable, e.g. --nvcc-flags=-DMPK_PHASES: build every step once per flag set (as "
-                         "$MPK_NVCC_FLAGS; default: the environment's)")
+                         "$MPK_NVCC_FLAGS; default: the environment's) unless its options name their own "
+                         "\"nvcc_flags\"")
     args = ap.parse_args(argv)
-    sources = []
+    env_flags = os.environ.get("MPK_NVCC_FLAGS", "")
+    by_flags: dict[str, list[str]] = {}  # an option's own "nvcc_flags" replaces the flag sets
     for name in args.models:
         for batch in args.batches:
             for options in args.options:
-                sources.append(decode_source(name, batch, args.position, args.page_size, args.num_splits, options))
+                src = decode_source(name, batch, args.position, args.page_size, args.num_splits, options)
+                for flags in [options["nvcc_flags"]] if "nvcc_flags" in options else args.nvcc_flags or [env_flags]:
+                    by_flags.setdefault(flags, []).append(src)
                 print(f"traced {name} batch {batch} {json.dumps(options)}", flush=True)
-    for flags in args.nvcc_flags or [os.environ.get("MPK_NVCC_FLAGS", "")]:
+    for flags, sources in by_flags.items():
         os.environ["MPK_NVCC_FLAGS"] = flags
         start = time.perf_counter()
         paths = build.prebuild(sources, jobs=args.jobs)
