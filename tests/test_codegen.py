@@ -145,6 +145,21 @@ def test_generated_cuda_compiles_for_sm90a(name, tables, tmp_path, monkeypatch):
 
 
 @needs_nvcc
+def test_buffer_table_beyond_shared_memory_budget_compiles(tmp_path, monkeypatch):
+    """Buffer addresses are staged into shared memory while the table fits the budget; past
+    it, tasks read the bank directly, and that build compiles too."""
+    from mpk.megakernel import codegen
+
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
+    tables = _paged_decode_tables()
+    assert "__shared__ void* s[" in generate(tables)
+    monkeypatch.setattr(codegen, "SMEM_BUFFERS_MAX", len(tables.buffers) - 1)
+    src = generate(tables)
+    assert "__shared__ void* s[" not in src and "return mpk_buffers;" in src
+    assert build.build_cubin(src, "sm_90a").read_bytes()[:4] == b"\x7fELF"
+
+
+@needs_nvcc
 def test_phase_timer_build_exports_its_table(tmp_path, monkeypatch):
     """benchmarks/linear_phases.py's build (-DMPK_PHASES) compiles and exports the phase table
     the script reads; the default build has none."""

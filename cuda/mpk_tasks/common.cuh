@@ -288,6 +288,14 @@ __device__ __forceinline__ void prefetch_op(OpC& dst, const OpC& src) {
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
+// prefetch_op by the 32 lanes of the calling warp (each lane waits for its own copies)
+__device__ __forceinline__ void prefetch_op_warp(OpC& dst, const OpC& src) {
+  const int4* s = reinterpret_cast<const int4*>(&src);
+  int4* d = reinterpret_cast<int4*>(&dst);
+  for (int i = threadIdx.x & 31; i < static_cast<int>(sizeof(OpC) / 16); i += 32) cp_async16(d + i, s + i);
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
 // Shared-memory scratch of a task (one allocation, reused by every task family; a task must
 // __syncthreads() before it returns if it used it). Sized for the largest user: the linear
 // task's cross-warp reduction (8 warps × 64 columns × 16 rows) and attn_partial's warp states

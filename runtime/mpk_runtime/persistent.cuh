@@ -1,13 +1,13 @@
 // The persistent kernel: one cooperative launch, one CTA per SM. CTAs [0, num_workers) are
 // workers; the rest host scheduler warps (kSchedWarpsPerCta each). Include this after the
-// generated code has defined ``mpk_execute_task(op, tile, slot, staged, gate)`` and
-// ``mpk_prefetch_op(op, slot)``
-// (over its own op and buffer tables).
+// generated code has defined ``mpk_execute_task(op, tile, slot, staged, gate)``,
+// ``mpk_prefetch_op(op, slot)`` (thread 0), ``mpk_prefetch_op_warp(op, slot)`` (a warp) and
+// ``mpk_stage_buffers()`` (over its own op and buffer tables).
 //
 // Worker (thread 0 decides, the CTA executes): its JIT ring first; else the head of its AOT list
 // once that task's dependent event reached iteration·num_triggers; else spin. Op constants live
 // in two shared-memory slots (OpSlots): when a task starts, the copy of the next AOT head's
-// constants into the other slot starts too (mpk_prefetch_op), and lands while the task runs. In a graph
+// constants into the other slot starts too (warp 0's lanes, mpk_prefetch_op_warp), and lands while the task runs. In a graph
 // without JIT tasks the worker does not spin there: it starts the head at once with an
 // InputGate, and the task waits for the event inside (after the loads that need nothing the
 // graph computes: a linear task's weights). With JIT tasks it could then wait on a task that
@@ -264,6 +264,12 @@ struct OpSlots {
     mpk_prefetch_op(o, 1 - last);
     set(1 - last, o);
   }
+  // the slot o's constants should go to (the caller's warp copies them), or -1: already there
+  __device__ __forceinline__ int claim(int o) {
+    if (o < 0 || find(o) >= 0) return -1;
+    set(1 - last, o);
+    return 1 - last;
+  }
 };
 
 // The task in the local slot, which the worker runs next (out of line: JIT graphs only; it
@@ -301,7 +307,11 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
     // The JIT ring is peeked (relaxed) before the counter's acquire load, so both are in
     // flight together; graphs without JIT tasks skip the peek.
     const unsigned long long peeked = a.any_jit ? jit.peek(jit_head) : 0;
-    const unsigned long long have = aot_left && !known ? load_acquire(a.counters + aot.head.dep) : 0;
+    // Without JIT tasks the head starts gated anyway (below), and its gate polls after the
+    // task's first weight loads went out: polling here too put a round trip ahead of them
+    // (~1 µs between a task's end and its successor's loads).
+    const bool poll = aot_left && !known && (a.any_jit || aot.head.info.op < 0);
+    const unsigned long long have = poll ? load_acquire(a.counters + aot.head.dep) : 0;
     if (a.any_jit && jit.try_pop(jit_head, t, peeked)) {
       if (t.trig.id != pending.event.id) pending.flush(a);
       return t;
@@ -345,6 +355,9 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
   __shared__ bool s_staged;  // that slot already holds s_task's op constants
   __shared__ InputGate s_gate;
   __shared__ bool s_gated;  // s_task started before its event fired: it waits on s_gate
+  // The next AOT task's op constants and the slot they go to (-1: none): warp 0 copies them
+  // while the task runs, 32 lanes at once (thread 0 alone took ~0.4 µs of the hop).
+  __shared__ int s_pf_op, s_pf_slot;
   AotCursor aot;
   aot.begin = a.aot_offsets[w];
   aot.count = a.aot_offsets[w + 1] - aot.begin;
@@ -382,12 +395,15 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
         slots.set(slot, t.op);
       }
       slots.last = s_slot = slot;
-      if (t.task != kExit && aot.left()) slots.prefetch(aot.head.info.op);  // lands while t runs
+      s_pf_op = t.task != kExit && aot.left() ? aot.head.info.op : -1;
+      s_pf_slot = slots.claim(s_pf_op);
       if (a.profile) t0 = globaltimer_ns();
     }
+    if (threadIdx.x < 32) cp_async_wait_all();  // warp 0's copies of these constants landed
     __syncthreads();
     const TaskInfo t = s_task;
     if (t.task == kExit) break;
+    if (threadIdx.x < 32 && s_pf_slot >= 0) mpk_prefetch_op_warp(s_pf_op, s_pf_slot);  // lands while t runs
     mpk_execute_task(t.op, t.tile, s_slot, s_staged, s_gated ? &s_gate : nullptr);
     __syncthreads();
     hop_mark(kHopEnd);
@@ -521,6 +537,7 @@ extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1)
     const int* from = reinterpret_cast<const int*>(&args);
     int* to = reinterpret_cast<int*>(&mpk::shared_args());
     for (int i = threadIdx.x; i < static_cast<int>(sizeof(mpk::RuntimeArgs) / 4); i += blockDim.x) to[i] = from[i];
+    mpk_stage_buffers();
     __syncthreads();
   }
   if (static_cast<int>(blockIdx.x) < a.num_workers) {
@@ -536,6 +553,8 @@ extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1)
 // Test wrapper: every tile of one op, one CTA per tile, no scheduling (task families alone).
 // Built only on request: it doubles ptxas time.
 extern "C" __global__ void __launch_bounds__(mpk::kThreads) mpk_tile_kernel(int op) {
+  mpk_stage_buffers();
+  __syncthreads();
   mpk_execute_task(op, blockIdx.x, 0, false, nullptr);
 }
 #endif
