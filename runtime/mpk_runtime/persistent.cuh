@@ -221,6 +221,7 @@ struct InputGate {
   int profile;  // stamp opened_ns (a copy: the wake-up path reads nothing through args)
   int open;     // -1 until the task opened it, then 1, or 0 when the wait was abandoned (abort)
   unsigned long long opened_ns;
+  unsigned long long seen;  // the counter's value that opened it
 };
 
 // Declared in mpk_tasks/common.cuh; the task calls it through acquire_inputs.
@@ -243,6 +244,7 @@ __device__ __forceinline__ bool wait_gate(InputGate* g) {
     }
     hop_mark(kHopSeen);
     g->open = open;
+    g->seen = have;
     if (g->profile) g->opened_ns = globaltimer_ns();
   }
   __syncthreads();
@@ -415,6 +417,9 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
         abandoned = s_gate.open == 0;
         if (abandoned) continue;  // the task returned without running: it owes no arrival
         t0 = s_gate.opened_ns;    // the profiled span starts when its inputs were ready
+        // counters only grow: later tasks on this event that need no more start ungated
+        aot.seen_event = s_gate.event;
+        aot.seen_need = s_gate.seen;
       }
       const unsigned long long t1 = a.profile ? globaltimer_ns() : 0;
       pending.add(a, t);
