@@ -278,21 +278,14 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\n cp.async.wait_group 0;" ::: "memory");
 }
 
-// One thread: start copying an upcoming task's op constants into shared memory (when a task
-// starts, for the next one, or while waiting for an event); cp_async_wait_all() before they
-// are read.
-__device__ __forceinline__ void prefetch_op(OpC& dst, const OpC& src) {
+// Start copying an upcoming task's op constants into shared memory (when a task starts, for
+// the next one, or while waiting for an event): the calling thread copies the 16-byte words
+// first, first + step, …, so thread 0 alone passes (0, 1) and a warp's lanes (lane, 32). Each
+// caller cp_async_wait_all()s before the constants are read.
+__device__ __forceinline__ void prefetch_op(OpC& dst, const OpC& src, int first, int step) {
   const int4* s = reinterpret_cast<const int4*>(&src);
   int4* d = reinterpret_cast<int4*>(&dst);
-  for (int i = 0; i < static_cast<int>(sizeof(OpC) / 16); ++i) cp_async16(d + i, s + i);
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// prefetch_op by the 32 lanes of the calling warp (each lane waits for its own copies)
-__device__ __forceinline__ void prefetch_op_warp(OpC& dst, const OpC& src) {
-  const int4* s = reinterpret_cast<const int4*>(&src);
-  int4* d = reinterpret_cast<int4*>(&dst);
-  for (int i = threadIdx.x & 31; i < static_cast<int>(sizeof(OpC) / 16); i += 32) cp_async16(d + i, s + i);
+  for (int i = first; i < static_cast<int>(sizeof(OpC) / 16); i += step) cp_async16(d + i, s + i);
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
 

@@ -384,12 +384,12 @@ def generate(tables: Tables) -> str:
     bspace = "__constant__" if used + 8 * len(tables.buffers) <= CONSTANT_BUDGET else "__device__"
     # A table in global memory is staged into shared memory: one parallel load instead of a
     # chain of dependent L2 reads of its fields (the acquire before each task invalidates L1,
-    # so nothing of it stays cached). There are two slots: the worker's thread 0 copies the next
+    # so nothing of it stays cached). There are two slots: the worker's warp 0 copies the next
     # AOT task's constants into one while the CTA runs the task whose constants are in the
     # other (mpk_prefetch_op); a slot is reused by later tasks of its op.
     if in_constant:
-        fetch = ("__device__ __forceinline__ void mpk_prefetch_op(int, int) {}  // the table is in the constant bank\n"
-                 "__device__ __forceinline__ void mpk_prefetch_op_warp(int, int) {}\n\n"
+        fetch = ("__device__ __forceinline__ void mpk_prefetch_op(int, int, int, int) {}  // the table is in the "
+                 "constant bank\n\n"
                  "// Task dispatch over the op types of this graph (the variant is decided inside each task).\n"
                  "__device__ __noinline__ void mpk_execute_task(int op, int tile, int, bool, mpk::InputGate* gate) {\n"
                  "  const mpk::OpC& c = mpk_gen::kOps[op];\n")
@@ -398,10 +398,8 @@ def generate(tables: Tables) -> str:
                  "  __shared__ mpk::OpC s_op[2];\n"
                  "  return s_op[slot];\n"
                  "}\n\n"
-                 "__device__ __forceinline__ void mpk_prefetch_op(int op, int slot) { mpk::prefetch_op(mpk_op_slot(slot), "
-                 "mpk_gen::kOps[op]); }\n"
-                 "__device__ __forceinline__ void mpk_prefetch_op_warp(int op, int slot) { "
-                 "mpk::prefetch_op_warp(mpk_op_slot(slot), mpk_gen::kOps[op]); }\n\n"
+                 "__device__ __forceinline__ void mpk_prefetch_op(int op, int slot, int first, int step) { "
+                 "mpk::prefetch_op(mpk_op_slot(slot), mpk_gen::kOps[op], first, step); }\n\n"
                  "// Task dispatch over the op types of this graph (the variant is decided inside each task).\n"
                  "// staged: shared slot ``slot`` already holds op's constants; else they are copied there first.\n"
                  "__device__ __noinline__ void mpk_execute_task(int op, int tile, int slot, bool staged, "

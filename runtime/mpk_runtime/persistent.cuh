@@ -1,13 +1,13 @@
 // The persistent kernel: one cooperative launch, one CTA per SM. CTAs [0, num_workers) are
 // workers; the rest host scheduler warps (kSchedWarpsPerCta each). Include this after the
 // generated code has defined ``mpk_execute_task(op, tile, slot, staged, gate)``,
-// ``mpk_prefetch_op(op, slot)`` (thread 0), ``mpk_prefetch_op_warp(op, slot)`` (a warp) and
-// ``mpk_stage_buffers()`` (over its own op and buffer tables).
+// ``mpk_prefetch_op(op, slot, first, step)`` and ``mpk_stage_buffers()`` (over its own op and
+// buffer tables).
 //
 // Worker (thread 0 decides, the CTA executes): its JIT ring first; else the head of its AOT list
 // once that task's dependent event reached iteration·num_triggers; else spin. Op constants live
-// in two shared-memory slots (OpSlots): when a task starts, the copy of the next AOT head's
-// constants into the other slot starts too (warp 0's lanes, mpk_prefetch_op_warp), and lands while the task runs. In a graph
+// in two shared-memory slots (OpSlots): when a task starts, warp 0 starts copying the next AOT
+// head's constants into the other slot (mpk_prefetch_op), and they land while the task runs. In a graph
 // without JIT tasks the worker does not spin there: it starts the head at once with an
 // InputGate, and the task waits for the event inside (after the loads that need nothing the
 // graph computes: a linear task's weights). With JIT tasks it could then wait on a task that
@@ -263,7 +263,7 @@ struct OpSlots {
   __device__ __forceinline__ void set(int slot, int o) { (slot == 0 ? op0 : op1) = o; }
   __device__ __forceinline__ void prefetch(int o) {  // o's constants into the slot not in use
     if (o < 0 || find(o) >= 0) return;
-    mpk_prefetch_op(o, 1 - last);
+    mpk_prefetch_op(o, 1 - last, 0, 1);
     set(1 - last, o);
   }
   // the slot o's constants should go to (the caller's warp copies them), or -1: already there
@@ -405,7 +405,7 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
     __syncthreads();
     const TaskInfo t = s_task;
     if (t.task == kExit) break;
-    if (threadIdx.x < 32 && s_pf_slot >= 0) mpk_prefetch_op_warp(s_pf_op, s_pf_slot);  // lands while t runs
+    if (threadIdx.x < 32 && s_pf_slot >= 0) mpk_prefetch_op(s_pf_op, s_pf_slot, threadIdx.x, 32);  // lands while t runs
     mpk_execute_task(t.op, t.tile, s_slot, s_staged, s_gated ? &s_gate : nullptr);
     __syncthreads();
     hop_mark(kHopEnd);
