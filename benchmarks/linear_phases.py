@@ -1,11 +1,13 @@
-"""Where a decode step's linear tasks spend their time, phase by phase (the in-kernel
-profiler only sees a task's start and end).
+"""Where a decode step's linear and attention tasks spend their time, phase by phase (the
+in-kernel profiler only sees a task's start and end).
 
 Builds the decode step with ``-DMPK_PHASES`` (cuda/mpk_tasks/common.cuh: PhaseTimer), runs
 ``--steps`` steps and prints, per linear instantiation (form × weight blocks per pass), the
 mean nanoseconds per task of: setup and prologue (until the first pass starts), and summed over
 the task's passes the K loop (weights streamed, MMAs), partial sums into shared memory, the
-epilogue and the closing barrier. Phase times are thread 0's view (warp 0's K loop).
+epilogue and the closing barrier; for the paged attention tasks (paged_attention.cuh), from
+their gate: the page table read and the first K/V copies issued, the rotations (fused rope),
+the position loop, the warps' states combined and stored. Phase times are thread 0's view.
 
     python benchmarks/linear_phases.py --models llama3.2-1b --batches 1
 """
@@ -23,24 +25,23 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_latency import random_model  # noqa: E402
+from decode_latency import compile_step, max_len, random_model  # noqa: E402
 
 from mpk.backend import COMPILED, RUNNERS  # noqa: E402
 from mpk.megakernel import cuda_driver as drv  # noqa: E402
-from mpk.models.llm import SHAPES, PagedKVCache  # noqa: E402
+from mpk.models.llm import SHAPES  # noqa: E402
 
 FORMS = ("plain", "norm prologue", "silu epilogue")  # linalg.cuh: LinearForm
 BLOCKS = (2, 4, 8)
 PHASES = ("setup", "k_loop", "to_shared", "epilogue", "barrier")
+ATTN_SLOT, ATTN_PHASES = 9, ("issue", "rope", "loop", "combine")  # common.cuh: kAttnPhaseSlot
 SLOTS, NUM_PHASES = 16, 8  # common.cuh: kPhaseSlots, kPhases
 
 
 def phases(model_name: str, batch: int, position: int, steps: int) -> list[dict]:
-    model = random_model(SHAPES[model_name], position + 1)
-    kv = PagedKVCache(model, batch, position + 1, 16)
-    kv.grow(position + 1)
+    model = random_model(SHAPES[model_name], max_len(position))  # decode_latency's step (prebuild_decode.py builds it)
+    step, kv = compile_step(model, batch, position, 16, {"nvcc_flags": os.environ["MPK_NVCC_FLAGS"]})
     tokens = torch.randint(0, model.cfg.vocab, (batch,), device="cuda")
-    step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "gpu"})
     with torch.no_grad():
         step(tokens, *kv.args())  # compile, build, warm up
         ex = RUNNERS[id(COMPILED[-1])].state["ex"]
@@ -61,6 +62,12 @@ def phases(model_name: str, batch: int, position: int, steps: int) -> list[dict]
             rows.append({"form": FORMS[slot // 3], "blocks": BLOCKS[slot % 3], "tasks_per_step": tasks // steps,
                          **{f"{p}_us": round(float(v) / 1e3, 3) for p, v in zip(PHASES, per)},
                          "total_us": round(float(per.sum()) / 1e3, 3)})
+    tasks = int(table[ATTN_SLOT, NUM_PHASES - 1])
+    if tasks:
+        per = table[ATTN_SLOT, : len(ATTN_PHASES)] / tasks
+        rows.append({"form": "attention", "blocks": 0, "tasks_per_step": tasks // steps,
+                     **{f"{p}_us": round(float(v) / 1e3, 3) for p, v in zip(ATTN_PHASES, per)},
+                     "total_us": round(float(per.sum()) / 1e3, 3)})
     del step
     torch._dynamo.reset()
     return rows
@@ -85,8 +92,10 @@ def main(argv=None) -> int:
     for name in args.models:
         for batch in args.batches:
             for row in phases(name, batch, args.position, args.steps):
+                names = ATTN_PHASES if row["form"] == "attention" else PHASES
                 print(f"{name:12s} {batch:3d} {row['form']:14s} {row['blocks']:6d} {row['tasks_per_step']:6d} "
-                      + " ".join(f"{row[p + '_us']:9.2f}" for p in PHASES) + f" {row['total_us']:9.2f}", flush=True)
+                      + " ".join(f"{p[:4]}={row[p + '_us']:<6.2f}"[:9].rjust(9) for p in names)
+                      + f" {row['total_us']:9.2f}", flush=True)
                 if args.out:
                     rec = {"date": datetime.date.today().isoformat(), "device": device, "model": name, "batch": batch,
                            "position": args.position, **row}

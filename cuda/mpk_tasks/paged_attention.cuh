@@ -237,7 +237,13 @@ struct HeadStates {
 // round trip (the first step's copies go out before kRope's rotations, under their loads).
 // The position loop takes two positions at a time (HeadStates::attend) and is not unrolled
 // further: short code. (Issuing the first step's copies before the task's gate, into the wait
-// for the qkv projection, measured slower on an H200: +3–4% per step at batch 16, none at 1.)
+// for the qkv projection, measured slower on an H200: +3–4% per step at batch 16, none at 1.
+// Reading the page table before the gate — the task opening its own gate, as the linear does —
+// measured 1% faster at batch 1, but with the gate opened inside this function, even first
+// thing, test_fused_rope_attention_matches_eager[1-128-0-True-True] (the only test whose
+// attention waits on a computed input: cos/sin) got the longest sequence wrong, deterministically
+// per seed, L2-only loads of the rotation inputs or not; cause not found (session 16). So the
+// dispatch opens it, before the call.)
 // kFinal (one chunk per sequence): the output is O itself, [B, KV, G, D] of T — attn_merge's
 // result for a single state (its weight is 2^0 = 1), so no merge op follows.
 template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal>
@@ -250,6 +256,9 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   const int KV = static_cast<int>(c.out_shape[1]), C = kFinal ? 1 : static_cast<int>(c.out_shape[2]);
   const int page_size = static_cast<int>(c.iparam[1]), shift = log2_pow2(page_size);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  // phases (MPK_PHASES, slot kAttnPhaseSlot): 0 the page table read and the first K/V copies
+  // issued, 1 kRope's rotations, 2 the position loop, 3 the warps' states combined and stored
+  PhaseTimer phase(kAttnPhaseSlot);
   float* red = scratch();  // during the loop: each warp's K/V slot [2][kU][D] of T; then [warps][kG][D + 2]
   T* slot = reinterpret_cast<T*>(red) + warp * 2 * kU * D;
   const T* kvbase = static_cast<const T*>(env.buffers[cache.buffer]) + cache.offset + c.iparam[0] * cache.stride[0];
@@ -286,6 +295,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
           }
         };
         if (base < t1) issue(base, page);
+        phase.mark(0);
         HeadStates<kPer, kG> st;
         if constexpr (kRope) {
           const int H = static_cast<int>(c.iparam[2]), KVh = static_cast<int>(c.iparam[3]);
@@ -317,6 +327,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
           }
         }
         st.start(c.fparam[0] * kLog2e);
+        phase.mark(1);
         for (; base < t1; base += stride) {
           const long long ahead = base + stride + mine;
           const long long next_page = ahead < t1 ? page_of<I>(env, indices, span.first_page, ahead, shift) : 0;
@@ -333,6 +344,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
         }
         if (fresh && warp == 0) st.template attend<1>(rope_rows + kG * D, rope_rows + (kG + 1) * D);
         __syncthreads();  // the states below overwrite the warps' K/V slots
+        phase.mark(2);
         // combine the warps' states in warp order (deterministic)
 #pragma unroll
         for (int g = 0; g < kG; ++g) {
@@ -368,6 +380,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
           }
         }
         __syncthreads();
+        phase.mark(3);
       }
     }
   }
