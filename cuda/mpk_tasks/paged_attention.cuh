@@ -239,11 +239,14 @@ struct HeadStates {
 // further: short code. (Issuing the first step's copies before the task's gate, into the wait
 // for the qkv projection, measured slower on an H200: +3–4% per step at batch 16, none at 1.
 // Reading the page table before the gate — the task opening its own gate, as the linear does —
-// measured 1% faster at batch 1, but with the gate opened inside this function, even first
-// thing, test_fused_rope_attention_matches_eager[1-128-0-True-True] (the only test whose
-// attention waits on a computed input: cos/sin) got the longest sequence wrong, deterministically
-// per seed, L2-only loads of the rotation inputs or not; cause not found (session 16). So the
-// dispatch opens it, before the call.)
+// measured 1% faster at batch 1 (H200), but with the gate opened inside this function, even
+// first thing, the fused rope tests whose attention waits on a computed cos/sin table
+// (test_fused_rope_attention_matches_eager[1-128-0-True-True], also page size 2) read that
+// table's last rows stale: the same wrong output for a seed whatever else changed (L2-only
+// loads, __syncwarp or a fence after the gate, a fence by every producer thread before its
+// arrival); a 20 µs sleep after the poll, or a printf there, made it right, and the gates did
+// wait for all 4 arrivals. Cause not found (session 16), so the dispatch opens the gate before
+// the call, as before.)
 // kFinal (one chunk per sequence): the output is O itself, [B, KV, G, D] of T — attn_merge's
 // result for a single state (its weight is 2^0 = 1), so no merge op follows.
 template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal>
