@@ -244,9 +244,10 @@ struct HeadStates {
 // (test_fused_rope_attention_matches_eager[1-128-0-True-True], also page size 2) read that
 // table's last rows stale: the same wrong output for a seed whatever else changed (L2-only
 // loads, __syncwarp or a fence after the gate, a fence by every producer thread before its
-// arrival); a 20 µs sleep after the poll, or a printf there, made it right, and the gates did
-// wait for all 4 arrivals. Cause not found (session 16), so the dispatch opens the gate before
-// the call, as before.)
+// arrival); a 20 µs sleep after the poll, a printf there, or timestamps stored around it made
+// it right, and the gates did wait for all 4 arrivals. The SASS is as in the dispatch: the
+// poll (LD.STRONG.GPU, CCTL.IVALL), WARPSYNC, BAR.SYNC, then the loads. Cause not found
+// (session 16), so the dispatch opens the gate before the call, as before.)
 // kFinal (one chunk per sequence): the output is O itself, [B, KV, G, D] of T — attn_merge's
 // result for a single state (its weight is 2^0 = 1), so no merge op follows.
 template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal>
