@@ -245,7 +245,8 @@ struct HeadStates {
 // table's last rows stale: the same wrong output for a seed whatever else changed (L2-only
 // loads, __syncwarp or a fence after the gate, a fence by every producer thread before its
 // arrival); a 20 µs sleep after the poll, a printf there, or timestamps stored around it made
-// it right, and the gates did wait for all 4 arrivals. The SASS is as in the dispatch: the
+// it right; in the failing build the gates opened on all 4 of the cos/sin op's arrivals
+// (recorded after the task, away from the gate). The SASS is as in the dispatch: the
 // poll (LD.STRONG.GPU, CCTL.IVALL), WARPSYNC, BAR.SYNC, then the loads. Cause not found
 // (session 16), so the dispatch opens the gate before the call, as before.)
 // kFinal (one chunk per sequence): the output is O itself, [B, KV, G, D] of T — attn_merge's
