@@ -6,8 +6,9 @@ Builds the decode step with ``-DMPK_PHASES`` (cuda/mpk_tasks/common.cuh: PhaseTi
 mean nanoseconds per task of: setup and prologue (until the first pass starts), and summed over
 the task's passes the K loop (weights streamed, MMAs), partial sums into shared memory, the
 epilogue and the closing barrier; for the paged attention tasks (paged_attention.cuh), from
-their gate: the page table read and the first K/V copies issued, the rotations (fused rope),
-the position loop, the warps' states combined and stored. Phase times are thread 0's view.
+their gate: the first K/V copies issued (the page table is read before the gate), the
+rotations (fused rope), the position loop, the warps' states combined and stored. Phase times
+are thread 0's view.
 
     python benchmarks/linear_phases.py --models llama3.2-1b --batches 1
 """

@@ -75,15 +75,15 @@ def test_paged_decode_tasks_are_instantiated_per_graph():
 
     tables = _paged_decode_tables()
     src = generate(tables)
-    assert src.count("mpk::attn_partial_impl<4, 2, __nv_bfloat16, int, true, true>") == 1  # one chunk: no merge
+    assert src.count("mpk::attn_partial<4, 2, __nv_bfloat16, int, true, true>") == 1  # one chunk: no merge
     assert "rope_append_impl<" not in src and "attn_merge_impl<" not in src
     split = generate(_paged_decode_tables(cache_len=1000))
-    for inst in ("mpk::attn_partial_impl<4, 2, __nv_bfloat16, int, true, false>",
+    for inst in ("mpk::attn_partial<4, 2, __nv_bfloat16, int, true, false>",
                  "mpk::attn_merge_impl<4, __nv_bfloat16>"):
         assert split.count(inst) == 1, inst
     unfused = generate(_paged_decode_tables(fuse_rope_attention=False))
     for inst in ("mpk::rope_append_impl<4, __nv_bfloat16, int>",
-                 "mpk::attn_partial_impl<4, 2, __nv_bfloat16, int, false, true>"):
+                 "mpk::attn_partial<4, 2, __nv_bfloat16, int, false, true>"):
         assert unfused.count(inst) == 1, inst
     silu = [i for i, m in enumerate(tables.meta["ops"]) if m["kind"] == "silu_mul"]
     assert silu and all(silu_mul_variant(tables, i) == 1 for i in silu)

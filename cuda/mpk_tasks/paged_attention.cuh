@@ -220,6 +220,31 @@ struct HeadStates {
   }
 };
 
+// How the warps split a sequence's chunk ch of C: the positions [t0, t1) read from the cache
+// (the last chunk's tile under kRope leaves out the token being decoded), ku per warp step (kU,
+// or fewer when the chunk is short, so all warps get some) and this warp's first position.
+struct ChunkSplit {
+  long long t0, t1, base;
+  int ku;
+};
+__device__ __forceinline__ ChunkSplit split_chunk(const SeqSpan& s, long long ch, int C, bool fresh, int kU) {
+  const int warps = blockDim.x >> 5;
+  ChunkSplit k;
+  k.t0 = ch * s.len / C;
+  k.t1 = (ch + 1) * s.len / C - (fresh ? 1 : 0);
+  k.ku = static_cast<int>(min(static_cast<long long>(kU), max(1LL, (k.t1 - k.t0 + warps - 1) / warps)));
+  k.base = k.t0 + (threadIdx.x >> 5) * k.ku;
+  return k;
+}
+
+// What attn_partial reads before its gate, for the tile's first sequence and chunk: the page
+// table is a graph input no task writes.
+struct AttnStart {
+  SeqSpan span;
+  long long page;      // the page of this lane's position (lane % ku) in its warp's first step
+  long long new_page;  // kRope, warps ≥ G: the page the token being decoded goes to
+};
+
 // attn_partial — inputs: q [B, H, D], kv_cache, kv_indptr, kv_indices, kv_last_page_len;
 // iparam: layer, page_size; fparam[0] scale. kRope (rope_attn_partial) — rope_append's inputs
 // (qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache[, q_norm, k_norm]); iparam
@@ -237,22 +262,12 @@ struct HeadStates {
 // round trip (the first step's copies go out before kRope's rotations, under their loads).
 // The position loop takes two positions at a time (HeadStates::attend) and is not unrolled
 // further: short code. (Issuing the first step's copies before the task's gate, into the wait
-// for the qkv projection, measured slower on an H200: +3–4% per step at batch 16, none at 1.
-// Reading the page table before the gate — the task opening its own gate, as the linear does —
-// measured 1% faster at batch 1 (H200), but with the gate opened inside this function, even
-// first thing, the fused rope tests whose attention waits on a computed cos/sin table
-// (test_fused_rope_attention_matches_eager[1-128-0-True-True], also page size 2) read that
-// table's last rows stale: the same wrong output for a seed whatever else changed (L2-only
-// loads, __syncwarp or a fence after the gate, a fence by every producer thread before its
-// arrival); a 20 µs sleep after the poll, a printf there, or timestamps stored around it made
-// it right; in the failing build the gates opened on all 4 of the cos/sin op's arrivals
-// (recorded after the task, away from the gate). The SASS is as in the dispatch: the
-// poll (LD.STRONG.GPU, CCTL.IVALL), WARPSYNC, BAR.SYNC, then the loads. Cause not found
-// (session 16), so the dispatch opens the gate before the call, as before.)
+// for the qkv projection, measured slower on an H200: +3–4% per step at batch 16, none at 1.)
 // kFinal (one chunk per sequence): the output is O itself, [B, KV, G, D] of T — attn_merge's
 // result for a single state (its weight is 2^0 = 1), so no merge op follows.
 template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal>
-__device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, const TaskEnv& env) {
+__device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, const TaskEnv& env,
+                                               const AttnStart& first) {
   constexpr int D = 32 * kPer;
   constexpr int kRowBytes = D * static_cast<int>(sizeof(T)), kU = 2048 / kRowBytes, kPieces = kRowBytes / 16;
   static_assert(2 * kU * kPieces == 256, "a step's copies are 8 rounds of the warp's 32 lanes");
@@ -261,8 +276,9 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   const int KV = static_cast<int>(c.out_shape[1]), C = kFinal ? 1 : static_cast<int>(c.out_shape[2]);
   const int page_size = static_cast<int>(c.iparam[1]), shift = log2_pow2(page_size);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  // phases (MPK_PHASES, slot kAttnPhaseSlot): 0 the page table read and the first K/V copies
-  // issued, 1 kRope's rotations, 2 the position loop, 3 the warps' states combined and stored
+  // phases (MPK_PHASES, slot kAttnPhaseSlot): 0 the first K/V copies issued (the page table of
+  // the tile's first sequence was read before the gate: attn_partial), 1 kRope's rotations, 2
+  // the position loop, 3 the warps' states combined and stored
   PhaseTimer phase(kAttnPhaseSlot);
   float* red = scratch();  // during the loop: each warp's K/V slot [2][kU][D] of T; then [warps][kG][D + 2]
   T* slot = reinterpret_cast<T*>(red) + warp * 2 * kU * D;
@@ -272,19 +288,21 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   const T* qbase = kRope ? nullptr : static_cast<const T*>(env.buffers[q.buffer]) + q.offset + lane * kPer;
   T* rope_rows = nullptr;
   if constexpr (kRope) rope_rows = rope_rows_smem<T, (kG + 2) * D>();
+  const long long ch0 = kFinal ? 0 : r.lo[2];
   for (long long b = r.lo[0]; b < r.hi[0]; ++b) {
-    const SeqSpan span = seq_span<I>(env, indptr, last, b, page_size);
+    const bool at_first = b == r.lo[0];  // the sequence attn_start read the page table of
+    const SeqSpan span = at_first ? first.span : seq_span<I>(env, indptr, last, b, page_size);
     for (long long kvh = r.lo[1]; kvh < r.hi[1]; ++kvh) {
       const T* head_base = kvbase + kvh * cache.stride[3];
-      for (long long ch = kFinal ? 0 : r.lo[2]; ch < (kFinal ? 1 : r.hi[2]); ++ch) {
+      for (long long ch = ch0; ch < (kFinal ? 1 : r.hi[2]); ++ch) {
         const bool fresh = kRope && ch == C - 1;  // this tile appends the new token and attends to it
-        const long long t0 = ch * span.len / C, t1 = (ch + 1) * span.len / C - (fresh ? 1 : 0);
-        // positions per warp step: kU, or fewer when the chunk is short, so all warps get some
-        const int ku = static_cast<int>(min(static_cast<long long>(kU), max(1LL, (t1 - t0 + warps - 1) / warps)));
-        const int stride = warps * ku;
-        long long base = t0 + warp * ku;
+        const ChunkSplit k = split_chunk(span, ch, C, fresh, kU);
+        const long long t1 = k.t1;
+        const int ku = k.ku, stride = warps * ku;
+        long long base = k.base;
         const int mine = lane % ku;  // the position of the step whose page this lane looks up
-        const long long page = base + mine < t1 ? page_of<I>(env, indices, span.first_page, base + mine, shift) : 0;
+        const long long page = at_first && ch == ch0 ? first.page
+                               : base + mine < t1 ? page_of<I>(env, indices, span.first_page, base + mine, shift) : 0;
         // the K and V rows of the step at ``at`` into the warp's slot; pg: lane u's page is position at + u's
         const auto issue = [&](long long at, long long pg) {
           const int valid = static_cast<int>(min(static_cast<long long>(ku), t1 - at));
@@ -309,7 +327,8 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
           const bool rotate = warp <= kG, norm = c.iparam[4] != 0 && rotate;
           if (rows) {
             const long long pos = rope_position(span, c.in[1]);
-            const long long new_page = warp >= kG ? page_of<I>(env, indices, span.first_page, pos, shift) : 0;
+            const long long new_page = warp < kG ? 0
+                                       : at_first ? first.new_page : page_of<I>(env, indices, span.first_page, pos, shift);
             const ViewC &wnv = c.in[warp < kG ? 6 : 7], &cs = c.in[1];
             const T* crow = static_cast<const T*>(env.buffers[cs.buffer]) + cs.offset + pos * cs.stride[0];
             RopeRow<kPer, T> x;
@@ -389,6 +408,36 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
       }
     }
   }
+}
+
+// The task: the page-table reads of the tile's first sequence and chunk (AttnStart), then the
+// gate, then attn_partial_impl — so the K/V copies go out as soon as the gate opens, two round
+// trips earlier (H200, same run against the gate first: llama3.2-1b 1.191 → 1.182 ms at batch
+// 1, 1.503 → 1.492 at 16; qwen3-1.7b 1.851 → 1.829, 2.322 → 2.304). Inlined into the dispatch,
+// which is where the gate must be opened: with the gate inside attn_partial_impl, even first
+// thing, the fused rope tests whose attention waits on a computed cos/sin table read that table
+// stale (session 16, H200; test_fused_rope_attention_matches_eager[1-128-0-True-True]): the
+// same wrong output for a seed whatever else changed (L2-only loads, __syncwarp or a fence
+// after the gate, a fence by every producer thread before its arrival), right with a 20 µs
+// sleep, a printf or timestamp stores by the waiting thread, while the gates did open on all
+// of the producer's arrivals and the SASS polled, invalidated L1 and passed the barrier before
+// the loads; cause not found.
+template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal>
+__device__ __forceinline__ void attn_partial(const OpC& c, const Rect& r, const TaskEnv& env) {
+  constexpr int kU = 2048 / (32 * kPer * static_cast<int>(sizeof(T)));
+  const ViewC &indptr = c.in[2], &indices = c.in[3], &last = c.in[4];
+  const int C = kFinal ? 1 : static_cast<int>(c.out_shape[2]);
+  const int page_size = static_cast<int>(c.iparam[1]), shift = log2_pow2(page_size);
+  const long long ch0 = kFinal ? 0 : r.lo[2];
+  AttnStart first;
+  first.span = seq_span<I>(env, indptr, last, r.lo[0], page_size);
+  const ChunkSplit k = split_chunk(first.span, ch0, C, kRope && ch0 == C - 1, kU);
+  const long long at = k.base + (threadIdx.x & 31) % k.ku;  // this lane's position of the first step
+  first.page = at < k.t1 ? page_of<I>(env, indices, first.span.first_page, at, shift) : 0;
+  first.new_page = kRope && static_cast<int>(threadIdx.x >> 5) >= kG
+                       ? page_of<I>(env, indices, first.span.first_page, rope_position(first.span, c.in[1]), shift)
+                       : 0;
+  if (acquire_inputs(env)) attn_partial_impl<kPer, kG, T, I, kRope, kFinal>(c, r, env, first);
 }
 
 // input states [B, KV, C, G, D+1]; output [B, H, D] of type T. One warp per (b, h); lane l

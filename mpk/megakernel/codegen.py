@@ -95,6 +95,10 @@ def _view(tables: Tables, view_id: int) -> str:
 BF16 = DTYPE_CODE[torch.bfloat16]
 LINEAR_ROWS = 16  # cuda/mpk_tasks/linalg.cuh: kLinRows
 LINEAR_KINDS = ("matmul", "rms_matmul", "matmul_silu")
+# Kinds whose tasks open the gate themselves (acquire_inputs), after the loads that need nothing
+# the graph computes: the linears' first weights, paged attention's page table (attn_partial,
+# inlined into the dispatch).
+SELF_GATED = (*LINEAR_KINDS, "attn_partial", "rope_attn_partial")
 ATTN_REGS = 32  # registers a lane holds q in: group × head dim ≤ 32·32 (also the attn_partial scratch bound)
 
 
@@ -285,7 +289,7 @@ def _paged_task(tables: Tables, op: int) -> str:
             _check_contiguous(name, what, v, 1 if fused else D // 32)
         _check_contiguous(name, "kv_cache", cache, 16 // DTYPE_SIZE[ctype])  # rows are copied in 16-byte pieces
         index = _index_ctype(tables, op, name, views[2:5])
-        return (f"mpk::attn_partial_impl<{D // 32}, {heads // kv}, {ctype}, {index}, {'true' if fused else 'false'}, "
+        return (f"mpk::attn_partial<{D // 32}, {heads // kv}, {ctype}, {index}, {'true' if fused else 'false'}, "
                 f"{'true' if final else 'false'}>")
     D = int(views[0]["shape"][4]) - 1  # attn_merge: states [B, KV, C, G, D + 1]
     if D not in (64, 128, 256):
@@ -407,12 +411,13 @@ def generate(tables: Tables) -> str:
                  "  if (!staged) mpk::stage_op(mpk_op_slot(slot), mpk_gen::kOps[op]);\n"
                  "  const mpk::OpC& c = mpk_op_slot(slot);\n")
     def case(t: int) -> str:
+        # a self-gated task opens the gate itself, after the loads that need no computed input
+        gate = "" if kinds[t] in SELF_GATED else "if (mpk::acquire_inputs(env)) "
         if t not in instances:
-            if kinds[t] in LINEAR_KINDS:  # opens the gate itself, after its first weight loads
-                return f"    case {t}: mpk::task_{kinds[t]}(c, r, env); return;  // {kinds[t]}"
-            return f"    case {t}: if (mpk::acquire_inputs(env)) mpk::task_{kinds[t]}(c, r, env); return;  // {kinds[t]}"
+            return f"    case {t}: {gate}mpk::task_{kinds[t]}(c, r, env); return;  // {kinds[t]}"
         inner = "".join(f"        case {v}: {f}(c, r, env); return;\n" for v, f in enumerate(instances[t]))
-        return (f"    case {t}:  // {kinds[t]}\n      if (!mpk::acquire_inputs(env)) return;\n"
+        wait = "      if (!mpk::acquire_inputs(env)) return;\n" if gate else ""
+        return (f"    case {t}:  // {kinds[t]}\n{wait}"
                 f"      switch (c.variant) {{\n{inner}        default: __trap();\n      }}")
 
     cases = "\n".join(case(t) for t in sorted(kinds))
