@@ -220,20 +220,20 @@ struct HeadStates {
   }
 };
 
-// How the warps split a sequence's chunk ch of C: the positions [t0, t1) read from the cache
+// How the warps split a sequence's chunk ch of C: the positions read from the cache end at t1
 // (the last chunk's tile under kRope leaves out the token being decoded), ku per warp step (kU,
-// or fewer when the chunk is short, so all warps get some) and this warp's first position.
+// or fewer when the chunk is short, so all warps get some), base this warp's first position.
 struct ChunkSplit {
-  long long t0, t1, base;
+  long long t1, base;
   int ku;
 };
 __device__ __forceinline__ ChunkSplit split_chunk(const SeqSpan& s, long long ch, int C, bool fresh, int kU) {
   const int warps = blockDim.x >> 5;
+  const long long t0 = ch * s.len / C;
   ChunkSplit k;
-  k.t0 = ch * s.len / C;
   k.t1 = (ch + 1) * s.len / C - (fresh ? 1 : 0);
-  k.ku = static_cast<int>(min(static_cast<long long>(kU), max(1LL, (k.t1 - k.t0 + warps - 1) / warps)));
-  k.base = k.t0 + (threadIdx.x >> 5) * k.ku;
+  k.ku = static_cast<int>(min(static_cast<long long>(kU), max(1LL, (k.t1 - t0 + warps - 1) / warps)));
+  k.base = t0 + (threadIdx.x >> 5) * k.ku;
   return k;
 }
 
@@ -290,7 +290,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   if constexpr (kRope) rope_rows = rope_rows_smem<T, (kG + 2) * D>();
   const long long ch0 = kFinal ? 0 : r.lo[2];
   for (long long b = r.lo[0]; b < r.hi[0]; ++b) {
-    const bool at_first = b == r.lo[0];  // the sequence attn_start read the page table of
+    const bool at_first = b == r.lo[0];  // the sequence whose page table attn_partial read before the gate
     const SeqSpan span = at_first ? first.span : seq_span<I>(env, indptr, last, b, page_size);
     for (long long kvh = r.lo[1]; kvh < r.hi[1]; ++kvh) {
       const T* head_base = kvbase + kvh * cache.stride[3];
