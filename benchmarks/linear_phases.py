@@ -32,16 +32,17 @@ from mpk.backend import COMPILED, RUNNERS  # noqa: E402
 from mpk.megakernel import cuda_driver as drv  # noqa: E402
 from mpk.models.llm import SHAPES  # noqa: E402
 
-FORMS = ("plain", "norm prologue", "silu epilogue")  # linalg.cuh: LinearForm
+# linalg.cuh: LinearForm (slot = form · 3 + block index); form 3 is norm prologue + silu epilogue
+FORMS = ("plain", "norm prologue", "silu epilogue", "norm prologue + silu")
 BLOCKS = (2, 4, 8)
 PHASES = ("setup", "k_loop", "to_shared", "epilogue", "barrier")
 ATTN_SLOT, ATTN_PHASES = 9, ("issue", "rope", "loop", "combine")  # common.cuh: kAttnPhaseSlot
 SLOTS, NUM_PHASES = 16, 8  # common.cuh: kPhaseSlots, kPhases
 
 
-def phases(model_name: str, batch: int, position: int, steps: int) -> list[dict]:
+def phases(model_name: str, batch: int, position: int, steps: int, options: dict | None = None) -> list[dict]:
     model = random_model(SHAPES[model_name], max_len(position))  # decode_latency's step (prebuild_decode.py builds it)
-    step, kv = compile_step(model, batch, position, 16, {"nvcc_flags": os.environ["MPK_NVCC_FLAGS"]})
+    step, kv = compile_step(model, batch, position, 16, {**(options or {}), "nvcc_flags": os.environ["MPK_NVCC_FLAGS"]})
     tokens = torch.randint(0, model.cfg.vocab, (batch,), device="cuda")
     with torch.no_grad():
         step(tokens, *kv.args())  # compile, build, warm up
@@ -58,7 +59,7 @@ def phases(model_name: str, batch: int, position: int, steps: int) -> list[dict]
     rows = []
     for slot in range(len(FORMS) * len(BLOCKS)):
         tasks = int(table[slot, NUM_PHASES - 1])
-        if tasks:
+        if tasks and slot != ATTN_SLOT:
             per = table[slot, : len(PHASES)] / tasks
             rows.append({"form": FORMS[slot // 3], "blocks": BLOCKS[slot % 3], "tasks_per_step": tasks // steps,
                          **{f"{p}_us": round(float(v) / 1e3, 3) for p, v in zip(PHASES, per)},
@@ -80,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", nargs="+", type=int, default=[1])
     ap.add_argument("--position", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--options", type=json.loads, default={}, help="mpk compile options (JSON) of the step")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
           + " ".join(f"{p:>9s}" for p in PHASES) + f" {'total µs':>9s}")
     for name in args.models:
         for batch in args.batches:
-            for row in phases(name, batch, args.position, args.steps):
+            for row in phases(name, batch, args.position, args.steps, args.options):
                 names = ATTN_PHASES if row["form"] == "attention" else PHASES
                 print(f"{name:12s} {batch:3d} {row['form']:14s} {row['blocks']:6d} {row['tasks_per_step']:6d} "
                       + " ".join(f"{p[:4]}={row[p + '_us']:<6.2f}"[:9].rjust(9) for p in names)

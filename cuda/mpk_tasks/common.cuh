@@ -312,7 +312,7 @@ __device__ __forceinline__ uint4* norm_tile() {
 // the task in phase 7. It shows where a task's time goes inside it, which the per-task profiler
 // cannot. Without MPK_PHASES the marks compile to nothing.
 constexpr int kPhaseCtas = 256, kPhaseSlots = 16, kPhases = 8;
-constexpr int kAttnPhaseSlot = 9;  // linalg.cuh's linear forms take 0…8
+constexpr int kAttnPhaseSlot = 9;  // linalg.cuh's linear forms take 0…8 and 11 (norm + SiLU·mul: 8 blocks only)
 #ifdef MPK_PHASES
 extern "C" {
 __device__ unsigned long long mpk_phase_ns[kPhaseCtas][kPhaseSlots][kPhases];
