@@ -237,12 +237,16 @@ __device__ __forceinline__ ChunkSplit split_chunk(const SeqSpan& s, long long ch
   return k;
 }
 
+// Positions a warp copies per step: its K slot and its V slot hold 2 KiB each (rows of 32·kPer T).
+template <int kPer, typename T>
+constexpr int kAttnStep = 2048 / (32 * kPer * static_cast<int>(sizeof(T)));
+
 // What attn_partial reads before its gate, for the tile's first sequence and chunk: the page
 // table is a graph input no task writes.
 struct AttnStart {
   SeqSpan span;
   long long page;      // the page of this lane's position (lane % ku) in its warp's first step
-  long long new_page;  // kRope, warps ≥ G: the page the token being decoded goes to
+  long long new_page;  // kRope's appending chunk, warps G and G + 1: the page the new token's k / v go to
 };
 
 // attn_partial — inputs: q [B, H, D], kv_cache, kv_indptr, kv_indices, kv_last_page_len;
@@ -269,7 +273,7 @@ template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal>
 __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, const TaskEnv& env,
                                                const AttnStart& first) {
   constexpr int D = 32 * kPer;
-  constexpr int kRowBytes = D * static_cast<int>(sizeof(T)), kU = 2048 / kRowBytes, kPieces = kRowBytes / 16;
+  constexpr int kRowBytes = D * static_cast<int>(sizeof(T)), kU = kAttnStep<kPer, T>, kPieces = kRowBytes / 16;
   static_assert(2 * kU * kPieces == 256, "a step's copies are 8 rounds of the warp's 32 lanes");
   static_assert(!kRope || kG + 2 <= 8, "a warp per q head, k and v (the runtime runs 8 warps per task)");
   const ViewC &q = c.in[0], &cache = c.in[kRope ? 5 : 1], &indptr = c.in[2], &indices = c.in[3], &last = c.in[4];
@@ -424,17 +428,19 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
 // the loads; cause not found.
 template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal>
 __device__ __forceinline__ void attn_partial(const OpC& c, const Rect& r, const TaskEnv& env) {
-  constexpr int kU = 2048 / (32 * kPer * static_cast<int>(sizeof(T)));
+  constexpr int kU = kAttnStep<kPer, T>;
   const ViewC &indptr = c.in[2], &indices = c.in[3], &last = c.in[4];
   const int C = kFinal ? 1 : static_cast<int>(c.out_shape[2]);
   const int page_size = static_cast<int>(c.iparam[1]), shift = log2_pow2(page_size);
   const long long ch0 = kFinal ? 0 : r.lo[2];
   AttnStart first;
   first.span = seq_span<I>(env, indptr, last, r.lo[0], page_size);
-  const ChunkSplit k = split_chunk(first.span, ch0, C, kRope && ch0 == C - 1, kU);
+  const bool fresh = kRope && ch0 == C - 1;  // the chunk that appends the new token
+  const ChunkSplit k = split_chunk(first.span, ch0, C, fresh, kU);
   const long long at = k.base + (threadIdx.x & 31) % k.ku;  // this lane's position of the first step
   first.page = at < k.t1 ? page_of<I>(env, indices, first.span.first_page, at, shift) : 0;
-  first.new_page = kRope && static_cast<int>(threadIdx.x >> 5) >= kG
+  const int warp = static_cast<int>(threadIdx.x >> 5);  // warps kG and kG + 1 append k and v
+  first.new_page = fresh && warp >= kG && warp < kG + 2
                        ? page_of<I>(env, indices, first.span.first_page, rope_position(first.span, c.in[1]), shift)
                        : 0;
   if (acquire_inputs(env)) attn_partial_impl<kPer, kG, T, I, kRope, kFinal>(c, r, env, first);
