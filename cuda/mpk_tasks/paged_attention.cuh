@@ -246,7 +246,7 @@ constexpr int kAttnStep = 2048 / (32 * kPer * static_cast<int>(sizeof(T)));
 struct AttnStart {
   SeqSpan span;
   long long page;      // the page of this lane's position (lane % ku) in its warp's first step
-  long long new_page;  // kRope's appending chunk, warps G and G + 1: the page the new token's k / v go to
+  long long new_page;  // kRope, warps G and G + 1: the page the new token's k / v go to
 };
 
 // attn_partial — inputs: q [B, H, D], kv_cache, kv_indptr, kv_indices, kv_last_page_len;
@@ -435,12 +435,13 @@ __device__ __forceinline__ void attn_partial(const OpC& c, const Rect& r, const 
   const long long ch0 = kFinal ? 0 : r.lo[2];
   AttnStart first;
   first.span = seq_span<I>(env, indptr, last, r.lo[0], page_size);
-  const bool fresh = kRope && ch0 == C - 1;  // the chunk that appends the new token
-  const ChunkSplit k = split_chunk(first.span, ch0, C, fresh, kU);
+  const ChunkSplit k = split_chunk(first.span, ch0, C, kRope && ch0 == C - 1, kU);
   const long long at = k.base + (threadIdx.x & 31) % k.ku;  // this lane's position of the first step
   first.page = at < k.t1 ? page_of<I>(env, indices, first.span.first_page, at, shift) : 0;
-  const int warp = static_cast<int>(threadIdx.x >> 5);  // warps kG and kG + 1 append k and v
-  first.new_page = fresh && warp >= kG && warp < kG + 2
+  // warps kG and kG + 1 append k and v in the sequence's last chunk, which may be a later chunk
+  // of this tile than ch0 (the page does not depend on the chunk)
+  const int warp = static_cast<int>(threadIdx.x >> 5);
+  first.new_page = kRope && warp >= kG && warp < kG + 2
                        ? page_of<I>(env, indices, first.span.first_page, rope_position(first.span, c.in[1]), shift)
                        : 0;
   if (acquire_inputs(env)) attn_partial_impl<kPer, kG, T, I, kRope, kFinal>(c, r, env, first);
