@@ -278,6 +278,61 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\n cp.async.wait_group 0;" ::: "memory");
 }
 
+// cp_async16, or 16 zero bytes when !ok (nothing is read then; gmem must still be a valid address).
+__device__ __forceinline__ void cp_async16_or_zero(void* smem, const void* gmem, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))),
+               "l"(gmem), "r"(ok ? 16 : 0));
+}
+
+constexpr int kThreadsPerTask = 256;  // mpk_runtime/persistent.cuh: kThreads
+
+// Warp 0 is the gate warp: its thread 0 polls a gated task's event (wait_gate), and a poll
+// queues behind the loads its own warp has in flight, not behind other warps' loads
+// (benchmarks/micro/gate_poll.cu, H200, every SM with 64 KiB of weight loads out: 1.39 µs from
+// the task's start to the poll's return when warp 0 holds its part of them, 0.39 µs when warps
+// 1–7 copy that part into shared memory for it, 0.20 µs with nothing in flight). So a task that
+// loads before its gate leaves warp 0 none: the linear's other warps cp.async warp 0's first
+// weights into ``words`` and count the copies on ``bar`` (each of the 224 threads of warps 1–7
+// arrives when its copies have landed, warp 0's lane 0 arrives and waits). Thread 0 initialises
+// ``bar`` once per launch (init_gate_share, before the launch's first barrier).
+struct GateShare {
+  uint4 words[32 * 16];  // a warp's weight loads in flight (linalg.cuh: 32 lanes × kLinInFlight)
+  unsigned long long bar;
+};
+constexpr int kGateShareArrivals = kThreadsPerTask - 32 + 1;
+
+__device__ __forceinline__ GateShare& gate_share() {
+  __shared__ __align__(16) GateShare s;
+  return s;
+}
+
+__device__ __forceinline__ unsigned gate_share_bar() {
+  return static_cast<unsigned>(__cvta_generic_to_shared(&gate_share().bar));
+}
+
+__device__ __forceinline__ void init_gate_share() {
+  if (threadIdx.x == 0) asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(gate_share_bar()), "r"(kGateShareArrivals));
+}
+
+// Debug builds (MPK_DEBUG) trap after this many polls of any device wait loop.
+#ifndef MPK_MAX_SPINS
+#define MPK_MAX_SPINS (1LL << 26)
+#endif
+
+// Waits until the phase of the shared-memory mbarrier at ``bar`` that ``token`` (the state an
+// arrival returned) belongs to has completed. The copies counted there always land, so only a
+// bug could make this spin for ever: debug builds trap.
+__device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned long long token) {
+  unsigned done = 0;
+  for (long long polls = 0; !done; ++polls) {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.shared.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(bar), "l"(token) : "memory");
+#ifdef MPK_DEBUG
+    if (polls > MPK_MAX_SPINS) __trap();
+#endif
+  }
+}
+
 // Start copying an upcoming task's op constants into shared memory (when a task starts, for
 // the next one, or while waiting for an event): the calling thread copies the 16-byte words
 // first, first + step, …, so thread 0 alone passes (0, 1) and a warp's lanes (lane, 32). Each

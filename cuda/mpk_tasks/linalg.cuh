@@ -11,7 +11,7 @@ namespace mpk {
 constexpr int kLinRows = 16;     // rows (batch) a variant-1 tile may hold: the MMA's M
 constexpr int kLinBlocks = 8;    // 8-column weight blocks per pass, at most: 64 columns
 constexpr int kLinInFlight = 16; // 16-byte weight loads each lane keeps in flight
-constexpr int kThreadsPerTask = 256;  // mpk_runtime/persistent.cuh: kThreads
+static_assert(sizeof(GateShare::words) == 32 * kLinInFlight * 16, "gate_share holds warp 0's loads in flight");
 
 // A 16-byte load that bypasses L1: weights are read exactly once. (An L2 evict-first hint on
 // these loads measured no faster on H200 decode steps.)
@@ -59,7 +59,7 @@ enum LinearForm : int { kPlain = 0, kNormPrologue = 1, kSiluEpilogue = 2 };
 template <int kBlocks, int kForm>
 __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const TaskEnv& env) {
   constexpr bool kNorm = kForm & kNormPrologue, kGlu = kForm & kSiluEpilogue;
-  constexpr int kLinUnroll = kLinInFlight / kBlocks;
+  constexpr int kLinUnroll = kLinInFlight / kBlocks, kWarps = kThreadsPerTask / 32;
   // The next pass's first weights go out at the end of a pass (see below), except in the plain
   // SiLU·mul form (batch ≥ 4), whose gate·up tasks measured 3% slower with it (H200, qwen3-8b).
   constexpr bool kPassPrefetch = kForm != kSiluEpilogue;
@@ -73,7 +73,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(env.buffers[a.buffer]) + a.offset;
   const __nv_bfloat16* w = static_cast<const __nv_bfloat16*>(env.buffers[b.buffer]) + b.offset;
   const long long lda = a.stride[0], ldw = b.stride[1];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const long long m0 = r.lo[0];
   const int rows = static_cast<int>(r.hi[0] - m0), ksteps = static_cast<int>(K / 32);
@@ -100,32 +100,59 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
     }
   };
   uint4 wv[kLinUnroll][kBlocks];
-  const auto load_weights = [&](int ks) {
+  const auto load_weights = [&](int ks, bool on = true) {  // !on: zeros, nothing loaded
 #pragma unroll
     for (int u = 0; u < kLinUnroll; ++u) {
-      const int k = ks + u * warps;
+      const int k = ks + u * kWarps;
 #pragma unroll
-      for (int j = 0; j < kBlocks; ++j) wv[u][j] = k < ksteps && valid[j] ? ld_stream(wrow[j] + 32LL * k) : zero;
+      for (int j = 0; j < kBlocks; ++j) wv[u][j] = on && k < ksteps && valid[j] ? ld_stream(wrow[j] + 32LL * k) : zero;
     }
   };
   // Weights first: they depend on nothing the graph computes (codegen picks this variant only
   // for weights that are graph inputs, and the only input a task writes is a paged KV cache,
   // in place), so the first step's loads go out before the task's event has fired
   // (acquire_inputs) and before the bias and the activations, whose latencies then hide
-  // under theirs.
+  // under theirs. Warp 0 polls the gate, so warps 1–7 copy its first weights into shared
+  // memory (gate_share: its poll would wait behind its own loads) and it takes them from there
+  // before the K loop.
   start_pass(r.lo[1]);
-  load_weights(warp);
+  GateShare& share = gate_share();
+  unsigned long long share_token = 0;  // warp 0's lane 0: the phase of share.bar it waits for
+  if (warp != 0) {
+    // warp 0's loads: word e is its lane e % 32's block (e / 32) % kBlocks of step u = e / (32·kBlocks)
+    for (int e = threadIdx.x - 32; e < 32 * kLinInFlight; e += kThreadsPerTask - 32) {
+      const int u = e / (32 * kBlocks), j = (e / 32) % kBlocks, gl = (e % 32) >> 2, tl = e & 3;
+      const int col = 8 * (kGlu ? j % (kBlocks / 2) : j) + gl;
+      const int k = u * kWarps;
+      const bool ok = col < cols && k < ksteps;
+      const __nv_bfloat16* src = w + (r.lo[1] + col + (kGlu && j >= kBlocks / 2 ? N : 0)) * ldw + 8 * tl + 32LL * k;
+      cp_async16_or_zero(share.words + e, ok ? src : w, ok);
+    }
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(gate_share_bar()) : "memory");
+  }
+  // (a predicate rather than a branch around warp 0's loads: ptxas spilled the branch form)
+  load_weights(warp, warp != 0);
+  if (warp == 0 && lane == 0)
+    asm volatile("mbarrier.arrive.shared.b64 %0, [%1];" : "=l"(share_token) : "r"(gate_share_bar()) : "memory");
   uint4 gw[kNorm ? kNormVecs : 1];  // kNorm: the norm weight's words threadIdx.x + 256·i (a graph input too)
-  if constexpr (kNorm) {
+  const auto load_norm_weight = [&](bool on) {  // !on: gw stays
     const ViewC& nw = c.in[2];
     const auto* g16 = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(env.buffers[nw.buffer]) + nw.offset);
 #pragma unroll
     for (int i = 0; i < kNormVecs; ++i) {
       const int j = threadIdx.x + i * kThreadsPerTask;
-      gw[i] = j < words ? __ldg(g16 + j) : zero;
+      gw[i] = on && j < words ? __ldg(g16 + j) : gw[i];
     }
+  };
+  if constexpr (kNorm) {
+    for (uint4& v : gw) v = zero;
+    load_norm_weight(warp != 0);
   }
-  if (!acquire_inputs(env)) return;
+  if (!acquire_inputs(env)) {
+    cp_async_wait_all();  // nothing lands in shared memory after the task left
+    return;
+  }
+  if constexpr (kNorm) load_norm_weight(warp == 0);  // warp 0's: they land under the tile's copy
   uint4* tile = nullptr;  // kNorm: the rows of x, normalised
   if constexpr (kNorm) {
     tile = norm_tile();
@@ -167,6 +194,14 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   }
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(env.buffers[c.out_buffer]);
   constexpr int kPerThread = kLinRows * kOut / kThreadsPerTask;  // epilogue outputs per thread
+  if (warp == 0) {  // its first weights, copied by warps 1–7
+    if (lane == 0) mbarrier_wait(gate_share_bar(), share_token);
+    __syncwarp();
+#pragma unroll
+    for (int u = 0; u < kLinUnroll; ++u)
+#pragma unroll
+      for (int j = 0; j < kBlocks; ++j) wv[u][j] = share.words[(u * kBlocks + j) * 32 + lane];
+  }
   phase.mark(0);
   for (long long n0 = r.lo[1]; n0 < r.hi[1]; n0 += kOut) {
     if (!kPassPrefetch && n0 != r.lo[1]) start_pass(n0);
@@ -181,12 +216,12 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
     float acc[kBlocks][4];
 #pragma unroll
     for (int j = 0; j < kBlocks; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    for (int ks = warp; ks < ksteps; ks += warps * kLinUnroll) {
+    for (int ks = warp; ks < ksteps; ks += kWarps * kLinUnroll) {
       if (ks != warp || (!kPassPrefetch && n0 != r.lo[1])) load_weights(ks);  // else loaded ahead
       uint4 lo[kLinUnroll], hi[kLinUnroll];
 #pragma unroll
       for (int u = 0; u < kLinUnroll; ++u) {
-        const int k = ks + u * warps;
+        const int k = ks + u * kWarps;
         const bool ok = k < ksteps;
         if constexpr (kNorm) {  // word 4k + t of rows g and g + 8 (same parity: same swizzle)
           lo[u] = ok && has_lo ? tile[g * words + swz(g, 4 * k + t)] : zero;
@@ -230,7 +265,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       if (e >= rows * pass_cols) break;
       const int row = e / pass_cols, col = e % pass_cols;
       float s = 0.f, up = 0.f;
-      for (int v = 0; v < warps; ++v) {
+      for (int v = 0; v < kWarps; ++v) {
         s += red[(v * 64 + col) * kLinRows + row];
         if constexpr (kGlu) up += red[(v * 64 + 32 + col) * kLinRows + row];
       }

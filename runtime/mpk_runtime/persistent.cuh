@@ -6,7 +6,7 @@
 //
 // Worker (thread 0 decides, the CTA executes): its JIT ring first; else the head of its AOT list
 // once that task's dependent event reached iteration·num_triggers; else spin. Op constants live
-// in two shared-memory slots (OpSlots): when a task starts, warp 0 starts copying the next AOT
+// in two shared-memory slots (OpSlots): when a task starts, the last warp starts copying the next AOT
 // head's constants into the other slot (mpk_prefetch_op), and they land while the task runs. In a graph
 // without JIT tasks the worker does not spin there: it starts the head at once with an
 // InputGate, and the task waits for the event inside (after the loads that need nothing the
@@ -357,8 +357,8 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
   __shared__ bool s_staged;  // that slot already holds s_task's op constants
   __shared__ InputGate s_gate;
   __shared__ bool s_gated;  // s_task started before its event fired: it waits on s_gate
-  // The next AOT task's op constants and the slot they go to (-1: none): warp 0 copies them
-  // while the task runs, 32 lanes at once (thread 0 alone took ~0.4 µs of the hop).
+  // The next AOT task's op constants and the slot they go to (-1: none): the last warp copies
+  // them while the task runs, 32 lanes at once (thread 0 alone took ~0.4 µs of the hop).
   __shared__ int s_pf_op, s_pf_slot;
   AotCursor aot;
   aot.begin = a.aot_offsets[w];
@@ -401,11 +401,12 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
       s_pf_slot = slots.claim(s_pf_op);
       if (a.profile) t0 = globaltimer_ns();
     }
-    if (threadIdx.x < 32) cp_async_wait_all();  // warp 0's copies of these constants landed
+    if (threadIdx.x >= kThreads - 32) cp_async_wait_all();  // the last warp's copies of these constants landed
     __syncthreads();
     const TaskInfo t = s_task;
     if (t.task == kExit) break;
-    if (threadIdx.x < 32 && s_pf_slot >= 0) mpk_prefetch_op(s_pf_op, s_pf_slot, threadIdx.x, 32);  // lands while t runs
+    // lands while t runs; by the last warp, as warp 0 polls t's gate (mpk_tasks/common.cuh: GateShare)
+    if (threadIdx.x >= kThreads - 32 && s_pf_slot >= 0) mpk_prefetch_op(s_pf_op, s_pf_slot, threadIdx.x - (kThreads - 32), 32);
     mpk_execute_task(t.op, t.tile, s_slot, s_staged, s_gated ? &s_gate : nullptr);
     __syncthreads();
     hop_mark(kHopEnd);
@@ -543,6 +544,7 @@ extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1)
     int* to = reinterpret_cast<int*>(&mpk::shared_args());
     for (int i = threadIdx.x; i < static_cast<int>(sizeof(mpk::RuntimeArgs) / 4); i += blockDim.x) to[i] = from[i];
     mpk_stage_buffers();
+    mpk::init_gate_share();
     __syncthreads();
   }
   if (static_cast<int>(blockIdx.x) < a.num_workers) {
@@ -559,6 +561,7 @@ extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1)
 // Built only on request: it doubles ptxas time.
 extern "C" __global__ void __launch_bounds__(mpk::kThreads) mpk_tile_kernel(int op) {
   mpk_stage_buffers();
+  mpk::init_gate_share();
   __syncthreads();
   mpk_execute_task(op, blockIdx.x, 0, false, nullptr);
 }

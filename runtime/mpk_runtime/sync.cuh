@@ -46,10 +46,7 @@ __device__ __forceinline__ int sm_id() {
 
 // Spin bookkeeping for one wait: exponential __nanosleep back-off; every 1024 polls the waiter
 // publishes what it waits on (host-mapped, for the watchdog) and checks the abort flag. Debug
-// builds (MPK_DEBUG) trap after MPK_MAX_SPINS polls so a hang becomes an error.
-#ifndef MPK_MAX_SPINS
-#define MPK_MAX_SPINS (1LL << 26)
-#endif
+// builds (MPK_DEBUG) trap after MPK_MAX_SPINS polls (mpk_tasks/common.cuh) so a hang becomes an error.
 
 struct Spin {
   long long polls = 0;
