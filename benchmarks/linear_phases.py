@@ -3,7 +3,8 @@ in-kernel profiler only sees a task's start and end).
 
 Builds the decode step with ``-DMPK_PHASES`` (cuda/mpk_tasks/common.cuh: PhaseTimer), runs
 ``--steps`` steps and prints, per linear instantiation (form × weight blocks per pass), the
-mean nanoseconds per task of: setup and prologue (until the first pass starts), and summed over
+mean nanoseconds per task of: the code before the gate (its first weight loads issued:
+``pre_gate``), the gate's wait and the prologue (until the first pass starts: ``setup``), and summed over
 the task's passes the K loop (weights streamed, MMAs), partial sums into shared memory, the
 epilogue and the closing barrier; for the paged attention tasks (paged_attention.cuh), from
 their gate: the first K/V copies issued (the page table is read before the gate), the
@@ -35,7 +36,7 @@ from mpk.models.llm import SHAPES  # noqa: E402
 # linalg.cuh: LinearForm (slot = form · 3 + block index); form 3 is norm prologue + silu epilogue
 FORMS = ("plain", "norm prologue", "silu epilogue", "norm prologue + silu")
 BLOCKS = (2, 4, 8)
-PHASES = ("setup", "k_loop", "to_shared", "epilogue", "barrier")
+PHASES = ("setup", "k_loop", "to_shared", "epilogue", "barrier", "pre_gate")  # linalg.cuh: linear_bf16's marks
 ATTN_SLOT, ATTN_PHASES = 9, ("issue", "rope", "loop", "combine")  # common.cuh: kAttnPhaseSlot
 SLOTS, NUM_PHASES = 16, 8  # common.cuh: kPhaseSlots, kPhases
 

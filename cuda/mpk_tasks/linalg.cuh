@@ -63,8 +63,8 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   // The next pass's first weights go out at the end of a pass (see below), except in the plain
   // SiLU·mul form (batch ≥ 4), whose gate·up tasks measured 3% slower with it (H200, qwen3-8b).
   constexpr bool kPassPrefetch = kForm != kSiluEpilogue;
-  // phases (MPK_PHASES): 0 setup; per pass 1 K loop, 2 partials to shared memory, 3 epilogue,
-  // 4 closing barrier. Slot: form · 3 + log2(kBlocks) − 1
+  // phases (MPK_PHASES): 5 the loads before the gate, 0 the gate and the prologue; per pass 1 K
+  // loop, 2 partials to shared memory, 3 epilogue, 4 closing barrier. Slot: form · 3 + log2(kBlocks) − 1
   PhaseTimer phase(kForm * 3 + (kBlocks == 2 ? 0 : kBlocks == 4 ? 1 : 2));
   constexpr int kOut = kGlu ? 4 * kBlocks : 8 * kBlocks;  // output columns per pass
   const ViewC& a = c.in[0];
@@ -148,6 +148,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
     for (uint4& v : gw) v = zero;
     load_norm_weight(warp != 0);
   }
+  phase.mark(5);
   if (!acquire_inputs(env)) {
     cp_async_wait_all();  // nothing lands in shared memory after the task left
     return;
