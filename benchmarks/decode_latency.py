@@ -83,23 +83,42 @@ def stages(trace: list[dict], t, first: int = 10, count: int = 12) -> list[dict]
     """One layer's timeline: ops ``first``…``first + count`` in start order, each with its kind,
     task count, the gap since the previous op's last task ended (the event hop and ramp-up),
     its span, its median / longest task, and the spread of its tasks' starts (first to last
-    gate opening: tasks whose workers were still busy, or slow to come back, start late) (µs)."""
+    gate opening: tasks whose workers were still busy, or slow to come back, start late) (µs).
+    A trace of a ``-DMPK_HOP_STAMPS`` build adds ``late_hop``: for the op's three latest
+    starters, the median way from their worker's previous task — its end to the worker having
+    this task in hand (the arrival, next_task), on to the task reaching its gate (dispatch and
+    the loads before the gate), and to the gate opening (the poll)."""
     per_op: dict[int, list[dict]] = defaultdict(list)
+    per_worker: dict[int, list[dict]] = defaultdict(list)
     for e in trace:
         op = int(t.tasks[e["args"]["task"]]["op"])
+        per_worker[e["args"]["worker"]].append(e)
         if op >= 0:
             per_op[op].append(e)
+    prev_end = {}  # task → the end of its worker's previous task
+    for es in per_worker.values():
+        es.sort(key=lambda e: e["ts"])
+        for a, b in zip(es, es[1:]):
+            prev_end[b["args"]["task"]] = a["ts"] + a["dur"]
     order = sorted(per_op, key=lambda op: min(e["ts"] for e in per_op[op]))
-    rows, prev_end = [], None
+    rows, last_end = [], None
     for op in order[first: first + count]:
         es = per_op[op]
         lo, hi = min(e["ts"] for e in es), max(e["ts"] + e["dur"] for e in es)
         durs = sorted(e["dur"] for e in es)
-        rows.append({"kind": t.meta["ops"][op]["kind"], "tasks": len(es),
-                     "gap": round(lo - prev_end, 2) if prev_end is not None else None,
-                     "span": round(hi - lo, 2), "median": round(durs[len(durs) // 2], 2), "max": round(durs[-1], 2),
-                     "start_spread": round(max(e["ts"] for e in es) - lo, 2)})
-        prev_end = hi
+        row = {"kind": t.meta["ops"][op]["kind"], "tasks": len(es),
+               "gap": round(lo - last_end, 2) if last_end is not None else None,
+               "span": round(hi - lo, 2), "median": round(durs[len(durs) // 2], 2), "max": round(durs[-1], 2),
+               "start_spread": round(max(e["ts"] for e in es) - lo, 2)}
+        late = [e for e in sorted(es, key=lambda e: e["ts"])[-3:] if "gate" in e["args"] and e["args"]["task"] in prev_end]
+        if late:
+            def med(xs: list[float]) -> float:
+                return round(sorted(xs)[len(xs) // 2], 2)
+            row["late_hop"] = {"end_ready": med([e["args"]["ready"] - prev_end[e["args"]["task"]] for e in late]),
+                               "ready_gate": med([e["args"]["gate"] - e["args"]["ready"] for e in late]),
+                               "gate_open": med([e["ts"] - e["args"]["gate"] for e in late])}
+        rows.append(row)
+        last_end = hi
     return rows
 
 
@@ -201,8 +220,11 @@ def main(argv=None) -> int:
                            floor / peer["peer_ms"] if peer["peer_ms"] else None, "bandwidth_GBps": bw / 1e9}
                     rows.append(row)
                     for st in row.get("breakdown_us", {}).get("stages", []):
+                        hop = st.get("late_hop")
                         print("  {kind:14s} tasks {tasks:4d}  gap {gap!s:>6}  span {span:7.2f}  median {median:6.2f}  "
-                              "max {max:6.2f}  start spread {start_spread:5.2f}".format(**st), flush=True)
+                              "max {max:6.2f}  start spread {start_spread:5.2f}".format(**st)
+                              + ("  late hop: end→ready {end_ready:.2f} ready→gate {ready_gate:.2f} gate→open "
+                                 "{gate_open:.2f}".format(**hop) if hop else ""), flush=True)
                     line = json.dumps(row)
                     print(line, flush=True)
                     if args.out:

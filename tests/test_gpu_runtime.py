@@ -8,6 +8,7 @@ the watchdog's report on a planted never-firing event; the profiler's trace."""
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import numpy as np
@@ -159,9 +160,12 @@ def test_watchdog_reports_a_never_firing_event_and_process_stays_usable():
     _check_stamps(preds, log, runs, 2)
 
 
-def test_profiler_trace_spans_match_executed_tasks(tmp_path):
+@pytest.mark.parametrize("hop_stamps", [False, True])
+def test_profiler_trace_spans_match_executed_tasks(tmp_path, monkeypatch, hop_stamps):
+    if hop_stamps:  # the build that also stamps each task's way from the worker's previous one
+        monkeypatch.setenv("MPK_NVCC_FLAGS", (os.environ.get("MPK_NVCC_FLAGS", "") + " -DMPK_HOP_STAMPS").strip())
     preds = random_dag(500, random.Random(4))
-    tables = stamp_graph(preds, 4, busy_ns=500)
+    tables = stamp_graph(preds, 4, busy_ns=500)  # all AOT: workers start tasks gated
     ex = _gpu(tables, profile=True)
     ex.run(stamp_inputs(tables, 4, DEV), iterations=4)
     path = tmp_path / "trace.json"
@@ -171,6 +175,13 @@ def test_profiler_trace_spans_match_executed_tasks(tmp_path):
     assert len(spans) == len(tables.tasks) * 4
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert all(0 <= e["tid"] < sms and e["dur"] >= 0 for e in spans)
+    if hop_stamps:  # a worker has a task in hand before it starts, and a gated one reaches its gate before it opens
+        ops = [e for e in spans if e["name"] != "dummy"]  # thread 0 completes a dummy task in passing: no hop
+        assert ops and all(e["args"]["ready"] <= e["ts"] + 1e-3 for e in ops)
+        gated = [e for e in ops if "gate" in e["args"]]
+        assert gated and all(e["args"]["ready"] <= e["args"]["gate"] <= e["ts"] + 1e-3 for e in gated)
+    else:
+        assert not any("ready" in e["args"] or "gate" in e["args"] for e in spans)
     counts = np.bincount([e["args"]["task"] for e in spans], minlength=len(tables.tasks))
     assert (counts == 4).all()
 

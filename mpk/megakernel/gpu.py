@@ -26,6 +26,7 @@ from mpk.megakernel.build import build_cubin
 from mpk.megakernel.codegen import aligned_inputs, dynamic_smem_bytes, generate
 
 THREADS = 256
+PROFILE_WORDS = 5  # runtime/mpk_runtime/types.cuh: ProfileRecord, in 8-byte words
 SCHED_WARPS_PER_CTA = 4
 SCHEDULER_CTAS = 4  # scheduler CTAs of a graph with JIT tasks, by default
 STATUS_WORDS = 8  # runtime/mpk_runtime/types.cuh: StatusWord
@@ -203,7 +204,7 @@ class GpuExecutor:
         self.h_status = drv.MappedHostBuffer((W + S) * STATUS_WORDS)
         self.h_abort = drv.MappedHostBuffer(1)
         self.profile_capacity = profile_capacity if profile else 0
-        self.d_profile = torch.zeros(W * max(1, self.profile_capacity) * 3, **i64) if profile else None
+        self.d_profile = torch.zeros(W * max(1, self.profile_capacity) * PROFILE_WORDS, **i64) if profile else None
         # buffers: intermediates allocated once; inputs bound per run
         self.buf_shape = [tuple(int(s) for s in b["shape"][: b["ndim"]]) for b in t.buffers]
         self.buf_dtype = [DTYPES[b["dtype"]] for b in t.buffers]
@@ -388,21 +389,29 @@ class GpuExecutor:
 
     # --- profiler --------------------------------------------------------------------------
     def trace(self, path: str | Path | None = None) -> dict:
-        """Chrome/Perfetto trace of the last profiled launch: one track per SM."""
+        """Chrome/Perfetto trace of the last profiled launch: one track per SM. A task's span
+        runs from its inputs being ready (a gated task: its gate opening) to its closing
+        barrier. A kernel built with ``-DMPK_HOP_STAMPS`` also stamps each task's way from its
+        worker's previous task: its args then say when the worker had it in hand (``ready``)
+        and, for a gated task, when it reached its gate (``gate``), on the trace's µs clock
+        (dummy tasks, which thread 0 completes in passing, have neither)."""
         if self.d_profile is None:
             raise MpkError("profiling is off: construct GpuExecutor(..., profile=True)")
         counts = self.d_zero[self._offset("profile_count"): self._offset("profile_count") + self.num_workers].cpu()
-        recs = self.d_profile.view(self.num_workers, self.profile_capacity, 3).cpu().numpy()
+        recs = self.d_profile.view(self.num_workers, self.profile_capacity, PROFILE_WORDS).cpu().numpy()
         events, t0 = [], None
         for w in range(self.num_workers):
-            for task_sm, start, end in recs[w, : int(counts[w])]:
-                t0 = start if t0 is None else min(t0, start)
+            for rec in recs[w, : int(counts[w])]:
+                first = int(rec[3]) or int(rec[1])  # ready, where stamped, comes before a gated task's start
+                t0 = first if t0 is None else min(t0, first)
         for w in range(self.num_workers):
-            for task_sm, start, end in recs[w, : int(counts[w])]:
+            for task_sm, start, end, ready, gate in recs[w, : int(counts[w])]:
                 task, sm = int(task_sm) & 0xFFFFFFFF, int(task_sm) >> 32
+                args = {"task": task, "worker": w}
+                args.update({k: (int(v) - t0) / 1e3 for k, v in (("ready", ready), ("gate", gate)) if v})
                 events.append({"name": self._describe(task), "ph": "X", "pid": 0, "tid": sm,
                                "ts": (int(start) - t0) / 1e3, "dur": max(0.0, (int(end) - int(start)) / 1e3),
-                               "args": {"task": task, "worker": w}})
+                               "args": args})
         doc = {"traceEvents": events, "displayTimeUnit": "ns"}
         if path is not None:
             Path(path).write_text(json.dumps(doc))

@@ -220,13 +220,16 @@ struct InputGate {
   int event, task, aot_pos;
   int profile;  // stamp opened_ns (a copy: the wake-up path reads nothing through args)
   int open;     // -1 until the task opened it, then 1, or 0 when the wait was abandoned (abort)
-  unsigned long long opened_ns;
+  unsigned long long reached_ns, opened_ns;  // profile: when the task reached the gate (MPK_HOP_STAMPS), when it opened
   unsigned long long seen;  // the counter's value that opened it
 };
 
 // Declared in mpk_tasks/common.cuh; the task calls it through acquire_inputs.
 __device__ __forceinline__ bool wait_gate(InputGate* g) {
   if (threadIdx.x == 0) {
+#ifdef MPK_HOP_STAMPS
+    if (g->profile) g->reached_ns = globaltimer_ns();
+#endif
     Spin spin;
     unsigned long long have;
     int open = 1;
@@ -367,7 +370,7 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
   unsigned long long jit_head = 0;
   Pending pending;
   unsigned n_profiled = 0;
-  unsigned long long t0 = 0;
+  unsigned long long t0 = 0, t_ready = 0;  // t_ready: MPK_HOP_STAMPS
   OpSlots slots;
   bool abandoned = false;  // a gated task's wait was abandoned: leave
   if (threadIdx.x == 0) {
@@ -382,7 +385,7 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
       while (t.task != kExit && t.op < 0) {  // dummy tasks need no block: thread 0 completes them
         if (a.profile && n_profiled < static_cast<unsigned>(a.profile_capacity)) {
           const unsigned long long now = globaltimer_ns();
-          a.profile[static_cast<long long>(w) * a.profile_capacity + n_profiled++] = ProfileRecord{t.task, sm_id(), now, now};
+          a.profile[static_cast<long long>(w) * a.profile_capacity + n_profiled++] = ProfileRecord{t.task, sm_id(), now, now, 0, 0};
         }
         pending.add(a, t);
         t = next_task(a, w, aot, jit_head, pending, slots, s_gate);
@@ -399,7 +402,11 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
       slots.last = s_slot = slot;
       s_pf_op = t.task != kExit && aot.left() ? aot.head.info.op : -1;
       s_pf_slot = slots.claim(s_pf_op);
+#ifdef MPK_HOP_STAMPS
+      if (a.profile) t0 = t_ready = globaltimer_ns();
+#else
       if (a.profile) t0 = globaltimer_ns();
+#endif
     }
     if (threadIdx.x >= kThreads - 32) cp_async_wait_all();  // the last warp's copies of these constants landed
     __syncthreads();
@@ -430,7 +437,7 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
       // the profile record after the release, whose fence then does not wait for its store
       if (a.profile && n_profiled < static_cast<unsigned>(a.profile_capacity)) {
         a.profile[static_cast<long long>(w) * a.profile_capacity + n_profiled++] =
-            ProfileRecord{t.task, sm_id(), t0, t1};
+            ProfileRecord{t.task, sm_id(), t0, t1, t_ready, s_gated ? s_gate.reached_ns : 0};
       }
     }
   }
