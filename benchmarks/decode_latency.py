@@ -92,9 +92,9 @@ def stages(trace: list[dict], t, first: int = 10, count: int = 12) -> list[dict]
     per_worker: dict[int, list[dict]] = defaultdict(list)
     for e in trace:
         op = int(t.tasks[e["args"]["task"]]["op"])
-        per_worker[e["args"]["worker"]].append(e)
-        if op >= 0:
+        if op >= 0:  # dummy tasks, which thread 0 completes in passing, are part of a hop
             per_op[op].append(e)
+            per_worker[e["args"]["worker"]].append(e)
     prev_end = {}  # task → the end of its worker's previous task
     for es in per_worker.values():
         es.sort(key=lambda e: e["ts"])
