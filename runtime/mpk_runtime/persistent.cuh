@@ -33,7 +33,7 @@
 namespace mpk {
 
 constexpr int kThreads = 256;
-static_assert(kThreads == kThreadsPerTask, "cuda/mpk_tasks/linalg.cuh sizes its epilogue for this block");
+static_assert(kThreads == kThreadsPerTask, "the tasks (mpk_tasks/common.cuh: kThreadsPerTask) size their work and gate_share for this block");
 constexpr int kSchedWarpsPerCta = 4;
 constexpr int kExit = -2;
 
