@@ -191,6 +191,43 @@ def test_compiled_decode_matches_eager(family, page_size, prologue, partition, f
         assert kinds.count("matmul_silu") == cfg.layers
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+def test_o_projection_avoids_the_workers_of_a_narrow_attention(batch):
+    """With 16 workers, attention over 2 kv heads at batch 4 is 8 tasks (narrow: 4–8), so the
+    o projection after it takes the 8 workers attention leaves free (8 tiles, not 16): placed
+    round-robin in linear order, as both executors place AOT tasks, none of its tasks shares a
+    worker with attention, for any worker count from 16 up. At batch 1 (2 attention tasks)
+    the o projection keeps its default tiles. Either way the step matches the eager path."""
+    from mpk.compiler.tables import FLAG_JIT
+
+    cfg = small("llama")
+    model = DecoderLM(cfg, torch.float32).randomize(seed=random.randrange(1 << 30))
+    step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
+                         options={"executor": "cpu", "num_workers": 16, "fuse_norm_prologue": False})
+    eager_kv, mpk_kv = PagedKVCache(model, batch, 16, 4), PagedKVCache(model, batch, 16, 4)
+    tokens = torch.randint(0, cfg.vocab, (batch,))
+    with torch.no_grad():
+        eager_kv.grow(5)
+        mpk_kv.grow(5)
+        assert relative_error(step(tokens, *mpk_kv.args()), model(tokens, *eager_kv.args())) <= 1e-5
+    compiled = COMPILED[-1]
+    ops, t = compiled.graph.ops, compiled.tables
+    attention = [op.id for op in ops if op.kind == "rope_attn_partial"]
+    assert attention and all(ops[a + 1].kind == "matmul" for a in attention)  # the o projection
+    aot = [i for i in range(len(t.tasks)) if not t.tasks["flags"][i] & FLAG_JIT]  # task ids are in linear order
+    op_of = t.tasks["op"]
+    for a in attention:
+        n_att = int((op_of == a).sum())
+        n_o = int((op_of == a + 1).sum())
+        assert n_att == batch * cfg.kv_heads
+        assert n_o == (16 - n_att if batch == 4 else batch * cfg.hidden // 16)  # else: tiles of 16 (min_tile_elems)
+        if batch == 4:
+            for workers in (16, 17, 20):
+                place = {task: pos % workers for pos, task in enumerate(aot)}
+                on = lambda op: {place[i] for i in range(len(op_of)) if op_of[i] == op}  # noqa: E731
+                assert not on(a) & on(a + 1), workers
+
+
 def test_decode_example_runs_a_hf_checkpoint(tmp_path, capsys):
     """examples/decode.py on a transformers-written checkpoint: greedy ids come out and the
     compiled steps match mpk's eager path."""

@@ -204,7 +204,7 @@ def _chunk_order(sig: OpSig) -> list[int]:
 register(OpDef(
     kind="attn_partial", type_id=31, input_regions=_partial_regions, cpu=_partial_cpu,
     splittable=_chunk_splits, split_order=_chunk_order,
-    min_tile_elems=1,
+    min_tile_elems=1, long_tasks=True,
     doc="partial (O, lse) of G query heads over one KV chunk of a paged sequence (final: O, one chunk)",
 ))
 
@@ -231,7 +231,7 @@ def _rope_attn_cpu(sig: OpSig, rect, xs):
 register(OpDef(
     kind="rope_attn_partial", type_id=33, input_regions=_rope_append_regions, cpu=_rope_attn_cpu,
     splittable=_chunk_splits, split_order=_chunk_order,
-    min_tile_elems=1,
+    min_tile_elems=1, long_tasks=True,
     doc="rope_append and attn_partial in one task: rotate the group's q, append k/v (last chunk), attend",
 ))
 

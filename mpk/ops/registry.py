@@ -6,7 +6,8 @@ An ``OpDef`` says, for one kind, everything the later stages need and nothing ab
 * ``input_regions``: for an output tile, the rect of each input view it reads (None: not read);
 * ``cpu``: the tile computed with PyTorch from exactly those input slices (the CPU
   interpreter passes nothing else, so a kernel cannot read outside its declared regions);
-* partition hints (``split_order``, ``min_tile_elems``) and ``data_dependent`` (JIT launch).
+* partition hints (``split_order``, ``min_tile_elems``, ``long_tasks``) and ``data_dependent``
+  (JIT launch).
 
 Both the compiler and the executors read op kinds through this registry; the tables carry the
 kind's ``type_id`` and the op's attrs.
@@ -51,6 +52,9 @@ class OpDef:
     split_order: Callable[[OpSig], list[int]] = _largest_first
     min_tile_elems: int = 1024  # default partitioning keeps tiles at least this large
     data_dependent: bool = False
+    # its tasks take several µs however small their tile (a chain of dependent loads: paged
+    # attention), so a narrow op of this kind holds its workers long (partition.py)
+    long_tasks: bool = False
     doc: str = ""
 
 
