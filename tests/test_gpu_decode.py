@@ -218,7 +218,9 @@ UNFUSED = {"fuse_rope_attention": False}
     ("qwen3", 4, 3, {"partition": {"rope_attn_partial": [2, 1, 1, 1, 1], "attn_merge": [2, 3, 1]}}, {}, 2),
     ("qwen3", 4, 3, {"partition": {"rope_attn_partial": [2, 1, 1, 1]}}, {}, 1),
     ("qwen3", 16, 2, UNFUSED, {}, 5), ("llama", 2, 3, {}, {"heads": 12}, 2), ("llama", 2, 3, {}, {"heads": 16}, 0),
-    ("qwen3", 16, 3, {"fuse_norm_prologue": False}, {}, 0), ("llama", 4, 16, {}, {"hidden": 512}, 2)])
+    ("qwen3", 16, 3, {"fuse_norm_prologue": False}, {}, 0), ("llama", 4, 16, {}, {"hidden": 512}, 2),
+    # partitioned for 16 workers: 8 attention tasks are narrow, so the o projection takes 8 tiles
+    ("llama", 4, 4, {"num_workers": 16}, {}, 0)])
 def test_compiled_decode_matches_eager(family, page_size, batch, options, shape, splits):
     """bf16 decode steps of sequences of different lengths, compiled vs mpk's eager path:
     logits within 2e-2 of the largest |logit| (bf16 rounding of two different summation
