@@ -39,7 +39,8 @@ class CompileOptions:
     fuse_rope_attention  run a decode layer's qk-norm + RoPE + KV append inside its paged
                  attention tasks (rope_attn_partial; default True), one op boundary fewer.
     debug_dir    directory to dump the OpGraph, tables, summary, DOT and JSON of each graph.
-    num_workers  worker count the default partitioning targets (one wave of tasks per op).
+    num_workers  worker count the default partitioning targets (one wave of tasks per op; one
+                 exception: mpk/compiler/partition.py).
     seed         schedule seed of the cpu executor (which legal order it picks).
     check_races  cpu executor: track every element read/written (default True).
     timeout_s    gpu executor: watchdog limit per launch in seconds (default 30).
