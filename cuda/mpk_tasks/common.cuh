@@ -295,8 +295,9 @@ constexpr int kThreadsPerTask = 256;  // mpk_runtime/persistent.cuh: kThreads
 // weights into ``words`` and count the copies on ``bar`` (each of the 224 threads of warps 1–7
 // arrives when its copies have landed, warp 0's lane 0 arrives and waits). Thread 0 initialises
 // ``bar`` once per launch (init_gate_share, before the launch's first barrier).
+constexpr int kLinInFlight = 16;  // 16-byte weight loads each lane of a linear task keeps in flight (linalg.cuh)
 struct GateShare {
-  uint4 words[32 * 16];  // a warp's weight loads in flight (linalg.cuh: 32 lanes × kLinInFlight)
+  uint4 words[32 * kLinInFlight];  // warp 0's weight loads in flight
   unsigned long long bar;
 };
 constexpr int kGateShareArrivals = kThreadsPerTask - 32 + 1;

@@ -10,8 +10,8 @@ namespace mpk {
 
 constexpr int kLinRows = 16;     // rows (batch) a variant-1 tile may hold: the MMA's M
 constexpr int kLinBlocks = 8;    // 8-column weight blocks per pass, at most: 64 columns
-constexpr int kLinInFlight = 16; // 16-byte weight loads each lane keeps in flight
-static_assert(sizeof(GateShare::words) == 32 * kLinInFlight * 16, "gate_share holds warp 0's loads in flight");
+// kLinInFlight (common.cuh, beside the gate_share that holds warp 0's share of them): 16-byte
+// weight loads each lane keeps in flight
 
 // A 16-byte load that bypasses L1: weights are read exactly once. (An L2 evict-first hint on
 // these loads measured no faster on H200 decode steps.)

@@ -85,7 +85,7 @@ def decompose(graph: OpGraph, num_workers: int,
         if spec is not None:
             grid = _override_grid(op, sig, spec)
         else:
-            free = num_workers - _narrow_producer_tasks(graph, op, tiles, num_workers)
+            free = num_workers - _narrow_producer_tasks(graph, op, sig, tiles, num_workers)
             grid = _default_grid(opdef, sig, free)
         op.partition = grid
         bounds = tuple(split_bounds(n, g) for n, g in zip(sig.out_shape, grid))
@@ -99,7 +99,7 @@ def decompose(graph: OpGraph, num_workers: int,
 NARROW_EXTRA_BYTES = 80 << 10  # see the module doc
 
 
-def _narrow_producer_tasks(graph: OpGraph, op: Op, tiles: list[OpTiles], num_workers: int) -> int:
+def _narrow_producer_tasks(graph: OpGraph, op: Op, sig: OpSig, tiles: list[OpTiles], num_workers: int) -> int:
     """Tasks of the op just before ``op`` if that op is narrow, of a ``long_tasks`` kind, and
     ``op`` reads its output (see the module doc), else 0."""
     if not tiles:
@@ -110,7 +110,6 @@ def _narrow_producer_tasks(graph: OpGraph, op: Op, tiles: list[OpTiles], num_wor
     n = tiles[-1].num_tasks
     if not (num_workers // 4 <= n <= num_workers // 2 and any(v.buffer == prev.output for v in op.inputs)):
         return 0
-    sig = op_sig(graph, op)
     in_bytes = sum(prod(s) for s in sig.in_shapes) * graph.buffers[op.output].dtype.itemsize
     extra = in_bytes / (num_workers - n) - in_bytes / num_workers  # per task, against num_workers tiles
     return n if extra <= NARROW_EXTRA_BYTES else 0
