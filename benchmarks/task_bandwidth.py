@@ -7,6 +7,9 @@ and its share of the copy bandwidth measured in the same run. Cases: the linear 
 four model shapes of shared/BENCHMARKS.md at batch 1, one graph per model holding its qkv, o,
 gate_up, down and LM-head weights (target ≥ 0.85 of copy bandwidth), and
 paged decode attention over a long cache.
+
+``--prebuild`` (a machine with nvcc and no GPU): trace the linear cases on the CPU and build
+their kernels into ``$MPK_CACHE_DIR``, for carrying to the device (as prebuild_decode.py).
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ from mpk.backend import COMPILED, RUNNERS  # noqa: E402
 class Linears(torch.nn.Module):
     """A model's linear layers side by side (independent: one graph, one build per model)."""
 
-    def __init__(self, shapes: list[tuple[int, int]]):
+    def __init__(self, shapes: list[tuple[int, int]], device: str = "cuda"):
         super().__init__()
         self.ws = torch.nn.ParameterList(
-            torch.nn.Parameter(0.02 * torch.randn(n, k, device="cuda", dtype=torch.bfloat16), requires_grad=False)
+            torch.nn.Parameter(0.02 * torch.randn(n, k, device=device, dtype=torch.bfloat16), requires_grad=False)
             for n, k in shapes)
 
     def forward(self, *xs):
@@ -65,11 +68,37 @@ def linear_cases(name: str) -> dict[str, tuple[int, int]]:
             "down": (s.hidden, s.inter), "lm_head": (s.vocab, s.hidden)}
 
 
+def prebuild(models: list[str]) -> None:
+    """Trace each model's linear case on the CPU and build its kernel into the cubin cache."""
+    from mpk.errors import ExecutorUnavailableError
+    from mpk.megakernel import build
+    from mpk.megakernel.codegen import generate
+
+    sources = []
+    for name in models:
+        shapes = list(linear_cases(name).values())
+        fn = torch.compile(Linears(shapes, "cpu"), backend="mpk", fullgraph=True, dynamic=False,
+                           options={"executor": "gpu"})
+        COMPILED.clear()
+        try:
+            with torch.no_grad():
+                fn(*[torch.zeros(1, k, dtype=torch.bfloat16) for _, k in shapes])
+        except ExecutorUnavailableError:
+            pass  # compiled, then refused to run without CUDA: the tables are what we came for
+        sources.append(generate(COMPILED[-1].tables))
+        torch._dynamo.reset()
+    print(f"built {len(build.prebuild(sources))} cubins into {build.cache_dir()}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["llama3.2-1b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"])
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--prebuild", action="store_true", help="build the linear cases' kernels (no GPU needed)")
     args = ap.parse_args(argv)
+    if args.prebuild:
+        prebuild(args.models)
+        return 0
     device, bw = torch.cuda.get_device_name(), copy_bandwidth()
     print(f"device {device}; copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     rows = []
