@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -95,6 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=["llama3.2-1b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--prebuild", action="store_true", help="build the linear cases' kernels (no GPU needed)")
+    ap.add_argument("--linear-only", action="store_true", help="skip the paged attention cases")
     args = ap.parse_args(argv)
     if args.prebuild:
         prebuild(args.models)
@@ -104,7 +106,8 @@ def main(argv=None) -> int:
     rows = []
 
     def record(row):
-        row |= {"date": datetime.date.today().isoformat(), "device": device, "copy_GBps": bw / 1e9}
+        row |= {"date": datetime.date.today().isoformat(), "device": device, "copy_GBps": bw / 1e9,
+                "nvcc_flags": os.environ.get("MPK_NVCC_FLAGS", "")}
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.out:
@@ -120,7 +123,7 @@ def main(argv=None) -> int:
         record({"case": f"linear {name}: {'+'.join(linear_cases(name))}", "batch": 1, "ms": ms,
                 "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9)})
         torch._dynamo.reset()
-    for batch, length, heads, kv_heads, dim in [(16, 2048, 32, 8, 128), (1, 16384, 32, 8, 128)]:
+    for batch, length, heads, kv_heads, dim in [] if args.linear_only else [(16, 2048, 32, 8, 128), (1, 16384, 32, 8, 128)]:
         page = 16
         pages = batch * length // page
         cache = torch.randn(1, 2, pages, kv_heads, page, dim, device="cuda", dtype=torch.bfloat16)
