@@ -72,10 +72,9 @@ def analyse(rec: np.ndarray, kinds: list[str], min_tasks: int = 32) -> list[dict
     """Per stage (keyed by its op's kind and the two before it: its place in a layer), medians
     over the steps' layers of the statistics the module doc lists."""
     out: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-    last_sets: dict[tuple, list[set]] = defaultdict(list)
+    last_sets: dict[tuple, list[tuple]] = defaultdict(list)  # (step, occurrence, last 4 SMs, last 4 workers)
     for s in np.unique(rec["step"]):
         r = rec[(rec["step"] == s) & (rec["op"] >= 0)]
-        t0 = r["start"].min()
         by_op = {op: r[r["op"] == op] for op in np.unique(r["op"])}
         order = sorted(by_op, key=lambda op: by_op[op]["start"].min())
         seen: dict[tuple, int] = defaultdict(int)  # the stage's occurrence in this step (its layer)
@@ -110,7 +109,6 @@ def analyse(rec: np.ndarray, kinds: list[str], min_tasks: int = 32) -> list[dict
                     stats["late_ready_gate"].append(np.median([w[1] for w in ways]) / 1e3)
             last_sets[key].append((int(s), seen[key], set(fin["sm"][-4:].tolist()), set(fin["worker"][-4:].tolist())))
             seen[key] += 1
-            stats["t"].append((start.min() - t0) / 1e3)
     rows = []
     for key, stats in out.items():
         # the same layer's stage in consecutive steps: are its last 4 finishers the same SMs / workers?
@@ -118,7 +116,7 @@ def analyse(rec: np.ndarray, kinds: list[str], min_tasks: int = 32) -> list[dict
         pairs = [(len(sm & at[(st + 1, j)][0]) / 4, len(wk & at[(st + 1, j)][1]) / 4)
                  for (st, j), (sm, wk) in at.items() if (st + 1, j) in at]
         row = {"stage": " → ".join(key[:3]), "prev_tasks": key[3], "tasks": key[4], "stages": len(stats["spread"])}
-        row.update({k: round(float(np.median(v)), 2) for k, v in stats.items() if k != "t"})
+        row.update({k: round(float(np.median(v)), 2) for k, v in stats.items()})
         row["same_last4_sms_next_step"] = round(float(np.mean([p[0] for p in pairs])), 2) if pairs else None
         row["same_last4_workers_next_step"] = round(float(np.mean([p[1] for p in pairs])), 2) if pairs else None
         rows.append(row)

@@ -64,3 +64,45 @@ def test_stages_rows_and_late_hops(stamps: bool):
     want = [sorted(h[i] for h in late)[len(late) // 2] for i in range(3)]
     got = rows[1]["late_hop"]
     assert [got["end_ready"], got["ready_gate"], got["gate_open"]] == pytest.approx(want, abs=0.006)
+
+
+_tails_spec = importlib.util.spec_from_file_location("stage_tails", _DIR / "stage_tails.py")
+stage_tails = importlib.util.module_from_spec(_tails_spec)
+_tails_spec.loader.exec_module(stage_tails)
+
+
+@pytest.mark.parametrize("tail", [True, False])
+def test_stage_tails_sees_whether_late_starters_are_a_tail(tail):
+    """benchmarks/stage_tails.py's analysis on synthetic steps of three 40-task ops over 44
+    workers (4 sit out each op, in turn). The third op's tasks start 4 µs after their worker's
+    task of the second ended, and no sooner than 0.5 µs after that op's last task did. With
+    a tail (the second op's last 4 tasks end 5 µs after the rest) leaving those workers out
+    removes the third op's late starters; with the second op's ends spread evenly over 4 µs it
+    barely narrows the spread. Every step is the same up to jitter smaller than the gaps
+    between ends, so the same SMs (here: workers) finish last in each."""
+    import numpy as np
+
+    rng = np.random.default_rng()
+    rows, W, n = [], 44, 40
+    for step in range(3):
+        end1 = {}
+        for i in range(n):  # op 0 (workers 0…39), then op 1 (workers 4…43)
+            rows.append((step, i, i, 0, i, 0, 10000, 0, 0))
+            w = 4 + i
+            end = (25000 + 10 * i if tail and i >= n - 4 else 20000 + (int(rng.integers(0, 400)) if tail else 100 * i)) \
+                + int(rng.integers(0, 20))
+            rows.append((step, w, w, 1, n + i, 11000, end, 0, 0))
+            end1[w] = end
+        fire = max(end1.values())
+        for i in range(n):  # op 2: workers 8…43 and 0…3
+            w = (8 + i) % W
+            start = max(end1[w] + 4000, fire + 500) if w in end1 else fire + 500
+            rows.append((step, w, w, 2, 2 * n + i, start, start + 10000, 0, 0))
+    rec = np.array(rows, dtype=[(f, np.int64) for f in stage_tails.FIELDS])
+    out = stage_tails.analyse(rec, ["matmul"] * 3)
+    third = next(r for r in out if r["stage"] == "matmul → matmul → matmul")
+    assert third["stages"] == 3 and third["same_last4_sms_next_step"] == 1.0 == third["same_last4_workers_next_step"]
+    if tail:
+        assert third["last_minus_5th"] >= 4.5 and third["spread_skip4"] < 0.2 * third["spread"]
+    else:
+        assert third["last_minus_5th"] < 0.6 and third["spread_skip4"] > 0.8 * third["spread"]
