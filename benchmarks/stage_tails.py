@@ -13,7 +13,7 @@ late starter's way from its previous task (end → task in hand → gate reached
     python benchmarks/stage_tails.py --models llama3.2-1b --batches 1 --steps 8 --out-dir tails/
 
 Writes the raw records (``<model>-b<batch>.npz``: step, worker, sm, op, task, start, end,
-ready, gate in ns) to ``--out-dir`` for further study.
+ready, gate in ns, −1 where not stamped) to ``--out-dir`` for further study.
 """
 
 from __future__ import annotations
@@ -31,16 +31,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_latency import add_step_args, compile_step, max_len, random_model  # noqa: E402
 
 from mpk.backend import COMPILED, RUNNERS  # noqa: E402
-from mpk.megakernel.gpu import PROFILE_WORDS, GpuExecutor  # noqa: E402
+from mpk.megakernel.gpu import GpuExecutor  # noqa: E402
 from mpk.models.llm import SHAPES  # noqa: E402
 
-FIELDS = ("step", "worker", "sm", "op", "task", "start", "end", "ready", "gate")
+FIELDS = ("step", "worker", "sm", "op", "task", "start", "end", "ready", "gate")  # ns; ready, gate: −1 unstamped
 
 
 def records(model_name: str, batch: int, position: int, page_size: int, steps: int,
             options: dict) -> tuple[np.ndarray, list[str]]:
-    """Per-task profile records of ``steps`` decode steps (structured array, FIELDS), and each
-    op's kind."""
+    """Per-task profile records of ``steps`` decode steps (structured array, FIELDS; each
+    step's times from the executor's trace, on its own clock), and each op's kind."""
     model = random_model(SHAPES[model_name], max_len(position))
     step, kv = compile_step(model, batch, position, page_size, options)
     tokens = torch.randint(0, model.cfg.vocab, (batch,), device="cuda")
@@ -55,13 +55,11 @@ def records(model_name: str, batch: int, position: int, page_size: int, steps: i
         ops = compiled.tables.tasks["op"]
         for s in range(steps):
             ex.run(args)
-            counts = ex.d_zero[ex._offset("profile_count"): ex._offset("profile_count") + ex.num_workers].cpu()
-            recs = ex.d_profile.view(ex.num_workers, ex.profile_capacity, PROFILE_WORDS).cpu().numpy()
-            for w in range(ex.num_workers):
-                for task_sm, start, end, ready, gate in recs[w, : int(counts[w])]:
-                    task = int(task_sm) & 0xFFFFFFFF
-                    rows.append((s, w, int(task_sm) >> 32, int(ops[task]), task, int(start), int(end), int(ready),
-                                 int(gate)))
+            for e in ex.trace()["traceEvents"]:
+                a = e["args"]
+                ns = [round(1e3 * x) for x in (e["ts"], e["ts"] + e["dur"])]
+                stamps = [round(1e3 * a[k]) if k in a else -1 for k in ("ready", "gate")]
+                rows.append((s, a["worker"], e["tid"], int(ops[a["task"]]), a["task"], *ns, *stamps))
         kinds = [o["kind"] for o in compiled.tables.meta["ops"]]
     del step
     torch._dynamo.reset()
@@ -98,7 +96,7 @@ def analyse(rec: np.ndarray, kinds: list[str], min_tasks: int = 32) -> list[dict
             # the late starters of N: were they among P's last finishers?
             late_start = N["worker"][np.argsort(N["start"])[-4:]]
             stats["late4_in_last8_of_prev"].append(np.isin(late_start, fin["worker"][-8:]).mean())
-            stamped = N[N["gate"] > 0]
+            stamped = N[N["gate"] >= 0]
             if len(stamped):
                 ls = stamped[np.argsort(stamped["start"])[-3:]]
                 prev_end = {int(w): int(e) for w, e in zip(fin["worker"], fin["end"])}

@@ -87,17 +87,17 @@ def test_stage_tails_sees_whether_late_starters_are_a_tail(tail):
     for step in range(3):
         end1 = {}
         for i in range(n):  # op 0 (workers 0…39), then op 1 (workers 4…43)
-            rows.append((step, i, i, 0, i, 0, 10000, 0, 0))
+            rows.append((step, i, i, 0, i, 0, 10000, -1, -1))
             w = 4 + i
             end = (25000 + 10 * i if tail and i >= n - 4 else 20000 + (int(rng.integers(0, 400)) if tail else 100 * i)) \
                 + int(rng.integers(0, 20))
-            rows.append((step, w, w, 1, n + i, 11000, end, 0, 0))
+            rows.append((step, w, w, 1, n + i, 11000, end, -1, -1))
             end1[w] = end
         fire = max(end1.values())
         for i in range(n):  # op 2: workers 8…43 and 0…3
             w = (8 + i) % W
             start = max(end1[w] + 4000, fire + 500) if w in end1 else fire + 500
-            rows.append((step, w, w, 2, 2 * n + i, start, start + 10000, 0, 0))
+            rows.append((step, w, w, 2, 2 * n + i, start, start + 10000, -1, -1))
     rec = np.array(rows, dtype=[(f, np.int64) for f in stage_tails.FIELDS])
     out = stage_tails.analyse(rec, ["matmul"] * 3)
     third = next(r for r in out if r["stage"] == "matmul → matmul → matmul")
