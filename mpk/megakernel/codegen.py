@@ -434,7 +434,8 @@ def generate(tables: Tables) -> str:
         + f'extern "C" {{ {bspace} void* mpk_buffers[{max(1, len(tables.buffers))}]; }}\n\n'
         + buffer_table(max(1, len(tables.buffers)))
         + fetch
-        + "  const mpk::Rect r = mpk::tile_rect(c, tile);\n"
+        + "  mpk::Rect r;\n"
+        + "  mpk::tile_rect(c, tile, r);\n"
         + "  const mpk::TaskEnv env{mpk_buffer_table(), gate};\n"
         + "  switch (c.type) {\n" + cases + "\n    default: __trap();\n  }\n}\n\n"
         + '#include "mpk_runtime/persistent.cuh"\n'
