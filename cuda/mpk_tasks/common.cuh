@@ -199,7 +199,7 @@ __device__ __noinline__ long long split_point64(unsigned long long i, unsigned l
 // i·n / g (codegen checks the tables agree), so no boundary table is read on the hot path.
 // Not unrolled: every task runs this, and short code is fetched faster. Written into the
 // caller's Rect, not returned: the returned form was copied field by field through local
-// memory (16 loads and stores after the loop's stores, on every task's way in; ptxas also
+// memory (23 loads and 25 stores after the loop's stores, on every task's way in; ptxas also
 // spilled around it), and the decode steps ran 5–9% slower with that copy (H200).
 __device__ __forceinline__ void tile_rect(const OpC& c, int tile, Rect& r) {
 #pragma unroll 1
