@@ -162,9 +162,8 @@ def test_decode_step_kernel_has_no_register_spills(tmp_path):
     spec.loader.exec_module(prebuild_decode)
     src = tmp_path / "step.cu"
     src.write_text(prebuild_decode.decode_source("qwen3-0.6b", 1, 64, 16, 0, {}))
-    res = subprocess.run([build.nvcc_path(), "-std=c++17", "-O3", "-cubin", *build.arch_flags("sm_90a"),
-                          *[f"-I{d}" for d in build.INCLUDE_DIRS], "-Xptxas", "-v", "-o", str(tmp_path / "step.cubin"),
-                          str(src)], capture_output=True, text=True)
+    res = subprocess.run([build.nvcc_path(), *build.nvcc_flags(), *[f"-I{d}" for d in build.INCLUDE_DIRS],
+                          "-Xptxas", "-v", "-o", str(tmp_path / "step.cubin"), str(src)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     spills = re.findall(r"Function properties for (\S+)\n\s+(\d+) bytes stack frame, (\d+) bytes spill stores, "
                         r"(\d+) bytes spill loads", res.stderr)

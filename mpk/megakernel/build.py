@@ -57,13 +57,18 @@ def arch_flags(arch: str) -> list[str]:
     return [f"-gencode=arch=compute_{num},code=sm_{num}"]
 
 
-def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_kernel: bool = False) -> Path:
-    """Compile ``source`` to a cubin for ``arch``; returns the cached cubin's path.
-    ``tile_kernel``: also build the test wrapper ``mpk_tile_kernel``."""
+def nvcc_flags(arch: str = "sm_90a", debug: bool = False, tile_kernel: bool = False) -> list[str]:
+    """nvcc's flags for a generated source (without the include dirs, ``INCLUDE_DIRS``)."""
     flags = ["-std=c++17", "-O3", "-cubin", "-lineinfo", *arch_flags(arch)]
     flags += ["-DMPK_DEBUG"] if debug else []
     flags += ["-DMPK_TILE_KERNEL"] if tile_kernel else []
-    flags += os.environ.get("MPK_NVCC_FLAGS", "").split()
+    return flags + os.environ.get("MPK_NVCC_FLAGS", "").split()
+
+
+def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_kernel: bool = False) -> Path:
+    """Compile ``source`` to a cubin for ``arch``; returns the cached cubin's path.
+    ``tile_kernel``: also build the test wrapper ``mpk_tile_kernel``."""
+    flags = nvcc_flags(arch, debug, tile_kernel)
     key = hashlib.sha256("\0".join([source, _headers_digest(), " ".join(flags), nvcc_version()]).encode()).hexdigest()[:32]
     out_dir = cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
