@@ -172,6 +172,60 @@ def test_decode_step_kernel_has_no_register_spills(tmp_path):
     assert not spilling, f"ptxas spills (stores, loads bytes) in {spilling}"
 
 
+_RED_BANKS = r"""
+#include <algorithm>
+#include <cstdio>
+#include "mpk_tasks/linalg.cuh"
+// The most accesses one bank takes in one wavefront of the linear task's partial sums: the
+// fragments' float2 stores (a half-warp, lanes (g, t), per block j and row half) and the
+// epilogue's reads (a warp's 32 consecutive outputs of a pass of `cols` columns, gate and up).
+int main() {
+  int store = 0, read = 0;
+  for (int w = 0; w < 8; ++w)
+    for (int j = 0; j < 8; ++j)
+      for (int h = 0; h < 16; h += 8)
+        for (int half = 0; half < 32; half += 16) {
+          int n[32] = {};
+          for (int l = half; l < half + 16; ++l) {
+            const int i = mpk::red_index(w, (l >> 2) + h, 8 * j + 2 * (l & 3));
+            if (i % 2) return 1;  // a float2 needs 8-byte alignment
+            ++n[i % 32], ++n[(i + 1) % 32];
+          }
+          store = std::max(store, *std::max_element(n, n + 32));
+        }
+  for (int cols : {COLS_LIST})
+    for (int w = 0; w < 8; ++w)
+      for (int up = 0; up <= (cols <= 32 ? 32 : 0); up += 32)
+        for (int e0 = 0; e0 < 16 * cols; e0 += 32) {
+          int n[32] = {};
+          for (int e = e0; e < e0 + 32 && e < 16 * cols; ++e) ++n[mpk::red_index(w, e / cols, up + e % cols) % 32];
+          read = std::max(read, *std::max_element(n, n + 32));
+        }
+  printf("%d %d\n", store, read);
+}
+"""
+
+
+@needs_nvcc
+@pytest.mark.parametrize("cols, worst_read", [("32, 64", 1), ("16, 24, 48, 40, 8", 2)])
+def test_linear_partial_sums_layout_is_free_of_bank_conflicts(tmp_path, cols, worst_read):
+    """The linear task's partial sums in shared memory (red_index, host code compiled by nvcc
+    and run here): the MMA fragments' float2 stores hit 32 distinct banks, and so do the
+    epilogue's reads for passes of 32 or 64 columns (all full passes); a narrower or ragged
+    last pass at most 2-way. (The former [warp][column][row] layout read 16-way.)"""
+    src = tmp_path / "red_banks.cu"
+    src.write_text(_RED_BANKS.replace("COLS_LIST", cols))
+    exe = tmp_path / "red_banks"
+    res = subprocess.run([build.nvcc_path(), "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+                          *[f"-I{d}" for d in build.INCLUDE_DIRS], "-o", str(exe), str(src)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0, "a float2 store is not 8-byte aligned"
+    store, read = map(int, run.stdout.split())
+    assert store == 1, f"{store}-way bank conflict in the partial sums' stores"
+    assert read <= worst_read, f"{read}-way bank conflict in the epilogue's reads of {cols}-column passes"
+
+
 @needs_nvcc
 def test_buffer_table_beyond_shared_memory_budget_compiles(tmp_path, monkeypatch):
     """Buffer addresses are staged into shared memory while the table fits the budget; past
