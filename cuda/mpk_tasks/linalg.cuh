@@ -33,9 +33,9 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 // Where warp w's partial sum of (row, col) sits in shared memory: [warp][16 rows][64 columns],
 // the column pair (2u, 2u + 1) of a row r at pair u ^ 4(r & 3). Both accesses then hit 32
 // distinct banks: the MMA fragments' float2 stores (a half-warp's lanes (g, t) store pair
-// 4j + t of rows g that differ mod 4) and the epilogue's reads (consecutive columns of a row). Stored
-// [warp][column][row], the epilogue's reads were 16-way bank conflicts: batch-16 decode steps
-// 6-7% slower (H200).
+// 4j + t of rows g that differ mod 4) and the epilogue's reads (consecutive columns of a
+// row). Stored [warp][column][row], the epilogue's reads were 16-way bank conflicts:
+// batch-16 decode steps 6-7% slower (H200).
 __host__ __device__ __forceinline__ int red_index(int warp, int row, int col) {
   return (warp * kLinRows + row) * 64 + (((col >> 1) ^ ((row & 3) << 2)) << 1 | (col & 1));
 }
