@@ -6,17 +6,24 @@
 //   ring — a shared-memory ring of slots (64 row pieces each) filled by 1-D bulk copies (the
 //     copy engine: no registers, no L1), one copy per row piece, completion on an mbarrier per
 //     slot; the 4 warps read each slot (a 16-byte word per lane per row) and free it;
-//   tensor ring — the same ring, each slot filled by one 2-D tensor copy (a tensor map).
+//   tensor ring — the same ring, each slot filled by one 2-D tensor copy (a tensor map);
+//   tensor ring + MMA — a TMA-fed linear's core (tensor_linear below): 3-D tensor copies with
+//     the 128-byte swizzle, tensor-core MMAs reading the slots bank-conflict-free, x from
+//     global memory; its outputs are checked against a float64 product on the host.
 // Variants: slot size (row piece bytes × 64 rows), slots, and how many of the SM's two CTAs
 // stream at once (the other holds its resources and idles). Printed: GB/s of weights read and
 // the fraction of the copy bandwidth measured in the same run (cudaMemcpy device to device,
-// bytes read + written).
+// bytes read + written). Exit status 2 if a checked output is wrong.
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a tma_stream.cu -o tma_stream -lcuda
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <vector>
 
 #define CHECK(x)                                                                        \
   do {                                                                                  \
@@ -46,9 +53,10 @@ __device__ __forceinline__ void mbar_arrive(unsigned bar) {
 }
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
   unsigned done = 0;
-  while (!done) {
+  for (long long polls = 0; !done; ++polls) {
     asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    if (polls > (1LL << 26)) __trap();  // a copy that never lands: an error, not a hang
   }
 }
 __device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
@@ -74,6 +82,19 @@ __device__ int rank_on_sm(unsigned* arrivals) {
   return s_rank;
 }
 
+// A ring's barriers: full[s] completes when slot s's bytes landed (one arrival with the
+// expected bytes), empty[s] when the 4 warps have read it. Block-wide.
+__device__ void init_ring(unsigned long long* full, unsigned long long* empty, int slots) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < slots; ++s) {
+      mbar_init(smem_addr(&full[s]), 1);
+      mbar_init(smem_addr(&empty[s]), 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+}
+
 // Ring streaming, 128 threads, `slots` slots of kRows row pieces of `piece` bytes. kTensor:
 // each slot filled by one 2-D tensor copy (box {piece / 2 k, 64 rows} of `map`, the weights
 // viewed as [rows, kK] bf16; dense slots); else by 64 1-D bulk copies, one per row piece, by
@@ -88,14 +109,7 @@ __global__ void __launch_bounds__(128, 2) ring_stream(const __grid_constant__ CU
   if (rank >= streamers) return;  // the SM's other CTA holds its resources and idles
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int pitch = kTensor ? piece : piece + kPad, slot_bytes = kRows * pitch;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < slots; ++s) {
-      mbar_init(smem_addr(&full[s]), 1);
-      mbar_init(smem_addr(&empty[s]), 4);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_ring(full, empty, slots);
   const long long row0 = static_cast<long long>(blockIdx.x) * tiles * kRows;  // this CTA's tiles × 64 rows
   const int pieces_per_tile = static_cast<int>(kRowBytes / piece);
   const int total = tiles * pieces_per_tile;  // ring fills, one per slot use
@@ -135,6 +149,89 @@ __global__ void __launch_bounds__(128, 2) ring_stream(const __grid_constant__ CU
     if (warp == 0 && f + slots < total) fill(f + slots);
   }
   if (acc == 0x12345678u) sink[0] = acc;  // keeps the reads
+}
+
+// The tensor ring feeding tensor-core MMAs, as a TMA-fed linear task would: out [16, rows] =
+// x [16, kK] · Wᵀ over 64-row tiles. A slot is one 3-D tensor copy {64 k, 64 rows, 2 lines}
+// (the map views W as [lines of 64 k][rows][64 k], so a box of 128-byte rows comes in one copy)
+// with the 128-byte swizzle: row r's 16-byte chunk c sits at chunk c ^ (r & 7). Warp w takes
+// k step w of the slot's four (line w / 2; even chunks for w even, odd for w odd), lane (g, t)
+// chunk 2t (+1) of row 8j + g of every block j: the 8 lanes of a quarter warp read 8 distinct
+// chunks of two rows (banks free), and the A fragment (x) takes the same k permutation, as the
+// register linear does. The warps' sums meet in shared memory; out is fp32 for checking.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+constexpr int kSlotLines = 2, kSlotBytes = kSlotLines * kRows * 128;  // 16 KiB: 128 k of 64 rows
+
+__global__ void __launch_bounds__(128, 2) tensor_linear(const __grid_constant__ CUtensorMap map, const uint4* x,
+                                                        float* out, int tiles, int slots, int streamers,
+                                                        unsigned* arrivals) {
+  extern __shared__ __align__(1024) char smem[];
+  char* ring = smem + (1024 - (smem_addr(smem) & 1023)) % 1024;  // the 128-byte swizzle wants 1 KiB alignment
+  __shared__ __align__(8) unsigned long long full[8], empty[8];
+  __shared__ float sums[4][16][kRows];
+  const int rank = rank_on_sm(arrivals);
+  if (rank >= streamers) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  init_ring(full, empty, slots);
+  const int per_tile = static_cast<int>(kK / (64 * kSlotLines));  // fills per tile
+  const int total = tiles * per_tile;
+  const int tile0 = static_cast<int>(blockIdx.x) * tiles;  // this CTA's first tile
+  const auto fill = [&](int f) {  // by thread 0
+    const int s = f % slots;
+    if (f >= slots) mbar_wait(smem_addr(&empty[s]), ((f / slots) - 1) & 1);
+    mbar_expect_tx(smem_addr(&full[s]), kSlotBytes);
+    const int row0 = (tile0 + f / per_tile) * kRows, line0 = (f % per_tile) * kSlotLines;
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+                 ::"r"(smem_addr(ring + s * kSlotBytes)), "l"(&map), "r"(0), "r"(row0), "r"(line0),
+                 "r"(smem_addr(&full[s])) : "memory");
+  };
+  if (threadIdx.x == 0)
+    for (int f = 0; f < slots && f < total; ++f) fill(f);
+  const int line = warp >> 1, half = warp & 1;
+  float acc[8][4];
+  for (int f = 0; f < total; ++f) {
+    const int s = f % slots, tile = f / per_tile, step = f % per_tile;
+    if (step == 0)
+      for (auto& a : acc) a[0] = a[1] = a[2] = a[3] = 0.f;
+    // x: rows g and g + 8, the 8 k of chunk 2t + half of this warp's line
+    const long long k0 = (static_cast<long long>(step) * kSlotLines + line) * 64 + (2 * t + half) * 8;
+    const uint4 lo = x[(g * kK + k0) / 8], hi = x[((g + 8) * kK + k0) / 8];
+    mbar_wait(smem_addr(&full[s]), (f / slots) & 1);
+    const char* rows = ring + s * kSlotBytes + line * kRows * 128;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int r = 8 * j + g;
+      const uint4 b = *reinterpret_cast<const uint4*>(rows + r * 128 + (((2 * t + half) ^ g) << 4));
+      mma_bf16(acc[j], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
+      mma_bf16(acc[j], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(smem_addr(&empty[s]));
+    if (threadIdx.x == 0 && f + slots < total) fill(f + slots);
+    if (step == per_tile - 1) {  // the tile's sums: rows g, g + 8; columns 8j + 2t, + 1
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        sums[warp][g][8 * j + 2 * t] = acc[j][0];
+        sums[warp][g][8 * j + 2 * t + 1] = acc[j][1];
+        sums[warp][g + 8][8 * j + 2 * t] = acc[j][2];
+        sums[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
+      }
+      __syncthreads();
+      const long long n_all = static_cast<long long>(gridDim.x) * tiles * kRows;
+      for (int e = threadIdx.x; e < 16 * kRows; e += 128) {
+        const int m = e / kRows, n = e % kRows;
+        out[m * n_all + static_cast<long long>(tile0 + tile) * kRows + n] =
+            sums[0][m][n] + sums[1][m][n] + sums[2][m][n] + sums[3][m][n];
+      }
+      __syncthreads();
+    }
+  }
 }
 
 // Register streaming as the committed linear: each lane keeps 16 16-byte loads in flight, the
@@ -251,5 +348,76 @@ int main() {
                         slots, kRows * piece / 1024, piece, streamers);
           report(name, per_cta * sms * streamers, ms);
         }
-  return 0;
+  // The tensor ring feeding MMAs: x and W random bf16, a sample of outputs checked in double.
+  bool wrong = false;
+  const long long n_all = static_cast<long long>(2 * sms) * tiles * kRows;
+  std::vector<uint16_t> hw(static_cast<size_t>(n_all) * kK), hx(16 * kK);
+  unsigned seed = 12345u;
+  const auto rnd = [&] {  // a bf16 in [-1, 1): the top half of a float's bits
+    seed = seed * 1664525u + 1013904223u;
+    const float v = static_cast<float>(seed >> 8) / 8388608.0f - 1.0f;
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    return static_cast<uint16_t>(bits >> 16);
+  };
+  for (auto& v : hw) v = rnd();
+  for (auto& v : hx) v = rnd();
+  const auto f32 = [](uint16_t h) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float v;
+    std::memcpy(&v, &bits, 4);
+    return v;
+  };
+  uint4* dx;
+  float* dout;
+  CHECK(cudaMemcpy(w, hw.data(), hw.size() * 2, cudaMemcpyHostToDevice));
+  CHECK(cudaMalloc(&dx, hx.size() * 2));
+  CHECK(cudaMemcpy(dx, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+  CHECK(cudaMalloc(&dout, 16 * n_all * sizeof(float)));
+  CUtensorMap lmap{};
+  {
+    const cuuint64_t dims[3] = {64, static_cast<cuuint64_t>(n_all), static_cast<cuuint64_t>(kK / 64)};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(kRowBytes), 128};
+    const cuuint32_t box[3] = {64, kRows, kSlotLines}, elem[3] = {1, 1, 1};
+    const CUresult res = cuTensorMapEncodeTiled(&lmap, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, w, dims, strides, box, elem,
+                                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (res != CUDA_SUCCESS) {
+      std::fprintf(stderr, "cuTensorMapEncodeTiled (3-D, 128-byte swizzle) failed (%d)\n", static_cast<int>(res));
+      return 1;
+    }
+  }
+  for (int streamers : {1, 2})
+    for (int slots : {2, 3, 4}) {
+      const int smem = slots * kSlotBytes + 1024;
+      CHECK(cudaFuncSetAttribute(tensor_linear, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      CHECK(cudaMemset(dout, 0, 16 * n_all * sizeof(float)));
+      const float ms =
+          timed([&] { tensor_linear<<<2 * sms, 128, smem>>>(lmap, dx, dout, tiles, slots, streamers, arrivals); });
+      // the CTAs that streamed wrote their tiles; check every 257th column of those written
+      std::vector<float> hout(16 * n_all);
+      CHECK(cudaMemcpy(hout.data(), dout, hout.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      double worst = 0, scale = 0;
+      long long checked = 0;
+      for (long long n = 0; n < n_all; n += 257) {
+        bool written = false;
+        for (int m = 0; m < 16 && !written; ++m) written = hout[m * n_all + n] != 0.f;
+        if (!written) continue;  // a tile of a CTA that idled
+        for (int m = 0; m < 16; ++m) {
+          double ref = 0;
+          for (long long k = 0; k < kK; ++k) ref += static_cast<double>(f32(hx[m * kK + k])) * f32(hw[n * kK + k]);
+          worst = std::fmax(worst, std::fabs(ref - hout[m * n_all + n]));
+          scale = std::fmax(scale, std::fabs(ref));
+          ++checked;
+        }
+      }
+      char name[96];
+      std::snprintf(name, sizeof name, "tensor ring + MMA, %d x 16 KiB, %d of 2 CTAs", slots, streamers);
+      report(name, per_cta * sms * streamers, ms);
+      const bool ok = checked > 0 && worst <= 1e-4 * scale;  // fp32 sums of 2048 products: ~1e-6 of the scale
+      std::printf("  checked %lld outputs: max |error| %.3g of max |ref| %.3g (%s)\n", checked, worst, scale,
+                  ok ? "ok" : "WRONG");
+      wrong |= !ok;
+    }
+  return wrong ? 2 : 0;
 }
