@@ -152,13 +152,15 @@ __global__ void __launch_bounds__(128, 2) ring_stream(const __grid_constant__ CU
 }
 
 // The tensor ring feeding tensor-core MMAs, as a TMA-fed linear task would: out [16, rows] =
-// x [16, kK] · Wᵀ over 64-row tiles. A slot is one 3-D tensor copy {64 k, 64 rows, 2 lines}
-// (the map views W as [lines of 64 k][rows][64 k], so a box of 128-byte rows comes in one copy)
-// with the 128-byte swizzle: row r's 16-byte chunk c sits at chunk c ^ (r & 7). Warp w takes
-// k step w of the slot's four (line w / 2; even chunks for w even, odd for w odd), lane (g, t)
-// chunk 2t (+1) of row 8j + g of every block j: the 8 lanes of a quarter warp read 8 distinct
-// chunks of two rows (banks free), and the A fragment (x) takes the same k permutation, as the
-// register linear does. The warps' sums meet in shared memory; out is fp32 for checking.
+// x [16, kK] · Wᵀ over 64-row tiles. A slot is one 3-D tensor copy of box {64 k, 2 lines, 64
+// rows} (the map views W as [rows][lines of 64 k][64 k], strides increasing), so it lands as
+// [row][line][128 bytes] with the 128-byte swizzle: the 16-byte chunk c of 128-byte unit u =
+// 2·row + line sits at chunk c ^ (u & 7). Warp w takes k step w of the slot's four: line w / 2,
+// chunk set A = {0, 1, 4, 5} (w even) or B = {2, 3, 6, 7}; lane (g, t) reads chunk set[t] of
+// row 8j + g of every block j. A quarter warp's two rows then XOR by values 2 apart, which map
+// A (or B) onto the other four chunks: 8 distinct chunks, no bank conflict. The A fragment (x)
+// takes the same k permutation, as the register linear does. The warps' sums meet in shared
+// memory; out is fp32 for checking.
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                          uint32_t b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -188,26 +190,26 @@ __global__ void __launch_bounds__(128, 2) tensor_linear(const __grid_constant__ 
     mbar_expect_tx(smem_addr(&full[s]), kSlotBytes);
     const int row0 = (tile0 + f / per_tile) * kRows, line0 = (f % per_tile) * kSlotLines;
     asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
-                 ::"r"(smem_addr(ring + s * kSlotBytes)), "l"(&map), "r"(0), "r"(row0), "r"(line0),
+                 ::"r"(smem_addr(ring + s * kSlotBytes)), "l"(&map), "r"(0), "r"(line0), "r"(row0),
                  "r"(smem_addr(&full[s])) : "memory");
   };
   if (threadIdx.x == 0)
     for (int f = 0; f < slots && f < total; ++f) fill(f);
-  const int line = warp >> 1, half = warp & 1;
+  const int line = warp >> 1, chunk = (t & 1) | (t >> 1) << 2 | (warp & 1) << 1;  // set A or B, element t
   float acc[8][4];
   for (int f = 0; f < total; ++f) {
     const int s = f % slots, tile = f / per_tile, step = f % per_tile;
     if (step == 0)
       for (auto& a : acc) a[0] = a[1] = a[2] = a[3] = 0.f;
-    // x: rows g and g + 8, the 8 k of chunk 2t + half of this warp's line
-    const long long k0 = (static_cast<long long>(step) * kSlotLines + line) * 64 + (2 * t + half) * 8;
+    // x: rows g and g + 8, the 8 k of this lane's chunk of the warp's line
+    const long long k0 = (static_cast<long long>(step) * kSlotLines + line) * 64 + chunk * 8;
     const uint4 lo = x[(g * kK + k0) / 8], hi = x[((g + 8) * kK + k0) / 8];
     mbar_wait(smem_addr(&full[s]), (f / slots) & 1);
-    const char* rows = ring + s * kSlotBytes + line * kRows * 128;
+    const char* slot = ring + s * kSlotBytes;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const int r = 8 * j + g;
-      const uint4 b = *reinterpret_cast<const uint4*>(rows + r * 128 + (((2 * t + half) ^ g) << 4));
+      const int u = (8 * j + g) * kSlotLines + line;  // the 128-byte unit: row 8j + g, this line
+      const uint4 b = *reinterpret_cast<const uint4*>(slot + u * 128 + ((chunk ^ (u & 7)) << 4));
       mma_bf16(acc[j], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
       mma_bf16(acc[j], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
     }
@@ -376,9 +378,9 @@ int main() {
   CHECK(cudaMalloc(&dout, 16 * n_all * sizeof(float)));
   CUtensorMap lmap{};
   {
-    const cuuint64_t dims[3] = {64, static_cast<cuuint64_t>(n_all), static_cast<cuuint64_t>(kK / 64)};
-    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(kRowBytes), 128};
-    const cuuint32_t box[3] = {64, kRows, kSlotLines}, elem[3] = {1, 1, 1};
+    const cuuint64_t dims[3] = {64, static_cast<cuuint64_t>(kK / 64), static_cast<cuuint64_t>(n_all)};
+    const cuuint64_t strides[2] = {128, static_cast<cuuint64_t>(kRowBytes)};
+    const cuuint32_t box[3] = {64, kSlotLines, kRows}, elem[3] = {1, 1, 1};
     const CUresult res = cuTensorMapEncodeTiled(&lmap, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, w, dims, strides, box, elem,
                                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
