@@ -5,8 +5,11 @@ Each case is a small graph compiled with ``torch.compile(backend="mpk")``; its e
 iteration (the op's tasks plus one event hop). Reported: bytes the op must read / that time,
 and its share of the copy bandwidth measured in the same run. Cases: the linear layers of the
 four model shapes of shared/BENCHMARKS.md at batch 1, one graph per model holding its qkv, o,
-gate_up, down and LM-head weights (target ≥ 0.85 of copy bandwidth), and
-paged decode attention over a long cache.
+gate_up, down and LM-head weights (target ≥ 0.85 of copy bandwidth), paged decode attention
+over a long cache, and the step's other task families at qwen3-8b's batch-16 shapes (RMSNorm,
+qk-norm + RoPE + KV append, SiLU·mul, embedding, argmax over the vocabulary): a few hundred
+KiB to a few MiB each, so their time is mostly the task's latency and the event hop, which
+the bandwidth figure then shows.
 
 ``--prebuild`` (a machine with nvcc and no GPU): trace the linear cases on the CPU and build
 their kernels into ``$MPK_CACHE_DIR``, for carrying to the device (as prebuild_decode.py).
@@ -62,6 +65,54 @@ def per_iteration_ms(fn, args, k: int = 21) -> float:
     return samples[2]
 
 
+def family_cases(batch: int = 16, shape: str = "qwen3-8b", device: str = "cuda") -> list[tuple[str, object, tuple, int]]:
+    """(label, function, arguments, bytes it must move) for the task families besides the
+    linears and attention, at ``shape``'s decode sizes."""
+    import random
+
+    s, bf16 = SHAPES[shape], dict(device=device, dtype=torch.bfloat16)
+    d, heads, kvh, hd = s.hidden, s.q_heads, s.kv_heads, s.head_dim
+    x, g = torch.randn(batch, d, **bf16), 1 + 0.1 * torch.randn(d, **bf16)
+    gate, up = torch.randn(batch, s.inter, **bf16), torch.randn(batch, s.inter, **bf16)
+    table, ids = torch.randn(s.vocab, d, **bf16), torch.randint(0, s.vocab, (batch,), device=device)
+    logits = torch.randn(batch, s.vocab, **bf16)
+    page, length = 16, 1000  # every sequence appends its token at position 999 of a shuffled page table
+    pages = batch * -(-length // page)
+    cache = torch.randn(1, 2, pages, kvh, page, hd, **bf16)
+    indptr = torch.arange(0, pages + 1, pages // batch, dtype=torch.int32, device=device)
+    indices = torch.tensor(random.sample(range(pages), pages), dtype=torch.int32, device=device)
+    last = torch.full((batch,), (length - 1) % page + 1, dtype=torch.int32, device=device)
+    qkv = torch.randn(batch, (heads + 2 * kvh) * hd, **bf16)
+    angles = torch.rand(length, hd // 2, device=device)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], -1).bfloat16()
+    qn, kn = 1 + 0.1 * torch.randn(hd, **bf16), 1 + 0.1 * torch.randn(hd, **bf16)
+    eps = s.rms_eps
+
+    def norm(x, g):
+        return torch.ops.mpk.rms_norm(x, g, eps, torch.float32, torch.bfloat16)
+
+    def silu_mul(gate, up):
+        return torch.nn.functional.silu(gate) * up
+
+    def embed(table, ids):
+        return torch.nn.functional.embedding(ids, table)
+
+    def greedy(logits):
+        return torch.argmax(logits, -1)
+
+    def rope_append(qkv, cos_sin, indptr, indices, last, cache, qn, kn):
+        return torch.ops.mpk.rope_append(qkv, cos_sin, indptr, indices, last, cache, qn, kn, 0, heads, kvh, eps)
+
+    return [
+        (f"rms_norm B={batch} d={d}", norm, (x, g), 2 * (2 * x.numel() + g.numel())),
+        (f"silu_mul B={batch} n={s.inter}", silu_mul, (gate, up), 2 * 3 * gate.numel()),
+        (f"embedding B={batch} d={d}", embed, (table, ids), 2 * 2 * batch * d),
+        (f"argmax B={batch} vocab={s.vocab}", greedy, (logits,), 2 * logits.numel()),
+        (f"rope_append B={batch} {heads}/{kvh} heads d={hd} (qk-norm)", rope_append,
+         (qkv, cos_sin, indptr, indices, last, cache, qn, kn), 2 * batch * ((2 * heads + 4 * kvh) * hd + hd)),
+    ]
+
+
 def linear_cases(name: str) -> dict[str, tuple[int, int]]:
     s = SHAPES[name]
     q, kv = s.q_heads * s.head_dim, s.kv_heads * s.head_dim
@@ -69,25 +120,31 @@ def linear_cases(name: str) -> dict[str, tuple[int, int]]:
             "down": (s.hidden, s.inter), "lm_head": (s.vocab, s.hidden)}
 
 
-def prebuild(models: list[str]) -> None:
-    """Trace each model's linear case on the CPU and build its kernel into the cubin cache."""
+def prebuild(models: list[str], families: bool) -> None:
+    """Trace each model's linear case (and with ``families`` the other task families' cases) on
+    the CPU and build their kernels into the cubin cache."""
     from mpk.errors import ExecutorUnavailableError
     from mpk.megakernel import build
     from mpk.megakernel.codegen import generate
 
     sources = []
-    for name in models:
-        shapes = list(linear_cases(name).values())
-        fn = torch.compile(Linears(shapes, "cpu"), backend="mpk", fullgraph=True, dynamic=False,
-                           options={"executor": "gpu"})
+
+    def trace(fn, args) -> None:
+        compiled = torch.compile(fn, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "gpu"})
         COMPILED.clear()
         try:
             with torch.no_grad():
-                fn(*[torch.zeros(1, k, dtype=torch.bfloat16) for _, k in shapes])
+                compiled(*args)
         except ExecutorUnavailableError:
             pass  # compiled, then refused to run without CUDA: the tables are what we came for
         sources.append(generate(COMPILED[-1].tables))
         torch._dynamo.reset()
+
+    for name in models:
+        shapes = list(linear_cases(name).values())
+        trace(Linears(shapes, "cpu"), [torch.zeros(1, k, dtype=torch.bfloat16) for _, k in shapes])
+    for _, fn, args, _ in family_cases(device="cpu") if families else []:
+        trace(fn, args)
     print(f"built {len(build.prebuild(sources))} cubins into {build.cache_dir()}")
 
 
@@ -95,11 +152,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["llama3.2-1b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"])
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--prebuild", action="store_true", help="build the linear cases' kernels (no GPU needed)")
-    ap.add_argument("--linear-only", action="store_true", help="skip the paged attention cases")
+    ap.add_argument("--prebuild", action="store_true", help="build the linear and task-family cases' kernels (no GPU needed)")
+    ap.add_argument("--linear-only", action="store_true", help="skip the attention and other task families' cases")
     args = ap.parse_args(argv)
     if args.prebuild:
-        prebuild(args.models)
+        prebuild(args.models, not args.linear_only)
         return 0
     device, bw = torch.cuda.get_device_name(), copy_bandwidth()
     print(f"device {device}; copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
@@ -127,9 +184,9 @@ def main(argv=None) -> int:
         page = 16
         pages = batch * length // page
         cache = torch.randn(1, 2, pages, kv_heads, page, dim, device="cuda", dtype=torch.bfloat16)
-        indptr = torch.arange(0, pages + 1, length // page, dtype=torch.int32, device="cuda")
-        indices = torch.randperm(pages, device="cuda").int()
-        last = torch.full((batch,), page, dtype=torch.int32, device="cuda")
+        indptr = torch.arange(0, pages + 1, length // page, dtype=torch.int32, device=device)
+        indices = torch.randperm(pages, device=device).int()
+        last = torch.full((batch,), page, dtype=torch.int32, device=device)
         q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
 
         def attend(q, cache, indptr, indices, last):
@@ -140,6 +197,11 @@ def main(argv=None) -> int:
         nbytes = cache.numel() * 2
         record({"case": f"paged attention B={batch} len={length} {heads}/{kv_heads} heads d={dim}", "ms": ms,
                 "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9)})
+        torch._dynamo.reset()
+    for label, fn, fargs, nbytes in [] if args.linear_only else family_cases():
+        compiled = torch.compile(fn, backend="mpk", fullgraph=True, dynamic=False, options=opts)
+        ms = per_iteration_ms(compiled, fargs)
+        record({"case": label, "ms": ms, "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9)})
         torch._dynamo.reset()
     print(f"\n{'case':52s} {'ms':>8s} {'GB/s':>7s} {'of copy':>8s}")
     for r in rows:

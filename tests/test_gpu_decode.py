@@ -131,6 +131,71 @@ def test_embedding_rows_copy_exactly(rows, dim, tiles):
     assert torch.equal(fn(table, ids), table[ids])
 
 
+# (16, 12288): a qwen3-8b MLP at batch 16; (3, 1000, 3): tile bounds off 8-element words, the general path
+@pytest.mark.parametrize("rows,n,tiles,variant", [(1, 8192, 8, 1), (16, 12288, 128, 1), (3, 1000, 3, 0), (5, 528, 2, 1)])
+def test_silu_mul_matches_float64(rows, n, tiles, variant):
+    """The standalone SiLU·mul (the vectorised bf16 variant, or the general one) against
+    float64 silu(gate)·up of the same bf16 inputs: within one bf16 rounding."""
+    from mpk.megakernel.codegen import silu_mul_variant
+
+    gate = (3 * torch.randn(rows, n, device=DEV)).bfloat16()
+    up = torch.randn(rows, n, device=DEV).bfloat16()
+    fn = _gpu_compile(lambda g, u: torch.nn.functional.silu(g) * u, partition={"silu_mul": [1, tiles]})
+    out = fn(gate, up)
+    assert [op.kind for op in COMPILED[-1].graph.ops] == ["silu_mul"]
+    assert silu_mul_variant(COMPILED[-1].tables, 0) == variant
+    ref = torch.nn.functional.silu(gate.double()) * up.double()
+    assert relative_error(out, ref) <= BF16_TOL
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 151936), (3, 1001), (16, 32000)])
+def test_argmax_picks_the_first_largest_logit(rows, vocab):
+    """Greedy decoding's argmax over bf16 logits: torch's index on every row, with a planted
+    tie (the first of two equal maxima wins) and, with several rows, a NaN (torch returns it)."""
+    x = torch.randn(rows, vocab, device=DEV).bfloat16()
+    i, j = sorted(random.sample(range(vocab), 2))
+    x[0, i] = x[0, j] = x[0].float().max() + 1
+    if rows > 1:
+        x[1, random.randrange(vocab)] = float("nan")
+    out = _gpu_compile(lambda x: torch.argmax(x, -1))(x)
+    assert [op.kind for op in COMPILED[-1].graph.ops] == ["reduce"]
+    assert torch.equal(out, torch.argmax(x, -1)) and int(out[0]) == i
+
+
+@pytest.mark.parametrize("page_size,dim,qk_norm", [(16, 128, True), (1, 64, False), (4, 256, True)])
+def test_rope_append_matches_eager(page_size, dim, qk_norm):
+    """The unfused qk-norm + RoPE + KV append (rope_append) against mpk's eager op on the CPU,
+    for lengths 1, odd, a full page and a partial last page: the rotated q within a bf16
+    rounding, the appended k/v slots too, and every other slot of the cache untouched."""
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    heads, kv_heads = 8, 2
+    lens = [1, 37, page_size, 2 * page_size + 5]
+    pages, indptr, indices, last, num_pages = random_page_table(lens, page_size, g)
+    cache = torch.randn(1, 2, num_pages, kv_heads, page_size, dim, generator=g).bfloat16()
+    qkv = (3 * torch.randn(len(lens), (heads + 2 * kv_heads) * dim, generator=g)).bfloat16()
+    angles = 10 * torch.rand(max(lens), dim // 2, generator=g)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], -1).bfloat16()
+    norms = [(1 + 0.1 * torch.randn(dim, generator=g)).bfloat16() for _ in range(2)] if qk_norm else [None, None]
+
+    def step(qkv, cos_sin, indptr, indices, last, cache, q_norm, k_norm):
+        return torch.ops.mpk.rope_append(qkv, cos_sin, indptr, indices, last, cache, q_norm, k_norm, 0, heads,
+                                         kv_heads, 1e-6)
+
+    ref_cache, before = cache.clone(), cache.clone()
+    ref = step(qkv, cos_sin, indptr, indices, last, ref_cache, *norms)
+    dev = [a.to(DEV) if a is not None else None for a in (qkv, cos_sin, indptr, indices, last, cache, *norms)]
+    out = _gpu_compile(step)(*dev)
+    assert [op.kind for op in COMPILED[-1].graph.ops] == ["rope_append"]
+    assert relative_error(out.cpu(), ref) <= BF16_TOL
+    got = dev[5].cpu()
+    appended = torch.zeros_like(got, dtype=torch.bool)
+    for b, n in enumerate(lens):  # the new token's slot: position n - 1 of sequence b
+        appended[:, :, pages[b][(n - 1) // page_size], :, (n - 1) % page_size] = True
+    assert torch.equal(got[~appended], before[~appended])
+    assert relative_error(got[appended].float(), ref_cache[appended].float()) <= BF16_TOL
+    assert (got[appended] != before[appended]).any()
+
+
 @pytest.mark.parametrize("rows,n", [(1, 4096), (16, 2056), (3, 8192)])  # 2056: a partial last vector round
 def test_rms_norm_variant_matches_reference(rows, n):
     """The CTA-per-row bf16 RMSNorm (rms_norm variant 1) against the same roundings in float."""
