@@ -21,6 +21,7 @@ import argparse
 import datetime
 import json
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -68,8 +69,6 @@ def per_iteration_ms(fn, args, k: int = 21) -> float:
 def family_cases(batch: int = 16, shape: str = "qwen3-8b", device: str = "cuda") -> list[tuple[str, object, tuple, int]]:
     """(label, function, arguments, bytes it must move) for the task families besides the
     linears and attention, at ``shape``'s decode sizes."""
-    import random
-
     s, bf16 = SHAPES[shape], dict(device=device, dtype=torch.bfloat16)
     d, heads, kvh, hd = s.hidden, s.q_heads, s.kv_heads, s.head_dim
     x, g = torch.randn(batch, d, **bf16), 1 + 0.1 * torch.randn(d, **bf16)

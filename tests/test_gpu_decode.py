@@ -162,13 +162,11 @@ def test_argmax_picks_the_first_largest_logit(rows, vocab):
     assert torch.equal(out, torch.argmax(x, -1)) and int(out[0]) == i
 
 
-@pytest.mark.parametrize("page_size,dim,qk_norm", [(16, 128, True), (1, 64, False), (4, 256, True)])
-def test_rope_append_matches_eager(page_size, dim, qk_norm):
-    """The unfused qk-norm + RoPE + KV append (rope_append) against mpk's eager op on the CPU,
-    for lengths 1, odd, a full page and a partial last page: the rotated q within a bf16
-    rounding, the appended k/v slots too, and every other slot of the cache untouched."""
+def _rope_inputs(page_size: int, dim: int, qk_norm: bool, heads: int = 8, kv_heads: int = 2):
+    """A decode step's RoPE + append inputs on the CPU, fresh random: sequences of lengths 1,
+    odd, a full page and a partial last page over a shuffled page table; (lens, pages, [qkv,
+    cos_sin, kv_indptr, kv_indices, kv_last_page_len, cache, q_norm, k_norm])."""
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
-    heads, kv_heads = 8, 2
     lens = [1, 37, page_size, 2 * page_size + 5]
     pages, indptr, indices, last, num_pages = random_page_table(lens, page_size, g)
     cache = torch.randn(1, 2, num_pages, kv_heads, page_size, dim, generator=g).bfloat16()
@@ -176,14 +174,24 @@ def test_rope_append_matches_eager(page_size, dim, qk_norm):
     angles = 10 * torch.rand(max(lens), dim // 2, generator=g)
     cos_sin = torch.cat([angles.cos(), angles.sin()], -1).bfloat16()
     norms = [(1 + 0.1 * torch.randn(dim, generator=g)).bfloat16() for _ in range(2)] if qk_norm else [None, None]
+    return lens, pages, [qkv, cos_sin, indptr, indices, last, cache, *norms]
+
+
+@pytest.mark.parametrize("page_size,dim,qk_norm", [(16, 128, True), (1, 64, False), (4, 256, True)])
+def test_rope_append_matches_eager(page_size, dim, qk_norm):
+    """The unfused qk-norm + RoPE + KV append (rope_append) against mpk's eager op on the CPU,
+    for lengths 1, odd, a full page and a partial last page: the rotated q within a bf16
+    rounding, the appended k/v slots too, and every other slot of the cache untouched."""
+    heads, kv_heads = 8, 2
+    lens, pages, args = _rope_inputs(page_size, dim, qk_norm, heads, kv_heads)
 
     def step(qkv, cos_sin, indptr, indices, last, cache, q_norm, k_norm):
         return torch.ops.mpk.rope_append(qkv, cos_sin, indptr, indices, last, cache, q_norm, k_norm, 0, heads,
                                          kv_heads, 1e-6)
 
-    ref_cache, before = cache.clone(), cache.clone()
-    ref = step(qkv, cos_sin, indptr, indices, last, ref_cache, *norms)
-    dev = [a.to(DEV) if a is not None else None for a in (qkv, cos_sin, indptr, indices, last, cache, *norms)]
+    ref_cache, before = args[5].clone(), args[5].clone()
+    ref = step(*args[:5], ref_cache, *args[6:])
+    dev = [a.to(DEV) if a is not None else None for a in args]
     out = _gpu_compile(step)(*dev)
     assert [op.kind for op in COMPILED[-1].graph.ops] == ["rope_append"]
     assert relative_error(out.cpu(), ref) <= BF16_TOL
@@ -239,15 +247,8 @@ def test_fused_rope_attention_matches_eager(page_size, dim, splits, qk_norm, com
     eager ops on the CPU, for lengths 1, odd, a full page and a partial last page, one chunk or
     several, the cos/sin table a graph input or computed in the graph: the output and the whole
     cache."""
-    g = torch.Generator().manual_seed(random.randrange(1 << 30))
     heads, kv_heads = 8, 2
-    lens = [1, 37, page_size, 2 * page_size + 5]
-    pages, indptr, indices, last, num_pages = random_page_table(lens, page_size, g)
-    cache = torch.randn(1, 2, num_pages, kv_heads, page_size, dim, generator=g).bfloat16()
-    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
-    angles = 10 * torch.rand(max(lens), dim // 2, generator=g)
-    cos_sin = torch.cat([angles.cos(), angles.sin()], -1).bfloat16()
-    norms = [(1 + 0.1 * torch.randn(dim, generator=g)).bfloat16() for _ in range(2)] if qk_norm else [None, None]
+    _, _, (qkv, cos_sin, indptr, indices, last, cache, *norms) = _rope_inputs(page_size, dim, qk_norm, heads, kv_heads)
 
     def step(qkv, cos_sin, indptr, indices, last, cache, q_norm, k_norm):
         cs = cos_sin * 2 if computed_cos else cos_sin  # given halved: the doubling is exact
