@@ -7,9 +7,10 @@ and its share of the copy bandwidth measured in the same run. Cases: the linear 
 four model shapes of shared/BENCHMARKS.md at batch 1, one graph per model holding its qkv, o,
 gate_up, down and LM-head weights (target ≥ 0.85 of copy bandwidth), paged decode attention
 over a long cache, and the step's other task families at qwen3-8b's batch-16 shapes (RMSNorm,
-qk-norm + RoPE + KV append, SiLU·mul, embedding, argmax over the vocabulary): a few hundred
-KiB to a few MiB each, so their time is mostly the task's latency and the event hop, which
-the bandwidth figure then shows.
+qk-norm + RoPE + KV append, SiLU·mul, embedding, argmax and softmax over the vocabulary): a
+few hundred KiB to a few MiB each, so their time is mostly the task's latency and the event
+hop, which the bandwidth figure then shows; beside each, the same op in eager PyTorch
+(``torch_ms``: one kernel launch per call, timed over back-to-back calls).
 
 ``--prebuild`` (a machine with nvcc and no GPU): trace the linear cases on the CPU and build
 their kernels into ``$MPK_CACHE_DIR``, for carrying to the device (as prebuild_decode.py).
@@ -66,6 +67,22 @@ def per_iteration_ms(fn, args, k: int = 21) -> float:
     return samples[2]
 
 
+def eager_ms(fn, args, k: int = 50) -> float:
+    """Median over 5 of the time per call of ``fn`` in eager PyTorch, ``k`` calls back to back."""
+    with torch.no_grad():
+        fn(*args)
+        samples = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(k):
+                fn(*args)
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / k)
+    return sorted(samples)[2]
+
+
 def family_cases(batch: int = 16, shape: str = "qwen3-8b", device: str = "cuda") -> list[tuple[str, object, tuple, int]]:
     """(label, function, arguments, bytes it must move) for the task families besides the
     linears and attention, at ``shape``'s decode sizes."""
@@ -74,7 +91,7 @@ def family_cases(batch: int = 16, shape: str = "qwen3-8b", device: str = "cuda")
     x, g = torch.randn(batch, d, **bf16), 1 + 0.1 * torch.randn(d, **bf16)
     gate, up = torch.randn(batch, s.inter, **bf16), torch.randn(batch, s.inter, **bf16)
     table, ids = torch.randn(s.vocab, d, **bf16), torch.randint(0, s.vocab, (batch,), device=device)
-    logits = torch.randn(batch, s.vocab, **bf16)
+    logits, logits1 = torch.randn(batch, s.vocab, **bf16), torch.randn(1, s.vocab, **bf16)
     page, length = 16, 1000  # every sequence appends its token at position 999 of a shuffled page table
     pages = batch * -(-length // page)
     cache = torch.randn(1, 2, pages, kvh, page, hd, **bf16)
@@ -99,6 +116,9 @@ def family_cases(batch: int = 16, shape: str = "qwen3-8b", device: str = "cuda")
     def greedy(logits):
         return torch.argmax(logits, -1)
 
+    def probs(logits):
+        return torch.softmax(logits, -1)
+
     def rope_append(qkv, cos_sin, indptr, indices, last, cache, qn, kn):
         return torch.ops.mpk.rope_append(qkv, cos_sin, indptr, indices, last, cache, qn, kn, 0, heads, kvh, eps)
 
@@ -107,6 +127,8 @@ def family_cases(batch: int = 16, shape: str = "qwen3-8b", device: str = "cuda")
         (f"silu_mul B={batch} n={s.inter}", silu_mul, (gate, up), 2 * 3 * gate.numel()),
         (f"embedding B={batch} d={d}", embed, (table, ids), 2 * 2 * batch * d),
         (f"argmax B={batch} vocab={s.vocab}", greedy, (logits,), 2 * logits.numel()),
+        (f"argmax B=1 vocab={s.vocab}", greedy, (logits1,), 2 * logits1.numel()),
+        (f"softmax B={batch} vocab={s.vocab}", probs, (logits,), 2 * 2 * logits.numel()),
         (f"rope_append B={batch} {heads}/{kvh} heads d={hd} (qk-norm)", rope_append,
          (qkv, cos_sin, indptr, indices, last, cache, qn, kn), 2 * batch * ((2 * heads + 4 * kvh) * hd + hd)),
     ]
@@ -200,11 +222,13 @@ def main(argv=None) -> int:
     for label, fn, fargs, nbytes in [] if args.linear_only else family_cases():
         compiled = torch.compile(fn, backend="mpk", fullgraph=True, dynamic=False, options=opts)
         ms = per_iteration_ms(compiled, fargs)
-        record({"case": label, "ms": ms, "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9)})
+        record({"case": label, "ms": ms, "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9),
+                "torch_ms": eager_ms(fn, fargs)})
         torch._dynamo.reset()
-    print(f"\n{'case':52s} {'ms':>8s} {'GB/s':>7s} {'of copy':>8s}")
+    print(f"\n{'case':52s} {'ms':>8s} {'GB/s':>7s} {'of copy':>8s} {'torch ms':>9s}")
     for r in rows:
-        print(f"{r['case']:52s} {r['ms']:8.4f} {r['GBps']:7.0f} {r['of_copy']:8.2f}")
+        torch_ms = f"{r['torch_ms']:9.4f}" if "torch_ms" in r else ""
+        print(f"{r['case']:52s} {r['ms']:8.4f} {r['GBps']:7.0f} {r['of_copy']:8.2f} {torch_ms}")
     return 0
 
 

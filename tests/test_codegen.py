@@ -36,6 +36,21 @@ def _graphs():
     yield "qwen3-1.7b-paged-split", _paged_decode_tables(cache_len=1000)  # KV chunks merged by attn_merge
     yield "qwen3-1.7b-paged-unfused", _paged_decode_tables(fuse_rope_attention=False)
     yield "qwen3-bf16-fused-norm", _compiled_decode_tables("qwen3", fuse_norm_prologue=True)
+    yield "sampling-head", _sampling_head_tables()
+
+
+class _SamplingHead(torch.nn.Module):
+    """Reductions and softmaxes over rows long and short, contiguous and not, bf16 and fp32."""
+
+    def forward(self, logits, short, f32):
+        return (torch.argmax(logits, -1), torch.softmax(logits, -1), logits.float().sum(-1),
+                torch.amax(logits, -1, keepdim=True), torch.argmax(short, -1), torch.softmax(short, -1),
+                torch.softmax(f32, -1), f32.mean(-1), torch.argmax(logits[:, 1:], -1))
+
+
+def _sampling_head_tables():
+    args = (torch.randn(3, 8192).bfloat16(), torch.randn(20, 1000).bfloat16(), torch.randn(2, 4096))
+    return compile_module(_SamplingHead(), args, {"num_workers": 16}).tables
 
 
 def _paged_decode_tables(cache_len: int = 100, **options):
@@ -88,6 +103,28 @@ def test_paged_decode_tasks_are_instantiated_per_graph():
     silu = [i for i, m in enumerate(tables.meta["ops"]) if m["kind"] == "silu_mul"]
     assert silu and all(silu_mul_variant(tables, i) == 1 for i in silu)
 
+
+def test_long_rows_take_the_cta_per_row_tasks():
+    """Reductions and softmaxes over rows of ≥ LONG_ROW elements in whole 16-byte words take
+    the typed CTA-per-row tasks (the reduction a template argument) and a task per row; short
+    rows and rows off 16-byte words keep the general tasks and tiles of several rows."""
+    from mpk.megakernel.codegen import aligned_inputs, row_vector_ctype
+
+    tables = _sampling_head_tables()
+    got = {}
+    for i, o in enumerate(tables.ops):
+        meta = tables.meta["ops"][i]
+        if meta["kind"] in ("reduce", "softmax"):
+            got[meta["name"]] = (row_vector_ctype(tables, i), int(o["grid"][0]))
+    assert got == {"argmax": ("__nv_bfloat16", 3), "softmax": ("__nv_bfloat16", 3), "sum_1": ("float", 3),
+                   "amax": ("__nv_bfloat16", 3), "argmax_1": (None, 2), "softmax_1": (None, 16),
+                   "softmax_2": ("float", 2), "mean": ("float", 2), "argmax_2": (None, 3)}, got
+    src = generate(tables)
+    for inst in ("reduce_rows<__nv_bfloat16, 3>", "reduce_rows<float, 0>", "reduce_rows<__nv_bfloat16, 2>",
+                 "reduce_rows<float, 1>", "softmax_rows<__nv_bfloat16, __nv_bfloat16>", "softmax_rows<float, float>",
+                 "task_reduce(", "task_softmax("):
+        assert src.count(f"mpk::{inst}") == 1, inst
+    assert {tables.meta["buffers"][b]["name"] for b in aligned_inputs(tables)} == {"logits", "f32"}
 
 
 def _paged_attention_tables(index_dtypes):

@@ -148,10 +148,13 @@ def test_silu_mul_matches_float64(rows, n, tiles, variant):
     assert relative_error(out, ref) <= BF16_TOL
 
 
+# (1, 151936), (16, 32000): the CTA-per-row task; (3, 1001): the general one (rows off 16-byte words)
 @pytest.mark.parametrize("rows,vocab", [(1, 151936), (3, 1001), (16, 32000)])
 def test_argmax_picks_the_first_largest_logit(rows, vocab):
     """Greedy decoding's argmax over bf16 logits: torch's index on every row, with a planted
     tie (the first of two equal maxima wins) and, with several rows, a NaN (torch returns it)."""
+    from mpk.megakernel.codegen import row_vector_ctype
+
     x = torch.randn(rows, vocab, device=DEV).bfloat16()
     i, j = sorted(random.sample(range(vocab), 2))
     x[0, i] = x[0, j] = x[0].float().max() + 1
@@ -159,7 +162,52 @@ def test_argmax_picks_the_first_largest_logit(rows, vocab):
         x[1, random.randrange(vocab)] = float("nan")
     out = _gpu_compile(lambda x: torch.argmax(x, -1))(x)
     assert [op.kind for op in COMPILED[-1].graph.ops] == ["reduce"]
+    assert (row_vector_ctype(COMPILED[-1].tables, 0) is not None) == (vocab % 8 == 0)
     assert torch.equal(out, torch.argmax(x, -1)) and int(out[0]) == i
+
+
+# long rows (the CTA-per-row tasks) in bf16 and fp32, a vocabulary and lengths just over LONG_ROW
+@pytest.mark.parametrize("rows,n,dtype", [(2, 151936, torch.bfloat16), (5, 4104, torch.float32),
+                                          (16, 32000, torch.bfloat16)])
+def test_long_row_reductions_match_float64(rows, n, dtype):
+    """sum, mean and amax over long rows against float64: sums within the output dtype's
+    rounding (2^-8 relative for bf16) plus 1e-5 of Σ|x|, amax exact, and a planted NaN
+    propagated as torch does."""
+    from mpk.megakernel.codegen import row_vector_ctype
+
+    x = (1 + torch.randn(rows, n, device=DEV)).to(dtype)
+    x[-1, random.randrange(n)] = float("nan")
+    total, mean, top = _gpu_compile(lambda x: (x.sum(-1), x.mean(-1), x.amax(-1)))(x)
+    tables = COMPILED[-1].tables
+    assert sorted(row_vector_ctype(tables, i) is not None for i, m in enumerate(tables.meta["ops"])
+                  if m["kind"] == "reduce") == [True] * 3
+    ref, scale = x[:-1].double(), x[:-1].double().abs().sum(-1)
+    rel = 2.0 ** -8 if dtype == torch.bfloat16 else 0.0
+    for out, want, slack in ((total, ref.sum(-1), 1e-5 * scale), (mean, ref.mean(-1), 1e-5 * scale / n)):
+        assert ((out[:-1].double() - want).abs() <= rel * want.abs() + slack).all()
+        assert out[-1].isnan()
+    assert torch.equal(top[:-1], x[:-1].amax(-1)) and top[-1].isnan()
+
+
+@pytest.mark.parametrize("rows,n,dtype", [(3, 151936, torch.bfloat16), (6, 8200, torch.float32)])
+def test_long_row_softmax_matches_float64(rows, n, dtype):
+    """Sampling's softmax over long rows against float64, elementwise within one rounding of
+    the output dtype relative to the value (plus 1e-7 for probabilities near 0): on rows with
+    a large spread, one with masked (−inf) logits, and one with a NaN (all NaN, as torch)."""
+    from mpk.megakernel.codegen import row_vector_ctype
+
+    x = (4 * torch.randn(rows, n, device=DEV)).to(dtype)
+    if rows > 2:
+        x[1, torch.randperm(n, device=DEV)[: n // 2]] = float("-inf")
+        x[2, random.randrange(n)] = float("nan")
+    out = _gpu_compile(lambda x: torch.softmax(x, -1))(x)
+    assert row_vector_ctype(COMPILED[-1].tables, 0) == ("__nv_bfloat16" if dtype == torch.bfloat16 else "float")
+    ref = torch.softmax(x.double(), -1)
+    finite = ~ref.isnan()
+    rel = 2.0 ** -8 if dtype == torch.bfloat16 else 1e-5
+    err = (out.double() - ref).abs()[finite]
+    assert (err <= rel * ref[finite] + 1e-7).all(), err.max()
+    assert torch.equal(out.isnan(), ~finite)
 
 
 def _rope_inputs(page_size: int, dim: int, qk_norm: bool, heads: int = 8, kv_heads: int = 2):

@@ -142,6 +142,21 @@ __device__ __forceinline__ void load_vec(const T* p, float (&out)[kN]) {
   for (int i = 0; i < kN; ++i) out[i] = to_f(e[i]);
 }
 
+// kN floats to consecutive elements of T at p (aligned to their total size, at least 4 bytes),
+// in the widest stores that size allows: load_vec's mirror.
+template <int kN, typename T>
+__device__ __forceinline__ void store_vec(T* p, const float (&v)[kN]) {
+  constexpr int kBytes = kN * static_cast<int>(sizeof(T));
+  static_assert(kBytes % 4 == 0, "store_vec writes whole 4-byte words");
+  using W = std::conditional_t<kBytes % 16 == 0, uint4, std::conditional_t<kBytes % 8 == 0, uint2, uint32_t>>;
+  W raw[kBytes / sizeof(W)];
+  T* e = reinterpret_cast<T*>(raw);
+#pragma unroll
+  for (int i = 0; i < kN; ++i) e[i] = from_f<T>(v[i]);
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(kBytes / sizeof(W)); ++i) reinterpret_cast<W*>(p)[i] = raw[i];
+}
+
 // Σ v² over the 8 bf16 elements of a 16-byte word, in fp32.
 __device__ __forceinline__ float sum_squares8(uint4 a) {
   const auto* h = reinterpret_cast<const __nv_bfloat162*>(&a);
@@ -245,11 +260,12 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // max that propagates NaN, as torch.amax does
+__device__ __forceinline__ float max_nan(float a, float b) {
+  return (a != a || b != b) ? (a != a ? a : b) : fmaxf(a, b);
+}
+
 __device__ __forceinline__ float warp_max_nan(float v) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const float w = __shfl_xor_sync(0xffffffffu, v, o);
-    v = (v != v || w != w) ? (v != v ? v : w) : fmaxf(v, w);
-  }
+  for (int o = 16; o > 0; o >>= 1) v = max_nan(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 

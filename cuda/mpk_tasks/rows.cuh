@@ -5,7 +5,7 @@
 
 namespace mpk {
 
-enum ReduceFn : int { kSum, kMean, kAmax, kArgmax };
+enum ReduceFn : int { kSum, kMean, kAmax, kArgmax };  // the order of mpk.ops.rows.REDUCE_FNS
 
 // Rows of the tile: the rect over all dims but the last (whose extent is the row length).
 #define MPK_FOR_ROWS(c, r, idx)                                                         \
@@ -19,9 +19,38 @@ __device__ __forceinline__ float ld(const OpC& c, const TaskEnv& env, int input,
   return load_f(env.buffers[v.buffer], v.dtype, view_index(v, idx, c.ndim));
 }
 
-// reduce: the input has the output's leading dims plus the reduced last dim.
+// Whether (ov, oa) comes before (acc, arg) in torch.argmax's order: the first NaN, else the
+// first largest value.
+__device__ __forceinline__ bool argmax_before(float ov, long long oa, float acc, long long arg) {
+  const bool o_nan = ov != ov, a_nan = acc != acc;
+  return o_nan ? (!a_nan || oa < arg) : (!a_nan && (ov > acc || (ov == acc && oa < arg)));
+}
+
+// One element (value v at index j) into a running argmax whose indices so far are all below j.
+__device__ __forceinline__ void argmax_add(float& acc, long long& arg, float v, long long j) {
+  if (v > acc || (v != v && acc == acc)) {
+    acc = v;
+    arg = j;
+  }
+}
+
+__device__ __forceinline__ void warp_argmax(float& acc, long long& arg) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, acc, o);
+    const long long oa = __shfl_xor_sync(0xffffffffu, arg, o);
+    if (argmax_before(ov, oa, acc, arg)) {
+      acc = ov;
+      arg = oa;
+    }
+  }
+}
+
+// reduce: the input has the output's leading dims plus the reduced last dim. iparam[0] keepdim,
+// iparam[1] the function (ReduceFn). One warp per row, any view and dtype; long contiguous rows
+// take reduce_rows below.
 __device__ void task_reduce(const OpC& c, const Rect& r, const TaskEnv& env) {
   const ViewC& x = c.in[0];
+  const int fn = static_cast<int>(c.iparam[1]);
   const int lead = x.ndim - 1;
   const long long len = x.shape[x.ndim - 1];
   const int out_rows_ndim = c.iparam[0] ? c.ndim - 1 : c.ndim;  // keepdim leaves a size-1 dim
@@ -30,35 +59,117 @@ __device__ void task_reduce(const OpC& c, const Rect& r, const TaskEnv& env) {
   for (long long row = threadIdx.x >> 5; row < nrows; row += blockDim.x >> 5) {
     long long idx[kMaxDims];
     rect_unravel(r, out_rows_ndim, row, idx);
-    float acc = c.variant == kAmax || c.variant == kArgmax ? -INFINITY : 0.f;
+    float acc = fn == kAmax || fn == kArgmax ? -INFINITY : 0.f;
     long long arg = 0;
     for (long long j = lane; j < len; j += 32) {
       idx[lead] = j;
       const float v = load_f(env.buffers[x.buffer], x.dtype, view_index(x, idx, x.ndim));
-      if (c.variant == kArgmax) {
-        if (v > acc || (v != v && acc == acc)) { acc = v; arg = j; }  // first max; NaN wins like torch
-      } else if (c.variant == kAmax) {
-        acc = (v != v || acc != acc) ? (acc != acc ? acc : v) : fmaxf(acc, v);  // NaN propagates like torch
-      } else {
-        acc += v;
-      }
+      if (fn == kArgmax) argmax_add(acc, arg, v, j);
+      else if (fn == kAmax) acc = max_nan(acc, v);  // NaN propagates like torch
+      else acc += v;
     }
-    if (c.variant == kArgmax) {
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, acc, o);
-        const long long oa = __shfl_xor_sync(0xffffffffu, arg, o);
-        const bool o_nan = ov != ov, a_nan = acc != acc;  // torch: the first NaN wins, else the first max
-        if (o_nan ? (!a_nan || oa < arg) : (!a_nan && (ov > acc || (ov == acc && oa < arg)))) { acc = ov; arg = oa; }
-      }
-    } else {
-      acc = c.variant == kAmax ? warp_max_nan(acc) : warp_sum(acc);
-    }
+    if (fn == kArgmax) warp_argmax(acc, arg);
+    else acc = fn == kAmax ? warp_max_nan(acc) : warp_sum(acc);
     if (lane == 0) {
       if (c.iparam[0]) idx[c.ndim - 1] = 0;
       const long long o = ravel(idx, c.out_shape, c.ndim);
-      if (c.variant == kArgmax) store_i(env.buffers[c.out_buffer], c.out_dtype, o, arg);
-      else store_f(env.buffers[c.out_buffer], c.out_dtype, o, c.variant == kMean ? acc / len : acc);
+      if (fn == kArgmax) store_i(env.buffers[c.out_buffer], c.out_dtype, o, arg);
+      else store_f(env.buffers[c.out_buffer], c.out_dtype, o, fn == kMean ? acc / len : acc);
     }
+  }
+}
+
+// --- long contiguous rows: the whole CTA on one row ------------------------------------------
+// reduce_rows and softmax_rows serve rows of at least mpk.ops.rows.LONG_ROW elements that are
+// contiguous and in whole 16-byte words (codegen: row_vector_ctype) — a vocabulary of logits:
+// greedy decoding's argmax, sampling's softmax. One warp walking 150 K elements with scalar
+// loads keeps too few bytes in flight; here every thread keeps kRowInFlight 16-byte loads in
+// flight (64 KiB per CTA) and the partition gives each such row a task of its own.
+constexpr int kRowInFlight = 16;
+
+// f(e, j) for every 16-byte word of the contiguous row at p (len elements, a multiple of the
+// word's kE) that this thread owns: e its kE elements as floats, j the index of e[0]. A thread
+// sees its words in increasing index order; a round's loads all go out before its first f.
+template <typename T, typename F>
+__device__ __forceinline__ void for_row_words(const T* p, long long len, F f) {
+  constexpr int kE = 16 / static_cast<int>(sizeof(T));
+  const uint4* pv = reinterpret_cast<const uint4*>(p);
+  const long long words = len / kE, step = blockDim.x;
+  for (long long w0 = threadIdx.x; w0 < words; w0 += kRowInFlight * step) {
+    uint4 raw[kRowInFlight];
+#pragma unroll
+    for (int u = 0; u < kRowInFlight; ++u) raw[u] = w0 + u * step < words ? pv[w0 + u * step] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < kRowInFlight; ++u) {
+      if (w0 + u * step >= words) break;
+      float e[kE];
+      load_vec<kE>(reinterpret_cast<const T*>(&raw[u]), e);
+      f(e, (w0 + u * step) * kE);
+    }
+  }
+}
+
+// The start of the input row (and its output element's index) of row `row` of the tile: the
+// leading indices of the output tile, the reduced dim at 0.
+__device__ __forceinline__ long long row_start(const OpC& c, const Rect& r, int rows_ndim, long long row,
+                                               long long* idx) {
+  const ViewC& x = c.in[0];
+  rect_unravel(r, rows_ndim, row, idx);
+  idx[x.ndim - 1] = 0;
+  return view_index(x, idx, x.ndim);
+}
+
+// reduce over long rows (kFn a ReduceFn); each thread folds its words, the warps reduce with
+// shuffles and thread 0 folds the warps in warp order (sums are deterministic).
+template <typename T, int kFn>
+__device__ __noinline__ void reduce_rows(const OpC& c, const Rect& r, const TaskEnv& env) {
+  constexpr int kE = 16 / static_cast<int>(sizeof(T));
+  const ViewC& x = c.in[0];
+  const long long len = x.shape[x.ndim - 1];
+  const int rows_ndim = c.iparam[0] ? c.ndim - 1 : c.ndim;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float* red = scratch();
+  long long* red_arg = reinterpret_cast<long long*>(red + 32);
+  const long long nrows = rect_numel(r, rows_ndim);
+  for (long long row = 0; row < nrows; ++row) {
+    long long idx[kMaxDims];
+    const T* p = static_cast<const T*>(env.buffers[x.buffer]) + row_start(c, r, rows_ndim, row, idx);
+    float acc = kFn == kAmax || kFn == kArgmax ? -INFINITY : 0.f;
+    long long arg = 0;
+    for_row_words<T>(p, len, [&](const float (&e)[kE], long long j) {
+#pragma unroll
+      for (int i = 0; i < kE; ++i) {
+        if constexpr (kFn == kArgmax) argmax_add(acc, arg, e[i], j + i);
+        else if constexpr (kFn == kAmax) acc = max_nan(acc, e[i]);
+        else acc += e[i];
+      }
+    });
+    if constexpr (kFn == kArgmax) warp_argmax(acc, arg);
+    else acc = kFn == kAmax ? warp_max_nan(acc) : warp_sum(acc);
+    if (lane == 0) {
+      red[warp] = acc;
+      red_arg[warp] = arg;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      acc = red[0];
+      arg = red_arg[0];
+      for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) {
+        if constexpr (kFn == kArgmax) {
+          if (argmax_before(red[w], red_arg[w], acc, arg)) {
+            acc = red[w];
+            arg = red_arg[w];
+          }
+        } else {
+          acc = kFn == kAmax ? max_nan(acc, red[w]) : acc + red[w];
+        }
+      }
+      if (c.iparam[0]) idx[c.ndim - 1] = 0;
+      const long long o = ravel(idx, c.out_shape, c.ndim);
+      if constexpr (kFn == kArgmax) store_i(env.buffers[c.out_buffer], c.out_dtype, o, arg);
+      else store_f(env.buffers[c.out_buffer], c.out_dtype, o, kFn == kMean ? acc / len : acc);
+    }
+    __syncthreads();  // red is rewritten by the next row
   }
 }
 
@@ -76,6 +187,66 @@ __device__ void task_softmax(const OpC& c, const Rect& r, const TaskEnv& env) {
       idx[c.ndim - 1] = j;
       store_f(out, c.out_dtype, ravel(idx, c.out_shape, c.ndim), expf(ld(c, env, 0, idx) - m) / s);
     }
+  }
+}
+
+// (m, s) ⊕ (om, os) for softmax's running (max, Σ e^(x − max)); an empty side has m = −inf,
+// s = 0; a NaN sum stays (torch: a NaN anywhere in the row makes the whole row NaN).
+__device__ __forceinline__ void softmax_fold(float& m, float& s, float om, float os) {
+  if (os != os) {
+    s = os;
+    return;
+  }
+  const float mn = fmaxf(m, om);
+  if (mn == -INFINITY) return;
+  s = s * expf(m - mn) + os * expf(om - mn);
+  m = mn;
+}
+
+// softmax over long rows of T into O: one pass for each thread's (max, Σ e^(x − max)) over its
+// words (a NaN makes the sum, and so the row, NaN as in torch), combined over the warps in warp
+// order by every thread, then a second pass (the row again, from L2) writes e^(x − max) / Σ.
+template <typename T, typename O>
+__device__ __noinline__ void softmax_rows(const OpC& c, const Rect& r, const TaskEnv& env) {
+  constexpr int kE = 16 / static_cast<int>(sizeof(T));
+  const ViewC& x = c.in[0];
+  const long long len = c.out_shape[c.ndim - 1];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float* red = scratch();
+  const long long nrows = rect_numel(r, c.ndim - 1);
+  for (long long row = 0; row < nrows; ++row) {
+    long long idx[kMaxDims];
+    const T* p = static_cast<const T*>(env.buffers[x.buffer]) + row_start(c, r, c.ndim - 1, row, idx);
+    O* out = static_cast<O*>(env.buffers[c.out_buffer]) + ravel(idx, c.out_shape, c.ndim);
+    float m = -INFINITY, s = 0.f;
+    for_row_words<T>(p, len, [&](const float (&e)[kE], long long) {
+      float wm = e[0], ws = 0.f;
+#pragma unroll
+      for (int i = 1; i < kE; ++i) wm = max_nan(wm, e[i]);
+      if (wm == -INFINITY) return;  // (−inf, 0): nothing to add
+#pragma unroll
+      for (int i = 0; i < kE; ++i) ws += expf(e[i] - wm);  // NaN when the word holds one
+      softmax_fold(m, s, wm, ws);
+    });
+    for (int o = 16; o > 0; o >>= 1) {
+      const float om = __shfl_xor_sync(0xffffffffu, m, o), os = __shfl_xor_sync(0xffffffffu, s, o);
+      softmax_fold(m, s, om, os);
+    }
+    if (lane == 0) {
+      red[2 * warp] = m;
+      red[2 * warp + 1] = s;
+    }
+    __syncthreads();
+    m = red[0];
+    s = red[1];
+    for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) softmax_fold(m, s, red[2 * w], red[2 * w + 1]);
+    for_row_words<T>(p, len, [&](const float (&e)[kE], long long j) {
+      float y[kE];
+#pragma unroll
+      for (int i = 0; i < kE; ++i) y[i] = expf(e[i] - m) / s;
+      store_vec<kE>(out + j, y);
+    });
+    __syncthreads();  // red is rewritten by the next row
   }
 }
 

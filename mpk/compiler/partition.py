@@ -28,6 +28,7 @@ from mpk.compiler.taskgraph import OpTiles, TaskGraph
 from mpk.errors import CompileError
 from mpk.ir.opgraph import Op, OpGraph
 from mpk.ops import OpSig, get_op
+from mpk.ops.registry import min_tile_elems
 
 PartitionSpec = Sequence[int] | Mapping[int, int]
 
@@ -118,7 +119,7 @@ def _narrow_producer_tasks(graph: OpGraph, op: Op, sig: OpSig, tiles: list[OpTil
 def _default_grid(opdef, sig: OpSig, num_workers: int) -> tuple[int, ...]:
     splittable = opdef.splittable(sig)
     grid = [1] * len(sig.out_shape)
-    budget = max(1, min(num_workers, prod(sig.out_shape) // max(1, opdef.min_tile_elems)))
+    budget = max(1, min(num_workers, prod(sig.out_shape) // max(1, min_tile_elems(opdef, sig))))
     for d in opdef.split_order(sig):
         room = budget // prod(grid)
         if room <= 1:

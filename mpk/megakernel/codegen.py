@@ -17,7 +17,7 @@ from mpk.compiler.tables import DTYPE_CODE, MAX_DIMS, ROLE_INPUT, Tables
 from mpk.errors import CompileError
 from mpk.ops.linalg import NORM_TILE_BYTES
 from mpk.ops.pointwise import POINTWISE_FNS
-from mpk.ops.rows import REDUCE_FNS
+from mpk.ops.rows import LONG_ROW, REDUCE_FNS
 
 MAX_INPUTS = 8
 OPC_BYTES = 1424  # sizeof(mpk::OpC); the generated source static_asserts it
@@ -49,7 +49,7 @@ def _dtype_code(name: str) -> int:
 ENCODERS: dict[str, Callable[[dict], Params]] = {
     "pointwise": _pointwise,
     "silu_mul": lambda a: (0, [], []),
-    "reduce": lambda a: (_REDUCE_IDS[a["fn"]], [int(a["keepdim"])], []),
+    "reduce": lambda a: (0, [int(a["keepdim"]), _REDUCE_IDS[a["fn"]]], []),
     "softmax": lambda a: (0, [], []),
     "layer_norm": lambda a: (0, [int(a["has_weight"]), int(a["has_bias"])], [a["eps"]]),
     "rms_norm": lambda a: (0, [int(a["has_weight"]), _dtype_code(a["norm_dtype"])], [a["eps"]]),
@@ -190,16 +190,38 @@ def silu_mul_variant(tables: Tables, op: int) -> int:
     return int(int(out["dtype"]) == BF16 and all((i * N // g) % 8 == 0 for i in range(g + 1)))
 
 
+def row_vector_ctype(tables: Tables, op: int) -> str | None:
+    """The element type of a reduce or softmax op's CTA-per-row variant (rows.cuh: reduce_rows,
+    softmax_rows) when its rows are long (≥ ``mpk.ops.rows.LONG_ROW`` elements) and read in whole
+    16-byte words — float, half or bfloat16, unit stride, the offset, the other strides and the
+    length multiples of a word (and, for softmax, an output of one of those types); else None,
+    and the op's task is the general one-warp-per-row form."""
+    x = _op_views(tables, op)[0]
+    nd = int(x["ndim"])
+    ctype = _CTYPE_OF_CODE.get(int(tables.buffers[int(x["buffer"])]["dtype"]))
+    if ctype is None or nd == 0:
+        return None
+    vec = 16 // DTYPE_SIZE[ctype]
+    shape, strides = [int(n) for n in x["shape"][:nd]], [int(st) for st in x["strides"][:nd]]
+    ok = (shape[-1] >= LONG_ROW and shape[-1] % vec == 0 and strides[-1] == 1 and int(x["offset"]) % vec == 0
+          and all(st % vec == 0 for n, st in zip(shape[:-1], strides[:-1]) if n > 1))
+    if tables.meta["ops"][op]["kind"] == "softmax":
+        ok = ok and int(tables.buffers[int(tables.ops[op]["output"])]["dtype"]) in _CTYPE_OF_CODE
+    return ctype if ok else None
+
+
 def aligned_inputs(tables: Tables) -> set[int]:
     """Input buffers that tasks read with vector loads (variant-1 linear, rms_norm and silu_mul
-    operands; attn_partial's q and cache; rope_attn_partial's cache, whose rows it copies in
-    16-byte pieces): the executor refuses them at addresses not 16-byte aligned."""
+    operands; long rows of reduce and softmax; attn_partial's q and cache; rope_attn_partial's
+    cache, whose rows it copies in 16-byte pieces): the executor refuses them at addresses not
+    16-byte aligned."""
     need: set[int] = set()
     for i, o in enumerate(tables.ops):
         kind = tables.meta["ops"][i]["kind"]
         vector = ((kind in LINEAR_KINDS and linear_variant(tables, i))
                   or (kind == "rms_norm" and rms_norm_variant(tables, i))
-                  or (kind == "silu_mul" and silu_mul_variant(tables, i)) or kind == "attn_partial")
+                  or (kind == "silu_mul" and silu_mul_variant(tables, i)) or kind == "attn_partial"
+                  or (kind in ROW_KINDS and row_vector_ctype(tables, i)))
         views = tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]
         for v in views if vector else views[5:6] if kind == "rope_attn_partial" else ():
             buf = int(tables.views[int(v)]["buffer"])
@@ -297,12 +319,26 @@ def _paged_task(tables: Tables, op: int) -> str:
     return f"mpk::attn_merge_impl<{D // 32}, {_one_ctype(tables, op, name, [], True)}>"
 
 
+ROW_KINDS = ("reduce", "softmax")  # row_vector_ctype's kinds
+
+
+def _row_task(tables: Tables, op: int) -> str:
+    """A reduce or softmax op's task: the typed CTA-per-row template where row_vector_ctype
+    allows it (the reduction a template argument), else the general task."""
+    meta = tables.meta["ops"][op]
+    ctype = row_vector_ctype(tables, op)
+    if meta["kind"] == "reduce":
+        return f"mpk::reduce_rows<{ctype}, {_REDUCE_IDS[meta['attrs']['fn']]}>" if ctype else "mpk::task_reduce"
+    out = _CTYPE_OF_CODE.get(int(tables.buffers[int(tables.ops[op]["output"])]["dtype"]))
+    return f"mpk::softmax_rows<{ctype}, {out}>" if ctype else "mpk::task_softmax"
+
+
 # Kinds whose CUDA task is a template instantiated per op from the tables: the generated
 # dispatch names the instantiation (c.variant selects among an op type's instantiations), so
 # only the combinations a graph uses are compiled.
 SPECIALIZED: dict[str, Callable[[Tables, int], str]] = {
     "rope_append": _paged_task, "attn_partial": _paged_task, "rope_attn_partial": _paged_task,
-    "attn_merge": _paged_task,
+    "attn_merge": _paged_task, "reduce": _row_task, "softmax": _row_task,
 }
 
 

@@ -50,7 +50,9 @@ class OpDef:
     cpu: Callable[[OpSig, Rect, list[torch.Tensor | None]], torch.Tensor]
     splittable: Callable[[OpSig], tuple[bool, ...]] = _all_dims
     split_order: Callable[[OpSig], list[int]] = _largest_first
-    min_tile_elems: int = 1024  # default partitioning keeps tiles at least this large
+    # default partitioning keeps tiles at least this large (output elements; a function of the
+    # op's signature where the work per element varies, as a reduction's row length)
+    min_tile_elems: int | Callable[[OpSig], int] = 1024
     data_dependent: bool = False
     # its tasks take several µs however small their tile (a chain of dependent loads: paged
     # attention), so a narrow op of this kind holds its workers long (partition.py)
@@ -68,6 +70,12 @@ def register(opdef: OpDef) -> OpDef:
     REGISTRY[opdef.kind] = opdef
     _BY_TYPE_ID[opdef.type_id] = opdef
     return opdef
+
+
+def min_tile_elems(opdef: OpDef, sig: OpSig) -> int:
+    """The smallest tile (output elements) default partitioning gives an op of ``opdef``."""
+    m = opdef.min_tile_elems
+    return m(sig) if callable(m) else m
 
 
 def get_op(kind: str) -> OpDef:

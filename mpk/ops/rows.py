@@ -11,6 +11,12 @@ import torch.nn.functional as F
 
 from mpk.ops.registry import OpDef, OpSig, all_but_last, register, rows_region
 
+# A row at least this long is a task's work by itself: its reduce tiles hold one row each, and
+# the CUDA tasks give such a row (contiguous, in 16-byte words) the whole CTA
+# (cuda/mpk_tasks/rows.cuh: reduce_rows, softmax_rows) — a vocabulary of logits, where one warp
+# per row with scalar loads keeps too few bytes in flight.
+LONG_ROW = 4096
+
 REDUCE_FNS = {
     "sum": lambda x, k: torch.sum(x, dim=-1, keepdim=k),
     "mean": lambda x, k: torch.mean(x, dim=-1, keepdim=k),
@@ -29,9 +35,13 @@ def _reduce_cpu(sig: OpSig, rect, xs):
     return REDUCE_FNS[sig.attrs["fn"]](xs[0], sig.attrs["keepdim"]).to(sig.out_dtype)
 
 
+def _reduce_min_tile(sig: OpSig) -> int:
+    return 1 if sig.in_shapes[0][-1] >= LONG_ROW else 8
+
+
 register(OpDef(
     kind="reduce", type_id=10, input_regions=_reduce_regions, cpu=_reduce_cpu,
-    min_tile_elems=8, doc="out = fn(x, dim=-1, keepdim)",
+    min_tile_elems=_reduce_min_tile, doc="out = fn(x, dim=-1, keepdim)",
 ))
 
 
