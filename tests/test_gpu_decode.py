@@ -376,22 +376,36 @@ def test_compiled_decode_matches_eager(family, page_size, batch, options, shape,
         assert "rms_matmul" not in kinds and kinds.count("rms_norm") == 2 * cfg.layers + 1
 
 
-def test_one_kernel_launch_per_step():
-    cfg = small("qwen3")
+def _cuda_kernels(fn, *args) -> list[str]:
+    """The CUDA kernels one call of ``fn`` launches (after a first, untraced call that compiles it)."""
+    with torch.no_grad():
+        fn(*args)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn(*args)
+            torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+
+
+# vocab 1000: the general argmax task; 8192: the CTA-per-row one
+@pytest.mark.parametrize("vocab", [1000, 8192])
+def test_one_kernel_launch_per_step(vocab):
+    """A decode step is one launch, and so is a greedy step (the step's logits and their
+    argmax in one graph), whose tokens are the argmax of the logits step's output on the same
+    cache (the append of the same token is idempotent, so both see one state)."""
+    cfg = small("qwen3", vocab=vocab)
     model = DecoderLM(cfg, torch.bfloat16, DEV, max_len=64).randomize()
     step = _gpu_compile(model)
+    greedy = _gpu_compile(lambda *a: model(*a).argmax(-1))
     kv = PagedKVCache(model, 2, 64, 16)
     kv.grow(5)
     tokens = torch.randint(0, cfg.vocab, (2,), device=DEV)
+    assert _cuda_kernels(step, tokens, *kv.args()) == ["mpk_persistent_kernel"]
+    assert _cuda_kernels(greedy, tokens, *kv.args()) == ["mpk_persistent_kernel"]
     with torch.no_grad():
-        step(tokens, *kv.args())  # compile and build outside the profile
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            step(tokens, *kv.args())
-            torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
-    assert kernels == ["mpk_persistent_kernel"], kernels
+        logits = step(tokens, *kv.args())
+        assert torch.equal(greedy(tokens, *kv.args()), logits.argmax(-1))
 
 
 @pytest.mark.parametrize("name", ["qwen3-small", "llama-small", "qwen3-1.7b"])
