@@ -12,10 +12,11 @@ import torch
 
 from helpers import dense_paged_attention, random_page_table, relative_error
 from mpk.backend import COMPILED
-from mpk.megakernel.codegen import linear_variant
+from mpk.megakernel.codegen import linear_variant, row_vector_ctype
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache
 from mpk.models.parity import compare_logits, decode_logits, hf_logits, hf_twin
 from mpk.ops.linalg import NORM_TILE_BYTES
+from mpk.ops.rows import LONG_ROW
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -148,44 +149,51 @@ def test_silu_mul_matches_float64(rows, n, tiles, variant):
     assert relative_error(out, ref) <= BF16_TOL
 
 
-# (1, 151936), (16, 32000): the CTA-per-row task; (3, 1001): the general one (rows off 16-byte words)
-@pytest.mark.parametrize("rows,vocab", [(1, 151936), (3, 1001), (16, 32000)])
-def test_argmax_picks_the_first_largest_logit(rows, vocab):
-    """Greedy decoding's argmax over bf16 logits: torch's index on every row, with a planted
-    tie (the first of two equal maxima wins) and, with several rows, a NaN (torch returns it)."""
-    from mpk.megakernel.codegen import row_vector_ctype
-
-    x = torch.randn(rows, vocab, device=DEV).bfloat16()
+# (1, 151936), (16, 32000), fp32 (5, 8192): the CTA-per-row task; (3, 1001): the general one
+# (rows off 16-byte words)
+@pytest.mark.parametrize("rows,vocab,dtype", [(1, 151936, torch.bfloat16), (3, 1001, torch.bfloat16),
+                                              (16, 32000, torch.bfloat16), (5, 8192, torch.float32)])
+def test_argmax_picks_the_first_largest_logit(rows, vocab, dtype):
+    """Greedy decoding's argmax over logits: torch's index on every row (also with keepdim),
+    with a planted tie (the first of two equal maxima wins) and, with several rows, two NaNs
+    (torch returns the first) and a row of −inf (index 0)."""
+    x = torch.randn(rows, vocab, device=DEV).to(dtype)
     i, j = sorted(random.sample(range(vocab), 2))
     x[0, i] = x[0, j] = x[0].float().max() + 1
-    if rows > 1:
-        x[1, random.randrange(vocab)] = float("nan")
-    out = _gpu_compile(lambda x: torch.argmax(x, -1))(x)
-    assert [op.kind for op in COMPILED[-1].graph.ops] == ["reduce"]
-    assert (row_vector_ctype(COMPILED[-1].tables, 0) is not None) == (vocab % 8 == 0)
+    if rows > 2:
+        x[1, random.sample(range(vocab), 2)] = float("nan")
+        x[2] = float("-inf")
+    out, kept = _gpu_compile(lambda x: (torch.argmax(x, -1), torch.argmax(x, -1, keepdim=True)))(x)
+    tables = COMPILED[-1].tables
+    assert [op.kind for op in COMPILED[-1].graph.ops] == ["reduce", "reduce"]
+    assert [row_vector_ctype(tables, k) is not None for k in range(2)] == [vocab % 8 == 0] * 2
     assert torch.equal(out, torch.argmax(x, -1)) and int(out[0]) == i
+    assert torch.equal(kept, torch.argmax(x, -1, keepdim=True))
 
 
-# long rows (the CTA-per-row tasks) in bf16 and fp32, a vocabulary and lengths just over LONG_ROW
-@pytest.mark.parametrize("rows,n,dtype", [(2, 151936, torch.bfloat16), (5, 4104, torch.float32),
-                                          (16, 32000, torch.bfloat16)])
-def test_long_row_reductions_match_float64(rows, n, dtype):
+# long rows (the CTA-per-row tasks) in bf16 and fp32, a vocabulary and lengths just over
+# LONG_ROW, each also through a view that starts a word in; one_task: every row in one task
+@pytest.mark.parametrize("rows,n,dtype,one_task", [(2, 151936, torch.bfloat16, False), (5, 4104, torch.float32, True),
+                                                   (16, 32000, torch.bfloat16, False)])
+def test_long_row_reductions_match_float64(rows, n, dtype, one_task):
     """sum, mean and amax over long rows against float64: sums within the output dtype's
     rounding (2^-8 relative for bf16) plus 1e-5 of Σ|x|, amax exact, and a planted NaN
     propagated as torch does."""
-    from mpk.megakernel.codegen import row_vector_ctype
-
     x = (1 + torch.randn(rows, n, device=DEV)).to(dtype)
     x[-1, random.randrange(n)] = float("nan")
-    total, mean, top = _gpu_compile(lambda x: (x.sum(-1), x.mean(-1), x.amax(-1)))(x)
+    fn = _gpu_compile(lambda x: (x.sum(-1), x.mean(-1), x.amax(-1), x[:, 8:].sum(-1)),
+                      **({"partition": {"reduce": [1]}} if one_task else {}))
+    total, mean, top, tail = fn(x)
     tables = COMPILED[-1].tables
-    assert sorted(row_vector_ctype(tables, i) is not None for i, m in enumerate(tables.meta["ops"])
-                  if m["kind"] == "reduce") == [True] * 3
-    ref, scale = x[:-1].double(), x[:-1].double().abs().sum(-1)
+    reduces = [i for i, m in enumerate(tables.meta["ops"]) if m["kind"] == "reduce"]
+    assert len(reduces) == 4 and all(row_vector_ctype(tables, i) for i in reduces)
+    assert all(int(tables.ops[i]["grid"][0]) == (1 if one_task else rows) for i in reduces)
+    ref = x[:-1].double()
     rel = 2.0 ** -8 if dtype == torch.bfloat16 else 0.0
-    for out, want, slack in ((total, ref.sum(-1), 1e-5 * scale), (mean, ref.mean(-1), 1e-5 * scale / n)):
-        assert ((out[:-1].double() - want).abs() <= rel * want.abs() + slack).all()
-        assert out[-1].isnan()
+    for out, want, scale in ((total, ref.sum(-1), ref.abs().sum(-1)), (mean, ref.mean(-1), ref.abs().mean(-1)),
+                             (tail, ref[:, 8:].sum(-1), ref[:, 8:].abs().sum(-1))):
+        assert ((out[:-1].double() - want).abs() <= rel * want.abs() + 1e-5 * scale).all()
+    assert total[-1].isnan() and mean[-1].isnan()
     assert torch.equal(top[:-1], x[:-1].amax(-1)) and top[-1].isnan()
 
 
@@ -194,8 +202,6 @@ def test_long_row_softmax_matches_float64(rows, n, dtype):
     """Sampling's softmax over long rows against float64, elementwise within one rounding of
     the output dtype relative to the value (plus 1e-7 for probabilities near 0): on rows with
     a large spread, one with masked (−inf) logits, and one with a NaN (all NaN, as torch)."""
-    from mpk.megakernel.codegen import row_vector_ctype
-
     x = (4 * torch.randn(rows, n, device=DEV)).to(dtype)
     if rows > 2:
         x[1, torch.randperm(n, device=DEV)[: n // 2]] = float("-inf")
@@ -406,6 +412,9 @@ def test_one_kernel_launch_per_step(vocab):
     with torch.no_grad():
         logits = step(tokens, *kv.args())
         assert torch.equal(greedy(tokens, *kv.args()), logits.argmax(-1))
+    tables = COMPILED[-1].tables
+    assert tables.meta["ops"][-1]["kind"] == "reduce"
+    assert (row_vector_ctype(tables, len(tables.ops) - 1) is not None) == (vocab >= LONG_ROW)
 
 
 @pytest.mark.parametrize("name", ["qwen3-small", "llama-small", "qwen3-1.7b"])
