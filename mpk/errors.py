@@ -33,3 +33,9 @@ class DeadlockError(ScheduleError):
 
 class RaceError(ScheduleError):
     """A task read an element before its producer ran, or two tasks wrote one element."""
+
+
+class BadInputError(MpkError, ValueError):
+    """A graph input held a value its op cannot take (a token id outside the embedding table).
+    The GPU executor raises it after the launch that found it, or, for a launch not waited on,
+    at the next launch or wait; that launch's outputs are not valid."""

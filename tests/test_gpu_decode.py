@@ -132,6 +132,34 @@ def test_embedding_rows_copy_exactly(rows, dim, tiles):
     assert torch.equal(fn(table, ids), table[ids])
 
 
+# tiles 0: the word-copy path; 3 (1000 columns over 3): the general path
+@pytest.mark.parametrize("tiles", [0, 3])
+def test_token_id_outside_the_table_is_reported(tiles):
+    """An id outside the embedding table raises BadInputError naming it, its row and the
+    table's size — after the launch that read it (sync) or at the next launch (sync=False) —
+    and the executor then runs good ids exactly."""
+    from mpk.errors import BadInputError
+
+    table = torch.randn(3000, 1000 if tiles else 2048, device=DEV).bfloat16()
+    good = torch.randint(0, 3000, (4,), device=DEV)
+    for sync in (True, False):
+        bad = good.clone()
+        bad[2] = random.choice([3000, 3000 + random.randrange(10 ** 6), -1 - random.randrange(1000)])
+        fn = _gpu_compile(lambda w, i: torch.nn.functional.embedding(i, w), sync=sync,
+                          **({"partition": {"embedding": [1, tiles]}} if tiles else {}))
+        assert torch.equal(fn(table, good), table[good])
+        torch.cuda.synchronize()
+        expected = rf"token id {int(bad[2])} at row 2 is outside the embedding table's 3000 rows \[0, 3000\)"
+        with pytest.raises(BadInputError, match=expected):
+            fn(table, bad)
+            torch.cuda.synchronize()
+            fn(table, good)  # sync=False: the report of the launch before surfaces here
+        out = fn(table, good)
+        torch.cuda.synchronize()
+        assert torch.equal(out, table[good])
+        torch._dynamo.reset()
+
+
 # (16, 12288): a qwen3-8b MLP at batch 16; (3, 1000, 3): tile bounds off 8-element words, the general path
 @pytest.mark.parametrize("rows,n,tiles,variant", [(1, 8192, 8, 1), (16, 12288, 128, 1), (3, 1000, 3, 0), (5, 528, 2, 1)])
 def test_silu_mul_matches_float64(rows, n, tiles, variant):

@@ -134,6 +134,34 @@ def test_bad_config_and_page_size_are_named():
     model = DecoderLM(small("qwen3"), torch.float32)
     with pytest.raises(ValueError, match="page_size 3"):
         PagedKVCache(model, 1, 8, 3)
+    short = DecoderLM(small("qwen3"), torch.float32, max_len=32)
+    with pytest.raises(ValueError, match="max_len 64 exceeds the model's rope table of 32 positions"):
+        PagedKVCache(short, 2, 64, 16)
+    with pytest.raises(ValueError, match="batch 0"):
+        PagedKVCache(short, 0, 32, 16)
+    kv = PagedKVCache(short, 2, 32, 16)
+    with pytest.raises(ValueError, match=r"grow\(\[1\]\); expected a count ≥ 0 or one per sequence \(2\)"):
+        kv.grow([1])
+    with pytest.raises(ValueError, match=r"grow\(-1\)"):
+        kv.grow(-1)
+    assert kv.lens == [0, 0]  # a refused grow changes nothing
+
+
+def test_token_id_outside_the_vocabulary_is_named():
+    """The compiled decode step (CPU interpreter) refuses a token id outside the vocabulary
+    with BadInputError naming the id, its sequence and the vocabulary size (the GPU executor
+    raises the same: tests/test_gpu_decode.py)."""
+    from mpk.errors import BadInputError
+
+    cfg = small("qwen3")
+    model = DecoderLM(cfg, torch.float32, max_len=16).randomize()
+    step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "cpu"})
+    kv = PagedKVCache(model, 3, 16, 4)
+    kv.grow(1)
+    bad = random.choice([cfg.vocab, cfg.vocab + random.randrange(1000), -1])
+    with torch.no_grad(), pytest.raises(BadInputError, match=rf"token id {bad} at row 1 is outside the embedding "
+                                                             rf"table's {cfg.vocab} rows \[0, {cfg.vocab}\)"):
+        step(torch.tensor([0, bad, 5]), *kv.args())
 
 
 # tiles that split query heads off their groups (rope_append [1, 3, 1] over 4 heads in groups

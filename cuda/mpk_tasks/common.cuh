@@ -417,6 +417,42 @@ struct PhaseTimer {
 struct InputGate;
 __device__ bool wait_gate(InputGate* gate);  // block-wide; false: the wait was abandoned (abort)
 
+// A graph input holding a value its task cannot take (a token id outside the embedding table):
+// the task skips that work, so nothing is read out of bounds, and reports it. The first report
+// of a launch lands in a host-mapped record that the executor raises as BadInputError after the
+// launch (mpk/megakernel/gpu.py: BAD_INPUT_CODES); its epoch names the launch.
+enum BadInputCode : int { kBadTokenId = 1 };
+struct BadInputRecord {
+  int epoch, code, out_buffer, unused;
+  long long row, value, limit;
+};
+}  // namespace mpk
+extern "C" {  // global and unmangled: the executor finds them by name
+__device__ mpk::BadInputRecord* mpk_bad_input;  // the host-mapped record, set once by the executor
+__device__ int mpk_bad_input_claim;             // the latest epoch whose report was taken
+}
+namespace mpk {
+
+// The launch's epoch (the kernels set it at entry, before their first barrier).
+__device__ __forceinline__ int& launch_epoch() {
+  __shared__ int epoch;
+  return epoch;
+}
+
+__device__ __noinline__ void report_bad_input(int code, int out_buffer, long long row, long long value,
+                                              long long limit) {
+  const int epoch = launch_epoch();
+  volatile BadInputRecord* rec = mpk_bad_input;
+  if (rec == nullptr || atomicMax(&mpk_bad_input_claim, epoch) >= epoch) return;  // none, or taken
+  rec->code = code;
+  rec->out_buffer = out_buffer;
+  rec->row = row;
+  rec->value = value;
+  rec->limit = limit;
+  __threadfence_system();
+  rec->epoch = epoch;  // last: the host reads a record whose epoch is new as complete
+}
+
 // Everything a task needs besides its op constants.
 struct TaskEnv {
   void* const* buffers;

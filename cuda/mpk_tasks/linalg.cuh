@@ -411,6 +411,15 @@ __device__ void task_matmul_silu(const OpC& c, const Rect& r, const TaskEnv& env
 // the tile, every row at once — the token ids in one round trip, then all the words (a loop
 // over rows cost a round trip pair per row: 14 µs for 16 rows); the general loop looks the id
 // up per element.
+// Whether token id tok (of output row `row`) indexes the table; if not, reported (its row is
+// written as zeros).
+__device__ __forceinline__ bool token_in_table(const OpC& c, long long tok, long long row) {
+  const long long vocab = c.in[0].shape[0];
+  if (tok >= 0 && tok < vocab) return true;
+  report_bad_input(kBadTokenId, c.out_buffer, row, tok, vocab);
+  return false;
+}
+
 __device__ void task_embedding(const OpC& c, const Rect& r, const TaskEnv& env) {
   const ViewC& w = c.in[0];
   const ViewC& ids = c.in[1];
@@ -425,7 +434,9 @@ __device__ void task_embedding(const OpC& c, const Rect& r, const TaskEnv& env) 
     for (long long e = threadIdx.x; e < words; e += blockDim.x) {
       const long long row = r.lo[0] + e / n, j = e % n;
       const long long tok = load_i(env.buffers[ids.buffer], ids.dtype, ids.offset + row * ids.stride[0]);
-      out[(row * c.out_shape[1] + r.lo[1]) / 8 + j] = table[(w.offset + tok * w.stride[0] + r.lo[1]) / 8 + j];
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (token_in_table(c, tok, row)) v = table[(w.offset + tok * w.stride[0] + r.lo[1]) / 8 + j];
+      out[(row * c.out_shape[1] + r.lo[1]) / 8 + j] = v;
     }
     return;
   }
@@ -435,7 +446,8 @@ __device__ void task_embedding(const OpC& c, const Rect& r, const TaskEnv& env) 
     rect_unravel(r, c.ndim, e, idx);
     const long long tok = load_i(env.buffers[ids.buffer], ids.dtype, view_index(ids, idx, c.ndim - 1));
     long long widx[2] = {tok, idx[c.ndim - 1]};
-    const float v = load_f(env.buffers[w.buffer], w.dtype, view_index(w, widx, 2));
+    const float v = token_in_table(c, tok, ravel(idx, c.out_shape, c.ndim - 1))
+                        ? load_f(env.buffers[w.buffer], w.dtype, view_index(w, widx, 2)) : 0.f;
     store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, c.ndim), v);
   }
 }

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from mpk.compiler.tables import DTYPES, FLAG_JIT, ROLE_INPUT, Tables, validate
-from mpk.errors import ExecutorUnavailableError, MpkError
+from mpk.errors import BadInputError, ExecutorUnavailableError, MpkError
 from mpk.megakernel import cuda_driver as drv
 from mpk.megakernel.build import build_cubin
 from mpk.megakernel.codegen import aligned_inputs, dynamic_smem_bytes, generate
@@ -30,6 +30,8 @@ PROFILE_WORDS = 5  # runtime/mpk_runtime/types.cuh: ProfileRecord, in 8-byte wor
 SCHED_WARPS_PER_CTA = 4
 SCHEDULER_CTAS = 4  # scheduler CTAs of a graph with JIT tasks, by default
 STATUS_WORDS = 8  # runtime/mpk_runtime/types.cuh: StatusWord
+# cuda/mpk_tasks/common.cuh: BadInputCode -> what the value was, what it had to be
+BAD_INPUT_CODES = {1: ("token id", "the embedding table's {limit} rows [0, {limit})")}
 MAX_WORKERS_PER_SCHEDULER = 136  # runtime/mpk_runtime/persistent.cuh: kMaxWorkersPerScheduler
 EVENT_HAS_JIT, EVENT_ALL_JIT, EVENT_LOCAL_JIT = 2, 4, 8
 STATES = {0: "starting", 1: "waiting for its AOT task", 2: "idle (no AOT work left)", 3: "exited", 4: "aborted"}
@@ -47,7 +49,8 @@ class _Args(ctypes.Structure):
         "jit_values", "jit_seq", "jit_head", "done", "status", "abort_flag", "profile", "profile_count")] + [
         (n, ctypes.c_int) for n in (
         "profile_capacity", "num_workers", "num_schedulers", "active_schedulers", "num_tasks", "num_events",
-        "num_jit_events", "start_jit_index", "start_event", "end_event", "iterations", "any_jit", "jit_capacity")]
+        "num_jit_events", "start_jit_index", "start_event", "end_event", "iterations", "any_jit", "jit_capacity",
+        "epoch")]
 
     def __init__(self, **kw):
         unknown = set(kw) - {name for name, _ in self._fields_}
@@ -203,6 +206,14 @@ class GpuExecutor:
         # host-mapped status words and abort flag: readable and writable while the kernel runs
         self.h_status = drv.MappedHostBuffer((W + S) * STATUS_WORDS)
         self.h_abort = drv.MappedHostBuffer(1)
+        # host-mapped record of the first bad input value a launch's tasks found (BadInputRecord,
+        # 40 bytes); the module's pointer to it is written once
+        self.h_bad_input = drv.MappedHostBuffer(10)
+        self.epoch = self.checked_epoch = 0  # launches so far; the latest whose report was raised
+        ptr = torch.tensor([self.h_bad_input.device_ptr], dtype=torch.int64, device=dev)
+        drv.copy_device_async(self.module.global_ptr("mpk_bad_input")[0], ptr.data_ptr(), 8,
+                              torch.cuda.current_stream(dev).cuda_stream)
+        torch.cuda.synchronize(dev)
         self.profile_capacity = profile_capacity if profile else 0
         self.d_profile = torch.zeros(W * max(1, self.profile_capacity) * PROFILE_WORDS, **i64) if profile else None
         # buffers: intermediates allocated once; inputs bound per run
@@ -241,7 +252,7 @@ class GpuExecutor:
             active_schedulers=self.active_schedulers, num_tasks=len(self.t.tasks), num_events=len(self.t.events),
             num_jit_events=self.num_jit_events, start_jit_index=self.start_jit_index,
             start_event=self.t.start_event, end_event=self.t.end_event, iterations=iterations,
-            any_jit=int(self.any_jit), jit_capacity=self.jit_capacity)
+            any_jit=int(self.any_jit), jit_capacity=self.jit_capacity, epoch=self.epoch)
         self.args = args  # passed by value at launch (a __grid_constant__ parameter)
 
     def _bind(self, args: Sequence[torch.Tensor]) -> None:
@@ -278,7 +289,9 @@ class GpuExecutor:
         """Bind, reset and launch asynchronously on the current stream; returns a done-event."""
         if iterations < 1:
             raise ValueError(f"iterations={iterations}; expected >= 1")
+        self.check_inputs()  # a report of an earlier launch not waited on
         self._bind(args)
+        self.epoch += 1
         self._write_args(iterations)
         stream = torch.cuda.current_stream(self.device)
         if self._last_done is not None:  # a launch still in flight on another stream shares our state
@@ -315,6 +328,25 @@ class GpuExecutor:
             if now - start > 0.002:  # short launches are polled, long ones slept on
                 time.sleep(0.0005)
         torch.cuda.synchronize(self.device)  # surfaces any device-side fault of the launch
+        self.check_inputs()
+
+    def check_inputs(self) -> None:
+        """Raise ``BadInputError`` if a launch since the last check found a graph input it could
+        not take (``wait`` and ``launch`` call it; the report of a launch still running arrives
+        when it ends)."""
+        rec = self.h_bad_input.array
+        epoch = int(rec[0])
+        if epoch <= self.checked_epoch:
+            return
+        self.checked_epoch = epoch
+        code, out_buffer = int(rec[1]), int(rec[2])
+        row, value, limit = (int(x) for x in rec.view(np.int64)[2:5])
+        what, expected = BAD_INPUT_CODES.get(code, (f"value (code {code})", "the range its op takes ({limit})"))
+        ops = [i for i, o in enumerate(self.t.ops) if int(o["output"]) == out_buffer]
+        op = f"op {self.t.meta['ops'][ops[0]]['name']!r} ({self.t.meta['ops'][ops[0]]['kind']})" if ops else "an op"
+        latest = "" if epoch == self.epoch else f" (launch {epoch} of {self.epoch} so far)"
+        raise BadInputError(f"{op}{latest}: {what} {value} at row {row} is outside {expected.format(limit=limit)}; "
+                            f"the launch skipped it, and its outputs are not valid")
 
     def outputs(self) -> list[Any]:
         out = []
@@ -336,11 +368,15 @@ class GpuExecutor:
         construct with ``tile_kernel=True``)."""
         if self.tile_kernel is None:
             raise MpkError("this executor was built without the tile kernel: pass tile_kernel=True")
+        self.check_inputs()
         self._bind(args)
+        self.epoch += 1
         n_tiles = int(self.t.ops[op]["num_tiles"])
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        drv.launch(self.tile_kernel, n_tiles, THREADS, stream, [ctypes.c_int(op)], smem=self.smem)
+        drv.launch(self.tile_kernel, n_tiles, THREADS, stream, [ctypes.c_int(op), ctypes.c_int(self.epoch)],
+                   smem=self.smem)
         torch.cuda.synchronize(self.device)
+        self.check_inputs()
 
     # --- watchdog ------------------------------------------------------------------------------
     def _abort_and_report(self, done: torch.cuda.Event, iterations: int) -> str:

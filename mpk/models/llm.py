@@ -256,6 +256,12 @@ class PagedKVCache:
     def __init__(self, model: DecoderLM, batch: int, max_len: int, page_size: int):
         if page_size & (page_size - 1) or not 1 <= page_size <= 256:
             raise ValueError(f"page_size {page_size}; expected a power of two in 1…256")
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"batch {batch}, max_len {max_len}; expected both ≥ 1")
+        positions = model.cos_sin.shape[0]
+        if max_len > positions:  # rope reads row len − 1 of the table; past it the step would fault
+            raise ValueError(f"max_len {max_len} exceeds the model's rope table of {positions} positions; build "
+                             f"the model with max_len ≥ {max_len} (DecoderLM / load_pretrained)")
         self.batch, self.page_size, self.max_len = batch, page_size, max_len
         self.pages_per_seq = -(-max_len // page_size)
         num_pages = batch * self.pages_per_seq
@@ -274,6 +280,8 @@ class PagedKVCache:
         """Count ``n`` more tokens in every sequence, or ``n[b]`` in sequence b (the next decode
         step writes each sequence's last token)."""
         counts = n if isinstance(n, list) else [n] * self.batch
+        if len(counts) != self.batch or any(k < 0 for k in counts):
+            raise ValueError(f"grow({n}); expected a count ≥ 0 or one per sequence ({self.batch})")
         for b, n in enumerate(counts):
             if self.lens[b] + n > self.max_len:
                 raise MpkError(f"sequence {b} would reach {self.lens[b] + n} tokens; max_len is {self.max_len}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mpk.errors import BadInputError
 from mpk.ops.registry import OpDef, OpSig, broadcast_region, register
 
 
@@ -122,6 +123,12 @@ def _embedding_regions(sig: OpSig, rect):
 
 def _embedding_cpu(sig: OpSig, rect, xs):
     w, ids = xs
+    bad = ((ids < 0) | (ids >= w.shape[0])).nonzero()
+    if len(bad):
+        at = tuple(int(i) for i in bad[0])
+        row = tuple(lo + i for (lo, _), i in zip(rect[:-1], at))
+        raise BadInputError(f"token id {int(ids[at])} at row {row[0] if len(row) == 1 else row} is outside the "
+                            f"embedding table's {w.shape[0]} rows [0, {w.shape[0]})")
     return F.embedding(ids, w).to(sig.out_dtype)
 
 

@@ -550,6 +550,7 @@ extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1)
     const int* from = reinterpret_cast<const int*>(&args);
     int* to = reinterpret_cast<int*>(&mpk::shared_args());
     for (int i = threadIdx.x; i < static_cast<int>(sizeof(mpk::RuntimeArgs) / 4); i += blockDim.x) to[i] = from[i];
+    if (threadIdx.x == 0) mpk::launch_epoch() = a.epoch;
     mpk_stage_buffers();
     mpk::init_gate_share();
     __syncthreads();
@@ -566,7 +567,8 @@ extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1)
 #ifdef MPK_TILE_KERNEL
 // Test wrapper: every tile of one op, one CTA per tile, no scheduling (task families alone).
 // Built only on request: it doubles ptxas time.
-extern "C" __global__ void __launch_bounds__(mpk::kThreads) mpk_tile_kernel(int op) {
+extern "C" __global__ void __launch_bounds__(mpk::kThreads) mpk_tile_kernel(int op, int epoch) {
+  if (threadIdx.x == 0) mpk::launch_epoch() = epoch;
   mpk_stage_buffers();
   mpk::init_gate_share();
   __syncthreads();

@@ -99,6 +99,7 @@ struct RuntimeArgs {
   int iterations;
   int any_jit;                       // 0: no JIT task at all, workers skip the JIT ring
   int jit_capacity;                  // power of two
+  int epoch;                         // this launch's number (mpk_tasks/common.cuh: report_bad_input)
 };
 
 }  // namespace mpk
