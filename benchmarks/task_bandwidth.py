@@ -205,9 +205,9 @@ def main(argv=None) -> int:
         page = 16
         pages = batch * length // page
         cache = torch.randn(1, 2, pages, kv_heads, page, dim, device="cuda", dtype=torch.bfloat16)
-        indptr = torch.arange(0, pages + 1, length // page, dtype=torch.int32, device=device)
-        indices = torch.randperm(pages, device=device).int()
-        last = torch.full((batch,), page, dtype=torch.int32, device=device)
+        indptr = torch.arange(0, pages + 1, length // page, dtype=torch.int32, device="cuda")
+        indices = torch.randperm(pages, device="cuda").int()
+        last = torch.full((batch,), page, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
 
         def attend(q, cache, indptr, indices, last):
