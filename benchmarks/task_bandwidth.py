@@ -9,8 +9,8 @@ gate_up, down and LM-head weights (target ≥ 0.85 of copy bandwidth), paged dec
 over a long cache, and the step's other task families at qwen3-8b's batch-16 shapes (RMSNorm,
 qk-norm + RoPE + KV append, SiLU·mul, embedding, argmax and softmax over the vocabulary): a
 few hundred KiB to a few MiB each, so their time is mostly the task's latency and the event
-hop, which the bandwidth figure then shows; beside each, the same op in eager PyTorch
-(``torch_ms``: one kernel launch per call, timed over back-to-back calls).
+hop, which the bandwidth figure then shows; beside those PyTorch runs as its own kernels, the
+same op in eager PyTorch (``torch_ms``, timed over back-to-back calls).
 
 ``--prebuild`` (a machine with nvcc and no GPU): trace the linear cases on the CPU and build
 their kernels into ``$MPK_CACHE_DIR``, for carrying to the device (as prebuild_decode.py).
@@ -83,9 +83,11 @@ def eager_ms(fn, args, k: int = 50) -> float:
     return sorted(samples)[2]
 
 
-def family_cases(batch: int = 16, shape: str = "qwen3-8b", device: str = "cuda") -> list[tuple[str, object, tuple, int]]:
-    """(label, function, arguments, bytes it must move) for the task families besides the
-    linears and attention, at ``shape``'s decode sizes."""
+def family_cases(batch: int = 16, shape: str = "qwen3-8b",
+                 device: str = "cuda") -> list[tuple[str, object, tuple, int, bool]]:
+    """(label, function, arguments, bytes it must move, whether eager PyTorch runs it as its own
+    kernels — not so mpk's fused ops, whose eager form is a reference composite) for the task
+    families besides the linears and attention, at ``shape``'s decode sizes."""
     s, bf16 = SHAPES[shape], dict(device=device, dtype=torch.bfloat16)
     d, heads, kvh, hd = s.hidden, s.q_heads, s.kv_heads, s.head_dim
     x, g = torch.randn(batch, d, **bf16), 1 + 0.1 * torch.randn(d, **bf16)
@@ -123,14 +125,14 @@ def family_cases(batch: int = 16, shape: str = "qwen3-8b", device: str = "cuda")
         return torch.ops.mpk.rope_append(qkv, cos_sin, indptr, indices, last, cache, qn, kn, 0, heads, kvh, eps)
 
     return [
-        (f"rms_norm B={batch} d={d}", norm, (x, g), 2 * (2 * x.numel() + g.numel())),
-        (f"silu_mul B={batch} n={s.inter}", silu_mul, (gate, up), 2 * 3 * gate.numel()),
-        (f"embedding B={batch} d={d}", embed, (table, ids), 2 * 2 * batch * d),
-        (f"argmax B={batch} vocab={s.vocab}", greedy, (logits,), 2 * logits.numel()),
-        (f"argmax B=1 vocab={s.vocab}", greedy, (logits1,), 2 * logits1.numel()),
-        (f"softmax B={batch} vocab={s.vocab}", probs, (logits,), 2 * 2 * logits.numel()),
+        (f"rms_norm B={batch} d={d}", norm, (x, g), 2 * (2 * x.numel() + g.numel()), False),
+        (f"silu_mul B={batch} n={s.inter}", silu_mul, (gate, up), 2 * 3 * gate.numel(), True),
+        (f"embedding B={batch} d={d}", embed, (table, ids), 2 * 2 * batch * d, True),
+        (f"argmax B={batch} vocab={s.vocab}", greedy, (logits,), 2 * logits.numel(), True),
+        (f"argmax B=1 vocab={s.vocab}", greedy, (logits1,), 2 * logits1.numel(), True),
+        (f"softmax B={batch} vocab={s.vocab}", probs, (logits,), 2 * 2 * logits.numel(), True),
         (f"rope_append B={batch} {heads}/{kvh} heads d={hd} (qk-norm)", rope_append,
-         (qkv, cos_sin, indptr, indices, last, cache, qn, kn), 2 * batch * ((2 * heads + 4 * kvh) * hd + hd)),
+         (qkv, cos_sin, indptr, indices, last, cache, qn, kn), 2 * batch * ((2 * heads + 4 * kvh) * hd + hd), False),
     ]
 
 
@@ -164,7 +166,7 @@ def prebuild(models: list[str], families: bool) -> None:
     for name in models:
         shapes = list(linear_cases(name).values())
         trace(Linears(shapes, "cpu"), [torch.zeros(1, k, dtype=torch.bfloat16) for _, k in shapes])
-    for _, fn, args, _ in family_cases(device="cpu") if families else []:
+    for _, fn, args, *_ in family_cases(device="cpu") if families else []:
         trace(fn, args)
     print(f"built {len(build.prebuild(sources))} cubins into {build.cache_dir()}")
 
@@ -219,11 +221,11 @@ def main(argv=None) -> int:
         record({"case": f"paged attention B={batch} len={length} {heads}/{kv_heads} heads d={dim}", "ms": ms,
                 "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9)})
         torch._dynamo.reset()
-    for label, fn, fargs, nbytes in [] if args.linear_only else family_cases():
+    for label, fn, fargs, nbytes, eager in [] if args.linear_only else family_cases():
         compiled = torch.compile(fn, backend="mpk", fullgraph=True, dynamic=False, options=opts)
         ms = per_iteration_ms(compiled, fargs)
-        record({"case": label, "ms": ms, "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9),
-                "torch_ms": eager_ms(fn, fargs)})
+        record({"case": label, "ms": ms, "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9)}
+               | ({"torch_ms": eager_ms(fn, fargs)} if eager else {}))
         torch._dynamo.reset()
     print(f"\n{'case':52s} {'ms':>8s} {'GB/s':>7s} {'of copy':>8s} {'torch ms':>9s}")
     for r in rows:
