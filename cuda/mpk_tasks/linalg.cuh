@@ -406,11 +406,6 @@ __device__ void task_matmul_silu(const OpC& c, const Rect& r, const TaskEnv& env
   }
 }
 
-// out[..., d] = weight[ids[...], d]; inputs weight [V, D], ids. Rows of a 2-byte table that
-// copy as 16-byte words (the decode step's embedding) take the fast path: a thread per word of
-// the tile, every row at once — the token ids in one round trip, then all the words (a loop
-// over rows cost a round trip pair per row: 14 µs for 16 rows); the general loop looks the id
-// up per element.
 // Whether token id tok (of output row `row`) indexes the table; if not, reported (its row is
 // written as zeros).
 __device__ __forceinline__ bool token_in_table(const OpC& c, long long tok, long long row) {
@@ -420,6 +415,11 @@ __device__ __forceinline__ bool token_in_table(const OpC& c, long long tok, long
   return false;
 }
 
+// out[..., d] = weight[ids[...], d]; inputs weight [V, D], ids. Rows of a 2-byte table that
+// copy as 16-byte words (the decode step's embedding) take the fast path: a thread per word of
+// the tile, every row at once — the token ids in one round trip, then all the words (a loop
+// over rows cost a round trip pair per row: 14 µs for 16 rows); the general loop looks the id
+// up per element.
 __device__ void task_embedding(const OpC& c, const Rect& r, const TaskEnv& env) {
   const ViewC& w = c.in[0];
   const ViewC& ids = c.in[1];
