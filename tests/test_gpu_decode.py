@@ -286,19 +286,24 @@ def test_rope_append_matches_eager(page_size, dim, qk_norm):
     assert (got[appended] != before[appended]).any()
 
 
-@pytest.mark.parametrize("rows,n", [(1, 4096), (16, 2056), (3, 8192)])  # 2056: a partial last vector round
-def test_rms_norm_variant_matches_reference(rows, n):
-    """The CTA-per-row bf16 RMSNorm (rms_norm variant 1) against the same roundings in float."""
+@pytest.mark.parametrize("rows,n,tiles", [(1, 4096, 1), (16, 2056, 16), (3, 8192, 1), (16, 2048, 4), (16, 4096, 3),
+                                         (7, 2056, 2), (5, 1024, 1)])  # 2056: a partial last vector round
+def test_rms_norm_variant_matches_reference(rows, n, tiles):
+    """The CTA-per-row bf16 RMSNorm (rms_norm variant 1) against the same roundings in float;
+    tiles of several rows (their rows in groups of 4, 2 or 1 by length, the last group partial)
+    equal one-row tiles bit for bit."""
     from mpk.megakernel.codegen import rms_norm_variant
     from mpk.ops.paged import rms_rows
 
     g = (1 + 0.1 * torch.randn(n, device=DEV)).bfloat16()
     x = (3 * torch.randn(rows, n, device=DEV)).bfloat16()
-    norm = _gpu_compile(lambda x, g: torch.ops.mpk.rms_norm(x, g, 1e-6, torch.float32, torch.bfloat16))
-    out = norm(x, g)
+    fn = lambda x, g: torch.ops.mpk.rms_norm(x, g, 1e-6, torch.float32, torch.bfloat16)  # noqa: E731
+    out = _gpu_compile(fn, partition={"rms_norm": [tiles, 1]})(x, g)
+    assert rms_norm_variant(COMPILED[-1].tables, 0) == 1 and COMPILED[-1].graph.ops[0].partition == (tiles, 1)
     ref = rms_rows(x.float(), g, 1e-6, torch.bfloat16)
     assert relative_error(out, ref) <= 2 ** -7  # at most one bf16 rounding step apart
-    assert rms_norm_variant(COMPILED[-1].tables, 0) == 1
+    if tiles != rows:
+        assert torch.equal(out, _gpu_compile(fn, partition={"rms_norm": [rows, 1]})(x, g))
 
 
 @pytest.mark.parametrize("page_size,heads,kv_heads,dim,splits", [

@@ -119,8 +119,11 @@ __device__ __forceinline__ long long row_start(const OpC& c, const Rect& r, int 
   return view_index(x, idx, x.ndim);
 }
 
-// reduce over long rows (kFn a ReduceFn); each thread folds its words, the warps reduce with
-// shuffles and thread 0 folds the warps in warp order (sums are deterministic).
+// reduce over long rows (kFn a ReduceFn); each thread folds its words into kE accumulators,
+// one per position in a word (independent chains: one running value was a dependency chain of
+// ~130 steps per round of loads, which kept the next round's loads waiting), adds those in
+// order, the warps reduce with shuffles and thread 0 folds the warps in warp order (sums are
+// deterministic).
 template <typename T, int kFn>
 __device__ __noinline__ void reduce_rows(const OpC& c, const Rect& r, const TaskEnv& env) {
   constexpr int kE = 16 / static_cast<int>(sizeof(T));
@@ -134,16 +137,34 @@ __device__ __noinline__ void reduce_rows(const OpC& c, const Rect& r, const Task
   for (long long row = 0; row < nrows; ++row) {
     long long idx[kMaxDims];
     const T* p = static_cast<const T*>(env.buffers[x.buffer]) + row_start(c, r, rows_ndim, row, idx);
-    float acc = kFn == kAmax || kFn == kArgmax ? -INFINITY : 0.f;
-    long long arg = 0;
+    float accs[kE];
+    long long args[kE];  // kArgmax: accumulator i holds elements i of the words, in index order
+#pragma unroll
+    for (int i = 0; i < kE; ++i) {
+      accs[i] = kFn == kAmax || kFn == kArgmax ? -INFINITY : 0.f;
+      args[i] = 0;
+    }
     for_row_words<T>(p, len, [&](const float (&e)[kE], long long j) {
 #pragma unroll
       for (int i = 0; i < kE; ++i) {
-        if constexpr (kFn == kArgmax) argmax_add(acc, arg, e[i], j + i);
-        else if constexpr (kFn == kAmax) acc = max_nan(acc, e[i]);
-        else acc += e[i];
+        if constexpr (kFn == kArgmax) argmax_add(accs[i], args[i], e[i], j + i);
+        else if constexpr (kFn == kAmax) accs[i] = max_nan(accs[i], e[i]);
+        else accs[i] += e[i];
       }
     });
+    float acc = accs[0];
+    long long arg = args[0];
+#pragma unroll
+    for (int i = 1; i < kE; ++i) {
+      if constexpr (kFn == kArgmax) {
+        if (argmax_before(accs[i], args[i], acc, arg)) {
+          acc = accs[i];
+          arg = args[i];
+        }
+      } else {
+        acc = kFn == kAmax ? max_nan(acc, accs[i]) : acc + accs[i];
+      }
+    }
     if constexpr (kFn == kArgmax) warp_argmax(acc, arg);
     else acc = kFn == kAmax ? warp_max_nan(acc) : warp_sum(acc);
     if (lane == 0) {
@@ -220,13 +241,19 @@ __device__ __noinline__ void softmax_rows(const OpC& c, const Rect& r, const Tas
     O* out = static_cast<O*>(env.buffers[c.out_buffer]) + ravel(idx, c.out_shape, c.ndim);
     float m = -INFINITY, s = 0.f;
     for_row_words<T>(p, len, [&](const float (&e)[kE], long long) {
-      float wm = e[0], ws = 0.f;
+      float wm = e[0];
 #pragma unroll
       for (int i = 1; i < kE; ++i) wm = max_nan(wm, e[i]);
       if (wm == -INFINITY) return;  // (−inf, 0): nothing to add
+      // a word under the running max adds its terms to s as they are; only a new max (rare
+      // after the first words) rescales s, so most words cost no exponential on s's chain
+      // (a NaN takes the second branch: s and m become NaN and stay so)
+      if (!(wm <= m)) {
+        s *= expf(m - wm);
+        m = wm;
+      }
 #pragma unroll
-      for (int i = 0; i < kE; ++i) ws += expf(e[i] - wm);  // NaN when the word holds one
-      softmax_fold(m, s, wm, ws);
+      for (int i = 0; i < kE; ++i) s += expf(e[i] - m);
     });
     for (int o = 16; o > 0; o >>= 1) {
       const float om = __shfl_xor_sync(0xffffffffu, m, o), os = __shfl_xor_sync(0xffffffffu, s, o);
@@ -240,10 +267,11 @@ __device__ __noinline__ void softmax_rows(const OpC& c, const Rect& r, const Tas
     m = red[0];
     s = red[1];
     for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) softmax_fold(m, s, red[2 * w], red[2 * w + 1]);
+    const float inv = 1.f / s;  // one division per row, not per element
     for_row_words<T>(p, len, [&](const float (&e)[kE], long long j) {
       float y[kE];
 #pragma unroll
-      for (int i = 0; i < kE; ++i) y[i] = expf(e[i] - m) / s;
+      for (int i = 0; i < kE; ++i) y[i] = expf(e[i] - m) * inv;
       store_vec<kE>(out + j, y);
     });
     __syncthreads();  // red is rewritten by the next row
