@@ -89,23 +89,31 @@ constexpr int kRowInFlight = 16;
 
 // f(e, j) for every 16-byte word of the contiguous row at p (len elements, a multiple of the
 // word's kE) that this thread owns: e its kE elements as floats, j the index of e[0]. A thread
-// sees its words in increasing index order; a round's loads all go out before its first f.
+// sees its words in increasing index order. Rounds of kRowInFlight words are double-buffered:
+// the next round's loads go out before f runs over the current one, so the SM's loads do not
+// drain while it computes.
 template <typename T, typename F>
 __device__ __forceinline__ void for_row_words(const T* p, long long len, F f) {
   constexpr int kE = 16 / static_cast<int>(sizeof(T));
   const uint4* pv = reinterpret_cast<const uint4*>(p);
   const long long words = len / kE, step = blockDim.x;
-  for (long long w0 = threadIdx.x; w0 < words; w0 += kRowInFlight * step) {
-    uint4 raw[kRowInFlight];
+  const auto load = [&](uint4 (&raw)[kRowInFlight], long long w0) {
 #pragma unroll
     for (int u = 0; u < kRowInFlight; ++u) raw[u] = w0 + u * step < words ? pv[w0 + u * step] : make_uint4(0, 0, 0, 0);
+  };
+  uint4 cur[kRowInFlight], nxt[kRowInFlight];
+  load(cur, threadIdx.x);
+  for (long long w0 = threadIdx.x; w0 < words; w0 += kRowInFlight * step) {
+    load(nxt, w0 + kRowInFlight * step);
 #pragma unroll
     for (int u = 0; u < kRowInFlight; ++u) {
       if (w0 + u * step >= words) break;
       float e[kE];
-      load_vec<kE>(reinterpret_cast<const T*>(&raw[u]), e);
+      load_vec<kE>(reinterpret_cast<const T*>(&cur[u]), e);
       f(e, (w0 + u * step) * kE);
     }
+#pragma unroll
+    for (int u = 0; u < kRowInFlight; ++u) cur[u] = nxt[u];
   }
 }
 
