@@ -290,8 +290,7 @@ def test_rope_append_matches_eager(page_size, dim, qk_norm):
                                          (7, 2056, 2), (5, 1024, 1)])  # 2056: a partial last vector round
 def test_rms_norm_variant_matches_reference(rows, n, tiles):
     """The CTA-per-row bf16 RMSNorm (rms_norm variant 1) against the same roundings in float;
-    tiles of several rows (their rows in groups of 4, 2 or 1 by length, the last group partial)
-    equal one-row tiles bit for bit."""
+    tiles of several rows (even and uneven splits) equal one-row tiles bit for bit."""
     from mpk.megakernel.codegen import rms_norm_variant
     from mpk.ops.paged import rms_rows
 
