@@ -127,6 +127,20 @@ __device__ __forceinline__ long long row_start(const OpC& c, const Rect& r, int 
   return view_index(x, idx, x.ndim);
 }
 
+// A partial result (v, a) of reduction kFn into (acc, arg): sums add after acc, an argmax
+// keeps the first NaN or the first largest value by index.
+template <int kFn>
+__device__ __forceinline__ void fold_partial(float& acc, long long& arg, float v, long long a) {
+  if constexpr (kFn == kArgmax) {
+    if (argmax_before(v, a, acc, arg)) {
+      acc = v;
+      arg = a;
+    }
+  } else {
+    acc = kFn == kAmax ? max_nan(acc, v) : acc + v;
+  }
+}
+
 // reduce over long rows (kFn a ReduceFn); each thread folds its words into kE accumulators,
 // one per position in a word (independent chains: one running value was a dependency chain of
 // ~130 steps per round of loads, which kept the next round's loads waiting), adds those in
@@ -163,16 +177,7 @@ __device__ __noinline__ void reduce_rows(const OpC& c, const Rect& r, const Task
     float acc = accs[0];
     long long arg = args[0];
 #pragma unroll
-    for (int i = 1; i < kE; ++i) {
-      if constexpr (kFn == kArgmax) {
-        if (argmax_before(accs[i], args[i], acc, arg)) {
-          acc = accs[i];
-          arg = args[i];
-        }
-      } else {
-        acc = kFn == kAmax ? max_nan(acc, accs[i]) : acc + accs[i];
-      }
-    }
+    for (int i = 1; i < kE; ++i) fold_partial<kFn>(acc, arg, accs[i], args[i]);
     if constexpr (kFn == kArgmax) warp_argmax(acc, arg);
     else acc = kFn == kAmax ? warp_max_nan(acc) : warp_sum(acc);
     if (lane == 0) {
@@ -183,16 +188,7 @@ __device__ __noinline__ void reduce_rows(const OpC& c, const Rect& r, const Task
     if (threadIdx.x == 0) {
       acc = red[0];
       arg = red_arg[0];
-      for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) {
-        if constexpr (kFn == kArgmax) {
-          if (argmax_before(red[w], red_arg[w], acc, arg)) {
-            acc = red[w];
-            arg = red_arg[w];
-          }
-        } else {
-          acc = kFn == kAmax ? max_nan(acc, red[w]) : acc + red[w];
-        }
-      }
+      for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) fold_partial<kFn>(acc, arg, red[w], red_arg[w]);
       if (c.iparam[0]) idx[c.ndim - 1] = 0;
       const long long o = ravel(idx, c.out_shape, c.ndim);
       if constexpr (kFn == kArgmax) store_i(env.buffers[c.out_buffer], c.out_dtype, o, arg);
