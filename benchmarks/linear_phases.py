@@ -8,8 +8,10 @@ mean nanoseconds per task of: the code before the gate (its first weight loads i
 the task's passes the K loop (weights streamed, MMAs), partial sums into shared memory, the
 epilogue and the closing barrier; for the paged attention tasks (paged_attention.cuh), from
 their gate: the first K/V copies issued (the page table is read before the gate), the
-rotations (fused rope), the position loop, the warps' states combined and stored. Phase times
-are thread 0's view.
+rotations (fused rope), the position loop (its first wait for K/V apart: ``kv_wait``), the
+warps' states combined and stored; with ``--warm-rerun`` each attention task runs twice and the
+second run, its code and data warm, is reported as ``attention warm``. Phase times are thread
+0's view.
 
     python benchmarks/linear_phases.py --models llama3.2-1b --batches 1
 """
@@ -37,7 +39,8 @@ from mpk.models.llm import SHAPES  # noqa: E402
 FORMS = ("plain", "norm prologue", "silu epilogue", "norm prologue + silu")
 BLOCKS = (2, 4, 8)
 PHASES = ("setup", "k_loop", "to_shared", "epilogue", "barrier", "pre_gate")  # linalg.cuh: linear_bf16's marks
-ATTN_SLOT, ATTN_PHASES = 9, ("issue", "rope", "loop", "combine")  # common.cuh: kAttnPhaseSlot
+ATTN_SLOT, ATTN_WARM_SLOT = 9, 12  # common.cuh: kAttnPhaseSlot, kAttnWarmSlot
+ATTN_PHASES = ("issue", "rope", "loop", "combine", "kv_wait")  # paged_attention.cuh: attn_partial_impl's marks
 SLOTS, NUM_PHASES = 16, 8  # common.cuh: kPhaseSlots, kPhases
 
 
@@ -65,12 +68,13 @@ def phases(model_name: str, batch: int, position: int, steps: int, options: dict
             rows.append({"form": FORMS[slot // 3], "blocks": BLOCKS[slot % 3], "tasks_per_step": tasks // steps,
                          **{f"{p}_us": round(float(v) / 1e3, 3) for p, v in zip(PHASES, per)},
                          "total_us": round(float(per.sum()) / 1e3, 3)})
-    tasks = int(table[ATTN_SLOT, NUM_PHASES - 1])
-    if tasks:
-        per = table[ATTN_SLOT, : len(ATTN_PHASES)] / tasks
-        rows.append({"form": "attention", "blocks": 0, "tasks_per_step": tasks // steps,
-                     **{f"{p}_us": round(float(v) / 1e3, 3) for p, v in zip(ATTN_PHASES, per)},
-                     "total_us": round(float(per.sum()) / 1e3, 3)})
+    for slot, form in ((ATTN_SLOT, "attention"), (ATTN_WARM_SLOT, "attention warm")):
+        tasks = int(table[slot, NUM_PHASES - 1])
+        if tasks:
+            per = table[slot, : len(ATTN_PHASES)] / tasks
+            rows.append({"form": form, "blocks": 0, "tasks_per_step": tasks // steps,
+                         **{f"{p}_us": round(float(v) / 1e3, 3) for p, v in zip(ATTN_PHASES, per)},
+                         "total_us": round(float(per.sum()) / 1e3, 3)})
     del step
     torch._dynamo.reset()
     return rows
@@ -83,20 +87,25 @@ def main(argv=None) -> int:
     ap.add_argument("--position", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--options", type=json.loads, default={}, help="mpk compile options (JSON) of the step")
+    ap.add_argument("--warm-rerun", action="store_true",
+                    help="run each attention task twice (-DMPK_ATTN_WARM_RERUN) and report the second run, its "
+                         "code and data warm, as 'attention warm' (a diagnostic: the step does the work twice)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("linear_phases needs a CUDA device")
     flags = os.environ.get("MPK_NVCC_FLAGS", "")
-    if "-DMPK_PHASES" not in flags.split():
-        os.environ["MPK_NVCC_FLAGS"] = (flags + " -DMPK_PHASES").strip()
+    for flag in ["-DMPK_PHASES"] + (["-DMPK_ATTN_WARM_RERUN"] if args.warm_rerun else []):
+        if flag not in flags.split():
+            flags = (flags + " " + flag).strip()
+    os.environ["MPK_NVCC_FLAGS"] = flags
     device = torch.cuda.get_device_name()
     print(f"{'model':12s} {'B':>3s} {'form':14s} {'blocks':>6s} {'tasks':>6s} "
           + " ".join(f"{p:>9s}" for p in PHASES) + f" {'total µs':>9s}")
     for name in args.models:
         for batch in args.batches:
             for row in phases(name, batch, args.position, args.steps, args.options):
-                names = ATTN_PHASES if row["form"] == "attention" else PHASES
+                names = ATTN_PHASES if row["form"].startswith("attention") else PHASES
                 print(f"{name:12s} {batch:3d} {row['form']:14s} {row['blocks']:6d} {row['tasks_per_step']:6d} "
                       + " ".join(f"{p[:4]}={row[p + '_us']:<6.2f}"[:9].rjust(9) for p in names)
                       + f" {row['total_us']:9.2f}", flush=True)

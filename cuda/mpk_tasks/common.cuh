@@ -284,6 +284,49 @@ __device__ __forceinline__ void stage_op(OpC& dst, const OpC& src) {
   __syncthreads();
 }
 
+// d += a·b on the tensor cores: one m16n8k16 MMA, A row-major 16×16 and B column-major 16×8 of
+// T (bf16 or f16) in the PTX fragment layout, fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "MMA operands are bf16 or f16");
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// Four 8×8 matrices of 16-bit elements from shared memory, lane 8i + r giving the address of
+// row r of matrix i (16 bytes); lane (g, t) = (lane / 4, lane % 4) receives elements (g, 2t) and
+// (g, 2t + 1) of each, or with kTrans (2t, g) and (2t + 1, g).
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+  }
+}
+
+// Two floats rounded to T (16-bit) in one 32-bit word, lo in the low half: an MMA operand pair.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const T v[2] = {from_f<T>(lo), from_f<T>(hi)};
+  uint32_t w;
+  memcpy(&w, v, 4);
+  return w;
+}
+
 // 16 bytes global → shared without a register round trip (sm_80+): a warp can have many in
 // flight with no registers held for them.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -383,9 +426,12 @@ __device__ __forceinline__ uint4* norm_tile() {
 // Phase timer (builds with -DMPK_PHASES only; benchmarks/linear_phases.py): thread 0 of a CTA
 // adds the nanoseconds since the previous mark to mpk_phase_ns[CTA][slot][phase], and counts
 // the task in phase 7. It shows where a task's time goes inside it, which the per-task profiler
-// cannot. Without MPK_PHASES the marks compile to nothing.
+// cannot. The sums are reductions (no value returned): a read-modify-write would make thread 0
+// wait a round trip inside the phase after each mark. Without MPK_PHASES the marks compile to
+// nothing.
 constexpr int kPhaseCtas = 256, kPhaseSlots = 16, kPhases = 8;
 constexpr int kAttnPhaseSlot = 9;  // linalg.cuh's linear forms take 0…8 and 11 (norm + SiLU·mul: 8 blocks only)
+constexpr int kAttnWarmSlot = 12;  // attention run a second time in the same task (MPK_ATTN_WARM_RERUN)
 #ifdef MPK_PHASES
 extern "C" {
 __device__ unsigned long long mpk_phase_ns[kPhaseCtas][kPhaseSlots][kPhases];
@@ -394,11 +440,11 @@ struct PhaseTimer {
   int slot;
   unsigned long long last;
   __device__ __forceinline__ explicit PhaseTimer(int s) : slot(s), last(globaltimer_ns()) {
-    if (threadIdx.x == 0 && blockIdx.x < kPhaseCtas) mpk_phase_ns[blockIdx.x][slot][kPhases - 1] += 1;
+    if (threadIdx.x == 0 && blockIdx.x < kPhaseCtas) atomicAdd(&mpk_phase_ns[blockIdx.x][slot][kPhases - 1], 1ULL);
   }
   __device__ __forceinline__ void mark(int phase) {
     const unsigned long long t = globaltimer_ns();
-    if (threadIdx.x == 0 && blockIdx.x < kPhaseCtas) mpk_phase_ns[blockIdx.x][slot][phase] += t - last;
+    if (threadIdx.x == 0 && blockIdx.x < kPhaseCtas) atomicAdd(&mpk_phase_ns[blockIdx.x][slot][phase], t - last);
     last = t;
   }
 };

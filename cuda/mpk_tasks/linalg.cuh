@@ -22,14 +22,6 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
   return v;
 }
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // Where warp w's partial sum of (row, col) sits in shared memory: [warp][16 rows][64 columns],
 // the column pair (2u, 2u + 1) of a row r at pair u ^ 4(r & 3). Both accesses then hit 32
 // distinct banks: the MMA fragments' float2 stores (a half-warp's lanes (g, t) store pair
@@ -246,8 +238,8 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       for (int u = 0; u < kLinUnroll; ++u) {
 #pragma unroll
         for (int j = 0; j < kBlocks; ++j) {
-          mma_bf16(acc[j], lo[u].x, hi[u].x, lo[u].y, hi[u].y, wv[u][j].x, wv[u][j].y);
-          mma_bf16(acc[j], lo[u].z, hi[u].z, lo[u].w, hi[u].w, wv[u][j].z, wv[u][j].w);
+          mma16816<__nv_bfloat16>(acc[j], lo[u].x, hi[u].x, lo[u].y, hi[u].y, wv[u][j].x, wv[u][j].y);
+          mma16816<__nv_bfloat16>(acc[j], lo[u].z, hi[u].z, lo[u].w, hi[u].w, wv[u][j].z, wv[u][j].w);
         }
       }
     }
