@@ -305,16 +305,24 @@ def test_rms_norm_variant_matches_reference(rows, n, tiles):
         assert torch.equal(out, _gpu_compile(fn, partition={"rms_norm": [rows, 1]})(x, g))
 
 
-@pytest.mark.parametrize("page_size,heads,kv_heads,dim,splits", [
-    (1, 8, 2, 128, 16), (16, 4, 4, 64, 5), (256, 16, 2, 64, 1), (16, 8, 2, 128, 1), (4, 2, 1, 256, 7)])
-def test_paged_attention_matches_float64(page_size, heads, kv_heads, dim, splits):
+# the output's rounding (and, on the tensor cores, P's), relative to the largest |value|
+ATTN_TOL = {torch.bfloat16: BF16_TOL, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+# The tensor-core loop takes 16-bit caches with G ≤ 8 and D ≤ 128; G = 16, D = 256 and fp32
+# run the CUDA-core loop.
+@pytest.mark.parametrize("page_size,heads,kv_heads,dim,splits,dtype", [
+    (1, 8, 2, 128, 16, torch.bfloat16), (16, 4, 4, 64, 5, torch.bfloat16), (256, 16, 2, 64, 1, torch.bfloat16),
+    (16, 8, 2, 128, 1, torch.bfloat16), (4, 2, 1, 256, 7, torch.bfloat16), (16, 32, 2, 64, 2, torch.bfloat16),
+    (8, 12, 2, 64, 0, torch.float16), (4, 8, 2, 128, 3, torch.float32)])
+def test_paged_attention_matches_float64(page_size, heads, kv_heads, dim, splits, dtype):
     """Lengths 1, odd, a full page, partial last pages; shuffled pages; more chunks than
     positions (empty chunks merge as the identity: the output has no NaN)."""
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
     lens = [1, 37, page_size, 2 * page_size + 5]
     pages, indptr, indices, last, num_pages = random_page_table(lens, page_size, g)
-    cache = torch.randn(1, 2, num_pages, kv_heads, page_size, dim, generator=g).bfloat16()
-    q = torch.randn(len(lens), heads, dim, generator=g).bfloat16()
+    cache = torch.randn(1, 2, num_pages, kv_heads, page_size, dim, generator=g).to(dtype)
+    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
     scale = dim ** -0.5
 
     def attend(q, cache, indptr, indices, last):
@@ -323,7 +331,7 @@ def test_paged_attention_matches_float64(page_size, heads, kv_heads, dim, splits
     args = [t.to(DEV) for t in (q, cache, indptr, indices, last)]
     out = _gpu_compile(attend)(*args)
     assert not out.isnan().any()
-    assert relative_error(out.cpu(), dense_paged_attention(q, cache, lens, pages, page_size, 0, scale)) <= BF16_TOL
+    assert relative_error(out.cpu(), dense_paged_attention(q, cache, lens, pages, page_size, 0, scale)) <= ATTN_TOL[dtype]
 
 
 @pytest.mark.parametrize("page_size,dim,splits,qk_norm,computed_cos", [
