@@ -415,13 +415,14 @@ struct AttnStart {
 // copied into its shared-memory slot with cp.async, all in flight at once, and the page-table
 // entries of its next step are loaded during the current one, so a step costs one memory
 // round trip (the first step's copies go out before kRope's rotations, under their loads).
-// A warp's states are AttnStates: on the tensor cores for 16-bit caches. (Issuing the first step's copies before the task's gate, into the wait
-// for the qkv projection, measured slower on an H200: +3–4% per step at batch 16, none at 1.)
+// A warp's states are AttnStates: on the tensor cores for 16-bit caches. (Issuing the first
+// step's copies before the task's gate, into the wait for the qkv projection, measured slower
+// on an H200: +3–4% per step at batch 16, none at 1.) kSlot: the phase timer's slot.
 // kFinal (one chunk per sequence): the output is O itself, [B, KV, G, D] of T — attn_merge's
 // result for a single state (its weight is 2^0 = 1), so no merge op follows.
-template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal>
+template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal, int kSlot = kAttnPhaseSlot>
 __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, const TaskEnv& env,
-                                               const AttnStart& first, int phase_slot) {
+                                               const AttnStart& first) {
   constexpr int D = 32 * kPer;
   constexpr int kRowBytes = D * static_cast<int>(sizeof(T)), kU = kAttnStep<kPer, T>, kPieces = kRowBytes / 16;
   static_assert(2 * kU * kPieces == 256, "a step's copies are 8 rounds of the warp's 32 lanes");
@@ -432,11 +433,11 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   const int page_size = static_cast<int>(c.iparam[1]), shift = log2_pow2(page_size);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   constexpr int warps = kAttnWarps;
-  // phases (MPK_PHASES, slot phase_slot): 0 the first K/V copies issued (the page table of
+  // phases (MPK_PHASES, slot kSlot): 0 the first K/V copies issued (the page table of
   // the tile's first sequence was read before the gate: attn_partial), 1 kRope's rotations, 4
   // the wait for the first step's K/V, 2 the rest of the position loop, 3 the warps' states
   // combined and stored
-  PhaseTimer phase(phase_slot);
+  PhaseTimer phase(kSlot);
   float* red = scratch();  // during the loop: each warp's K/V slot [2][kU][D] of T; then [warps][kG][D + 2]
   T* slot = reinterpret_cast<T*>(red) + warp * 2 * kU * D;
   const T* kvbase = static_cast<const T*>(env.buffers[cache.buffer]) + cache.offset + c.iparam[0] * cache.stride[0];
@@ -587,12 +588,12 @@ __device__ __forceinline__ void attn_partial(const OpC& c, const Rect& r, const 
                        ? page_of<I>(env, indices, first.span.first_page, rope_position(first.span, c.in[1]), shift)
                        : 0;
   if (!acquire_inputs(env)) return;
-  attn_partial_impl<kPer, kG, T, I, kRope, kFinal>(c, r, env, first, kAttnPhaseSlot);
+  attn_partial_impl<kPer, kG, T, I, kRope, kFinal>(c, r, env, first);
 #ifdef MPK_ATTN_WARM_RERUN
   // diagnostic (benchmarks/linear_phases.py --warm-rerun): the same work again, its code and
   // data now warm, timed in its own phase slot; idempotent (the same k/v appended, the same
   // output written)
-  attn_partial_impl<kPer, kG, T, I, kRope, kFinal>(c, r, env, first, kAttnWarmSlot);
+  attn_partial_impl<kPer, kG, T, I, kRope, kFinal, kAttnWarmSlot>(c, r, env, first);
 #endif
 }
 
