@@ -14,6 +14,8 @@ same op in eager PyTorch (``torch_ms``, timed over back-to-back calls).
 
 ``--prebuild`` (a machine with nvcc and no GPU): trace the linear cases on the CPU and build
 their kernels into ``$MPK_CACHE_DIR``, for carrying to the device (as prebuild_decode.py).
+``--options`` takes one JSON object of mpk compile options per variant of the linear cases
+(an A/B in one run: the variants alternate per model).
 """
 
 from __future__ import annotations
@@ -143,7 +145,7 @@ def linear_cases(name: str) -> dict[str, tuple[int, int]]:
             "down": (s.hidden, s.inter), "lm_head": (s.vocab, s.hidden)}
 
 
-def prebuild(models: list[str], families: bool) -> None:
+def prebuild(models: list[str], families: bool, variants: list[dict]) -> None:
     """Trace each model's linear case (and with ``families`` the other task families' cases) on
     the CPU and build their kernels into the cubin cache."""
     from mpk.errors import ExecutorUnavailableError
@@ -152,8 +154,8 @@ def prebuild(models: list[str], families: bool) -> None:
 
     sources = []
 
-    def trace(fn, args) -> None:
-        compiled = torch.compile(fn, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "gpu"})
+    def trace(fn, args, options=None) -> None:
+        compiled = torch.compile(fn, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "gpu", **(options or {})})
         COMPILED.clear()
         try:
             with torch.no_grad():
@@ -165,7 +167,8 @@ def prebuild(models: list[str], families: bool) -> None:
 
     for name in models:
         shapes = list(linear_cases(name).values())
-        trace(Linears(shapes, "cpu"), [torch.zeros(1, k, dtype=torch.bfloat16) for _, k in shapes])
+        for options in variants:
+            trace(Linears(shapes, "cpu"), [torch.zeros(1, k, dtype=torch.bfloat16) for _, k in shapes], options)
     for _, fn, args, *_ in family_cases(device="cpu") if families else []:
         trace(fn, args)
     print(f"built {len(build.prebuild(sources))} cubins into {build.cache_dir()}")
@@ -177,9 +180,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--prebuild", action="store_true", help="build the linear and task-family cases' kernels (no GPU needed)")
     ap.add_argument("--linear-only", action="store_true", help="skip the attention and other task families' cases")
+    ap.add_argument("--options", nargs="+", type=json.loads, default=[{}],
+                    help='mpk compile options of the linear cases, one JSON object per variant, e.g. \'{}\' \'{"spare_workers": 0}\'')
     args = ap.parse_args(argv)
     if args.prebuild:
-        prebuild(args.models, not args.linear_only)
+        prebuild(args.models, not args.linear_only, args.options)
         return 0
     device, bw = torch.cuda.get_device_name(), copy_bandwidth()
     print(f"device {device}; copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
@@ -197,12 +202,16 @@ def main(argv=None) -> int:
     opts = {"executor": "gpu"}
     for name in args.models:
         shapes = list(linear_cases(name).values())
-        fn = torch.compile(Linears(shapes), backend="mpk", fullgraph=True, dynamic=False, options=opts)
-        ms = per_iteration_ms(fn, [torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _, k in shapes])
-        nbytes = sum(2 * n * k for n, k in shapes)
-        record({"case": f"linear {name}: {'+'.join(linear_cases(name))}", "batch": 1, "ms": ms,
-                "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9)})
-        torch._dynamo.reset()
+        model = Linears(shapes)
+        xs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _, k in shapes]
+        for options in args.options:
+            fn = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False, options={**opts, **options})
+            ms = per_iteration_ms(fn, xs)
+            nbytes = sum(2 * n * k for n, k in shapes)
+            record({"case": f"linear {name}: {'+'.join(linear_cases(name))}", "batch": 1, "ms": ms,
+                    "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9)}
+                   | ({"options": options} if len(args.options) > 1 else {}))
+            torch._dynamo.reset()
     for batch, length, heads, kv_heads, dim in [] if args.linear_only else [(16, 2048, 32, 8, 128), (1, 16384, 32, 8, 128)]:
         page = 16
         pages = batch * length // page

@@ -195,3 +195,32 @@ def test_outputs_do_not_alias_the_next_launch():
     ya = compiled(a.to(DEV), w.to(DEV))
     yb = compiled(b.to(DEV), w.to(DEV))
     assert relative_error(ya.cpu(), fn(a, w)) <= TOL and relative_error(yb.cpu(), fn(b, w)) <= TOL
+
+
+def test_rebinding_follows_new_moved_and_strided_arguments():
+    """The executor skips re-checking and rebinding arguments that are the tensors of the last
+    launch (a decode loop's weights and cache): values changed in place are still read, a new
+    tensor or one moved to new storage (set_) is bound again, a strided argument is copied
+    afresh at every launch, and a bad shape is still refused after a launch that bound."""
+    fn = lambda x, w: torch.relu(x @ w) * 2  # noqa: E731
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    x, w = torch.randn(4, 8, generator=g).to(DEV), torch.randn(8, 8, generator=g).to(DEV)
+    tables = compile_with(trace_graph(fn, [x.cpu(), w.cpu()]), num_workers=8).tables
+    ex = _gpu(tables)
+
+    def check(*args):
+        out = ex.run(list(args))[0]
+        assert relative_error(out.cpu(), fn(*(a.cpu() for a in args))) <= TOL
+
+    check(x, w)
+    x.copy_(torch.randn(4, 8, generator=g))  # same tensor, new values
+    check(x, w)
+    check(torch.randn(4, 8, generator=g).to(DEV), w)  # a new tensor
+    w.set_(torch.randn(8, 8, generator=g).to(DEV))  # the same object on new storage
+    check(x, w)
+    wt = torch.randn(8, 8, generator=g).to(DEV).t()  # strided: copied at each launch
+    check(x, wt)
+    wt.copy_(torch.randn(8, 8, generator=g))
+    check(x, wt)
+    with pytest.raises(ValueError, match=r"is \(4, 9\)"):
+        ex.run([torch.randn(4, 9, device=DEV), w])
