@@ -230,7 +230,7 @@ class GpuExecutor:
         # re-checking a few hundred of them cost ~0.5–1 ms of host time per launch
         self._input_plan = [(b, int(t.buffers[b]["input_index"]))
                             for b in np.nonzero(t.buffers["role"] == ROLE_INPUT)[0].tolist()]
-        self._bound_args: list[torch.Tensor] = []
+        self._bound_args: list[torch.Tensor] | None = None  # None: the next launch binds in full
         self._bound_keys: list[tuple[int, torch.Size]] = []
 
     def _jit_ring_capacity(self, jit_events: np.ndarray) -> int:
@@ -265,7 +265,7 @@ class GpuExecutor:
     def _bind(self, args: Sequence[torch.Tensor]) -> None:
         if len(args) != len(self._input_plan):
             raise ValueError(f"the compiled graph takes {len(self._input_plan)} tensor arguments, got {len(args)}")
-        if len(self._bound_args) == len(args) and all(a is b for a, b in zip(args, self._bound_args)) \
+        if self._bound_args is not None and all(a is b for a, b in zip(args, self._bound_args)) \
                 and [(a.data_ptr(), a.shape) for a in args] == self._bound_keys:
             return  # the tensors bound last time, unmoved and unresized: checked then, in the table now
         copied = False
@@ -284,8 +284,8 @@ class GpuExecutor:
                                  "(e.g. .clone()) instead of an offset view")
             self.buffers[b] = c
         # a strided argument was copied: the next launch must copy it again (its values may change)
-        self._bound_args = [] if copied else list(args)
-        self._bound_keys = [(a.data_ptr(), a.shape) for a in self._bound_args]
+        self._bound_args = None if copied else list(args)
+        self._bound_keys = [(a.data_ptr(), a.shape) for a in args]
         ptrs = [buf.data_ptr() if buf is not None else 0 for buf in self.buffers]
         if ptrs == self._bound_ptrs:  # the module's table still holds them
             return
