@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prebuild", action="store_true", help="build the linear and task-family cases' kernels (no GPU needed)")
     ap.add_argument("--linear-only", action="store_true", help="skip the attention and other task families' cases")
     ap.add_argument("--options", nargs="+", type=json.loads, default=[{}],
-                    help='mpk compile options of the linear cases, one JSON object per variant, e.g. \'{}\' \'{"spare_workers": 0}\'')
+                    help='mpk compile options of the linear cases, one JSON object per variant, e.g. \'{}\' \'{"fuse_norm_prologue": false}\'')
     args = ap.parse_args(argv)
     if args.prebuild:
         prebuild(args.models, not args.linear_only, args.options)
