@@ -35,13 +35,14 @@ from mpk.backend import COMPILED, RUNNERS  # noqa: E402
 from mpk.megakernel import cuda_driver as drv  # noqa: E402
 from mpk.models.llm import SHAPES  # noqa: E402
 
-# linalg.cuh: LinearForm (slot = form · 3 + block index); form 3 is norm prologue + silu epilogue
-FORMS = ("plain", "norm prologue", "silu epilogue", "norm prologue + silu")
+# linalg.cuh: linear_phase_slot (slot = index here · 3 + block index)
+FORMS = ("plain", "norm prologue", "silu epilogue", "norm prologue + silu", "norm stats out", "norm stats in",
+         "norm stats in + silu")
 BLOCKS = (2, 4, 8)
 PHASES = ("setup", "k_loop", "to_shared", "epilogue", "barrier", "pre_gate")  # linalg.cuh: linear_bf16's marks
-ATTN_SLOT, ATTN_WARM_SLOT = 9, 12  # common.cuh: kAttnPhaseSlot, kAttnWarmSlot
+ATTN_SLOT, ATTN_WARM_SLOT = 24, 25  # common.cuh: kAttnPhaseSlot, kAttnWarmSlot
 ATTN_PHASES = ("issue", "rope", "loop", "combine", "kv_wait")  # paged_attention.cuh: attn_partial_impl's marks
-SLOTS, NUM_PHASES = 16, 8  # common.cuh: kPhaseSlots, kPhases
+SLOTS, NUM_PHASES = 32, 8  # common.cuh: kPhaseSlots, kPhases
 
 
 def phases(model_name: str, batch: int, position: int, steps: int, options: dict | None = None) -> list[dict]:

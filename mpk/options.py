@@ -36,6 +36,11 @@ class CompileOptions:
                  a task's on-chip tile (mpk.ops.linalg.NORM_TILE_BYTES: a decode step at batch
                  1, or 2 for hidden ≤ 2048); larger inputs keep the separate norm task, which
                  measured faster on an H200 from batch 4 on.
+    fuse_norm_stats  split an RMSNorm whose input is a residual projection's output between
+                 that projection (which also writes h·g and per-16-column sums of h²) and the
+                 projection after the norm (which scales its sums by each row's rstd):
+                 matmul_norm_stats / norm_stats_matmul, no norm stage (default False:
+                 −2.0…+0.9% per model and batch on an H100, docs/performance_log.md).
     fuse_rope_attention  run a decode layer's qk-norm + RoPE + KV append inside its paged
                  attention tasks (rope_attn_partial; default True), one op boundary fewer.
     debug_dir    directory to dump the OpGraph, tables, summary, DOT and JSON of each graph.
@@ -54,6 +59,7 @@ class CompileOptions:
     partition: dict[str, Any] = field(default_factory=dict)
     fallback: str = "error"
     fuse_norm_prologue: bool = True
+    fuse_norm_stats: bool = False
     fuse_rope_attention: bool = True
     debug_dir: str | None = None
     num_workers: int = 128
@@ -62,6 +68,12 @@ class CompileOptions:
     timeout_s: float = 30.0
     sync: bool = True
     profile_dir: str | None = None
+
+    def optional_fusions(self) -> tuple[str, ...]:
+        """The optional pattern fusions (mpk.frontend.patterns.OPTIONAL_MATCHERS) these options
+        ask for, in the order they apply."""
+        return tuple(name for name, on in (("norm_prologue", self.fuse_norm_prologue),
+                                           ("norm_stats", self.fuse_norm_stats)) if on)
 
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None) -> "CompileOptions":
@@ -88,7 +100,7 @@ class CompileOptions:
         n = opts["num_workers"]
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise OptionError(f"num_workers={n!r}; expected a positive int")
-        for flag in ("sync", "fuse_norm_prologue", "fuse_rope_attention"):
+        for flag in ("sync", "fuse_norm_prologue", "fuse_norm_stats", "fuse_rope_attention"):
             if not isinstance(opts.get(flag, False), bool):
                 raise OptionError(f"{flag}={opts[flag]!r}; expected True or False")
         part = opts.get("partition", {})

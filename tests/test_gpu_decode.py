@@ -119,6 +119,53 @@ def test_rms_norm_fused_linear_matches_float64(m, n, k, tiles, silu):
     assert relative_error(out, h) <= BF16_TOL
 
 
+class _ResidualNormLinear(torch.nn.Module):
+    """h = r + a @ w1ᵀ, then the projection (with silu: gate·up and SiLU·mul) of rms_norm(h)."""
+
+    def __init__(self, n: int, k: int, out: int, silu: bool, computed_w2: bool):
+        super().__init__()
+        self.w1 = torch.nn.Parameter((3 * torch.randn(n, k, device=DEV) / k ** 0.5).bfloat16(), requires_grad=False)
+        self.w2 = torch.nn.Parameter((torch.randn(2 * out if silu else out, n, device=DEV) / n ** 0.5).bfloat16(),
+                                     requires_grad=False)
+        self.g = torch.nn.Parameter((1 + 0.2 * torch.randn(n, device=DEV)).bfloat16(), requires_grad=False)
+        self.out, self.silu, self.computed_w2 = out, silu, computed_w2
+
+    def forward(self, a, r):
+        h = r + torch.nn.functional.linear(a, self.w1)
+        w2 = self.w2 * 2 if self.computed_w2 else self.w2  # computed in the kernel: the general task
+        y = torch.nn.functional.linear(torch.ops.mpk.rms_norm(h, self.g, 1e-6, torch.float32, torch.bfloat16), w2)
+        return h, torch.nn.functional.silu(y[:, : self.out]) * y[:, self.out:] if self.silu else y
+
+
+@pytest.mark.parametrize("m,n,k,out,tiles,silu,computed_w2", [
+    (1, 2048, 2048, 1000, None, False, False), (16, 4096, 512, 300, None, True, False),
+    (3, 512, 96, 520, [1, 1, 3, 1], False, False), (4, 256, 80, 200, [1, 2, 2, 1], True, True)])
+def test_norm_split_between_projections_matches_float64(m, n, k, out, tiles, silu, computed_w2):
+    """fuse_norm_stats: the residual projection writes h, h·g and per-16-column sums of h²
+    (matmul_norm_stats), the projection after the norm scales its sums by rstd from them
+    (norm_stats_matmul). h within a bf16 rounding of its float64 definition, the projection
+    within a bf16 rounding of float64 rms_norm(h) @ w2 (of the kernel's h), through the
+    bandwidth-grade linear (1, 16 rows; 16- and 32-column tiles; uneven tiles of passes with a
+    partial last pass) and the general tasks (K = 80 for the first, a computed w2 for the
+    second)."""
+    mod = _ResidualNormLinear(n, k, out, silu, computed_w2)
+    a = torch.randn(m, k, device=DEV).bfloat16()
+    r = (4 * torch.randn(m, n, device=DEV)).bfloat16()
+    h, y = _gpu_compile(mod, fuse_norm_stats=True, **({"partition": {"matmul_norm_stats": tiles}} if tiles else {}))(a, r)
+    t = COMPILED[-1].tables
+    kinds = [op.kind for op in COMPILED[-1].graph.ops]
+    assert kinds.count("matmul_norm_stats") == kinds.count("norm_stats_matmul") == 1 and "rms_norm" not in kinds
+    assert linear_variant(t, kinds.index("matmul_norm_stats")) == int(k % 32 == 0)
+    assert linear_variant(t, kinds.index("norm_stats_matmul")) == int(not computed_w2)
+    assert relative_error(h, a.double() @ mod.w1.double().T + r.double()) <= BF16_TOL
+    hd = h.double()
+    w2 = mod.w2.double() * (2 if computed_w2 else 1)
+    ref = (hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-6) * mod.g.double()) @ w2.T
+    if silu:
+        ref = torch.nn.functional.silu(ref[:, :out]) * ref[:, out:]
+    assert relative_error(y, ref) <= BF16_TOL
+
+
 @pytest.mark.parametrize("rows,dim,tiles", [(1, 2048, 0), (16, 2048, 0), (5, 1000, 3), (16, 4096, 2)])
 def test_embedding_rows_copy_exactly(rows, dim, tiles):
     """The embedding's word-copy path (a thread per 16-byte word of the tile, all rows at once):
@@ -380,7 +427,10 @@ UNFUSED = {"fuse_rope_attention": False}
     ("qwen3", 16, 2, UNFUSED, {}, 5), ("llama", 2, 3, {}, {"heads": 12}, 2), ("llama", 2, 3, {}, {"heads": 16}, 0),
     ("qwen3", 16, 3, {"fuse_norm_prologue": False}, {}, 0), ("llama", 4, 16, {}, {"hidden": 512}, 2),
     # partitioned for 16 workers: 8 attention tasks are narrow, so the o projection takes 8 tiles
-    ("llama", 4, 4, {"num_workers": 16}, {}, 0)])
+    ("llama", 4, 4, {"num_workers": 16}, {}, 0),
+    # the RMSNorms after the residual projections split between the projections around them
+    ("qwen3", 16, 1, {"fuse_norm_stats": True}, {"hidden": 256, "head_dim": 64}, 0),
+    ("llama", 4, 16, {"fuse_norm_stats": True}, {"hidden": 512}, 2)])
 def test_compiled_decode_matches_eager(family, page_size, batch, options, shape, splits):
     """bf16 decode steps of sequences of different lengths, compiled vs mpk's eager path:
     logits within 2e-2 of the largest |logit| (bf16 rounding of two different summation
@@ -414,12 +464,19 @@ def test_compiled_decode_matches_eager(family, page_size, batch, options, shape,
     fused = options.get("fuse_rope_attention", True) and cfg.heads // cfg.kv_heads <= 6
     assert kinds.count("rope_attn_partial" if fused else "rope_append") == cfg.layers
     assert kinds.count("attn_merge") == (0 if splits <= 1 else cfg.layers)  # one chunk: written directly
+    # fuse_norm_stats: every norm but the first layer's (after the embedding) is split between
+    # the projections around it; the first is then fused or not as below
+    norms = 2 * cfg.layers + 1
+    if options.get("fuse_norm_stats"):
+        assert kinds.count("matmul_norm_stats") == kinds.count("norm_stats_matmul") == 2 * cfg.layers
+        assert all(linear_variant(COMPILED[-1].tables, i) for i, k in enumerate(kinds) if "norm_stats" in k)
+        norms = 1
     # by default every RMSNorm runs inside the projection after it (fast path) while x fits a tile
     if options.get("fuse_norm_prologue", True) and batch * cfg.hidden * 2 <= NORM_TILE_BYTES:
-        assert "rms_norm" not in kinds and kinds.count("rms_matmul") == 2 * cfg.layers + 1
+        assert "rms_norm" not in kinds and kinds.count("rms_matmul") == norms
         assert all(linear_variant(COMPILED[-1].tables, i) for i, k in enumerate(kinds) if k == "rms_matmul")
     else:
-        assert "rms_matmul" not in kinds and kinds.count("rms_norm") == 2 * cfg.layers + 1
+        assert "rms_matmul" not in kinds and kinds.count("rms_norm") == norms
 
 
 def _cuda_kernels(fn, *args) -> list[str]:
@@ -457,8 +514,9 @@ def test_one_kernel_launch_per_step(vocab):
     assert (row_vector_ctype(tables, len(tables.ops) - 1) is not None) == (vocab >= LONG_ROW)
 
 
-@pytest.mark.parametrize("name", ["qwen3-small", "llama-small", "qwen3-1.7b"])
-def test_bf16_decode_agrees_with_transformers(name):
+@pytest.mark.parametrize("name,options", [("qwen3-small", {}), ("llama-small", {}), ("qwen3-1.7b", {}),
+                                          ("qwen3-1.7b", {"fuse_norm_stats": True})])
+def test_bf16_decode_agrees_with_transformers(name, options):
     """64 teacher-forced bf16 steps of 8 sequences, random weights shared through safetensors,
     against transformers' float32 logits of the same weights: top-1 ≥ 99% where the reference
     is decisive (``compare_logits``; random models are full of near-ties that bf16 rounding
@@ -478,7 +536,7 @@ def test_bf16_decode_agrees_with_transformers(name):
     ref = hf_logits(hf.float(), tokens)  # the float32 truth of the same weights
     del hf
     torch.cuda.empty_cache()
-    mpk_logits = decode_logits(_gpu_compile(ours), ours, tokens, page_size=16)
+    mpk_logits = decode_logits(_gpu_compile(ours, **options), ours, tokens, page_size=16)
     eager_logits = decode_logits(ours, ours, tokens, page_size=16)
     vs_hf, vs_eager = compare_logits(mpk_logits, ref), compare_logits(mpk_logits, eager_logits)
     hf_own = compare_logits(hf_bf16, ref)

@@ -219,6 +219,40 @@ def test_compiled_decode_matches_eager(family, page_size, prologue, partition, f
         assert kinds.count("matmul_silu") == cfg.layers
 
 
+@pytest.mark.parametrize("family,batch,partition", [
+    ("llama", 1, {}), ("qwen3", 3, {}),
+    # uneven tiles of 16-column groups, rows split over tiles, the consumer over rows and columns
+    ("qwen3", 4, {"matmul_norm_stats": [1, 2, 3, 1], "norm_stats_matmul": [2, 3]})])
+def test_norm_split_between_projections_in_a_decode_step(family, batch, partition):
+    """fuse_norm_stats on a bf16 decode step (CPU interpreter): every RMSNorm after a residual
+    projection is split between that projection (matmul_norm_stats) and the one after it
+    (norm_stats_matmul) — only the first layer's input norm, after the embedding, stays — and
+    the logits stay within 2e-2 of mpk's eager path with top-1 agreement ≥ 99% where the eager
+    logits are decisive, over 4 steps; the cache written by layer 0 is equal."""
+    cfg = small(family, hidden=256, inter=512, head_dim=64)
+    model = DecoderLM(cfg, torch.bfloat16).randomize(seed=random.randrange(1 << 30))
+    step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
+                         options={"executor": "cpu", "num_workers": 16, "fuse_norm_stats": True, "partition": partition})
+    eager_kv, mpk_kv = PagedKVCache(model, batch, 32, 4), PagedKVCache(model, batch, 32, 4)
+    tokens = torch.randint(0, cfg.vocab, (batch,))
+    outs, refs = [], []
+    with torch.no_grad():
+        for t in range(4):
+            grow = [1 + 4 * b for b in range(batch)] if t == 0 else 1
+            eager_kv.grow(grow)
+            mpk_kv.grow(grow)
+            refs.append(model(tokens, *eager_kv.args()).float())
+            outs.append(step(tokens, *mpk_kv.args()).float())
+            tokens = refs[-1].argmax(-1)
+    stats = compare_logits(torch.stack(outs), torch.stack(refs))
+    assert stats["max_rel"] <= 2e-2 and stats["top1_decisive"] >= 0.99, stats
+    assert torch.equal(mpk_kv.cache[0], eager_kv.cache[0])
+    kinds = [op.kind for op in COMPILED[-1].graph.ops]
+    assert kinds.count("matmul_norm_stats") == kinds.count("norm_stats_matmul") == 2 * cfg.layers
+    first_norm = "rms_matmul" if batch * cfg.hidden * 2 <= 8192 else "rms_norm"
+    assert kinds.count(first_norm) == 1 and "rms_norm" not in kinds[kinds.index(first_norm) + 1:]
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_o_projection_avoids_the_workers_of_a_narrow_attention(batch):
     """With 16 workers, attention over 2 kv heads at batch 4 is 8 tasks (narrow: 4–8), so the

@@ -5,6 +5,8 @@ tolerance is 1e-5 relative to the reference's largest |value|."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -165,3 +167,41 @@ def test_norm_prologue_fuses_only_what_a_task_keeps_on_chip(rows, k, fused):
     assert relative_error(out, ref) <= TOL
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
     assert kinds == (["rms_matmul"] if fused else ["rms_norm", "matmul"])
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_norm_split_between_projections_matches_float64(silu):
+    """mm_norm_stats + norm_stats_mm (an RMSNorm split between the residual projection before
+    it and the projection after it) against float64: h = r + a @ w within a bf16 rounding, the
+    packed sums equal to Σh² of the rounded h (fp32, relative 1e-6), and the projection within
+    a bf16 rounding of its float64 definition with the op's roundings (rows whose rstd is far
+    from 1)."""
+    from mpk.frontend.fused_ops import norm_stats_parts
+
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    m, k, n, out = 5, 384, 512, 96
+    a = torch.randn(m, k, generator=g).bfloat16()
+    w = (3 * torch.randn(k, n, generator=g) / k ** 0.5).bfloat16()
+    r = (4 * torch.randn(m, n, generator=g)).bfloat16()
+    nw = (1 + 0.2 * torch.randn(n, generator=g)).bfloat16()
+    b = (torch.randn(n, 2 * out if silu else out, generator=g) / n ** 0.5).bfloat16()
+    packed = torch.ops.mpk.mm_norm_stats(a, w, r, nw)
+    assert packed.shape == (3, m, n // 16, 16) and packed.dtype == torch.bfloat16
+    h, hg, sums = norm_stats_parts(packed)
+    h64 = a.double() @ w.double() + r.double()
+    assert relative_error(h.double(), h64) <= 2 ** -8
+    assert torch.equal(hg, (h.float() * nw.float()).bfloat16())
+    group_sums = sums.contiguous().view(torch.float32)[:, ::8].double()
+    ref_sums = h.double().pow(2).view(m, n // 16, 16).sum(-1)
+    assert ((group_sums - ref_sums).abs() / ref_sums).max() <= 1e-6
+    assert torch.count_nonzero(sums.contiguous().view(torch.float32).view(m, n // 16, 8)[..., 1:]) == 0
+    y = torch.ops.mpk.norm_stats_mm(packed, b, 1e-6, silu)
+    assert y.shape == (m, out) and y.dtype == torch.bfloat16
+    hd = h.double()  # the op's roundings: h·g and (with silu) gate, up and silu(gate) to bf16
+    ref = torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-6) * (hg.double() @ b.double())
+    if silu:
+        ref = ref.bfloat16().double()
+        ref = torch.nn.functional.silu(ref[:, :out]).bfloat16().double() * ref[:, out:]
+    assert relative_error(y.double(), ref) <= 2 ** -8
+    with pytest.raises(ValueError, match=r"float32 \[5, 512\]; expected a 2-byte dtype"):
+        torch.ops.mpk.mm_norm_stats(a.float(), w.float(), r.float(), nw.float())

@@ -334,6 +334,12 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
                "l"(gmem));
 }
 
+// 4 bytes global → shared (through L1: the 16-byte form alone may bypass it).
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))),
+               "l"(gmem));
+}
+
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\n cp.async.wait_group 0;" ::: "memory");
 }
@@ -429,9 +435,9 @@ __device__ __forceinline__ uint4* norm_tile() {
 // cannot. The sums are reductions (no value returned): a read-modify-write would make thread 0
 // wait a round trip inside the phase after each mark. Without MPK_PHASES the marks compile to
 // nothing.
-constexpr int kPhaseCtas = 256, kPhaseSlots = 16, kPhases = 8;
-constexpr int kAttnPhaseSlot = 9;  // linalg.cuh's linear forms take 0…8 and 11 (norm + SiLU·mul: 8 blocks only)
-constexpr int kAttnWarmSlot = 12;  // attention run a second time in the same task (MPK_ATTN_WARM_RERUN)
+constexpr int kPhaseCtas = 256, kPhaseSlots = 32, kPhases = 8;
+constexpr int kAttnPhaseSlot = 24;  // linalg.cuh's linear forms take 0…23 (linear_phase_slot)
+constexpr int kAttnWarmSlot = 25;   // attention run a second time in the same task (MPK_ATTN_WARM_RERUN)
 #ifdef MPK_PHASES
 extern "C" {
 __device__ unsigned long long mpk_phase_ns[kPhaseCtas][kPhaseSlots][kPhases];

@@ -56,22 +56,44 @@ __host__ __device__ __forceinline__ int red_index(int warp, int row, int col) {
 //   up; a pass takes 4 blocks of gate rows and the 4 matching blocks of up rows and stores
 //   silu(gate)·up, each factor rounded to bf16 first, as the unfused projection and silu_mul
 //   would.
-enum LinearForm : int { kPlain = 0, kNormPrologue = 1, kSiluEpilogue = 2 };
+// kStatsEpilogue: the matmul_norm_stats op — the residual projection before an RMSNorm of weight
+//   g (input 3) also stores h·g and each 16-column group's Σh² (a half warp's butterfly over
+//   its lanes' h², in the epilogue), packed as mpk/ops/linalg.py lays out; r is 2-d here.
+// kStatsPrologue: the norm_stats_matmul op — the projection after that norm reads h·g as a plain
+//   matmul reads x; the sums (input 2) go to shared memory by cp.async after the gate, are
+//   added up after the first K loop into each row's rstd, and the epilogue scales by it.
+enum LinearForm : int { kPlain = 0, kNormPrologue = 1, kSiluEpilogue = 2, kStatsEpilogue = 4, kStatsPrologue = 8 };
+constexpr int kStatsGroup = 16;  // columns per sum of squares (mpk.ops.linalg.STATS_GROUP)
+
+// The phase timer's slot of a form: its index in the forms instantiated (benchmarks/
+// linear_phases.py: FORMS, same order) · 3 + log2(kBlocks) − 1.
+__host__ __device__ constexpr int linear_phase_slot(int form, int blocks) {
+  constexpr int kForms[] = {kPlain, kNormPrologue, kSiluEpilogue, kNormPrologue | kSiluEpilogue, kStatsEpilogue,
+                            kStatsPrologue, kStatsPrologue | kSiluEpilogue};
+  int i = 0;
+  while (kForms[i] != form) ++i;
+  return i * 3 + (blocks == 2 ? 0 : blocks == 4 ? 1 : 2);
+}
 
 template <int kBlocks, int kForm>
 __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const TaskEnv& env) {
   constexpr bool kNorm = kForm & kNormPrologue, kGlu = kForm & kSiluEpilogue;
+  constexpr bool kStatsOut = kForm & kStatsEpilogue, kStatsIn = kForm & kStatsPrologue;
   constexpr int kLinUnroll = kLinInFlight / kBlocks, kWarps = kThreadsPerTask / 32;
-  // The next pass's first weights go out at the end of a pass (see below), except in the plain
-  // SiLU·mul form (batch ≥ 4), whose gate·up tasks measured 3% slower with it (H200, qwen3-8b).
-  constexpr bool kPassPrefetch = kForm != kSiluEpilogue;
+  // The next pass's first weights go out at the end of a pass (see below), except in the SiLU·mul
+  // forms without the norm prologue (plain: batch ≥ 4, whose gate·up tasks measured 3% slower
+  // with it on an H200, qwen3-8b; after norm stats: with it at batch ≤ 2, llama3.2-1b's batch-1
+  // step was 0.6% slower on an H100 and qwen3-8b's no faster).
+  constexpr bool kPassPrefetch = !kGlu || kNorm;
   // phases (MPK_PHASES): 5 the loads before the gate, 0 the gate and the prologue; per pass 1 K
-  // loop, 2 partials to shared memory, 3 epilogue, 4 closing barrier. Slot: form · 3 + log2(kBlocks) − 1
-  PhaseTimer phase(kForm * 3 + (kBlocks == 2 ? 0 : kBlocks == 4 ? 1 : 2));
+  // loop, 2 partials to shared memory, 3 epilogue, 4 closing barrier
+  constexpr int kPhaseSlot = linear_phase_slot(kForm, kBlocks);
+  PhaseTimer phase(kPhaseSlot);
   constexpr int kOut = kGlu ? 4 * kBlocks : 8 * kBlocks;  // output columns per pass
   const ViewC& a = c.in[0];
   const ViewC& b = c.in[1];
-  const long long K = a.shape[1], N = c.out_shape[1];
+  // kStatsOut: the output is [3, M, N/16, 16] (h, h·g, sums), r the rows × columns rect
+  const long long K = a.shape[1], N = kStatsOut ? c.out_shape[2] * kStatsGroup : c.out_shape[1];
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(env.buffers[a.buffer]) + a.offset;
   const __nv_bfloat16* w = static_cast<const __nv_bfloat16*>(env.buffers[b.buffer]) + b.offset;
   const long long lda = a.stride[0], ldw = b.stride[1];
@@ -156,6 +178,15 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
     return;
   }
   if constexpr (kNorm) load_norm_weight(warp == 0);  // warp 0's: they land under the tile's copy
+  // kStatsIn: half warp `srow` copies row srow's sums into red (free until the first pass's
+  // partials), lane l taking groups l, l + 16, … (the order mpk.ops.linalg.stats_rstd adds them)
+  const int groups = static_cast<int>(K / kStatsGroup), srow = threadIdx.x >> 4, slane = threadIdx.x & 15;
+  if constexpr (kStatsIn) {
+    const ViewC& sv = c.in[2];
+    const __nv_bfloat16* st = static_cast<const __nv_bfloat16*>(env.buffers[sv.buffer]) + sv.offset + (m0 + srow) * sv.stride[0];
+    if (srow < rows)
+      for (int q = slane; q < groups; q += 16) cp_async4(red + srow * groups + q, st + q * kStatsGroup);
+  }
   uint4* tile = nullptr;  // kNorm: the rows of x, normalised
   if constexpr (kNorm) {
     tile = norm_tile();
@@ -189,13 +220,14 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   // the bias (a decoder layer's residual): bf16, broadcast by zero strides (codegen checks)
   const __nv_bfloat16* bias = nullptr;
   long long bs0 = 0, bs1 = 0;
-  if (kForm == kPlain && c.num_inputs > 2) {
+  if ((kForm == kPlain || kForm == kStatsEpilogue) && c.num_inputs > 2) {
     const ViewC& v = c.in[2];
     bias = static_cast<const __nv_bfloat16*>(env.buffers[v.buffer]) + v.offset;
     if (v.ndim >= 1) bs1 = v.shape[v.ndim - 1] == 1 ? 0 : v.stride[v.ndim - 1];
     if (v.ndim == 2) bs0 = v.shape[0] == 1 ? 0 : v.stride[0];
   }
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(env.buffers[c.out_buffer]);
+  const long long part = kStatsOut ? c.out_shape[1] * N : 0;  // kStatsOut: elements of one of the 3 parts
   constexpr int kPerThread = kLinRows * kOut / kThreadsPerTask;  // epilogue outputs per thread
   if (warp == 0) {  // its first weights, copied by warps 1–7
     if (lane == 0) mbarrier_wait(gate_share_bar(), share_token);
@@ -215,6 +247,16 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
     for (int j = 0; j < kPerThread; ++j) {
       const int e = threadIdx.x + j * kThreadsPerTask;
       bv[j] = bias && e < rows * pass_cols ? __bfloat162float(bias[(m0 + e / pass_cols) * bs0 + (n0 + e % pass_cols) * bs1]) : 0.f;
+    }
+    float gv[kStatsOut ? kPerThread : 1];  // kStatsOut: the norm weight at each output's column
+    if constexpr (kStatsOut) {
+      const ViewC& v = c.in[3];
+      const __nv_bfloat16* g16 = static_cast<const __nv_bfloat16*>(env.buffers[v.buffer]) + v.offset;
+#pragma unroll
+      for (int j = 0; j < kPerThread; ++j) {
+        const int e = threadIdx.x + j * kThreadsPerTask;
+        gv[j] = e < rows * pass_cols ? __bfloat162float(g16[(n0 + e % pass_cols) * v.stride[0]]) : 0.f;
+      }
     }
     float acc[kBlocks][4];
 #pragma unroll
@@ -251,6 +293,18 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       load_weights(warp);
     }
     phase.mark(1);
+    if constexpr (kStatsIn) {
+      if (n0 == r.lo[1]) {  // each row's rstd, kept in red_ss for the later passes
+        cp_async_wait_all();
+        float ss = 0.f;
+        if (srow < rows)
+          for (int q = slane; q < groups; q += 16) ss += red[srow * groups + q];
+#pragma unroll
+        for (int o = 8; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (slane == 0 && srow < rows) red_ss[srow] = rsqrtf(ss / static_cast<float>(K) + c.fparam[2]);
+        __syncthreads();  // all sums read: red takes the partials now
+      }
+    }
     // accumulator fragment: rows g and g + 8, columns 2t and 2t + 1 of each 8-column block
 #pragma unroll
     for (int j = 0; j < kBlocks; ++j) {
@@ -262,14 +316,31 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int e = threadIdx.x + j * kThreadsPerTask;
-      if (e >= rows * pass_cols) break;
-      const int row = e / pass_cols, col = e % pass_cols;
+      // kStatsOut: a half warp holds one row's aligned 16 columns (tiles and passes are whole
+      // groups), and all 32 lanes take part in its shuffles
+      const bool live = e < rows * pass_cols;
+      if (!kStatsOut && !live) break;
+      const int row = live ? e / pass_cols : 0, col = live ? e % pass_cols : 0;
       float s = 0.f, up = 0.f;
       for (int v = 0; v < kWarps; ++v) {
         s += red[red_index(v, row, col)];
         if constexpr (kGlu) up += red[red_index(v, row, 32 + col)];
       }
-      const float scale = c.fparam[0];  // alpha
+      const float scale = kStatsIn ? red_ss[row] : c.fparam[0];  // rstd, or alpha
+      if constexpr (kStatsOut) {
+        const float h = round_to(kBF16, s * scale + c.fparam[1] * bv[j]);
+        float sq = live ? h * h : 0.f;
+#pragma unroll
+        for (int o = kStatsGroup / 2; o; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        if (live) {
+          const long long at = (m0 + row) * N + n0 + col;
+          const unsigned bits = __float_as_uint(sq), k = col % kStatsGroup;
+          out[at] = __float2bfloat16(h);
+          out[part + at] = __float2bfloat16(h * gv[j]);
+          out[2 * part + at] = __ushort_as_bfloat16(static_cast<unsigned short>(k == 0 ? bits & 0xffffu : k == 1 ? bits >> 16 : 0u));
+        }
+        continue;
+      }
       if constexpr (kGlu) {
         s = silu_times(round_to(kBF16, s * scale), round_to(kBF16, up * scale), kBF16);
       } else {
@@ -395,6 +466,98 @@ __device__ void task_matmul_silu(const OpC& c, const Rect& r, const TaskEnv& env
     gate = round_to(c.out_dtype, gate * c.fparam[0]);
     up = round_to(c.out_dtype, up * c.fparam[0]);
     store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, 2), silu_times(gate, up, c.out_dtype));
+  }
+}
+
+// matmul_norm_stats: out [3, M, N/16, 16] = h = alpha·a @ b + beta·r, h·g, and each 16-column
+// group's Σh² as fp32 bits in the group's first two elements of part 2 (the rest 0; mpk/ops/
+// linalg.py defines it). Inputs a [M, K], b [K, N], r [M, N], g [N]; bf16 storage. Variant 0
+// (general views): a thread per (row, group).
+__device__ void task_matmul_norm_stats(const OpC& c, const Rect& r, const TaskEnv& env) {
+  Rect rc;  // rows × columns
+  rc.lo[0] = r.lo[1];
+  rc.hi[0] = r.hi[1];
+  rc.lo[1] = r.lo[2] * kStatsGroup;
+  rc.hi[1] = r.hi[2] * kStatsGroup;
+  if (c.variant == 1) {
+    linear_variant1<kStatsEpilogue>(c, rc, env);
+    return;
+  }
+  if (!acquire_inputs(env)) return;
+  const ViewC &a = c.in[0], &b = c.in[1], &res = c.in[2], &g = c.in[3];
+  const long long K = a.shape[1], M = c.out_shape[1], N = c.out_shape[2] * kStatsGroup;
+  const long long groups = (rc.hi[1] - rc.lo[1]) / kStatsGroup, n = (rc.hi[0] - rc.lo[0]) * groups;
+  void* out = env.buffers[c.out_buffer];
+  for (long long e = threadIdx.x; e < n; e += blockDim.x) {
+    const long long row = rc.lo[0] + e / groups, col0 = rc.lo[1] + e % groups * kStatsGroup;
+    float sq[kStatsGroup];
+    for (int j = 0; j < kStatsGroup; ++j) {
+      const long long col = col0 + j, ir[2] = {row, col}, ig[1] = {col};
+      float acc = 0.f;
+      for (long long k = 0; k < K; ++k) {
+        const long long ia[2] = {row, k}, ib[2] = {k, col};
+        acc += load_f(env.buffers[a.buffer], a.dtype, view_index(a, ia, 2)) * load_f(env.buffers[b.buffer], b.dtype, view_index(b, ib, 2));
+      }
+      const float h = round_to(c.out_dtype, acc * c.fparam[0] + c.fparam[1] * load_f(env.buffers[res.buffer], res.dtype, view_index(res, ir, 2)));
+      store_f(out, c.out_dtype, row * N + col, h);
+      store_f(out, c.out_dtype, (M + row) * N + col, h * load_f(env.buffers[g.buffer], g.dtype, view_index(g, ig, 1)));
+      sq[j] = h * h;
+    }
+    for (int o = kStatsGroup / 2; o; o >>= 1)  // the half warp's butterfly, as lane 0 adds
+      for (int j = 0; j < o; ++j) sq[j] += sq[j + o];
+    const unsigned bits = __float_as_uint(sq[0]);
+    auto* words = static_cast<unsigned short*>(out) + (2 * M + row) * N + col0;
+    for (int j = 0; j < kStatsGroup; ++j) words[j] = static_cast<unsigned short>(j == 0 ? bits & 0xffffu : j == 1 ? bits >> 16 : 0u);
+  }
+}
+
+// rsqrt(mean + eps) of row `row` from part 2 of a matmul_norm_stats output viewed [M, K], in the
+// variant-1 task's order (lane l adds groups l, l + 16, …, then the half warp's butterfly).
+__device__ float stats_rstd(const ViewC& sv, const void* base, long long row, long long K, float eps) {
+  const auto* words = static_cast<const unsigned short*>(base) + sv.offset + row * sv.stride[0];
+  float lane[16];
+  for (int l = 0; l < 16; ++l) {
+    lane[l] = 0.f;
+    for (long long q = l; q < K / kStatsGroup; q += 16) {
+      const long long at = q * kStatsGroup * sv.stride[1];
+      lane[l] += __uint_as_float(words[at] | static_cast<unsigned>(words[at + sv.stride[1]]) << 16);
+    }
+  }
+  for (int o = 8; o; o >>= 1)
+    for (int l = 0; l < o; ++l) lane[l] += lane[l + o];
+  return rsqrtf(lane[0] / static_cast<float>(K) + eps);
+}
+
+// norm_stats_matmul: out [M, N] = rstd · (x @ b), rstd per row from a matmul_norm_stats output's
+// sums; with iparam[0] SiLU·mul of the two halves of b [K, 2N], each factor rounded first.
+// Inputs x (its h·g) [M, K], b, sums [M, K]; fparam[2] eps. Variant 0: each element alone.
+__device__ void task_norm_stats_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
+  if (c.variant == 1) {
+    if (c.iparam[0]) {
+      linear_variant1<kStatsPrologue | kSiluEpilogue>(c, r, env);
+    } else {
+      linear_variant1<kStatsPrologue>(c, r, env);
+    }
+    return;
+  }
+  if (!acquire_inputs(env)) return;
+  const ViewC &a = c.in[0], &b = c.in[1], &sv = c.in[2];
+  const long long K = a.shape[1], N = c.out_shape[1], n = rect_numel(r, 2);
+  const bool glu = c.iparam[0] != 0;
+  for (long long e = threadIdx.x; e < n; e += blockDim.x) {
+    long long idx[kMaxDims];
+    rect_unravel(r, 2, e, idx);
+    const float rstd = stats_rstd(sv, env.buffers[sv.buffer], idx[0], K, c.fparam[2]);
+    float gate = 0.f, up = 0.f;
+    for (long long k = 0; k < K; ++k) {
+      const long long ia[2] = {idx[0], k}, ig[2] = {k, idx[1]}, iu[2] = {k, idx[1] + N};
+      const float xv = load_f(env.buffers[a.buffer], a.dtype, view_index(a, ia, 2));
+      gate += xv * load_f(env.buffers[b.buffer], b.dtype, view_index(b, ig, 2));
+      if (glu) up += xv * load_f(env.buffers[b.buffer], b.dtype, view_index(b, iu, 2));
+    }
+    const float out = glu ? silu_times(round_to(c.out_dtype, gate * rstd), round_to(c.out_dtype, up * rstd), c.out_dtype)
+                          : gate * rstd;
+    store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, 2), out);
   }
 }
 

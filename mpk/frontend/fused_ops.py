@@ -59,6 +59,54 @@ def _(x, weight, eps, compute_dtype, norm_dtype, b, silu=False):
                        dtype=rms_norm_out_dtype(x, weight, norm_dtype))
 
 
+def _norm_stats_sig(a, b, r, g) -> OpSig:
+    from mpk.ops.linalg import STATS_GROUP
+
+    M, N = r.shape
+    if r.dtype.itemsize != 2 or N % STATS_GROUP:
+        raise ValueError(f"mm_norm_stats: h = r + a @ b is {str(r.dtype)[6:]} [{M}, {N}]; expected a 2-byte dtype "
+                         f"(the sums are fp32 in element pairs) and a multiple of {STATS_GROUP} columns")
+    return OpSig((tuple(a.shape), tuple(b.shape), tuple(r.shape), tuple(g.shape)),
+                 (3, M, N // STATS_GROUP, STATS_GROUP), r.dtype, {})
+
+
+@torch.library.custom_op("mpk::mm_norm_stats", mutates_args=())
+def mm_norm_stats(a: torch.Tensor, b: torch.Tensor, r: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``h = r + a @ b`` (a residual projection) packed with what the RMSNorm of weight ``g``
+    after it needs: [3, M, N/16, 16] of h, h·g and per-16-column sums of h² (mpk.ops.linalg's
+    matmul_norm_stats defines the layout); ``norm_stats_mm`` consumes it."""
+    sig = _norm_stats_sig(a, b, r, g)
+    return get_op("matmul_norm_stats").cpu(sig, full_rect(sig.out_shape), [a, b, r, g])
+
+
+@mm_norm_stats.register_fake
+def _(a, b, r, g):
+    return r.new_empty(_norm_stats_sig(a, b, r, g).out_shape)
+
+
+def norm_stats_parts(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, h·g, sums) of a ``mm_norm_stats`` output, each viewed [M, N]."""
+    _, M, groups, width = packed.shape
+    return tuple(packed[i].reshape(M, groups * width) for i in range(3))
+
+
+@torch.library.custom_op("mpk::norm_stats_mm", mutates_args=())
+def norm_stats_mm(packed: torch.Tensor, b: torch.Tensor, eps: float, silu: bool = False) -> torch.Tensor:
+    """``rms_norm(h, g) @ b`` (with ``silu``: then SiLU·mul of its two halves) from a
+    ``mm_norm_stats`` output: h·g @ b scaled by each row's rstd, which comes from the packed
+    sums (mpk.ops.linalg's norm_stats_matmul)."""
+    _, hg, sums = norm_stats_parts(packed)
+    M, N = hg.shape[0], b.shape[1] // 2 if silu else b.shape[1]
+    sig = OpSig((tuple(hg.shape), tuple(b.shape), tuple(sums.shape)), (M, N), packed.dtype,
+                {"eps": eps, "silu": silu})
+    return get_op("norm_stats_matmul").cpu(sig, full_rect(sig.out_shape), [hg, b, sums]).contiguous()
+
+
+@norm_stats_mm.register_fake
+def _(packed, b, eps, silu=False):
+    return packed.new_empty((packed.shape[1], b.shape[1] // 2 if silu else b.shape[1]))
+
+
 @torch.library.custom_op("mpk::mm_silu_mul", mutates_args=())
 def mm_silu_mul(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``silu(h[:, :N/2]) * h[:, N/2:]`` with ``h = x @ b`` (a SwiGLU MLP's fused gate·up

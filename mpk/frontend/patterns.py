@@ -191,12 +191,66 @@ def _match_rms_norm_mm(node: Node):
     return node, (torch.ops.mpk.rms_norm_mm.default, (x, weight, eps, compute_dtype, norm_dtype, b, silu))
 
 
+def _fake_like(val: torch.Tensor, shape, dtype=None) -> torch.Tensor:
+    """Metadata for a node this pass adds: a tensor like ``val`` (fake, on its device)."""
+    return val.new_empty(tuple(shape), dtype=dtype or val.dtype)
+
+
+def _add_node(gm: GraphModule, after: Node, target, args, val: torch.Tensor) -> Node:
+    with gm.graph.inserting_after(after):
+        node = gm.graph.call_function(target, args)
+    node.meta["val"] = val
+    return node
+
+
+def _norm_stats_rewriter(gm: GraphModule):
+    """``norm @ b`` (or its SiLU·mul form, or ``rms_norm_mm``) where the norm's input is a
+    residual projection ``h = r + a @ w`` → ``mm_norm_stats`` in place of h (its users take h
+    from the packed output) and ``norm_stats_mm`` in place of the projection: the producer
+    writes h·g and per-group sums of h², so the norm needs no stage of its own and no task
+    normalises a row (mpk.ops.linalg, matmul_norm_stats)."""
+    from mpk.ops.linalg import STATS_GROUP
+
+    def match(node: Node):
+        if _is(node, torch.ops.mpk.rms_norm_mm.default):
+            h, g, eps, compute_dtype, norm_dtype, b, silu = (list(node.args) + [False])[:7]
+        elif _is(node, aten.mm.default, torch.ops.mpk.mm_silu_mul.default):
+            norm, b = node.args[:2]
+            if not (_is(norm, torch.ops.mpk.rms_norm.default) and len(norm.users) == 1):
+                return None
+            h, g, eps, compute_dtype, norm_dtype = norm.args
+            silu = _is(node, torch.ops.mpk.mm_silu_mul.default)
+        else:
+            return None
+        if not (_is(h, aten.addmm.default) and not h.kwargs and g is not None):
+            return None
+        r, a, w = h.args
+        hv, bv = _val(h), _val(b)
+        if not (hv.dim() == 2 and hv.dtype == torch.bfloat16 and _val(g).dtype == torch.bfloat16 and bv.dtype == torch.bfloat16
+                and compute_dtype == torch.float32 and norm_dtype == torch.bfloat16 and _val(node).dtype == torch.bfloat16):
+            return None
+        M, N = hv.shape
+        if M > 16 or N % (16 * STATS_GROUP):  # the tasks: ≤ 16 rows a tile, a half warp per 16 groups of sums
+            return None
+        packed = _add_node(gm, h, torch.ops.mpk.mm_norm_stats.default, (a, w, r, g),
+                           _fake_like(hv, (3, M, N // STATS_GROUP, STATS_GROUP)))
+        part = _add_node(gm, packed, aten.select.int, (packed, 0, 0), _fake_like(hv, (M, N // STATS_GROUP, STATS_GROUP)))
+        h_new = _add_node(gm, part, aten.view.default, (part, [M, N]), _fake_like(hv, (M, N)))
+        h.replace_all_uses_with(h_new)
+        return node, (torch.ops.mpk.norm_stats_mm.default, (packed, b, float(eps), bool(silu)))
+
+    match.__name__ = "_match_norm_stats"
+    return match
+
+
 MATCHERS = (_match_rms_norm, _match_rope, _match_silu_mul, _match_mm_silu_mul, _match_residual_matmul)
 # Opt-in (CompileOptions.fuse_norm_prologue). Each task normalises its rows of x into shared
 # memory after its gate (rms_norm's roundings: the result equals the unfused pair) and its K
 # loop reads them from there; earlier forms that applied the norm inside the K loop were 0–11%
 # slower on an H200 (that path sets the loop's pace).
-OPTIONAL_MATCHERS = {"norm_prologue": _match_rms_norm_mm}
+# Opt-in (CompileOptions.fuse_norm_stats): the norm split between the projections around it
+# (``_norm_stats_rewriter``; it also rewrites the producer, so it takes the graph module).
+OPTIONAL_MATCHERS = {"norm_prologue": lambda gm: _match_rms_norm_mm, "norm_stats": _norm_stats_rewriter}
 
 
 def fuse_patterns(gm: GraphModule, optional: tuple[str, ...] = ()) -> dict[str, int]:
@@ -205,7 +259,7 @@ def fuse_patterns(gm: GraphModule, optional: tuple[str, ...] = ()) -> dict[str, 
     unknown = sorted(set(optional) - set(OPTIONAL_MATCHERS))
     if unknown:
         raise ValueError(f"unknown optional fusions {unknown}; known: {sorted(OPTIONAL_MATCHERS)}")
-    matchers = MATCHERS + tuple(OPTIONAL_MATCHERS[name] for name in optional)
+    matchers = MATCHERS + tuple(OPTIONAL_MATCHERS[name](gm) for name in optional)
     counts = {m.__name__[len("_match_"):]: 0 for m in matchers}
     for matcher in matchers:
         for node in list(gm.graph.nodes):

@@ -57,6 +57,8 @@ ENCODERS: dict[str, Callable[[dict], Params]] = {
     "matmul": lambda a: (0, [], [float(a.get("alpha", 1)), float(a.get("beta", 1))]),
     "rms_matmul": lambda a: (0, [int(a.get("silu", False)), _dtype_code(a["norm_dtype"])], [1.0, 0.0, a["eps"]]),
     "matmul_silu": lambda a: (0, [], [1.0, 0.0]),
+    "matmul_norm_stats": lambda a: (0, [], [1.0, 1.0]),
+    "norm_stats_matmul": lambda a: (0, [int(a.get("silu", False))], [1.0, 0.0, a["eps"]]),
     "embedding": lambda a: (0, [], []),
     "attention": lambda a: (0, [int(a["causal"])], [a["scale"]]),
     "rope_append": lambda a: (0, [a["heads"], a["kv_heads"], a["head_dim"], a["page_size"], int(a["qk_norm"]),
@@ -94,7 +96,8 @@ def _view(tables: Tables, view_id: int) -> str:
 
 BF16 = DTYPE_CODE[torch.bfloat16]
 LINEAR_ROWS = 16  # cuda/mpk_tasks/linalg.cuh: kLinRows
-LINEAR_KINDS = ("matmul", "rms_matmul", "matmul_silu")
+LINEAR_KINDS = ("matmul", "rms_matmul", "matmul_silu", "matmul_norm_stats", "norm_stats_matmul")
+STATS_SMEM_FLOATS = 8 * 64 * LINEAR_ROWS  # linalg.cuh: a norm_stats_matmul task's sums wait in its reduction area
 # Kinds whose tasks open the gate themselves (acquire_inputs), after the loads that need nothing
 # the graph computes: the linears' first weights, paged attention's page table (attn_partial,
 # inlined into the dispatch).
@@ -107,7 +110,8 @@ def linear_variant(tables: Tables, op: int) -> int:
     x [M, K] @ Wᵀ with bf16 operands, bias (at most 2-d) and output, unit stride along K,
     16-byte aligned rows, K % 32 == 0 and at most 16 rows per tile; else 0 (the general task)."""
     o = tables.ops[op]
-    if int(o["ndim"]) != 2:
+    kind = tables.meta["ops"][op]["kind"]
+    if int(o["ndim"]) != (4 if kind == "matmul_norm_stats" else 2):
         return 0
     a, b = (tables.views[int(x)] for x in tables.op_inputs[[o["first_input"], o["first_input"] + 1]])
     dtypes = [int(tables.buffers[int(v["buffer"])]["dtype"]) for v in (a, b)] + [int(tables.buffers[int(o["output"])]["dtype"])]
@@ -118,10 +122,15 @@ def linear_variant(tables: Tables, op: int) -> int:
     ok = (all(d == BF16 for d in dtypes) and int(a["strides"][1]) == 1 and int(b["strides"][0]) == 1
           and K % 32 == 0 and all(int(x) % 8 == 0 for x in (a["offset"], lda, b["offset"], b["strides"][1]))
           and _tile_rows(tables, op) <= LINEAR_ROWS)
-    if ok and tables.meta["ops"][op]["kind"] == "matmul" and int(o["num_inputs"]) > 2:  # the bias: bf16, ≤ 2-d
+    if ok and kind in ("matmul", "matmul_norm_stats") and int(o["num_inputs"]) > 2:  # the bias: bf16, ≤ 2-d
         bias = tables.views[int(tables.op_inputs[o["first_input"] + 2])]
         ok = int(tables.buffers[int(bias["buffer"])]["dtype"]) == BF16 and int(bias["ndim"]) <= 2
-    if ok and tables.meta["ops"][op]["kind"] == "rms_matmul":
+    if ok and kind == "norm_stats_matmul":
+        # the sums: fp32 in bf16 pairs (4-byte aligned), 16 groups a lane, all rows' in shared memory
+        st = tables.views[int(tables.op_inputs[o["first_input"] + 2])]
+        ok = (int(st["strides"][1]) == 1 and int(st["offset"]) % 2 == 0 and (M == 1 or int(st["strides"][0]) % 2 == 0)
+              and K % 256 == 0 and _tile_rows(tables, op) * K // 16 <= STATS_SMEM_FLOATS)
+    if ok and kind == "rms_matmul":
         # the norm weight in 16-byte words, read before the gate (a graph input); x's rows
         # normalised in fp32 into a bf16 tile of whole 8-word groups (its swizzle) that fits
         attrs = tables.meta["ops"][op]["attrs"]
@@ -134,9 +143,10 @@ def linear_variant(tables: Tables, op: int) -> int:
 
 
 def _tile_rows(tables: Tables, op: int) -> int:
-    """The most rows (dim 0) a tile of ``op`` holds: the balanced split's ceiling."""
+    """The most rows a tile of ``op`` holds (dim 0; matmul_norm_stats: 1): the balanced split's ceiling."""
     o = tables.ops[op]
-    return -(-int(tables.buffers[int(o["output"])]["shape"][0]) // int(o["grid"][0]))
+    d = 1 if tables.meta["ops"][op]["kind"] == "matmul_norm_stats" else 0
+    return -(-int(tables.buffers[int(o["output"])]["shape"][d]) // int(o["grid"][d]))
 
 
 def dynamic_smem_bytes(tables: Tables) -> int:
