@@ -82,8 +82,8 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   constexpr int kLinUnroll = kLinInFlight / kBlocks, kWarps = kThreadsPerTask / 32;
   // The next pass's first weights go out at the end of a pass (see below), except in the SiLU·mul
   // forms without the norm prologue (plain: batch ≥ 4, whose gate·up tasks measured 3% slower
-  // with it on an H200, qwen3-8b; after norm stats: with it at batch ≤ 2, llama3.2-1b's batch-1
-  // step was 0.6% slower on an H100 and qwen3-8b's no faster).
+  // with it on an H200, qwen3-8b; after norm stats, with it at batch ≤ 2 on an H100: llama3.2-1b's
+  // batch-1 step gained 0.2% over the unsplit norm instead of 0.8%, qwen3-8b's lost 0.9% either way).
   constexpr bool kPassPrefetch = !kGlu || kNorm;
   // phases (MPK_PHASES): 5 the loads before the gate, 0 the gate and the prologue; per pass 1 K
   // loop, 2 partials to shared memory, 3 epilogue, 4 closing barrier
