@@ -66,10 +66,12 @@ class _GateUp(torch.nn.Module):
         return torch.nn.functional.silu(h[:, : self.inter]) * h[:, self.inter:]
 
 
-@pytest.mark.parametrize("m,inter,k,tiles", [(1, 520, 2048, 0), (16, 300, 96, 0), (5, 1000, 2400, 3)])
+# K = 80 (not a multiple of 32): the general task
+@pytest.mark.parametrize("m,inter,k,tiles", [(1, 520, 2048, 0), (16, 300, 96, 0), (5, 1000, 2400, 3), (3, 200, 80, 0)])
 def test_silu_epilogue_linear_matches_float64(m, inter, k, tiles):
-    """The gate·up projection with SiLU·mul as its epilogue (matmul_silu, variant 1) against a
-    float64 projection rounded to bf16, then SiLU·mul with the same roundings."""
+    """The gate·up projection with SiLU·mul as its epilogue (matmul_silu, variant 1, or the
+    general task) against a float64 projection rounded to bf16, then SiLU·mul with the same
+    roundings."""
     mod = _GateUp(inter, k)
     x = torch.randn(m, k, device=DEV).bfloat16()
     out = _gpu_compile(mod, **({"partition": {"matmul_silu": [1, tiles]}} if tiles else {}))(x)
@@ -77,7 +79,7 @@ def test_silu_epilogue_linear_matches_float64(m, inter, k, tiles):
     ref = (torch.nn.functional.silu(h[:, :inter]).bfloat16().float() * h[:, inter:]).double()
     assert relative_error(out, ref) <= BF16_TOL
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
-    assert kinds == ["matmul_silu"] and linear_variant(COMPILED[-1].tables, 0) == 1
+    assert kinds == ["matmul_silu"] and linear_variant(COMPILED[-1].tables, 0) == int(k % 32 == 0)
 
 
 class _NormLinear(torch.nn.Module):
@@ -93,14 +95,17 @@ class _NormLinear(torch.nn.Module):
         return torch.nn.functional.silu(h[:, : self.n]) * h[:, self.n:] if self.silu else h
 
 
+# K = 80 (not a multiple of 64): the general task
 @pytest.mark.parametrize("m,n,k,tiles,silu", [(1, 1000, 2048, 0, False), (16, 40, 256, 0, False),
                                               (3, 700, 1344, 2, False), (1, 520, 4096, 0, True),
-                                              (4, 300, 1024, 0, True), (3, 1000, 1344, 3, True)])
+                                              (4, 300, 1024, 0, True), (3, 1000, 1344, 3, True),
+                                              (2, 150, 80, 0, False), (3, 200, 80, 0, True)])
 def test_rms_norm_fused_linear_matches_float64(m, n, k, tiles, silu):
-    """The RMSNorm fused into the projection after it (rms_matmul, variant 1; with silu the
-    gate·up projection and its SiLU·mul too): bit for bit the unfused pair (rms_norm variant 1,
-    then the projection, same tiles), and within a bf16 rounding of its definition with the
-    norm's roundings and a float64 product (rows of odd counts, x normalised in its tile)."""
+    """The RMSNorm fused into the projection after it (rms_matmul; with silu the gate·up
+    projection and its SiLU·mul too): variant 1 bit for bit the unfused pair (rms_norm
+    variant 1, then the projection, same tiles), and either variant within a bf16 rounding of
+    its definition with the norm's roundings and a float64 product (rows of odd counts, x
+    normalised in its tile)."""
     from mpk.ops.paged import rms_rows
 
     mod = _NormLinear(n, k, silu)
@@ -108,10 +113,12 @@ def test_rms_norm_fused_linear_matches_float64(m, n, k, tiles, silu):
     projection = "matmul_silu" if silu else "matmul"
     out = _gpu_compile(mod, fuse_norm_prologue=True, **({"partition": {"rms_matmul": [1, tiles]}} if tiles else {}))(x)
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
-    assert kinds == ["rms_matmul"] and linear_variant(COMPILED[-1].tables, 0) == 1
-    unfused = _gpu_compile(mod, fuse_norm_prologue=False, **({"partition": {projection: [1, tiles]}} if tiles else {}))(x)
-    assert [op.kind for op in COMPILED[-1].graph.ops] == ["rms_norm", projection]
-    assert torch.equal(out, unfused)
+    variant = int(k % 64 == 0)
+    assert kinds == ["rms_matmul"] and linear_variant(COMPILED[-1].tables, 0) == variant
+    if variant:  # the general task adds Σx² in order, the norm task in a tree: rstd may differ in its last bit
+        unfused = _gpu_compile(mod, fuse_norm_prologue=False, **({"partition": {projection: [1, tiles]}} if tiles else {}))(x)
+        assert [op.kind for op in COMPILED[-1].graph.ops] == ["rms_norm", projection]
+        assert torch.equal(out, unfused)
     h = rms_rows(x.float(), mod.g, 1e-6, torch.bfloat16).double() @ mod.w.double().T
     if silu:
         h = h.bfloat16().double()

@@ -370,6 +370,23 @@ __device__ __forceinline__ void linear_variant1(const OpC& c, const Rect& r, con
   }
 }
 
+// The general (variant-0) projection's dot products for output (row, col): Σ_k act(k, x[row, k])·b[k, col]
+// and, with glu, the same against b[k, col + N] (the up half); act maps an activation as the op's
+// prologue does (identity, or the RMSNorm's scaling with its roundings).
+template <class Act>
+__device__ __forceinline__ float2 gate_up_dots(const ViewC& a, const ViewC& b, const TaskEnv& env, long long row,
+                                               long long col, long long N, bool glu, Act act) {
+  const long long K = a.shape[1];
+  float gate = 0.f, up = 0.f;
+  for (long long k = 0; k < K; ++k) {
+    const long long ia[2] = {row, k}, ig[2] = {k, col}, iu[2] = {k, col + N};
+    const float v = act(k, load_f(env.buffers[a.buffer], a.dtype, view_index(a, ia, 2)));
+    gate += v * load_f(env.buffers[b.buffer], b.dtype, view_index(b, ig, 2));
+    if (glu) up += v * load_f(env.buffers[b.buffer], b.dtype, view_index(b, iu, 2));
+  }
+  return make_float2(gate, up);
+}
+
 // rms_matmul: an RMSNorm fused into the projection after it, out = rms_norm(x, w) @ b with
 // rms_norm's roundings (mpk/ops/linalg.py defines it), or with iparam[0] its SiLU·mul:
 // silu(h[:, :N])·h[:, N:], h the product with b [K, 2N] rounded to the output dtype. Inputs
@@ -392,21 +409,19 @@ __device__ void task_rms_matmul(const OpC& c, const Rect& r, const TaskEnv& env)
   for (long long e = threadIdx.x; e < n; e += blockDim.x) {
     long long idx[kMaxDims];
     rect_unravel(r, 2, e, idx);
-    float ss = 0.f, gate = 0.f, up = 0.f;
+    float ss = 0.f;
     for (long long k = 0; k < kdim; ++k) {
       const long long ia[2] = {idx[0], k};
       const float v = load_f(env.buffers[a.buffer], a.dtype, view_index(a, ia, 2));
       ss += v * v;
     }
     const float rstd = rsqrtf(ss / kdim + c.fparam[2]);
-    for (long long k = 0; k < kdim; ++k) {
-      const long long ia[2] = {idx[0], k}, iw[1] = {k}, ig[2] = {k, idx[1]}, iu[2] = {k, idx[1] + N};
-      const float v = round_to(static_cast<int>(c.iparam[1]), load_f(env.buffers[a.buffer], a.dtype, view_index(a, ia, 2)) * rstd);
-      const float h = round_to(c.out_dtype, v * load_f(env.buffers[w.buffer], w.dtype, view_index(w, iw, 1)));
-      gate += h * load_f(env.buffers[b.buffer], b.dtype, view_index(b, ig, 2));
-      if (glu) up += h * load_f(env.buffers[b.buffer], b.dtype, view_index(b, iu, 2));
-    }
-    const float out = glu ? silu_times(round_to(c.out_dtype, gate), round_to(c.out_dtype, up), c.out_dtype) : gate;
+    const float2 d = gate_up_dots(a, b, env, idx[0], idx[1], N, glu, [&](long long k, float x) {
+      const long long iw[1] = {k};
+      const float v = round_to(static_cast<int>(c.iparam[1]), x * rstd);
+      return round_to(c.out_dtype, v * load_f(env.buffers[w.buffer], w.dtype, view_index(w, iw, 1)));
+    });
+    const float out = glu ? silu_times(round_to(c.out_dtype, d.x), round_to(c.out_dtype, d.y), c.out_dtype) : d.x;
     store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, 2), out);
   }
 }
@@ -452,19 +467,12 @@ __device__ void task_matmul_silu(const OpC& c, const Rect& r, const TaskEnv& env
   }
   if (!acquire_inputs(env)) return;
   const ViewC &a = c.in[0], &b = c.in[1];
-  const long long kdim = a.shape[1], N = c.out_shape[1], n = rect_numel(r, 2);
+  const long long N = c.out_shape[1], n = rect_numel(r, 2);
   for (long long e = threadIdx.x; e < n; e += blockDim.x) {
     long long idx[kMaxDims];
     rect_unravel(r, 2, e, idx);
-    float gate = 0.f, up = 0.f;
-    for (long long k = 0; k < kdim; ++k) {
-      const long long ia[2] = {idx[0], k}, ig[2] = {k, idx[1]}, iu[2] = {k, idx[1] + N};
-      const float xv = load_f(env.buffers[a.buffer], a.dtype, view_index(a, ia, 2));
-      gate += xv * load_f(env.buffers[b.buffer], b.dtype, view_index(b, ig, 2));
-      up += xv * load_f(env.buffers[b.buffer], b.dtype, view_index(b, iu, 2));
-    }
-    gate = round_to(c.out_dtype, gate * c.fparam[0]);
-    up = round_to(c.out_dtype, up * c.fparam[0]);
+    const float2 d = gate_up_dots(a, b, env, idx[0], idx[1], N, true, [](long long, float x) { return x; });
+    const float gate = round_to(c.out_dtype, d.x * c.fparam[0]), up = round_to(c.out_dtype, d.y * c.fparam[0]);
     store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, 2), silu_times(gate, up, c.out_dtype));
   }
 }
@@ -548,15 +556,9 @@ __device__ void task_norm_stats_matmul(const OpC& c, const Rect& r, const TaskEn
     long long idx[kMaxDims];
     rect_unravel(r, 2, e, idx);
     const float rstd = stats_rstd(sv, env.buffers[sv.buffer], idx[0], K, c.fparam[2]);
-    float gate = 0.f, up = 0.f;
-    for (long long k = 0; k < K; ++k) {
-      const long long ia[2] = {idx[0], k}, ig[2] = {k, idx[1]}, iu[2] = {k, idx[1] + N};
-      const float xv = load_f(env.buffers[a.buffer], a.dtype, view_index(a, ia, 2));
-      gate += xv * load_f(env.buffers[b.buffer], b.dtype, view_index(b, ig, 2));
-      if (glu) up += xv * load_f(env.buffers[b.buffer], b.dtype, view_index(b, iu, 2));
-    }
-    const float out = glu ? silu_times(round_to(c.out_dtype, gate * rstd), round_to(c.out_dtype, up * rstd), c.out_dtype)
-                          : gate * rstd;
+    const float2 d = gate_up_dots(a, b, env, idx[0], idx[1], N, glu, [](long long, float x) { return x; });
+    const float out = glu ? silu_times(round_to(c.out_dtype, d.x * rstd), round_to(c.out_dtype, d.y * rstd), c.out_dtype)
+                          : d.x * rstd;
     store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, 2), out);
   }
 }

@@ -62,10 +62,14 @@ def _silu_of_halves(sig: OpSig, rect, h: torch.Tensor) -> torch.Tensor:
     return get_op("silu_mul").cpu(silu_sig, tuple((0, n) for n in gate.shape), [gate, up])
 
 
-def _rms_matmul_regions(sig: OpSig, rect):
-    x_shape, b_shape, w_shape = sig.in_shapes
+def _normed_matmul_regions(sig: OpSig, rect):
+    """rms_matmul and norm_stats_matmul: the tile's rows of x (all of K), b's columns of the tile
+    (both halves with silu), and the norm's third input — the weight [K] whole, or the sums
+    [M, K] of the tile's rows."""
+    x_shape, b_shape, third = sig.in_shapes
     n = _gate_up_columns(b_shape[1], rect) if sig.attrs.get("silu") else rect[1]
-    return [(rect[0], (0, x_shape[1])), ((0, b_shape[0]), n), ((0, w_shape[0]),)]
+    norm = ((0, third[0]),) if len(third) == 1 else (rect[0], (0, third[1]))
+    return [(rect[0], (0, x_shape[1])), ((0, b_shape[0]), n), norm]
 
 
 # The largest tile of normalised activations (rows × K) an rms_matmul task keeps in shared
@@ -90,7 +94,7 @@ def _rms_matmul_cpu(sig: OpSig, rect, xs):
 
 
 register(OpDef(
-    kind="rms_matmul", type_id=22, input_regions=_rms_matmul_regions, cpu=_rms_matmul_cpu,
+    kind="rms_matmul", type_id=22, input_regions=_normed_matmul_regions, cpu=_rms_matmul_cpu,
     split_order=_matmul_order, min_tile_elems=16,
     doc="out = rms_norm(x, w) @ b with rms_norm's roundings (rstd = rsqrt(mean(x²) + eps) in compute_dtype, "
         "x·rstd cast to norm_dtype, times w, cast to the output dtype): x [M, K], b [K, N], w [K] (an RMSNorm "
@@ -202,12 +206,6 @@ def stats_rstd(stats: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(_butterfly_sum(acc) / k + eps)
 
 
-def _stats_matmul_regions(sig: OpSig, rect):
-    x_shape, b_shape, s_shape = sig.in_shapes
-    n = _gate_up_columns(b_shape[1], rect) if sig.attrs.get("silu") else rect[1]
-    return [(rect[0], (0, x_shape[1])), ((0, b_shape[0]), n), (rect[0], (0, s_shape[1]))]
-
-
 def _stats_matmul_cpu(sig: OpSig, rect, xs):
     x, b, stats = xs
     rstd = stats_rstd(stats, sig.attrs["eps"])
@@ -216,7 +214,7 @@ def _stats_matmul_cpu(sig: OpSig, rect, xs):
 
 
 register(OpDef(
-    kind="norm_stats_matmul", type_id=25, input_regions=_stats_matmul_regions, cpu=_stats_matmul_cpu,
+    kind="norm_stats_matmul", type_id=25, input_regions=_normed_matmul_regions, cpu=_stats_matmul_cpu,
     split_order=_matmul_order, min_tile_elems=16,
     doc="out = rstd · (x @ b), rstd per row from a matmul_norm_stats output's sums (stats_rstd): x = its h·g "
         "[M, K], stats its part 2 viewed [M, K], b [K, N]; K % 256 == 0. With silu: b [K, 2N] and out = "
