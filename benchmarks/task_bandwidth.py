@@ -4,8 +4,9 @@ Each case is a small graph compiled with ``torch.compile(backend="mpk")``; its e
 ``k`` dependent iterations in one launch, and ``(t(k) − t(1)) / (k − 1)`` is the time of one
 iteration (the op's tasks plus one event hop). Reported: bytes the op must read / that time,
 and its share of the copy bandwidth measured in the same run. Cases: the linear layers of the
-four model shapes of shared/BENCHMARKS.md at batch 1, one graph per model holding its qkv, o,
-gate_up, down and LM-head weights (target ≥ 0.85 of copy bandwidth), paged decode attention
+four model shapes of shared/BENCHMARKS.md at batch 1 (``--batches``: also others), one graph per
+model holding its qkv, o, gate_up, down and LM-head weights (target at batch 1: ≥ 0.85 of copy
+bandwidth), paged decode attention
 over a long cache, and the step's other task families at qwen3-8b's batch-16 shapes (RMSNorm,
 qk-norm + RoPE + KV append, SiLU·mul, embedding, argmax and softmax over the vocabulary): a
 few hundred KiB to a few MiB each, so their time is mostly the task's latency and the event
@@ -145,7 +146,7 @@ def linear_cases(name: str) -> dict[str, tuple[int, int]]:
             "down": (s.hidden, s.inter), "lm_head": (s.vocab, s.hidden)}
 
 
-def prebuild(models: list[str], families: bool, variants: list[dict]) -> None:
+def prebuild(models: list[str], batches: list[int], families: bool, variants: list[dict]) -> None:
     """Trace each model's linear case (and with ``families`` the other task families' cases) on
     the CPU and build their kernels into the cubin cache."""
     from mpk.errors import ExecutorUnavailableError
@@ -167,8 +168,9 @@ def prebuild(models: list[str], families: bool, variants: list[dict]) -> None:
 
     for name in models:
         shapes = list(linear_cases(name).values())
-        for options in variants:
-            trace(Linears(shapes, "cpu"), [torch.zeros(1, k, dtype=torch.bfloat16) for _, k in shapes], options)
+        for batch in batches:
+            for options in variants:
+                trace(Linears(shapes, "cpu"), [torch.zeros(batch, k, dtype=torch.bfloat16) for _, k in shapes], options)
     for _, fn, args, *_ in family_cases(device="cpu") if families else []:
         trace(fn, args)
     print(f"built {len(build.prebuild(sources))} cubins into {build.cache_dir()}")
@@ -177,6 +179,7 @@ def prebuild(models: list[str], families: bool, variants: list[dict]) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["llama3.2-1b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1], help="rows of the linear cases' activations")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--prebuild", action="store_true", help="build the linear and task-family cases' kernels (no GPU needed)")
     ap.add_argument("--linear-only", action="store_true", help="skip the attention and other task families' cases")
@@ -184,7 +187,7 @@ def main(argv=None) -> int:
                     help='mpk compile options of the linear cases, one JSON object per variant, e.g. \'{}\' \'{"fuse_norm_prologue": false}\'')
     args = ap.parse_args(argv)
     if args.prebuild:
-        prebuild(args.models, not args.linear_only, args.options)
+        prebuild(args.models, args.batches, not args.linear_only, args.options)
         return 0
     device, bw = torch.cuda.get_device_name(), copy_bandwidth()
     print(f"device {device}; copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
@@ -203,15 +206,16 @@ def main(argv=None) -> int:
     for name in args.models:
         shapes = list(linear_cases(name).values())
         model = Linears(shapes)
-        xs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _, k in shapes]
-        for options in args.options:
-            fn = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False, options={**opts, **options})
-            ms = per_iteration_ms(fn, xs)
-            nbytes = sum(2 * n * k for n, k in shapes)
-            record({"case": f"linear {name}: {'+'.join(linear_cases(name))}", "batch": 1, "ms": ms,
-                    "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9)}
-                   | ({"options": options} if len(args.options) > 1 else {}))
-            torch._dynamo.reset()
+        for batch in args.batches:
+            xs = [torch.randn(batch, k, device="cuda", dtype=torch.bfloat16) for _, k in shapes]
+            for options in args.options:
+                fn = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False, options={**opts, **options})
+                ms = per_iteration_ms(fn, xs)
+                nbytes = sum(2 * n * k for n, k in shapes)  # the weights (activations and outputs: < 1% at batch 16)
+                record({"case": f"linear {name}: {'+'.join(linear_cases(name))}", "batch": batch, "ms": ms,
+                        "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9)}
+                       | ({"options": options} if len(args.options) > 1 else {}))
+                torch._dynamo.reset()
     for batch, length, heads, kv_heads, dim in [] if args.linear_only else [(16, 2048, 32, 8, 128), (1, 16384, 32, 8, 128)]:
         page = 16
         pages = batch * length // page

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Decode work on the lent device: install, the decode GPU tests, then the task-bandwidth and
 # decode-latency benchmarks and the linear tasks' phase split. STAGE=tests|bandwidth|latency|phases|all
-# (default all); MODELS and BATCHES narrow decode_latency and linear_phases. Logs and JSON lines go to $OUT (or ./gpu-out).
+# (default all); MODELS and BATCHES narrow decode_latency and linear_phases, LINEAR_BATCHES the
+# linear cases of task_bandwidth (default 1 16). Logs and JSON lines go to $OUT (or ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -13,7 +14,7 @@ if [[ $STAGE == tests || $STAGE == all ]]; then
   python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_decode.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_decode.log" | grep -E "vs transformers|passed|failed|Error|assert" | tail -30
 fi
 if [[ $STAGE == bandwidth || $STAGE == all ]]; then
-  python3 benchmarks/task_bandwidth.py --out "$OUT/task_bandwidth.jsonl" 2>&1 | tee "$OUT/task_bandwidth.log" | tail -9
+  python3 benchmarks/task_bandwidth.py --batches ${LINEAR_BATCHES:-1 16} --out "$OUT/task_bandwidth.jsonl" 2>&1 | tee "$OUT/task_bandwidth.log" | tail -9
 fi
 if [[ $STAGE == latency || $STAGE == all ]]; then
   python3 benchmarks/decode_latency.py --profile --out "$OUT/decode_latency.jsonl" ${TRACE:+--trace-dir "$OUT/traces"} \
