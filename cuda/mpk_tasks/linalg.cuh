@@ -387,6 +387,16 @@ __device__ __forceinline__ float2 gate_up_dots(const ViewC& a, const ViewC& b, c
   return make_float2(gate, up);
 }
 
+// A prologue form's variant-1 task, with the SiLU·mul epilogue where iparam[0] asks for it.
+template <int kForm>
+__device__ __forceinline__ void linear_variant1_glu_if(const OpC& c, const Rect& r, const TaskEnv& env) {
+  if (c.iparam[0]) {
+    linear_variant1<kForm | kSiluEpilogue>(c, r, env);
+  } else {
+    linear_variant1<kForm>(c, r, env);
+  }
+}
+
 // rms_matmul: an RMSNorm fused into the projection after it, out = rms_norm(x, w) @ b with
 // rms_norm's roundings (mpk/ops/linalg.py defines it), or with iparam[0] its SiLU·mul:
 // silu(h[:, :N])·h[:, N:], h the product with b [K, 2N] rounded to the output dtype. Inputs
@@ -394,11 +404,7 @@ __device__ __forceinline__ float2 gate_up_dots(const ViewC& a, const ViewC& b, c
 // views) computes each output element alone.
 __device__ void task_rms_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
   if (c.variant == 1) {
-    if (c.iparam[0]) {
-      linear_variant1<kNormPrologue | kSiluEpilogue>(c, r, env);
-    } else {
-      linear_variant1<kNormPrologue>(c, r, env);
-    }
+    linear_variant1_glu_if<kNormPrologue>(c, r, env);
     return;
   }
   if (!acquire_inputs(env)) return;
@@ -541,11 +547,7 @@ __device__ float stats_rstd(const ViewC& sv, const void* base, long long row, lo
 // Inputs x (its h·g) [M, K], b, sums [M, K]; fparam[2] eps. Variant 0: each element alone.
 __device__ void task_norm_stats_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
   if (c.variant == 1) {
-    if (c.iparam[0]) {
-      linear_variant1<kStatsPrologue | kSiluEpilogue>(c, r, env);
-    } else {
-      linear_variant1<kStatsPrologue>(c, r, env);
-    }
+    linear_variant1_glu_if<kStatsPrologue>(c, r, env);
     return;
   }
   if (!acquire_inputs(env)) return;
