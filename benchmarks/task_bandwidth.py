@@ -6,11 +6,10 @@ iteration (the op's tasks plus one event hop). Reported: bytes the op must read 
 and its share of the copy bandwidth measured in the same run. Cases: the linear layers of the
 four model shapes of shared/BENCHMARKS.md at batch 1 (``--batches``: also others), one graph per
 model holding its qkv, o, gate_up, down and LM-head weights (target at batch 1: ≥ 0.85 of copy
-bandwidth), paged decode attention
-over a long cache, and the step's other task families at qwen3-8b's batch-16 shapes (RMSNorm,
-qk-norm + RoPE + KV append, SiLU·mul, embedding, argmax and softmax over the vocabulary): a
-few hundred KiB to a few MiB each, so their time is mostly the task's latency and the event
-hop, which the bandwidth figure then shows; beside those PyTorch runs as its own kernels, the
+bandwidth), paged decode attention over a long cache, and the step's other task families at
+qwen3-8b's batch-16 shapes (RMSNorm, qk-norm + RoPE + KV append, SiLU·mul, embedding, argmax
+and softmax over the vocabulary): a few hundred KiB to a few MiB each, so their time is mostly
+the task's latency and the event hop, which the bandwidth figure then shows; beside those PyTorch runs as its own kernels, the
 same op in eager PyTorch (``torch_ms``, timed over back-to-back calls).
 
 ``--prebuild`` (a machine with nvcc and no GPU): trace the linear cases on the CPU and build
