@@ -67,10 +67,11 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
 
 
 def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """State of query rows ``q`` [G, D] over keys/values [n, D] (float32; n may be 0)."""
-    if k.shape[0] == 0:
-        return torch.zeros(q.shape[0], v.shape[-1]), torch.full((q.shape[0],), -math.inf)
-    s = (q @ k.T) * (scale * LOG2E)
+    """State of query rows ``q`` [..., G, D] over keys/values [..., n, D] (float32; n may be 0;
+    leading dims batch, e.g. a tile's kv heads)."""
+    if k.shape[-2] == 0:
+        return q.new_zeros(q.shape[:-1] + v.shape[-1:]), q.new_full(q.shape[:-1], -math.inf)
+    s = (q @ k.transpose(-1, -2)) * (scale * LOG2E)
     m = s.amax(dim=-1, keepdim=True)
     p = torch.exp2(s - m)
     denom = p.sum(dim=-1, keepdim=True)
@@ -181,14 +182,14 @@ def _partial_cpu(sig: OpSig, rect, xs):
         for j, c in enumerate(range(1) if final else range(*rect[2])):
             t0, t1 = c * n // C, (c + 1) * n // C
             page, slot = token_slots(indptr, indices, b, torch.arange(t0, t1), ps)
-            for h, kv in enumerate(range(k0, k1)):
-                kk = cache[0, 0, page, kv, slot].float()
-                vv = cache[0, 1, page, kv, slot].float()
-                o, lse = attend_chunk(q[i, h * G:(h + 1) * G].float(), kk, vv, a["scale"])
-                if final:
-                    out[i, h] = o
-                else:
-                    out[i, h, j, :, :-1], out[i, h, j, :, -1] = o, lse
+            # the tile's kv heads at once: k, v [kv heads, n, D], q [kv heads, G, D]
+            kk = cache[0, 0, page, k0:k1, slot].transpose(0, 1).float()
+            vv = cache[0, 1, page, k0:k1, slot].transpose(0, 1).float()
+            o, lse = attend_chunk(q[i, : (k1 - k0) * G].float().unflatten(0, (k1 - k0, G)), kk, vv, a["scale"])
+            if final:
+                out[i] = o
+            else:
+                out[i, :, j, :, :-1], out[i, :, j, :, -1] = o, lse
     return out.to(sig.out_dtype) if final else out
 
 
