@@ -2,7 +2,9 @@
 # Everything GPU-side in one call (for the lent device): install, GPU tests (runtime and
 # decode), the runtime benchmarks, then with DECODE=1 the decode benchmarks (task bandwidth and
 # decode latency against the torch peer: about 10 minutes more), short tables last. Logs and
-# JSON go to $OUT (or ./gpu-out).
+# JSON go to $OUT (or ./gpu-out). PARTS picks a subset (default "decode parity runtime bench",
+# ~9 minutes on an H100 with xdist): the device's 10-minute limit per command fits
+# PARTS="decode parity" and PARTS="runtime bench" as two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -16,21 +18,23 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # them side by side stalled for minutes on an H100 machine's 16 cores, where one takes 50 s),
 # and the runtime tests, which time hops and watch for hangs (kernels of several processes
 # time-slice the GPU).
+PARTS=" ${PARTS:-decode parity runtime bench} "
 jobs=${PYTEST_JOBS:-6}
-if python3 -c "import xdist" 2>/dev/null; then
-  OMP_NUM_THREADS=$(( $(nproc) / jobs > 0 ? $(nproc) / jobs : 1 )) python3 -m pytest -m gpu -n "$jobs" -k "not qwen3-1.7b" \
-    -q -p no:cacheprovider tests/test_gpu_decode.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
-  test_rc=${PIPESTATUS[0]}
-  python3 -m pytest -m gpu -q -p no:cacheprovider -k "qwen3-1.7b" tests/test_gpu_decode.py ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/pytest_gpu.log" | tail -15
+test_rc=0
+run_tests() {  # pytest arguments; appends to pytest_gpu.log, folds the exit code into test_rc
+  python3 -m pytest -m gpu -q -p no:cacheprovider "$@" ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/pytest_gpu.log" | tail -15
   test_rc=$(( test_rc | PIPESTATUS[0] ))
-  python3 -m pytest -m gpu -q -p no:cacheprovider tests --deselect tests/test_gpu_decode.py ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/pytest_gpu.log" | tail -15
-  test_rc=$(( test_rc | PIPESTATUS[0] ))
-else
-  python3 -m pytest -m gpu -q -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
-  test_rc=${PIPESTATUS[0]}
+}
+# Without xdist the decode part runs serially (~10 minutes on its own).
+parallel=() threads=$(nproc)
+python3 -c "import xdist" 2>/dev/null && parallel=(-n "$jobs") threads=$(( threads / jobs > 0 ? threads / jobs : 1 ))
+[[ $PARTS == *" decode "* ]] && OMP_NUM_THREADS=$threads run_tests "${parallel[@]}" -k "not qwen3-1.7b" tests/test_gpu_decode.py
+[[ $PARTS == *" parity "* ]] && run_tests -k "qwen3-1.7b" tests/test_gpu_decode.py
+[[ $PARTS == *" runtime "* ]] && run_tests tests --deselect tests/test_gpu_decode.py
+if [[ $PARTS == *" bench "* ]]; then
+  python3 examples/compile_module.py --out "$OUT/example" 2>&1 | tee "$OUT/example.log" | tail -4
+  python3 benchmarks/hop_breakdown.py 2>&1 | tee "$OUT/hop_breakdown.txt"
+  python3 benchmarks/runtime_overhead.py --out "$OUT/runtime_overhead.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -8
 fi
-python3 examples/compile_module.py --out "$OUT/example" 2>&1 | tee "$OUT/example.log" | tail -4
-python3 benchmarks/hop_breakdown.py 2>&1 | tee "$OUT/hop_breakdown.txt"
-python3 benchmarks/runtime_overhead.py --out "$OUT/runtime_overhead.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -8
 if [[ ${DECODE:-0} == 1 ]]; then STAGE=bandwidth OUT=$OUT bash scripts/gpu_decode.sh; STAGE=latency OUT=$OUT bash scripts/gpu_decode.sh; fi
 echo "gpu tests exit code: $test_rc"
