@@ -163,3 +163,19 @@ def dense_paged_attention(q, cache, lens, pages, page_size: int, layer: int, sca
             p = torch.softmax(k[:, h // group] @ q[b, h].double() * scale, 0)
             out[b, h] = p @ v[:, h // group]
     return out
+
+
+def teacher_forced(model, step, kv_eager, kv_step, tokens: torch.Tensor, steps: int, first_grow):
+    """Decode side by side: each step grows both caches (by ``first_grow`` at the first, then
+    by one), runs the eager model and the compiled ``step`` on the same tokens and feeds both
+    the eager arg-max. Returns the stacked float logits (compiled, eager)."""
+    outs, refs = [], []
+    with torch.no_grad():
+        for t in range(steps):
+            grow = first_grow if t == 0 else 1
+            kv_eager.grow(grow)
+            kv_step.grow(grow)
+            refs.append(model(tokens, *kv_eager.args()).float())
+            outs.append(step(tokens, *kv_step.args()).float())
+            tokens = refs[-1].argmax(-1)
+    return torch.stack(outs), torch.stack(refs)

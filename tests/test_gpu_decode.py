@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from helpers import dense_paged_attention, random_page_table, relative_error
+from helpers import dense_paged_attention, random_page_table, relative_error, teacher_forced
 from mpk.backend import COMPILED
 from mpk.megakernel.codegen import linear_variant, row_vector_ctype
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache
@@ -451,16 +451,8 @@ def test_compiled_decode_matches_eager(family, page_size, batch, options, shape,
     step = _gpu_compile(model, **options)
     kv_e, kv_m = PagedKVCache(model, batch, 128, page_size), PagedKVCache(model, batch, 128, page_size)
     tokens = torch.randint(0, cfg.vocab, (batch,), device=DEV)
-    outs, refs = [], []
-    with torch.no_grad():
-        for t in range(8):
-            grow = [1 + 5 * b for b in range(batch)] if t == 0 else 1
-            kv_e.grow(grow)
-            kv_m.grow(grow)
-            refs.append(model(tokens, *kv_e.args()).float())
-            outs.append(step(tokens, *kv_m.args()).float())
-            tokens = refs[-1].argmax(-1)
-    stats = compare_logits(torch.stack(outs), torch.stack(refs))
+    outs, refs = teacher_forced(model, step, kv_e, kv_m, tokens, 8, [1 + 5 * b for b in range(batch)])
+    stats = compare_logits(outs, refs)
     assert stats["max_rel"] <= 2e-2 and stats["top1_decisive"] >= 0.99, stats
     # layer 0's k/v come from the same inputs through one projection (a rounding apart); a
     # later layer's carry the earlier layers' differences, as the logits do (their bound)

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from helpers import dense_paged_attention, random_page_table, relative_error
+from helpers import dense_paged_attention, random_page_table, relative_error, teacher_forced
 from mpk.backend import COMPILED
 from mpk.frontend.fused_ops import paged_attention
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache
@@ -235,16 +235,8 @@ def test_norm_split_between_projections_in_a_decode_step(family, batch, partitio
                          options={"executor": "cpu", "num_workers": 16, "fuse_norm_stats": True, "partition": partition})
     eager_kv, mpk_kv = PagedKVCache(model, batch, 32, 4), PagedKVCache(model, batch, 32, 4)
     tokens = torch.randint(0, cfg.vocab, (batch,))
-    outs, refs = [], []
-    with torch.no_grad():
-        for t in range(4):
-            grow = [1 + 4 * b for b in range(batch)] if t == 0 else 1
-            eager_kv.grow(grow)
-            mpk_kv.grow(grow)
-            refs.append(model(tokens, *eager_kv.args()).float())
-            outs.append(step(tokens, *mpk_kv.args()).float())
-            tokens = refs[-1].argmax(-1)
-    stats = compare_logits(torch.stack(outs), torch.stack(refs))
+    outs, refs = teacher_forced(model, step, eager_kv, mpk_kv, tokens, 4, [1 + 4 * b for b in range(batch)])
+    stats = compare_logits(outs, refs)
     assert stats["max_rel"] <= 2e-2 and stats["top1_decisive"] >= 0.99, stats
     assert torch.equal(mpk_kv.cache[0], eager_kv.cache[0])
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
