@@ -112,7 +112,7 @@ def main(argv=None) -> int:
                       + f" {row['total_us']:9.2f}", flush=True)
                 if args.out:
                     rec = {"date": datetime.date.today().isoformat(), "device": device, "model": name, "batch": batch,
-                           "position": args.position, **row}
+                           "position": args.position, "nvcc_flags": flags, **row}
                     with args.out.open("a") as f:
                         f.write(json.dumps(rec) + "\n")
     return 0
