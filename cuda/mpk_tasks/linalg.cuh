@@ -4,7 +4,7 @@
 // one, one thread per output element — and ``embedding``.
 #pragma once
 #include "pointwise.cuh"  // silu_times: the SiLU·mul epilogue
-#include "rows.cuh"       // rms_scale8, kNormVecs: rms_matmul's normalisation, as rms_norm's
+#include "rows.cuh"       // rms_scale8, warp_rstd: rms_matmul's normalisation, as rms_norm's
 
 namespace mpk {
 
@@ -48,10 +48,11 @@ __host__ __device__ __forceinline__ int red_index(int warp, int row, int col) {
 //   trip, as the plain form's first activation loads), and normalises them there with
 //   rms_norm's sums and roundings (bf16(bf16(x·rstd)·g), the thread ↔ element map of the
 //   rms_norm task, so the result equals the unfused pair's); the K loop then reads its
-//   activations from the tile. g's words are loaded before the gate. (Applying x·g and rstd
-//   inside the K loop measured slower: the loop's pace is set by the path from its loads to
-//   its MMAs.) The tile holds row r's 16-byte word j at j ^ 4(r & 1): the rows g and g + 1 a
-//   quarter warp reads then fall in different banks.
+//   activations from the tile. g's words are copied into shared memory (red, free until the
+//   first partials) before the gate. (Applying x·g and rstd inside the K loop measured slower:
+//   the loop's pace is set by the path from its loads to its MMAs.) The tile holds row r's
+//   16-byte word j at j ^ 4(r & 1): the rows g and g + 1 a quarter warp reads then fall in
+//   different banks.
 // kSiluEpilogue: the matmul_silu op (and rms_matmul with iparam[0]) — W has 2N rows, gate then
 //   up; a pass takes 4 blocks of gate rows and the 4 matching blocks of up rows and stores
 //   silu(gate)·up, each factor rounded to bf16 first, as the unfused projection and silu_mul
@@ -158,26 +159,20 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   load_weights(warp, warp != 0);
   if (warp == 0 && lane == 0)
     asm volatile("mbarrier.arrive.shared.b64 %0, [%1];" : "=l"(share_token) : "r"(gate_share_bar()) : "memory");
-  uint4 gw[kNorm ? kNormVecs : 1];  // kNorm: the norm weight's words threadIdx.x + 256·i (a graph input too)
-  const auto load_norm_weight = [&](bool on) {  // !on: gw stays
+  // kNorm: warps 1–7 copy the norm weight (a graph input too) into red, free until the first
+  // pass's partials: its 16-byte word j at gsm[j] (in registers it took 16 of the K loop's)
+  const uint4* gsm = reinterpret_cast<const uint4*>(red);
+  if (kNorm && warp != 0) {
     const ViewC& nw = c.in[2];
     const auto* g16 = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(env.buffers[nw.buffer]) + nw.offset);
-#pragma unroll
-    for (int i = 0; i < kNormVecs; ++i) {
-      const int j = threadIdx.x + i * kThreadsPerTask;
-      gw[i] = on && j < words ? __ldg(g16 + j) : gw[i];
-    }
-  };
-  if constexpr (kNorm) {
-    for (uint4& v : gw) v = zero;
-    load_norm_weight(warp != 0);
+#pragma unroll 1
+    for (int j = threadIdx.x - 32; j < words; j += kThreadsPerTask - 32) cp_async16(red + 4 * j, g16 + j);
   }
   phase.mark(5);
   if (!acquire_inputs(env)) {
     cp_async_wait_all();  // nothing lands in shared memory after the task left
     return;
   }
-  if constexpr (kNorm) load_norm_weight(warp == 0);  // warp 0's: they land under the tile's copy
   // kStatsIn: half warp `srow` copies row srow's sums into red (free until the first pass's
   // partials), lane l taking groups l, l + 16, … (the order mpk.ops.linalg.stats_rstd adds them)
   const int groups = static_cast<int>(K / kStatsGroup), srow = threadIdx.x >> 4, slane = threadIdx.x & 15;
@@ -196,23 +191,25 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
     }
     cp_async_wait_all();
     __syncthreads();
+    // rms_norm's sums and roundings: thread t adds the squares of words t, t + 256, … in order
+    // (warp_sum_squares, rows.cuh); loops, not unrolled: the prologue's code is fetched by
+    // every task (docs/performance_log.md, sessions 31–32)
+#pragma unroll 1
     for (int row = 0; row < rows; ++row) {
-      const float ss = warp_sum_squares([&](int i) {
-        const int j = threadIdx.x + i * kThreadsPerTask;
-        return j < words ? tile[row * words + swz(row, j)] : zero;
-      });
+      float ss = 0.f;
+#pragma unroll 1
+      for (int j = threadIdx.x; j < words; j += kThreadsPerTask) ss += sum_squares8(tile[row * words + swz(row, j)]);
+      ss = warp_sum(ss);
       if (lane == 0) red_ss[warp * kLinRows + row] = ss;
     }
     __syncthreads();
+#pragma unroll 1
     for (int row = 0; row < rows; ++row) {
       const float rstd = warp_rstd(red_ss + row, kLinRows, static_cast<int>(K), c.fparam[2]);
-#pragma unroll
-      for (int i = 0; i < kNormVecs; ++i) {
-        const int j = threadIdx.x + i * kThreadsPerTask;
-        if (j < words) {
-          uint4& word = tile[row * words + swz(row, j)];
-          word = rms_scale8(word, gw[i], rstd);
-        }
+#pragma unroll 1
+      for (int j = threadIdx.x; j < words; j += kThreadsPerTask) {
+        uint4& word = tile[row * words + swz(row, j)];
+        word = rms_scale8(word, gsm[j], rstd);
       }
     }
     __syncthreads();
