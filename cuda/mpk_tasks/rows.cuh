@@ -321,9 +321,9 @@ __device__ __forceinline__ uint4 rms_scale8(uint4 x, uint4 w, float rstd) {
 constexpr int kNormVecs = 4;  // 8-element vectors per thread held in registers: rows ≤ 8192 at 256 threads
 
 // The bf16 RMSNorm's order of summing a row's squares, which rms_matmul's prologue
-// (linalg.cuh) shares so that its rows equal the rms_norm task's bit for bit: thread t adds the
-// squares of words t + blockDim·i in i order (``word(i)``: that word, zero past the row), the
-// warp reduces, and warp_rstd adds the warps' sums in warp order.
+// (linalg.cuh, in a loop) follows so that its rows equal the rms_norm task's bit for bit:
+// thread t adds the squares of words t + blockDim·i in i order (``word(i)``: that word, zero
+// past the row), the warp reduces, and warp_rstd adds the warps' sums in warp order.
 template <typename Word>
 __device__ __forceinline__ float warp_sum_squares(Word word) {
   float ss = 0.f;
