@@ -239,10 +239,12 @@ def main(argv=None) -> int:
         record({"case": label, "ms": ms, "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9)}
                | ({"torch_ms": eager_ms(fn, fargs)} if eager else {}))
         torch._dynamo.reset()
-    print(f"\n{'case':52s} {'ms':>8s} {'GB/s':>7s} {'of copy':>8s} {'torch ms':>9s}")
+    print(f"\n{'case':60s} {'ms':>8s} {'GB/s':>7s} {'of copy':>8s} {'torch ms':>9s}")
     for r in rows:
+        # the linear cases' rows differ only in batch and options: say which
+        case = r["case"] + (f" B={r['batch']}" if "batch" in r else "") + (f" {json.dumps(r['options'])}" if "options" in r else "")
         torch_ms = f"{r['torch_ms']:9.4f}" if "torch_ms" in r else ""
-        print(f"{r['case']:52s} {r['ms']:8.4f} {r['GBps']:7.0f} {r['of_copy']:8.2f} {torch_ms}")
+        print(f"{case:60s} {r['ms']:8.4f} {r['GBps']:7.0f} {r['of_copy']:8.2f} {torch_ms}")
     return 0
 
 
