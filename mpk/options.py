@@ -40,7 +40,9 @@ class CompileOptions:
                  that projection (which also writes h·g and per-16-column sums of h²) and the
                  projection after the norm (which scales its sums by each row's rstd):
                  matmul_norm_stats / norm_stats_matmul, no norm stage (default False:
-                 −2.0…+0.9% per model and batch on an H100, docs/performance_log.md).
+                 −2.0…+0.9% per model and batch on an H100 in session 29; 1.0–3.6% faster
+                 at batches 4 and 16 on an H200 since session 33, batch 1 not re-measured;
+                 docs/performance_log.md).
     fuse_rope_attention  run a decode layer's qk-norm + RoPE + KV append inside its paged
                  attention tasks (rope_attn_partial; default True), one op boundary fewer.
     debug_dir    directory to dump the OpGraph, tables, summary, DOT and JSON of each graph.
