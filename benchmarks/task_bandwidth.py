@@ -9,8 +9,9 @@ model holding its qkv, o, gate_up, down and LM-head weights (target at batch 1: 
 bandwidth), paged decode attention over a long cache, and the step's other task families at
 qwen3-8b's batch-16 shapes (RMSNorm, qk-norm + RoPE + KV append, SiLU·mul, embedding, argmax
 and softmax over the vocabulary): a few hundred KiB to a few MiB each, so their time is mostly
-the task's latency and the event hop, which the bandwidth figure then shows; beside those PyTorch runs as its own kernels, the
-same op in eager PyTorch (``torch_ms``, timed over back-to-back calls).
+the task's latency and the event hop, which the bandwidth figure then shows; beside those
+PyTorch runs as its own kernels, the same op in eager PyTorch (``torch_ms``, timed over
+back-to-back calls).
 
 ``--prebuild`` (a machine with nvcc and no GPU): trace the linear cases on the CPU and build
 their kernels into ``$MPK_CACHE_DIR``, for carrying to the device (as prebuild_decode.py).
