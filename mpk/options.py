@@ -41,7 +41,7 @@ class CompileOptions:
                  projection after the norm (which scales its sums by each row's rstd):
                  matmul_norm_stats / norm_stats_matmul, no norm stage (default False:
                  −2.0…+0.9% per model and batch on an H100 in session 29; 1.0–3.6% faster
-                 at batches 4 and 16 on an H200 since session 33, batch 1 not re-measured;
+                 at batches 4 and 16 on an H200 since session 33, slower at batch 1;
                  docs/performance_log.md).
     fuse_rope_attention  run a decode layer's qk-norm + RoPE + KV append inside its paged
                  attention tasks (rope_attn_partial; default True), one op boundary fewer.

@@ -22,6 +22,9 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
   return v;
 }
 
+// A bf16 value as float, from its bits.
+__device__ __forceinline__ float bf16_bits_to_float(unsigned short b) { return __uint_as_float(static_cast<unsigned>(b) << 16); }
+
 // Where warp w's partial sum of (row, col) sits in shared memory: [warp][16 rows][64 columns],
 // the column pair (2u, 2u + 1) of a row r at pair u ^ 4(r & 3). Both accesses then hit 32
 // distinct banks: the MMA fragments' float2 stores (a half-warp's lanes (g, t) store pair
@@ -244,22 +247,16 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
     // a conditional, converted there, made the warp wait for it at the branch's end, before its
     // first activation loads (qwen3-8b's residual projections at batch 16: a K loop 4 µs slower
     // with the norm weight's loads too, H200).
-    unsigned short bv[kPerThread];
+    unsigned short bv[kPerThread], gv[kStatsOut ? kPerThread : 1];
+    const ViewC& gview = c.in[kStatsOut ? 3 : 0];  // kStatsOut: the next norm's weight, one per column
+    const __nv_bfloat16* gnorm = static_cast<const __nv_bfloat16*>(env.buffers[gview.buffer]) + gview.offset;
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int e = threadIdx.x + j * kThreadsPerTask;
-      const bool live = bias && e < rows * pass_cols;
-      bv[j] = __ldcg(reinterpret_cast<const unsigned short*>(live ? bias + (m0 + e / pass_cols) * bs0 + (n0 + e % pass_cols) * bs1 : x));
-    }
-    unsigned short gv[kStatsOut ? kPerThread : 1];  // kStatsOut: the next norm's weight at each output's column
-    if constexpr (kStatsOut) {
-      const ViewC& v = c.in[3];
-      const __nv_bfloat16* g16 = static_cast<const __nv_bfloat16*>(env.buffers[v.buffer]) + v.offset;
-#pragma unroll
-      for (int j = 0; j < kPerThread; ++j) {
-        const int e = threadIdx.x + j * kThreadsPerTask;
-        gv[j] = __ldcg(reinterpret_cast<const unsigned short*>(e < rows * pass_cols ? g16 + (n0 + e % pass_cols) * v.stride[0] : x));
-      }
+      const bool live = e < rows * pass_cols;
+      const __nv_bfloat16* bp = bias && live ? bias + (m0 + e / pass_cols) * bs0 + (n0 + e % pass_cols) * bs1 : x;
+      bv[j] = __ldcg(reinterpret_cast<const unsigned short*>(bp));
+      if constexpr (kStatsOut) gv[j] = __ldcg(reinterpret_cast<const unsigned short*>(live ? gnorm + (n0 + e % pass_cols) * gview.stride[0] : x));
     }
     float acc[kBlocks][4];
 #pragma unroll
@@ -331,7 +328,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       }
       const float scale = kStatsIn ? red_ss[row] : c.fparam[0];  // rstd, or alpha
       if constexpr (kStatsOut) {
-        const float h = round_to(kBF16, s * scale + c.fparam[1] * (bias ? __bfloat162float(__ushort_as_bfloat16(bv[j])) : 0.f));
+        const float h = round_to(kBF16, s * scale + c.fparam[1] * (bias ? bf16_bits_to_float(bv[j]) : 0.f));
         float sq = live ? h * h : 0.f;
 #pragma unroll
         for (int o = kStatsGroup / 2; o; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
@@ -339,7 +336,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
           const long long at = (m0 + row) * N + n0 + col;
           const unsigned bits = __float_as_uint(sq), k = col % kStatsGroup;
           out[at] = __float2bfloat16(h);
-          out[part + at] = __float2bfloat16(h * __bfloat162float(__ushort_as_bfloat16(gv[j])));
+          out[part + at] = __float2bfloat16(h * bf16_bits_to_float(gv[j]));
           out[2 * part + at] = __ushort_as_bfloat16(static_cast<unsigned short>(k == 0 ? bits & 0xffffu : k == 1 ? bits >> 16 : 0u));
         }
         continue;
@@ -347,7 +344,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
       if constexpr (kGlu) {
         s = silu_times(round_to(kBF16, s * scale), round_to(kBF16, up * scale), kBF16);
       } else {
-        s = s * scale + c.fparam[1] * (bias ? __bfloat162float(__ushort_as_bfloat16(bv[j])) : 0.f);
+        s = s * scale + c.fparam[1] * (bias ? bf16_bits_to_float(bv[j]) : 0.f);
       }
       out[(m0 + row) * N + n0 + col] = __float2bfloat16(s);
     }
