@@ -39,10 +39,12 @@ class CompileOptions:
     fuse_norm_stats  split an RMSNorm whose input is a residual projection's output between
                  that projection (which also writes h·g and per-16-column sums of h²) and the
                  projection after the norm (which scales its sums by each row's rstd):
-                 matmul_norm_stats / norm_stats_matmul, no norm stage (default False:
-                 −2.0…+0.9% per model and batch on an H100 in session 29; 1.0–3.6% faster
-                 at batches 4 and 16 on an H200 since session 33, slower at batch 1;
-                 docs/performance_log.md).
+                 matmul_norm_stats / norm_stats_matmul, no norm stage. "auto" (default): only
+                 the norms the norm prologue does not take (a decode step from batch 2, or 4
+                 for hidden ≤ 2048; every one with fuse_norm_prologue off) — the split is
+                 faster than a norm stage and slower than the prologue (docs/performance_log.md,
+                 sessions 33–34); True: every such norm, the prologue only for the first
+                 layer's; False: none.
     fuse_rope_attention  run a decode layer's qk-norm + RoPE + KV append inside its paged
                  attention tasks (rope_attn_partial; default True), one op boundary fewer.
     debug_dir    directory to dump the OpGraph, tables, summary, DOT and JSON of each graph.
@@ -61,7 +63,7 @@ class CompileOptions:
     partition: dict[str, Any] = field(default_factory=dict)
     fallback: str = "error"
     fuse_norm_prologue: bool = True
-    fuse_norm_stats: bool = False
+    fuse_norm_stats: bool | str = "auto"
     fuse_rope_attention: bool = True
     debug_dir: str | None = None
     num_workers: int = 128
@@ -74,8 +76,10 @@ class CompileOptions:
     def optional_fusions(self) -> tuple[str, ...]:
         """The optional pattern fusions (mpk.frontend.patterns.OPTIONAL_MATCHERS) these options
         ask for, in the order they apply."""
-        return tuple(name for name, on in (("norm_prologue", self.fuse_norm_prologue),
-                                           ("norm_stats", self.fuse_norm_stats)) if on)
+        order = (("norm_stats", "norm_prologue") if self.fuse_norm_stats is True
+                 else ("norm_prologue", "norm_stats"))  # the first takes a norm both could
+        on = {"norm_prologue": self.fuse_norm_prologue, "norm_stats": self.fuse_norm_stats is not False}
+        return tuple(name for name in order if on[name])
 
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None) -> "CompileOptions":
@@ -102,9 +106,12 @@ class CompileOptions:
         n = opts["num_workers"]
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise OptionError(f"num_workers={n!r}; expected a positive int")
-        for flag in ("sync", "fuse_norm_prologue", "fuse_norm_stats", "fuse_rope_attention"):
+        for flag in ("sync", "fuse_norm_prologue", "fuse_rope_attention"):
             if not isinstance(opts.get(flag, False), bool):
                 raise OptionError(f"{flag}={opts[flag]!r}; expected True or False")
+        stats = opts.get("fuse_norm_stats", "auto")
+        if not (isinstance(stats, bool) or stats == "auto"):
+            raise OptionError(f"fuse_norm_stats={stats!r}; expected True, False or 'auto'")
         part = opts.get("partition", {})
         if not isinstance(part, Mapping):
             raise OptionError(f"partition={part!r}; expected a dict mapping op name or kind to tile counts")

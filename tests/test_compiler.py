@@ -98,6 +98,9 @@ def test_default_partition_targets_workers():
     ({"executor": "tpu"}, "executor='tpu'; expected one of"),
     ({"fallback": "maybe"}, "fallback='maybe'"),
     ({"num_workers": 0}, "num_workers=0; expected a positive int"),
+    ({"fuse_norm_stats": "on"}, "fuse_norm_stats='on'; expected True, False or 'auto'"),
+    ({"fuse_norm_stats": 1}, "fuse_norm_stats=1; expected True, False or 'auto'"),
+    ({"sync": "auto"}, "sync='auto'; expected True or False"),
     ({"partiton": {}}, r"unknown mpk option\(s\) \['partiton'\]"),
 ])
 def test_bad_options_are_named(options, message):

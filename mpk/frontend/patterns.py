@@ -204,24 +204,22 @@ def _add_node(gm: GraphModule, after: Node, target, args, val: torch.Tensor) -> 
 
 
 def _norm_stats_rewriter(gm: GraphModule):
-    """``norm @ b`` (or its SiLU·mul form, or ``rms_norm_mm``) where the norm's input is a
-    residual projection ``h = r + a @ w`` → ``mm_norm_stats`` in place of h (its users take h
-    from the packed output) and ``norm_stats_mm`` in place of the projection: the producer
-    writes h·g and per-group sums of h², so the norm needs no stage of its own and no task
-    normalises a row (mpk.ops.linalg, matmul_norm_stats)."""
+    """``norm @ b`` (or its SiLU·mul form) where the norm's input is a residual projection
+    ``h = r + a @ w`` → ``mm_norm_stats`` in place of h (its users take h from the packed
+    output) and ``norm_stats_mm`` in place of the projection: the producer writes h·g and
+    per-group sums of h², so the norm needs no stage of its own and no task normalises a row
+    (mpk.ops.linalg, matmul_norm_stats). A norm the prologue fusion took first (an
+    ``rms_norm_mm``) is left as it is: the order of the optional fusions is the policy."""
     from mpk.ops.linalg import STATS_GROUP
 
     def match(node: Node):
-        if _is(node, torch.ops.mpk.rms_norm_mm.default):
-            h, g, eps, compute_dtype, norm_dtype, b, silu = (list(node.args) + [False])[:7]
-        elif _is(node, aten.mm.default, torch.ops.mpk.mm_silu_mul.default):
-            norm, b = node.args[:2]
-            if not (_is(norm, torch.ops.mpk.rms_norm.default) and len(norm.users) == 1):
-                return None
-            h, g, eps, compute_dtype, norm_dtype = norm.args
-            silu = _is(node, torch.ops.mpk.mm_silu_mul.default)
-        else:
+        if not _is(node, aten.mm.default, torch.ops.mpk.mm_silu_mul.default):
             return None
+        norm, b = node.args[:2]
+        if not (_is(norm, torch.ops.mpk.rms_norm.default) and len(norm.users) == 1):
+            return None
+        h, g, eps, compute_dtype, norm_dtype = norm.args
+        silu = _is(node, torch.ops.mpk.mm_silu_mul.default)
         if not (_is(h, aten.addmm.default) and not h.kwargs and g is not None):
             return None
         r, a, w = h.args
@@ -244,12 +242,13 @@ def _norm_stats_rewriter(gm: GraphModule):
 
 
 MATCHERS = (_match_rms_norm, _match_rope, _match_silu_mul, _match_mm_silu_mul, _match_residual_matmul)
-# Opt-in (CompileOptions.fuse_norm_prologue). Each task normalises its rows of x into shared
-# memory after its gate (rms_norm's roundings: the result equals the unfused pair) and its K
-# loop reads them from there; earlier forms that applied the norm inside the K loop were 0–11%
-# slower on an H200 (that path sets the loop's pace).
-# Opt-in (CompileOptions.fuse_norm_stats): the norm split between the projections around it
+# CompileOptions.fuse_norm_prologue. Each task normalises its rows of x into shared memory
+# after its gate (rms_norm's roundings: the result equals the unfused pair) and its K loop reads
+# them from there; earlier forms that applied the norm inside the K loop were 0–11% slower on an
+# H200 (that path sets the loop's pace).
+# CompileOptions.fuse_norm_stats: the norm split between the projections around it
 # (``_norm_stats_rewriter``; it also rewrites the producer, so it takes the graph module).
+# Whichever of the two applies first takes a norm both could (CompileOptions.optional_fusions).
 OPTIONAL_MATCHERS = {"norm_prologue": lambda gm: _match_rms_norm_mm, "norm_stats": _norm_stats_rewriter}
 
 
