@@ -39,12 +39,12 @@ class CompileOptions:
     fuse_norm_stats  split an RMSNorm whose input is a residual projection's output between
                  that projection (which also writes h·g and per-16-column sums of h²) and the
                  projection after the norm (which scales its sums by each row's rstd):
-                 matmul_norm_stats / norm_stats_matmul, no norm stage. "auto" (default): only
-                 the norms the norm prologue does not take (a decode step from batch 2, or 4
-                 for hidden ≤ 2048; every one with fuse_norm_prologue off) — the split is
-                 faster than a norm stage and slower than the prologue (docs/performance_log.md,
-                 sessions 33–34); True: every such norm, the prologue only for the first
-                 layer's; False: none.
+                 matmul_norm_stats / norm_stats_matmul, no norm stage. "auto" (default): the
+                 norms of more than 4 KiB of activations (mpk.ops.linalg.NORM_SPLIT_MIN_BYTES:
+                 a bf16 decode step from batch 2 for hidden 2048, from batch 1 for 4096),
+                 smaller ones left to the norm prologue, which measured faster for them; every
+                 one with fuse_norm_prologue off (docs/performance_log.md, sessions 33–34).
+                 True: every such norm, the prologue only for the first layer's; False: none.
     fuse_rope_attention  run a decode layer's qk-norm + RoPE + KV append inside its paged
                  attention tasks (rope_attn_partial; default True), one op boundary fewer.
     debug_dir    directory to dump the OpGraph, tables, summary, DOT and JSON of each graph.
@@ -76,10 +76,9 @@ class CompileOptions:
     def optional_fusions(self) -> tuple[str, ...]:
         """The optional pattern fusions (mpk.frontend.patterns.OPTIONAL_MATCHERS) these options
         ask for, in the order they apply."""
-        order = (("norm_stats", "norm_prologue") if self.fuse_norm_stats is True
-                 else ("norm_prologue", "norm_stats"))  # the first takes a norm both could
-        on = {"norm_prologue": self.fuse_norm_prologue, "norm_stats": self.fuse_norm_stats is not False}
-        return tuple(name for name in order if on[name])
+        split = () if self.fuse_norm_stats is False else \
+            ("norm_stats_large",) if self.fuse_norm_stats == "auto" and self.fuse_norm_prologue else ("norm_stats",)
+        return split + (("norm_prologue",) if self.fuse_norm_prologue else ())
 
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None) -> "CompileOptions":

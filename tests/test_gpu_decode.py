@@ -463,12 +463,12 @@ def test_compiled_decode_matches_eager(family, page_size, batch, options, shape,
     fused = options.get("fuse_rope_attention", True) and cfg.heads // cfg.kv_heads <= 6
     assert kinds.count("rope_attn_partial" if fused else "rope_append") == cfg.layers
     assert kinds.count("attn_merge") == (0 if splits <= 1 else cfg.layers)  # one chunk: written directly
-    # by default every RMSNorm runs inside the projection after it (fast path) while x fits a
-    # tile; the norms it does not take (all with fuse_norm_stats=True) but the first layer's,
-    # after the embedding, are split between the projections around them
+    # by default an RMSNorm of more than 4 KiB of x (all with fuse_norm_stats=True), but the
+    # first layer's, after the embedding, is split between the projections around it; the
+    # others run inside the projection after them (fast path) while x fits a tile
     prologue = options.get("fuse_norm_prologue", True) and batch * cfg.hidden * 2 <= NORM_TILE_BYTES
-    split = options.get("fuse_norm_stats", "auto") is True or (options.get("fuse_norm_stats", "auto") == "auto"
-                                                                and not prologue)
+    stats_option = options.get("fuse_norm_stats", "auto")
+    split = stats_option is True or (stats_option == "auto" and (batch * cfg.hidden * 2 > 4096 or not prologue))
     assert kinds.count("matmul_norm_stats") == kinds.count("norm_stats_matmul") == (2 * cfg.layers if split else 0)
     assert all(linear_variant(COMPILED[-1].tables, i) for i, k in enumerate(kinds) if "norm_stats" in k)
     norms = 1 if split else 2 * cfg.layers + 1

@@ -16,7 +16,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 import mpk.frontend.fused_ops  # noqa: F401  (registers torch.ops.mpk.*)
-from mpk.ops.linalg import NORM_TILE_BYTES
+from mpk.ops.linalg import NORM_SPLIT_MIN_BYTES, NORM_TILE_BYTES
 
 aten = torch.ops.aten
 _CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
@@ -203,13 +203,13 @@ def _add_node(gm: GraphModule, after: Node, target, args, val: torch.Tensor) -> 
     return node
 
 
-def _norm_stats_rewriter(gm: GraphModule):
+def _norm_stats_rewriter(gm: GraphModule, min_bytes: int = 0):
     """``norm @ b`` (or its SiLU·mul form) where the norm's input is a residual projection
     ``h = r + a @ w`` → ``mm_norm_stats`` in place of h (its users take h from the packed
     output) and ``norm_stats_mm`` in place of the projection: the producer writes h·g and
     per-group sums of h², so the norm needs no stage of its own and no task normalises a row
-    (mpk.ops.linalg, matmul_norm_stats). A norm the prologue fusion took first (an
-    ``rms_norm_mm``) is left as it is: the order of the optional fusions is the policy."""
+    (mpk.ops.linalg, matmul_norm_stats). Only norms of more than ``min_bytes`` of h: the
+    prologue fusion, which applies after this one, takes the rest that fit its tile."""
     from mpk.ops.linalg import STATS_GROUP
 
     def match(node: Node):
@@ -228,6 +228,8 @@ def _norm_stats_rewriter(gm: GraphModule):
                 and compute_dtype == torch.float32 and norm_dtype == torch.bfloat16 and _val(node).dtype == torch.bfloat16):
             return None
         M, N = hv.shape
+        if hv.numel() * hv.element_size() <= min_bytes:
+            return None
         if M > 16 or N % (16 * STATS_GROUP):  # the tasks: ≤ 16 rows a tile, a half warp per 16 groups of sums
             return None
         packed = _add_node(gm, h, torch.ops.mpk.mm_norm_stats.default, (a, w, r, g),
@@ -247,9 +249,11 @@ MATCHERS = (_match_rms_norm, _match_rope, _match_silu_mul, _match_mm_silu_mul, _
 # them from there; earlier forms that applied the norm inside the K loop were 0–11% slower on an
 # H200 (that path sets the loop's pace).
 # CompileOptions.fuse_norm_stats: the norm split between the projections around it
-# (``_norm_stats_rewriter``; it also rewrites the producer, so it takes the graph module).
-# Whichever of the two applies first takes a norm both could (CompileOptions.optional_fusions).
-OPTIONAL_MATCHERS = {"norm_prologue": lambda gm: _match_rms_norm_mm, "norm_stats": _norm_stats_rewriter}
+# (``_norm_stats_rewriter``; it also rewrites the producer, so it takes the graph module);
+# "norm_stats_large" is its "auto" form, which leaves small norms to the prologue. Either
+# applies before the prologue fusion (CompileOptions.optional_fusions).
+OPTIONAL_MATCHERS = {"norm_prologue": lambda gm: _match_rms_norm_mm, "norm_stats": _norm_stats_rewriter,
+                     "norm_stats_large": lambda gm: _norm_stats_rewriter(gm, NORM_SPLIT_MIN_BYTES)}
 
 
 def fuse_patterns(gm: GraphModule, optional: tuple[str, ...] = ()) -> dict[str, int]:

@@ -79,6 +79,11 @@ def _normed_matmul_regions(sig: OpSig, rect):
 # cost at batch 4 (+2–4%) and 16 (+20%) against one norm task per row
 # (benchmarks/results/2026-11-22-nvidia-h200-decode_latency-session10-*).
 NORM_TILE_BYTES = 8 * 1024
+# fuse_norm_stats="auto" splits a norm between the projections around it when its input is
+# larger than this, and leaves smaller ones to the prologue: at 4 KiB (batch 1, hidden 2048)
+# the prologue measured 0.5–2.0% faster, at 8 KiB (batch 2, or qwen3-8b's batch 1) the split
+# 0.3–1.8% faster but for qwen3-8b on an H200, +0.2% (H100 and H200, session 34).
+NORM_SPLIT_MIN_BYTES = 4 * 1024
 
 
 def _rms_matmul_cpu(sig: OpSig, rect, xs):
