@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import torch
 
@@ -63,7 +63,7 @@ class CompileOptions:
     partition: dict[str, Any] = field(default_factory=dict)
     fallback: str = "error"
     fuse_norm_prologue: bool = True
-    fuse_norm_stats: bool | str = "auto"
+    fuse_norm_stats: bool | Literal["auto"] = "auto"
     fuse_rope_attention: bool = True
     debug_dir: str | None = None
     num_workers: int = 128
