@@ -179,3 +179,21 @@ def teacher_forced(model, step, kv_eager, kv_step, tokens: torch.Tensor, steps: 
             outs.append(step(tokens, *kv_step.args()).float())
             tokens = refs[-1].argmax(-1)
     return torch.stack(outs), torch.stack(refs)
+
+
+def float32_replay(model, tokens: torch.Tensor, refs: torch.Tensor, max_len: int, page_size: int, first_grow):
+    """The float32 truth of a ``teacher_forced`` run: a float32 twin of ``model`` (the same
+    weights) fed the same tokens (``tokens`` first, then each step's eager arg-max in
+    ``refs``), on its own cache. Returns its stacked logits."""
+    from mpk.models.llm import DecoderLM, PagedKVCache
+
+    twin = DecoderLM(model.cfg, torch.float32)
+    twin.load_state_dict(model.state_dict())
+    kv = PagedKVCache(twin, tokens.shape[0], max_len, page_size)
+    out = []
+    with torch.no_grad():
+        for t in range(refs.shape[0]):
+            kv.grow(first_grow if t == 0 else 1)
+            out.append(twin(tokens, *kv.args()).float())
+            tokens = refs[t].argmax(-1)
+    return torch.stack(out)

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from helpers import dense_paged_attention, random_page_table, relative_error, teacher_forced
+from helpers import dense_paged_attention, float32_replay, random_page_table, relative_error, teacher_forced
 from mpk.backend import COMPILED
 from mpk.frontend.fused_ops import paged_attention
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache
@@ -233,19 +233,27 @@ def test_norm_split_between_projections_in_a_decode_step(family, batch, hidden, 
     """fuse_norm_stats on a bf16 decode step (CPU interpreter): an RMSNorm after a residual
     projection is split between that projection (matmul_norm_stats) and the one after it
     (norm_stats_matmul) — every one with True (only the first layer's input norm, after the
-    embedding, stays), by default ("auto") those of more than 4 KiB of x — and the
-    logits stay within 2e-2 of mpk's eager path with top-1 agreement ≥ 99% where the eager
-    logits are decisive, over 4 steps; the cache written by layer 0 is equal."""
+    embedding, stays), by default ("auto") those of more than 4 KiB of x. Over 4 steps the
+    logits are as close to a float32 twin's (same weights and tokens) as mpk's eager bf16
+    path's are — largest and median relative error within 1.5× of the eager path's (the split
+    rounds differently, by about a bf16 ulp of the normalised activation; 24 draws of these
+    shapes measured ≤ 1.26×), where a fixed 2e-2 against the eager path failed one draw in
+    eight — with top-1 agreement ≥ 99% with the eager path where its logits are decisive; the
+    cache written by layer 0 is equal."""
     cfg = small(family, hidden=hidden, inter=2 * hidden, head_dim=64)
     model = DecoderLM(cfg, torch.bfloat16).randomize(seed=random.randrange(1 << 30))
     step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
                          options={"executor": "cpu", "num_workers": 16, **options})
     eager_kv, mpk_kv = PagedKVCache(model, batch, 32, 4), PagedKVCache(model, batch, 32, 4)
     tokens = torch.randint(0, cfg.vocab, (batch,))
-    outs, refs = teacher_forced(model, step, eager_kv, mpk_kv, tokens, 4, [1 + 4 * b for b in range(batch)])
+    first = [1 + 4 * b for b in range(batch)]
+    outs, refs = teacher_forced(model, step, eager_kv, mpk_kv, tokens, 4, first)
+    truth = float32_replay(model, tokens, refs, 32, 4, first)
+    ours, eager = compare_logits(outs, truth), compare_logits(refs, truth)
+    assert ours["max_rel"] <= 1.5 * eager["max_rel"] and ours["median_rel"] <= 1.5 * eager["median_rel"], (ours, eager)
     stats = compare_logits(outs, refs)
     # 4 (step, sequence) pairs at batch 1 may hold no decisive one (top1_decisive is then nan)
-    assert stats["max_rel"] <= 2e-2 and (stats["decisive_share"] == 0 or stats["top1_decisive"] >= 0.99), stats
+    assert stats["decisive_share"] == 0 or stats["top1_decisive"] >= 0.99, stats
     assert torch.equal(mpk_kv.cache[0], eager_kv.cache[0])
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
     prologue = options.get("fuse_norm_prologue", True) and batch * hidden * 2 <= 8192  # it fits the tile
