@@ -187,7 +187,7 @@ def float32_replay(model, tokens: torch.Tensor, refs: torch.Tensor, max_len: int
     ``refs``), on its own cache. Returns its stacked logits."""
     from mpk.models.llm import DecoderLM, PagedKVCache
 
-    twin = DecoderLM(model.cfg, torch.float32)
+    twin = DecoderLM(model.cfg, torch.float32, model.embed.device, model.cos_sin.shape[0], model.num_splits)
     twin.load_state_dict(model.state_dict())
     kv = PagedKVCache(twin, tokens.shape[0], max_len, page_size)
     out = []

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from helpers import dense_paged_attention, random_page_table, relative_error, teacher_forced
+from helpers import dense_paged_attention, float32_replay, random_page_table, relative_error, teacher_forced
 from mpk.backend import COMPILED
 from mpk.megakernel.codegen import linear_variant, row_vector_ctype
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache
@@ -439,23 +439,30 @@ UNFUSED = {"fuse_rope_attention": False}
     ("qwen3", 16, 1, {"fuse_norm_stats": True}, {"hidden": 256, "head_dim": 64}, 0),
     ("llama", 4, 16, {"fuse_norm_stats": False}, {"hidden": 512}, 2)])
 def test_compiled_decode_matches_eager(family, page_size, batch, options, shape, splits):
-    """bf16 decode steps of sequences of different lengths, compiled vs mpk's eager path:
-    logits within 2e-2 of the largest |logit| (bf16 rounding of two different summation
-    orders through 2 layers), top-1 agreement ≥ 99% where the eager logits are decisive
+    """bf16 decode steps of sequences of different lengths, compiled vs mpk's eager path: the
+    logits as close to a float32 twin's (same weights and tokens) as the eager path's are —
+    largest and median error relative to the largest |logit| within 1.5× the eager path's
+    (bf16 rounding of different summation orders, and of the split norm, through 2 layers;
+    a fixed 2e-2 against the eager path was exceeded by one CPU draw in eight of the split) —
+    top-1 agreement ≥ 99% with the eager path where its logits are decisive
     (``compare_logits``), and the caches agree (layer 0 within a bf16 rounding, later layers
-    within the logits' bound). RoPE + append run inside the attention tasks
-    (by default; groups of 6 query heads are the largest that fuse) or as their own op."""
+    within 2e-2). RoPE + append run inside the attention tasks (by default; groups of 6 query
+    heads are the largest that fuse) or as their own op."""
     cfg = small(family, **shape)
     model = DecoderLM(cfg, torch.bfloat16, DEV, max_len=256, num_splits=splits)
     model.randomize(seed=random.randrange(1 << 30))
     step = _gpu_compile(model, **options)
     kv_e, kv_m = PagedKVCache(model, batch, 128, page_size), PagedKVCache(model, batch, 128, page_size)
     tokens = torch.randint(0, cfg.vocab, (batch,), device=DEV)
-    outs, refs = teacher_forced(model, step, kv_e, kv_m, tokens, 8, [1 + 5 * b for b in range(batch)])
+    first = [1 + 5 * b for b in range(batch)]
+    outs, refs = teacher_forced(model, step, kv_e, kv_m, tokens, 8, first)
+    truth = float32_replay(model, tokens, refs, 128, page_size, first)
+    ours, eager = compare_logits(outs, truth), compare_logits(refs, truth)
+    assert ours["max_rel"] <= 1.5 * eager["max_rel"] and ours["median_rel"] <= 1.5 * eager["median_rel"], (ours, eager)
     stats = compare_logits(outs, refs)
-    assert stats["max_rel"] <= 2e-2 and stats["top1_decisive"] >= 0.99, stats
+    assert stats["decisive_share"] == 0 or stats["top1_decisive"] >= 0.99, stats  # 8 pairs at batch 1 may hold none
     # layer 0's k/v come from the same inputs through one projection (a rounding apart); a
-    # later layer's carry the earlier layers' differences, as the logits do (their bound)
+    # later layer's carry the earlier layers' differences, as the logits do
     for layer in range(cfg.layers):
         err = relative_error(kv_m.cache[layer].float(), kv_e.cache[layer].float())
         assert err <= (BF16_TOL if layer == 0 else 2e-2), (layer, err)
