@@ -76,8 +76,12 @@ class CompileOptions:
     def optional_fusions(self) -> tuple[str, ...]:
         """The optional pattern fusions (mpk.frontend.patterns.OPTIONAL_MATCHERS) these options
         ask for, in the order they apply."""
-        split = () if self.fuse_norm_stats is False else \
-            ("norm_stats_large",) if self.fuse_norm_stats == "auto" and self.fuse_norm_prologue else ("norm_stats",)
+        if self.fuse_norm_stats is False:
+            split = ()
+        elif self.fuse_norm_stats == "auto" and self.fuse_norm_prologue:  # small norms: the prologue's
+            split = ("norm_stats_large",)
+        else:
+            split = ("norm_stats",)
         return split + (("norm_prologue",) if self.fuse_norm_prologue else ())
 
     @classmethod

@@ -165,35 +165,32 @@ def dense_paged_attention(q, cache, lens, pages, page_size: int, layer: int, sca
     return out
 
 
-def teacher_forced(model, step, kv_eager, kv_step, tokens: torch.Tensor, steps: int, first_grow):
-    """Decode side by side: each step grows both caches (by ``first_grow`` at the first, then
-    by one), runs the eager model and the compiled ``step`` on the same tokens and feeds both
-    the eager arg-max. Returns the stacked float logits (compiled, eager)."""
-    outs, refs = [], []
+def lockstep(runs, tokens: torch.Tensor, steps: int, first_grow) -> list[torch.Tensor]:
+    """Decode side by side: each step grows every run's cache (by ``first_grow`` at the first,
+    then by one), runs each ``(step, cache)`` on the same tokens and feeds all of them the
+    first run's arg-max. Returns each run's stacked float logits, in order."""
+    logits = [[] for _ in runs]
     with torch.no_grad():
         for t in range(steps):
-            grow = first_grow if t == 0 else 1
-            kv_eager.grow(grow)
-            kv_step.grow(grow)
-            refs.append(model(tokens, *kv_eager.args()).float())
-            outs.append(step(tokens, *kv_step.args()).float())
-            tokens = refs[-1].argmax(-1)
-    return torch.stack(outs), torch.stack(refs)
+            for (step, kv), out in zip(runs, logits):
+                kv.grow(first_grow if t == 0 else 1)
+                out.append(step(tokens, *kv.args()).float())
+            tokens = logits[0][-1].argmax(-1)
+    return [torch.stack(out) for out in logits]
 
 
-def float32_replay(model, tokens: torch.Tensor, refs: torch.Tensor, max_len: int, page_size: int, first_grow):
-    """The float32 truth of a ``teacher_forced`` run: a float32 twin of ``model`` (the same
-    weights) fed the same tokens (``tokens`` first, then each step's eager arg-max in
-    ``refs``), on its own cache. Returns its stacked logits."""
-    from mpk.models.llm import DecoderLM, PagedKVCache
+def teacher_forced(model, step, kv_eager, kv_step, tokens: torch.Tensor, steps: int, first_grow):
+    """``lockstep`` of the eager ``model`` (leading) and the compiled ``step``. Returns the
+    stacked float logits (compiled, eager)."""
+    refs, outs = lockstep([(model, kv_eager), (step, kv_step)], tokens, steps, first_grow)
+    return outs, refs
+
+
+def float32_twin(model):
+    """A float32 copy of a DecoderLM (the same weights; its RoPE table computed in float32):
+    the truth a bf16 run's rounding is measured against."""
+    from mpk.models.llm import DecoderLM
 
     twin = DecoderLM(model.cfg, torch.float32, model.embed.device, model.cos_sin.shape[0], model.num_splits)
     twin.load_state_dict(model.state_dict())
-    kv = PagedKVCache(twin, tokens.shape[0], max_len, page_size)
-    out = []
-    with torch.no_grad():
-        for t in range(refs.shape[0]):
-            kv.grow(first_grow if t == 0 else 1)
-            out.append(twin(tokens, *kv.args()).float())
-            tokens = refs[t].argmax(-1)
-    return torch.stack(out)
+    return twin

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from helpers import dense_paged_attention, float32_replay, random_page_table, relative_error, teacher_forced
+from helpers import dense_paged_attention, float32_twin, lockstep, random_page_table, relative_error
 from mpk.backend import COMPILED
 from mpk.megakernel.codegen import linear_variant, row_vector_ctype
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache
@@ -454,9 +454,9 @@ def test_compiled_decode_matches_eager(family, page_size, batch, options, shape,
     step = _gpu_compile(model, **options)
     kv_e, kv_m = PagedKVCache(model, batch, 128, page_size), PagedKVCache(model, batch, 128, page_size)
     tokens = torch.randint(0, cfg.vocab, (batch,), device=DEV)
-    first = [1 + 5 * b for b in range(batch)]
-    outs, refs = teacher_forced(model, step, kv_e, kv_m, tokens, 8, first)
-    truth = float32_replay(model, tokens, refs, 128, page_size, first)
+    twin = float32_twin(model)
+    refs, outs, truth = lockstep([(model, kv_e), (step, kv_m), (twin, PagedKVCache(twin, batch, 128, page_size))], tokens, 8,
+                                 [1 + 5 * b for b in range(batch)])
     ours, eager = compare_logits(outs, truth), compare_logits(refs, truth)
     assert ours["max_rel"] <= 1.5 * eager["max_rel"] and ours["median_rel"] <= 1.5 * eager["median_rel"], (ours, eager)
     stats = compare_logits(outs, refs)

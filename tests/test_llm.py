@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from helpers import dense_paged_attention, float32_replay, random_page_table, relative_error, teacher_forced
+from helpers import dense_paged_attention, float32_twin, lockstep, random_page_table, relative_error, teacher_forced
 from mpk.backend import COMPILED
 from mpk.frontend.fused_ops import paged_attention
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache
@@ -246,9 +246,9 @@ def test_norm_split_between_projections_in_a_decode_step(family, batch, hidden, 
                          options={"executor": "cpu", "num_workers": 16, **options})
     eager_kv, mpk_kv = PagedKVCache(model, batch, 32, 4), PagedKVCache(model, batch, 32, 4)
     tokens = torch.randint(0, cfg.vocab, (batch,))
-    first = [1 + 4 * b for b in range(batch)]
-    outs, refs = teacher_forced(model, step, eager_kv, mpk_kv, tokens, 4, first)
-    truth = float32_replay(model, tokens, refs, 32, 4, first)
+    twin = float32_twin(model)
+    refs, outs, truth = lockstep([(model, eager_kv), (step, mpk_kv), (twin, PagedKVCache(twin, batch, 32, 4))], tokens, 4,
+                                 [1 + 4 * b for b in range(batch)])
     ours, eager = compare_logits(outs, truth), compare_logits(refs, truth)
     assert ours["max_rel"] <= 1.5 * eager["max_rel"] and ours["median_rel"] <= 1.5 * eager["median_rel"], (ours, eager)
     stats = compare_logits(outs, refs)
