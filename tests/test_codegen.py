@@ -4,6 +4,7 @@ cache skips nvcc the second time, and build errors name the file and nvcc's mess
 from __future__ import annotations
 
 import random
+import re
 import subprocess
 
 import pytest
@@ -290,11 +291,16 @@ def test_phase_timer_build_exports_its_table(tmp_path, monkeypatch):
 
 
 @needs_nvcc
-def test_second_identical_build_skips_nvcc(tmp_path, monkeypatch):
+def test_second_identical_build_skips_nvcc(tmp_path, monkeypatch, capsys):
+    """A cached build runs no nvcc and says nothing; a build that runs nvcc says so on stderr
+    (with progress on), and prebuild counts its builds on a progress bar."""
     monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
     tables = stamp_graph(random_dag(50, random.Random(1)), iterations=2)
     src = generate(tables)
-    first = build.build_cubin(src)
+    first = build.build_cubin(src, progress=True)
+    err = capsys.readouterr().err
+    assert f"nvcc is building the megakernel for sm_90a (once; cached as {first})" in err
+    assert re.search(r"nvcc finished in \d+\.\d s", err)
     calls = []
     real_run = subprocess.run
 
@@ -303,17 +309,21 @@ def test_second_identical_build_skips_nvcc(tmp_path, monkeypatch):
         return real_run(cmd, *a, **k)
 
     monkeypatch.setattr(build.subprocess, "run", spy)
-    assert build.build_cubin(src) == first
+    assert build.build_cubin(src, progress=True) == first
     assert not any("nvcc" in str(c[0]) and "--version" not in c for c in calls)
+    assert capsys.readouterr().err == ""
+    assert build.prebuild([src, src], progress=True) == [first, first]
+    assert "nvcc: 100%" in capsys.readouterr().err and not any("--version" not in c for c in calls)
     # a different flag set is a different cache entry
     assert build.build_cubin(src, debug=True) != first
     assert any("-DMPK_DEBUG" in c for c in calls)
 
 
 @needs_nvcc
-def test_build_error_names_file_and_nvcc_message(tmp_path, monkeypatch):
+def test_build_error_names_file_and_nvcc_message(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
     with pytest.raises(build.BuildError) as info:
-        build.build_cubin("this is not CUDA;\n")
+        build.build_cubin("this is not CUDA;\n", progress=True)
+    assert re.search(r"nvcc failed in \d+\.\d s", capsys.readouterr().err)
     msg = str(info.value)
     assert str(tmp_path) in msg and ".cu" in msg and "error" in msg

@@ -13,6 +13,8 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -65,9 +67,12 @@ def nvcc_flags(arch: str = "sm_90a", debug: bool = False, tile_kernel: bool = Fa
     return flags + os.environ.get("MPK_NVCC_FLAGS", "").split()
 
 
-def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_kernel: bool = False) -> Path:
+def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_kernel: bool = False,
+                progress: bool | None = None) -> Path:
     """Compile ``source`` to a cubin for ``arch``; returns the cached cubin's path.
-    ``tile_kernel``: also build the test wrapper ``mpk_tile_kernel``."""
+    ``tile_kernel``: also build the test wrapper ``mpk_tile_kernel``. ``progress``: say on
+    stderr when nvcc runs and how long it took (a full-size decode step takes ~10 s;
+    default: when stderr is a terminal)."""
     flags = nvcc_flags(arch, debug, tile_kernel)
     key = hashlib.sha256("\0".join([source, _headers_digest(), " ".join(flags), nvcc_version()]).encode()).hexdigest()[:32]
     out_dir = cache_dir()
@@ -79,8 +84,15 @@ def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_ker
     src.write_text(source)
     includes = [f"-I{d}" for d in INCLUDE_DIRS]
     tmp = out_dir / f"{key}.{os.getpid()}.tmp"
+    say = sys.stderr.isatty() if progress is None else progress
+    if say:
+        print(f"mpk: nvcc is building the megakernel for {arch} (once; cached as {cubin}) ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
     res = subprocess.run([nvcc_path() or "nvcc", *flags, *includes, "-o", str(tmp), str(src)],
                          capture_output=True, text=True)
+    if say:
+        print(f"mpk: nvcc {'finished' if res.returncode == 0 else 'failed'} in {time.perf_counter() - start:.1f} s",
+              file=sys.stderr, flush=True)
     if res.returncode != 0:
         raise BuildError(f"nvcc failed (exit {res.returncode}) building {src}:\n{res.stderr.strip()[-6000:]}")
     tmp.replace(cubin)  # atomic: concurrent builders of one key never see a partial cubin
@@ -88,12 +100,21 @@ def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_ker
     return cubin
 
 
-def prebuild(sources: list[str], arch: str = "sm_90a", jobs: int | None = None) -> list[Path]:
+def prebuild(sources: list[str], arch: str = "sm_90a", jobs: int | None = None,
+             progress: bool | None = None) -> list[Path]:
     """Build several generated sources at once (nvcc runs in parallel processes), so later
-    ``GpuExecutor``s find their cubins in the cache."""
-    from concurrent.futures import ThreadPoolExecutor
+    ``GpuExecutor``s find their cubins in the cache; a progress bar on stderr counts the builds
+    (``progress``: default when stderr is a terminal)."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from tqdm import tqdm
 
     unique = list(dict.fromkeys(sources))  # one build per source: equal ones would share temp files
-    with ThreadPoolExecutor(max_workers=jobs or min(len(unique), os.cpu_count() or 1) or 1) as pool:
-        built = dict(zip(unique, pool.map(lambda s: build_cubin(s, arch), unique)))
+    with ThreadPoolExecutor(max_workers=jobs or min(len(unique), os.cpu_count() or 1) or 1) as pool, \
+            tqdm(total=len(unique), desc="nvcc", unit="cubin", disable=None if progress is None else not progress) as bar:
+        futures = {pool.submit(build_cubin, s, arch, progress=False): s for s in unique}
+        built = {}
+        for done in as_completed(futures):
+            built[futures[done]] = done.result()
+            bar.update()
     return [built[s] for s in sources]

@@ -9,6 +9,7 @@ gate|up as one weight each); ``load_pretrained`` does the fusing from HF safeten
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -205,41 +206,81 @@ def _hf_names(cfg: LLMConfig, i: int) -> dict[str, list[str]]:
     return names
 
 
+# Checkpoint tensors a decode step has no use for, by name suffix: the rotary tables some
+# transformers versions saved (the model computes its own, rope_table).
+_UNUSED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
 def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, device=None,
-                    max_len: int | None = None, num_splits: int = 0) -> DecoderLM:
-    """A ``DecoderLM`` from a local HF checkpoint directory (config.json + *.safetensors)."""
+                    max_len: int | None = None, num_splits: int = 0, progress: bool | None = None) -> DecoderLM:
+    """A ``DecoderLM`` from a local HF checkpoint directory (config.json + *.safetensors, one
+    file or shards).
+
+    Weights are read one fused weight at a time (host memory holds one, not the checkpoint),
+    converted to ``dtype`` and moved to ``device``. Raises ``MpkError`` naming the tensors for a
+    missing tensor, a shape the config does not imply, a tensor in two shards, or checkpoint
+    tensors the model would not use (biases the config does not declare, say): nothing is
+    dropped silently. ``progress``: a progress bar on stderr (default: when stderr is a
+    terminal).
+    """
     from safetensors import safe_open
+    from tqdm import tqdm
 
     path = Path(path)
     cfg = LLMConfig.from_hf(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise MpkError(f"no *.safetensors files in {path}")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                tensors[k] = fh.get_tensor(k)
     model = DecoderLM(cfg, dtype, "meta", max_len, num_splits)
-
-    def take(names: list[str], shape) -> torch.Tensor:
-        missing = [n for n in names if n not in tensors]
-        if missing:
-            raise MpkError(f"checkpoint {path} lacks {missing}")
-        t = torch.cat([tensors[n] for n in names], 0)
-        if tuple(t.shape) != tuple(shape):
-            raise MpkError(f"checkpoint tensors {names} have shape {tuple(t.shape)}; the config implies {tuple(shape)}")
-        return nn.Parameter(t.to(dtype=dtype, device=device), requires_grad=False)
-
-    model.embed = take(["model.embed_tokens.weight"], model.embed.shape)
-    model.norm = take(["model.norm.weight"], model.norm.shape)
+    # (module, attribute, checkpoint names concatenated along dim 0)
+    plan: list[tuple[nn.Module, str, list[str]]] = [(model, "embed", ["model.embed_tokens.weight"]),
+                                                    (model, "norm", ["model.norm.weight"])]
     if not cfg.tied:
-        model.lm_head = take(["lm_head.weight"], model.lm_head.shape)
-    for i, layer in enumerate(model.layers):
-        for attr, names in _hf_names(cfg, i).items():
-            setattr(layer, attr, take(names, getattr(layer, attr).shape))
+        plan.append((model, "lm_head", ["lm_head.weight"]))
+    plan += [(layer, attr, names) for i, layer in enumerate(model.layers) for attr, names in _hf_names(cfg, i).items()]
+    with contextlib.ExitStack() as stack:
+        where: dict[str, tuple[Any, str]] = {}  # name -> (open file, its name)
+        for f in files:
+            fh = stack.enter_context(safe_open(str(f), framework="pt"))
+            for k in fh.keys():
+                if k in where:
+                    raise MpkError(f"checkpoint {path}: tensor {k} is in both {where[k][1]} and {f.name}")
+                where[k] = (fh, f.name)
+        wanted = {n for _, _, names in plan for n in names}
+        missing = sorted(wanted - where.keys())
+        if missing:
+            raise MpkError(f"checkpoint {path} lacks {len(missing)} tensors the config implies: {_few(missing)}")
+        extra = sorted(k for k in where.keys() - wanted if not k.endswith(_UNUSED_SUFFIXES))
+        # a tied model's checkpoint may still hold lm_head.weight: fine if it is the embedding
+        tied_head = cfg.tied and "lm_head.weight" in extra
+        extra = [k for k in extra if not (tied_head and k == "lm_head.weight")]
+        if extra:
+            raise MpkError(f"checkpoint {path} holds {len(extra)} tensors a {cfg.family} decoder with this "
+                           f"config does not use (it would drop them): {_few(extra)}")
+
+        def read(name: str) -> torch.Tensor:
+            return where[name][0].get_tensor(name)
+
+        if tied_head and not torch.equal(read("lm_head.weight"), read("model.embed_tokens.weight")):
+            raise MpkError(f"checkpoint {path}: config.json ties the LM head to the embedding "
+                           "(tie_word_embeddings), but lm_head.weight differs from model.embed_tokens.weight")
+        numel = {n: math.prod(where[n][0].get_slice(n).get_shape()) for n in wanted}
+        with tqdm(total=sum(numel.values()), unit="param", unit_scale=True, desc=f"loading {path.name}",
+                  disable=None if progress is None else not progress) as bar:
+            for owner, attr, names in plan:
+                t = torch.cat([read(n) for n in names], 0)
+                shape = tuple(getattr(owner, attr).shape)
+                if tuple(t.shape) != shape:
+                    raise MpkError(f"checkpoint tensors {names} have shape {tuple(t.shape)}; the config implies {shape}")
+                setattr(owner, attr, nn.Parameter(t.to(dtype=dtype, device=device), requires_grad=False))
+                bar.update(sum(numel[n] for n in names))
     model.cos_sin = rope_table(cfg, max_len or cfg.max_position, dtype).to(device)
     return model
+
+
+def _few(names: list[str], n: int = 6) -> str:
+    """The first n names, and how many more."""
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 # --- page table ----------------------------------------------------------------------------------

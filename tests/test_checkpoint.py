@@ -1,0 +1,106 @@
+"""load_pretrained on transformers-written checkpoints: shards, progress, and a clear error for
+every checkpoint it cannot load faithfully (nothing dropped or guessed)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mpk.errors import MpkError
+from mpk.models.llm import LLMConfig, load_pretrained
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+def _checkpoint(tmp_path, family: str) -> tuple:
+    """A random-weight transformers model of ``family`` saved under tmp_path/family; returns its
+    directory and its tensors (name -> tensor)."""
+    cfg = LLMConfig(family=family, hidden=64, inter=96, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=97,
+                    tied=family == "llama", eps=1e-6, rope_theta=1e4, max_position=128)
+    torch.manual_seed(random.randrange(1 << 30))
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()))
+    path = tmp_path / family
+    hf.save_pretrained(path, safe_serialization=True)
+    return path, safetensors_torch.load_file(str(path / "model.safetensors"))
+
+
+def _rewrite(path, *shards: dict) -> None:
+    """Replace the checkpoint's weights by these shards (one file each)."""
+    for f in path.glob("*.safetensors*"):
+        f.unlink()
+    for i, shard in enumerate(shards):
+        safetensors_torch.save_file({k: v.contiguous() for k, v in shard.items()},
+                                    str(path / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_shards_load_as_one_file_with_progress(tmp_path, capsys, family):
+    path, tensors = _checkpoint(tmp_path, family)
+    capsys.readouterr()  # transformers' own progress output
+    whole = load_pretrained(path, torch.float32, progress=False)
+    assert capsys.readouterr().err == ""
+    names = sorted(tensors)
+    _rewrite(path, {k: tensors[k] for k in names[::2]}, {k: tensors[k] for k in names[1::2]})
+    sharded = load_pretrained(path, torch.float32, progress=True)
+    err = capsys.readouterr().err
+    assert f"loading {family}" in err and "100%" in err
+    assert dict(whole.named_parameters()).keys() == dict(sharded.named_parameters()).keys()
+    for (name, a), (_, b) in zip(whole.named_parameters(), sharded.named_parameters()):
+        assert torch.equal(a, b), name
+    # the fused weights hold the checkpoint's tensors, in q|k|v and gate|up order
+    layer = sharded.layers[1]
+    p = "model.layers.1."
+    assert torch.equal(layer.qkv, torch.cat([tensors[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).float())
+    assert torch.equal(layer.gate_up, torch.cat([tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]]).float())
+    assert sum(p.numel() for p in sharded.parameters()) == sum(t.numel() for t in tensors.values())  # all of it
+
+
+def _missing(t):
+    del t["model.layers.1.mlp.down_proj.weight"]
+    return "lacks 1 tensors the config implies: model.layers.1.mlp.down_proj.weight"
+
+
+def _bias(t):
+    t["model.layers.0.self_attn.q_proj.bias"] = torch.randn(64)
+    return "1 tensors a qwen3 decoder with this config does not use .*: model.layers.0.self_attn.q_proj.bias"
+
+
+def _shape(t):
+    t["model.layers.0.self_attn.o_proj.weight"] = t["model.layers.0.self_attn.o_proj.weight"][:, :48]
+    return r"shape \(64, 48\); the config implies \(64, 64\)"
+
+
+@pytest.mark.parametrize("corrupt", [_missing, _bias, _shape])
+def test_unfaithful_checkpoints_are_refused_by_name(tmp_path, corrupt):
+    path, tensors = _checkpoint(tmp_path, "qwen3")
+    message = corrupt(tensors)
+    _rewrite(path, tensors)
+    with pytest.raises(MpkError, match=message):
+        load_pretrained(path, torch.float32)
+
+
+def test_a_tensor_in_two_shards_is_refused(tmp_path):
+    path, tensors = _checkpoint(tmp_path, "qwen3")
+    name = "model.norm.weight"
+    _rewrite(path, tensors, {name: tensors[name] + 1})
+    with pytest.raises(MpkError, match=f"tensor {name} is in both model-00001-of-00002.safetensors and "
+                                       "model-00002-of-00002.safetensors"):
+        load_pretrained(path, torch.float32)
+
+
+def test_tied_head_in_the_checkpoint_must_be_the_embedding(tmp_path):
+    path, tensors = _checkpoint(tmp_path, "llama")  # tie_word_embeddings: no lm_head.weight saved
+    assert "lm_head.weight" not in tensors
+    embed = tensors["model.embed_tokens.weight"]
+    _rewrite(path, tensors | {"lm_head.weight": embed.clone(),
+                              "model.layers.0.self_attn.rotary_emb.inv_freq": torch.rand(8)})
+    model = load_pretrained(path, torch.float32)  # the same matrix, and a rotary table: both fine
+    assert model.lm_head is None and torch.equal(model.embed, embed.float())
+    other = embed.clone()
+    other[random.randrange(embed.shape[0]), random.randrange(embed.shape[1])] += 1
+    _rewrite(path, tensors | {"lm_head.weight": other})
+    with pytest.raises(MpkError, match="ties the LM head to the embedding .* lm_head.weight differs"):
+        load_pretrained(path, torch.float32)
