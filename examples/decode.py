@@ -1,13 +1,16 @@
 """Greedy decoding with a Llama/Qwen3 model compiled by mpk: one megakernel launch per step.
 
+    python examples/decode.py --model path/to/hf-checkpoint --prompt "The capital of France is" --steps 32
     python examples/decode.py --model path/to/hf-checkpoint --prompt-ids 1 2 3 --steps 32
     python examples/decode.py --random qwen3-tiny --steps 16       # random weights, no download
 
 ``--model`` takes a local Hugging Face directory (config.json + *.safetensors, Llama or Qwen3
-family). The prompt is fed one token per step through the same compiled decode step (its
-logits are ignored until the prompt is consumed), then the arg-max token is appended. Prints
-the generated ids and the mean step time; ``--check`` also runs mpk's eager path on the same
-tokens and reports the largest logit difference.
+family). ``--prompt`` tokenizes text with the checkpoint's own tokenizer (transformers'
+``AutoTokenizer``, local files only), prints the completion as text and stops at the
+tokenizer's end-of-sequence token. The prompt is fed one token per step through the same
+compiled decode step (its logits are ignored until the prompt is consumed), then the arg-max
+token is appended. Prints the generated ids and the mean step time; ``--check`` also runs mpk's
+eager path on the same tokens and reports the largest logit difference.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ def main(argv=None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="local HF checkpoint directory")
     src.add_argument("--random", choices=sorted(RANDOM), help="a random-weight model")
-    ap.add_argument("--prompt-ids", type=int, nargs="+", default=[1, 2, 3, 4])
+    prompt = ap.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt-ids", type=int, nargs="+", default=[1, 2, 3, 4])
+    prompt.add_argument("--prompt", help="text, tokenized by the checkpoint's tokenizer (needs --model)")
     ap.add_argument("--steps", type=int, default=16, help="tokens to generate")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--executor", choices=["gpu", "cpu"], default="gpu" if torch.cuda.is_available() else "cpu")
@@ -40,6 +45,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device = "cuda" if args.executor == "gpu" else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tokenizer, eos = None, None
+    if args.prompt is not None:
+        if not args.model:
+            ap.error("--prompt needs --model: the text is tokenized by the checkpoint's tokenizer")
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            ap.error("--prompt needs transformers (pip install transformers) for the checkpoint's tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        args.prompt_ids = tokenizer(args.prompt)["input_ids"]
+        eos = tokenizer.eos_token_id
+        if not args.prompt_ids:
+            ap.error(f"--prompt {args.prompt!r} tokenizes to no tokens")
     max_len = len(args.prompt_ids) + args.steps
     if args.model:
         model = load_pretrained(args.model, dtype, device, max_len=max_len)
@@ -67,8 +85,12 @@ def main(argv=None) -> int:
             if i + 1 >= len(args.prompt_ids):
                 generated.append(nxt)
                 tokens.append(nxt)
+                if nxt == eos:
+                    break
     warm = times[1:] or times
     print(f"generated ids: {generated}")
+    if tokenizer is not None:
+        print(f"text: {tokenizer.decode(args.prompt_ids + generated, skip_special_tokens=True)}")
     print(f"{len(times)} steps, {1e3 * sum(warm) / len(warm):.2f} ms/step after the first "
           f"(first: {times[0]:.1f} s, trace + compile + build)")
     if args.check:

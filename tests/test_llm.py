@@ -4,8 +4,11 @@ teacher-forced decoding), and the compiled decode step against mpk's eager path.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -302,27 +305,66 @@ def test_o_projection_avoids_the_workers_of_a_narrow_attention(batch):
                 assert not on(a) & on(a + 1), workers
 
 
-def test_decode_example_runs_a_hf_checkpoint(tmp_path, capsys):
-    """examples/decode.py on a transformers-written checkpoint: greedy ids come out and the
-    compiled steps match mpk's eager path."""
-    import ast
-    import importlib.util
-    from pathlib import Path
-
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**small("qwen3").to_hf()))
-    hf.save_pretrained(tmp_path, safe_serialization=True)
+def _decode_example():
+    """examples/decode.py as a module (its main takes argv)."""
     path = Path(__file__).resolve().parent.parent / "examples" / "decode.py"
     spec = importlib.util.spec_from_file_location("decode_example", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_example_runs_a_hf_checkpoint(tmp_path, capsys):
+    """examples/decode.py on a transformers-written checkpoint: greedy ids come out and the
+    compiled steps match mpk's eager path."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**small("qwen3").to_hf()))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    module = _decode_example()
     assert module.main(["--model", str(tmp_path), "--prompt-ids", "5", "9", "--steps", "3", "--executor", "cpu",
                         "--page-size", "2", "--check"]) == 0
     out = capsys.readouterr().out
     ids = ast.literal_eval(out.split("generated ids: ")[1].splitlines()[0])
     assert len(ids) == 3 and all(0 <= i < 97 for i in ids)
     assert float(out.split("max |logit|: ")[1].split()[0]) <= 1e-5
+
+
+def test_decode_example_takes_text_through_the_checkpoint_tokenizer(tmp_path, capsys):
+    """--prompt: the checkpoint's own tokenizer (a word-level one saved beside the weights) turns
+    the text into the prompt ids, the completion comes back as text, and decoding stops at the
+    tokenizer's end-of-sequence token."""
+    import tokenizers
+    import transformers
+
+    words = [f"w{i}" for i in range(90)]
+    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", *words])}
+    inner = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    inner.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    inner.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", eos_token="</s>")
+    cfg = small("llama")
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    tok.save_pretrained(tmp_path)
+    module = _decode_example()
+    prompt = " ".join(random.sample(words, 3))
+    capsys.readouterr()
+    assert module.main(["--model", str(tmp_path), "--prompt", prompt, "--steps", "6", "--executor", "cpu"]) == 0
+    out = capsys.readouterr().out
+    ids = ast.literal_eval(out.split("generated ids: ")[1].splitlines()[0])
+    text = out.split("text: ")[1].splitlines()[0]
+    assert 1 <= len(ids) <= 6 and (len(ids) == 6 or ids[-1] == tok.eos_token_id)
+    assert tok.eos_token_id not in ids[:-1]  # it stopped at the first one
+    assert text == tok.decode([vocab[w] for w in prompt.split()] + ids, skip_special_tokens=True)
+    assert text.startswith(prompt)
+    # the same prompt with the first generated token as end-of-sequence: one token, then stop
+    first = {i: w for w, i in vocab.items()}[ids[0]]
+    transformers.PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", eos_token=first).save_pretrained(tmp_path)
+    assert module.main(["--model", str(tmp_path), "--prompt", prompt, "--steps", "6", "--executor", "cpu"]) == 0
+    assert ast.literal_eval(capsys.readouterr().out.split("generated ids: ")[1].splitlines()[0]) == ids[:1]
+    with pytest.raises(SystemExit):  # text without a checkpoint's tokenizer
+        module.main(["--random", "llama-tiny", "--prompt", prompt, "--executor", "cpu"])
 
 
 def test_attention_must_read_the_appended_q():
