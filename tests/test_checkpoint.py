@@ -82,6 +82,25 @@ def test_unfaithful_checkpoints_are_refused_by_name(tmp_path, corrupt):
         load_pretrained(path, torch.float32)
 
 
+def test_an_index_names_the_shards(tmp_path):
+    """With model.safetensors.index.json only the shards it names are read (a stray file beside
+    them is not), and a shard it names that is not there is an error."""
+    import json
+
+    path, tensors = _checkpoint(tmp_path, "qwen3")
+    names = sorted(tensors)
+    _rewrite(path, {k: tensors[k] for k in names[::2]}, {k: tensors[k] for k in names[1::2]})
+    shards = sorted(f.name for f in path.glob("*.safetensors"))
+    weight_map = {k: shards[i % 2] for i, k in enumerate(names)}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    safetensors_torch.save_file({"stray.weight": torch.randn(3)}, str(path / "consolidated.safetensors"))
+    model = load_pretrained(path, torch.float32)
+    assert torch.equal(model.norm, tensors["model.norm.weight"].float())
+    (path / shards[1]).unlink()
+    with pytest.raises(MpkError, match=f"names shards that are not there: {shards[1]}"):
+        load_pretrained(path, torch.float32)
+
+
 def test_a_tensor_in_two_shards_is_refused(tmp_path):
     path, tensors = _checkpoint(tmp_path, "qwen3")
     name = "model.norm.weight"

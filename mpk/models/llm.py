@@ -214,7 +214,7 @@ _UNUSED_SUFFIXES = (".rotary_emb.inv_freq",)
 def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, device=None,
                     max_len: int | None = None, num_splits: int = 0, progress: bool | None = None) -> DecoderLM:
     """A ``DecoderLM`` from a local HF checkpoint directory (config.json + *.safetensors, one
-    file or shards).
+    file or shards; with ``model.safetensors.index.json`` the files it names).
 
     Weights are read one fused weight at a time (host memory holds one, not the checkpoint),
     converted to ``dtype`` and moved to ``device``. Raises ``MpkError`` naming the tensors for a
@@ -228,9 +228,14 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, devic
 
     path = Path(path)
     cfg = LLMConfig.from_hf(path)
-    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"  # a sharded checkpoint's map: its files, no others
+    files = ([path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))] if index.exists()
+             else sorted(path.glob("*.safetensors")))
     if not files:
         raise MpkError(f"no *.safetensors files in {path}")
+    absent = [f.name for f in files if not f.exists()]
+    if absent:
+        raise MpkError(f"checkpoint {path}: {index.name} names shards that are not there: {_few(absent)}")
     model = DecoderLM(cfg, dtype, "meta", max_len, num_splits)
     # (module, attribute, checkpoint names concatenated along dim 0)
     plan: list[tuple[nn.Module, str, list[str]]] = [(model, "embed", ["model.embed_tokens.weight"]),
