@@ -179,13 +179,6 @@ def lockstep(runs, tokens: torch.Tensor, steps: int, first_grow) -> list[torch.T
     return [torch.stack(out) for out in logits]
 
 
-def teacher_forced(model, step, kv_eager, kv_step, tokens: torch.Tensor, steps: int, first_grow):
-    """``lockstep`` of the eager ``model`` (leading) and the compiled ``step``. Returns the
-    stacked float logits (compiled, eager)."""
-    refs, outs = lockstep([(model, kv_eager), (step, kv_step)], tokens, steps, first_grow)
-    return outs, refs
-
-
 def float32_twin(model):
     """A float32 copy of a DecoderLM (the same weights; its RoPE table computed in float32):
     the truth a bf16 run's rounding is measured against."""
@@ -194,3 +187,38 @@ def float32_twin(model):
     twin = DecoderLM(model.cfg, torch.float32, model.embed.device, model.cos_sin.shape[0], model.num_splits)
     twin.load_state_dict(model.state_dict())
     return twin
+
+
+def against_eager_and_float32(model, step, batch: int, max_len: int, page_size: int, steps: int, first_grow):
+    """``lockstep`` of the bf16 eager ``model`` (leading), the compiled ``step`` and a float32
+    twin, each with its own cache; asserts the compiled logits as close to the twin's as the
+    eager path's are (largest and median error relative to the largest |logit| within 1.5× the
+    eager path's: bf16 rounding of different summation orders) and top-1 agreement ≥ 99% with
+    the eager path where its logits are decisive (few positions may hold none). Returns the
+    (eager, compiled) caches."""
+    from mpk.models.llm import PagedKVCache
+    from mpk.models.parity import compare_logits
+
+    twin = float32_twin(model)
+    kv_eager, kv_step = PagedKVCache(model, batch, max_len, page_size), PagedKVCache(model, batch, max_len, page_size)
+    tokens = torch.randint(0, model.cfg.vocab, (batch,), device=model.embed.device)
+    refs, outs, truth = lockstep([(model, kv_eager), (step, kv_step), (twin, PagedKVCache(twin, batch, max_len, page_size))],
+                                 tokens, steps, first_grow)
+    ours, eager = compare_logits(outs, truth), compare_logits(refs, truth)
+    assert ours["max_rel"] <= 1.5 * eager["max_rel"] and ours["median_rel"] <= 1.5 * eager["median_rel"], (ours, eager)
+    stats = compare_logits(outs, refs)
+    assert stats["decisive_share"] == 0 or stats["top1_decisive"] >= 0.99, stats
+    return kv_eager, kv_step
+
+
+def norm_fusions(options: dict, batch: int, hidden: int) -> tuple[bool, bool]:
+    """(prologue, split) of a bf16 decode step compiled with ``options``: whether its RMSNorms
+    run inside the projection after them (x fits the prologue's tile) and whether those after
+    a residual projection are split between the projections around them (fuse_norm_stats:
+    "auto" splits above NORM_SPLIT_MIN_BYTES of x, or all with the prologue off)."""
+    from mpk.ops.linalg import NORM_SPLIT_MIN_BYTES, NORM_TILE_BYTES
+
+    nbytes = batch * hidden * 2
+    prologue = options.get("fuse_norm_prologue", True) and nbytes <= NORM_TILE_BYTES
+    stats = options.get("fuse_norm_stats", "auto")
+    return prologue, stats is True or (stats == "auto" and (nbytes > NORM_SPLIT_MIN_BYTES or not prologue))

@@ -10,12 +10,11 @@ import random
 import pytest
 import torch
 
-from helpers import dense_paged_attention, float32_twin, lockstep, random_page_table, relative_error
+from helpers import against_eager_and_float32, dense_paged_attention, norm_fusions, random_page_table, relative_error
 from mpk.backend import COMPILED
 from mpk.megakernel.codegen import linear_variant, row_vector_ctype
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache
 from mpk.models.parity import compare_logits, decode_logits, hf_logits, hf_twin
-from mpk.ops.linalg import NORM_TILE_BYTES
 from mpk.ops.rows import LONG_ROW
 
 pytestmark = pytest.mark.gpu
@@ -452,15 +451,7 @@ def test_compiled_decode_matches_eager(family, page_size, batch, options, shape,
     model = DecoderLM(cfg, torch.bfloat16, DEV, max_len=256, num_splits=splits)
     model.randomize(seed=random.randrange(1 << 30))
     step = _gpu_compile(model, **options)
-    kv_e, kv_m = PagedKVCache(model, batch, 128, page_size), PagedKVCache(model, batch, 128, page_size)
-    tokens = torch.randint(0, cfg.vocab, (batch,), device=DEV)
-    twin = float32_twin(model)
-    refs, outs, truth = lockstep([(model, kv_e), (step, kv_m), (twin, PagedKVCache(twin, batch, 128, page_size))], tokens, 8,
-                                 [1 + 5 * b for b in range(batch)])
-    ours, eager = compare_logits(outs, truth), compare_logits(refs, truth)
-    assert ours["max_rel"] <= 1.5 * eager["max_rel"] and ours["median_rel"] <= 1.5 * eager["median_rel"], (ours, eager)
-    stats = compare_logits(outs, refs)
-    assert stats["decisive_share"] == 0 or stats["top1_decisive"] >= 0.99, stats  # 8 pairs at batch 1 may hold none
+    kv_e, kv_m = against_eager_and_float32(model, step, batch, 128, page_size, 8, [1 + 5 * b for b in range(batch)])
     # layer 0's k/v come from the same inputs through one projection (a rounding apart); a
     # later layer's carry the earlier layers' differences, as the logits do
     for layer in range(cfg.layers):
@@ -473,9 +464,7 @@ def test_compiled_decode_matches_eager(family, page_size, batch, options, shape,
     # by default an RMSNorm of more than 4 KiB of x (all with fuse_norm_stats=True), but the
     # first layer's, after the embedding, is split between the projections around it; the
     # others run inside the projection after them (fast path) while x fits a tile
-    prologue = options.get("fuse_norm_prologue", True) and batch * cfg.hidden * 2 <= NORM_TILE_BYTES
-    stats_option = options.get("fuse_norm_stats", "auto")
-    split = stats_option is True or (stats_option == "auto" and (batch * cfg.hidden * 2 > 4096 or not prologue))
+    prologue, split = norm_fusions(options, batch, cfg.hidden)
     assert kinds.count("matmul_norm_stats") == kinds.count("norm_stats_matmul") == (2 * cfg.layers if split else 0)
     assert all(linear_variant(COMPILED[-1].tables, i) for i, k in enumerate(kinds) if "norm_stats" in k)
     norms = 1 if split else 2 * cfg.layers + 1

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import dense_paged_attention, float32_twin, lockstep, random_page_table, relative_error, teacher_forced
+from helpers import against_eager_and_float32, dense_paged_attention, norm_fusions, random_page_table, relative_error
 from mpk.backend import COMPILED
 from mpk.frontend.fused_ops import paged_attention
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache
@@ -247,21 +247,10 @@ def test_norm_split_between_projections_in_a_decode_step(family, batch, hidden, 
     model = DecoderLM(cfg, torch.bfloat16).randomize(seed=random.randrange(1 << 30))
     step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
                          options={"executor": "cpu", "num_workers": 16, **options})
-    eager_kv, mpk_kv = PagedKVCache(model, batch, 32, 4), PagedKVCache(model, batch, 32, 4)
-    tokens = torch.randint(0, cfg.vocab, (batch,))
-    twin = float32_twin(model)
-    refs, outs, truth = lockstep([(model, eager_kv), (step, mpk_kv), (twin, PagedKVCache(twin, batch, 32, 4))], tokens, 4,
-                                 [1 + 4 * b for b in range(batch)])
-    ours, eager = compare_logits(outs, truth), compare_logits(refs, truth)
-    assert ours["max_rel"] <= 1.5 * eager["max_rel"] and ours["median_rel"] <= 1.5 * eager["median_rel"], (ours, eager)
-    stats = compare_logits(outs, refs)
-    # 4 (step, sequence) pairs at batch 1 may hold no decisive one (top1_decisive is then nan)
-    assert stats["decisive_share"] == 0 or stats["top1_decisive"] >= 0.99, stats
+    eager_kv, mpk_kv = against_eager_and_float32(model, step, batch, 32, 4, 4, [1 + 4 * b for b in range(batch)])
     assert torch.equal(mpk_kv.cache[0], eager_kv.cache[0])
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
-    prologue = options.get("fuse_norm_prologue", True) and batch * hidden * 2 <= 8192  # it fits the tile
-    stats_option = options.get("fuse_norm_stats", "auto")
-    split = stats_option is True or (stats_option == "auto" and (batch * hidden * 2 > 4096 or not prologue))
+    prologue, split = norm_fusions(options, batch, hidden)
     assert kinds.count("matmul_norm_stats") == kinds.count("norm_stats_matmul") == (2 * cfg.layers if split else 0)
     norm = "rms_matmul" if prologue else "rms_norm"
     assert kinds.count(norm) == (1 if split else 2 * cfg.layers + 1)
