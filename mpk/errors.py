@@ -11,6 +11,10 @@ class OptionError(MpkError, ValueError):
     """A ``torch.compile(..., options=…)`` entry is unknown or has a bad value."""
 
 
+class ConfigError(MpkError, ValueError):
+    """A model config (a Hugging Face ``config.json``) asks for what mpk's decoders do not compute."""
+
+
 class UnsupportedOpError(MpkError):
     """The graph holds an ATen op (or an op/shape combination) mpk cannot lower."""
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import math
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -131,9 +133,44 @@ def test_hf_mha_without_qk_norm_config_roundtrip():
     assert back == cfg and back.rope_scaling == cfg.rope_scaling
 
 
-def test_bad_config_and_page_size_are_named():
-    with pytest.raises(Exception, match="model_type 'gpt2'"):
-        LLMConfig.from_hf({"model_type": "gpt2"})
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+    ({"vocab_size": None}, "lacks vocab_size"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported; expected 'silu'"),
+    ({"attention_bias": True}, "projection biases"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quant_method 'awq'"),
+    ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}, "layers 1 use sliding-window"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "layers 0 use sliding-window"),
+    ({"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ({"head_dim": None, "hidden_size": 30}, "hidden_size 30 is not a multiple of num_attention_heads 4"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling lacks 'low_freq_factor'"),
+])
+def test_configs_it_would_not_compute_faithfully_are_refused(tmp_path, change, message):
+    """Each field that would change what the model computes, if mpk ignored it, is a named
+    ConfigError (with the config's path when read from a file); the unchanged config loads."""
+    from mpk.errors import ConfigError
+
+    cfg = small("qwen3", heads=4, kv_heads=2).to_hf()
+    assert LLMConfig.from_hf(cfg) == small("qwen3", heads=4, kv_heads=2)
+    bad = {k: v for k, v in (cfg | change).items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        LLMConfig.from_hf(tmp_path)
+    assert str(tmp_path / "config.json") in str(err.value)
+
+
+def test_transformers_own_configs_load():
+    """Configs as transformers writes them (all defaults spelled out, Qwen3's layer_types,
+    Llama 3's rope parameters) are accepted and read back as the model they describe."""
+    transformers = pytest.importorskip("transformers")
+    for family in ("qwen3", "llama"):
+        ours = small(family, heads=4, kv_heads=2, tied=False)
+        hf = transformers.AutoConfig.for_model(**ours.to_hf()).to_dict()
+        assert LLMConfig.from_hf(hf) == ours, family
+
+
+def test_bad_page_size_and_lengths_are_named():
     model = DecoderLM(small("qwen3"), torch.float32)
     with pytest.raises(ValueError, match="page_size 3"):
         PagedKVCache(model, 1, 8, 3)

@@ -20,9 +20,22 @@ import torch
 from torch import nn
 
 import mpk.frontend.fused_ops  # noqa: F401  (registers torch.ops.mpk.*)
-from mpk.errors import MpkError
+from mpk.errors import ConfigError, MpkError
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def _sliding_layers(config: dict[str, Any]) -> list[int]:
+    """The layers a HF config gives sliding-window attention (Qwen3: ``layer_types``, else
+    ``use_sliding_window`` from layer ``max_window_layers`` on, as transformers derives them)."""
+    types = config.get("layer_types")
+    if types is None:
+        layers = int(config.get("num_hidden_layers") or 0)
+        on = config.get("use_sliding_window") and config.get("sliding_window") is not None
+        first = int(config.get("max_window_layers", layers) or 0)
+        types = ["sliding_attention" if on and i >= first else "full_attention" for i in range(layers)]
+    return [i for i, t in enumerate(types) if t != "full_attention"]
 
 
 @dataclass(frozen=True)
@@ -45,28 +58,60 @@ class LLMConfig:
 
     @classmethod
     def from_hf(cls, config: dict[str, Any] | str | Path) -> "LLMConfig":
-        """From a config dict, a ``config.json`` path, or a checkpoint directory holding one."""
+        """From a config dict, a ``config.json`` path, or a checkpoint directory holding one.
+
+        Raises ``ConfigError`` naming the field for a config this decoder would not compute
+        faithfully: another model type, projection biases, an activation other than SiLU,
+        sliding-window layers, quantized weights, rope scaling other than Llama 3's, head
+        counts that do not divide, or a missing required field."""
+        where = "config"
         if not isinstance(config, dict):
             path = Path(config)
-            config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+            path = path / "config.json" if path.is_dir() else path
+            where, config = str(path), json.loads(path.read_text())
         model_type = config.get("model_type")
         if model_type not in FAMILIES:
-            raise MpkError(f"model_type {model_type!r} is not supported; expected one of {sorted(FAMILIES)}")
+            raise ConfigError(f"{where}: model_type {model_type!r} is not supported; expected one of {sorted(FAMILIES)}")
+        missing = [k for k in _REQUIRED if config.get(k) is None]
+        if missing:
+            raise ConfigError(f"{where} lacks {', '.join(missing)}; a {model_type} decoder needs {', '.join(_REQUIRED)}")
         if config.get("attention_bias") or config.get("mlp_bias"):
-            raise MpkError("projection biases (attention_bias / mlp_bias) are not supported")
+            raise ConfigError(f"{where}: projection biases (attention_bias / mlp_bias) are not supported")
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{where}: hidden_act {act!r} is not supported; expected 'silu'")
+        quant = config.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+            raise ConfigError(f"{where}: quantized checkpoints (quant_method {method!r}) are not supported; "
+                              "expected bf16, f16 or f32 weights")
+        sliding = _sliding_layers(config)
+        if sliding:
+            raise ConfigError(f"{where}: layers {_few([str(i) for i in sliding])} use sliding-window attention, "
+                              "which is not supported; expected full attention in every layer")
         heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ConfigError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        if not config.get("head_dim") and config["hidden_size"] % heads:
+            raise ConfigError(f"{where}: hidden_size {config['hidden_size']} is not a multiple of num_attention_heads "
+                              f"{heads}, and there is no head_dim")
         # transformers ≥ 5 writes rope settings as one `rope_parameters` dict
         rope = dict(config.get("rope_parameters") or {})
         theta = float(config.get("rope_theta") or rope.pop("rope_theta", 10000.0))
         rope.pop("rope_theta", None)
         scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
-        return cls(family=model_type, hidden=int(config["hidden_size"]), inter=int(config["intermediate_size"]),
-                   layers=int(config["num_hidden_layers"]), heads=heads,
-                   kv_heads=int(config.get("num_key_value_heads") or heads), head_dim=head_dim,
-                   vocab=int(config["vocab_size"]), tied=bool(config.get("tie_word_embeddings", False)),
-                   eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-                   max_position=int(config.get("max_position_embeddings", 4096)))
+        cfg = cls(family=model_type, hidden=int(config["hidden_size"]), inter=int(config["intermediate_size"]),
+                  layers=int(config["num_hidden_layers"]), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                  vocab=int(config["vocab_size"]), tied=bool(config.get("tie_word_embeddings", False)),
+                  eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+                  max_position=int(config.get("max_position_embeddings", 4096)))
+        try:
+            rope_inv_freq(cfg)  # the rope scaling is one this decoder computes
+        except (MpkError, KeyError) as e:
+            raise ConfigError(f"{where}: {e if isinstance(e, MpkError) else f'rope_scaling lacks {e}'}") from None
+        return cfg
 
     def to_hf(self) -> dict[str, Any]:
         """A HF config dict describing this model (tests build transformers models from it)."""
