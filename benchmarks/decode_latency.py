@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer import SHAPES, copy_bandwidth, floor_ms, kv_bytes, time_peer, time_step, weight_bytes  # noqa: E402
 
 from mpk.backend import COMPILED, RUNNERS  # noqa: E402
+from mpk.megakernel.timeline import breakdown as timeline_breakdown  # noqa: E402
+from mpk.megakernel.timeline import timeline_svg  # noqa: E402
 from mpk.models.llm import SHAPES as MODELS  # noqa: E402
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache  # noqa: E402
 
@@ -47,36 +49,20 @@ def random_model(cfg: LLMConfig, max_len: int, seed: int = 0, num_splits: int = 
 
 def breakdown(compiled, trace_path: Path | None = None) -> dict:
     """Per op kind: summed spans of its ops in one profiled step (µs), plus the rest; the
-    median task duration per kind. ``trace_path``: also write the Perfetto trace there."""
+    median task duration per kind (``mpk.megakernel.timeline.breakdown``) and one layer's
+    stages. ``trace_path``: also write the Perfetto trace there and its timeline beside it
+    (``.svg``)."""
     from mpk.megakernel.gpu import GpuExecutor
 
     runner = RUNNERS[id(compiled)]
     ex = GpuExecutor(compiled.tables, profile=True, profile_capacity=4096)
     ex.run(runner.state["args"])
-    trace = ex.trace(trace_path)["traceEvents"]
-    t = compiled.tables
-    ops: dict[int, list[float]] = {}
-    for e in trace:
-        task = e["args"]["task"]
-        op = int(t.tasks[task]["op"])
-        if op < 0:
-            continue
-        lo_hi = ops.setdefault(op, [float("inf"), 0.0])
-        lo_hi[0], lo_hi[1] = min(lo_hi[0], e["ts"]), max(lo_hi[1], e["ts"] + e["dur"])
-    total = max(e["ts"] + e["dur"] for e in trace) - min(e["ts"] for e in trace)
-    per_kind: dict[str, float] = defaultdict(float)
-    durations: dict[str, list[float]] = defaultdict(list)
-    for op, (lo, hi) in ops.items():
-        per_kind[t.meta["ops"][op]["kind"]] += hi - lo
-    for e in trace:
-        op = int(t.tasks[e["args"]["task"]]["op"])
-        if op >= 0:
-            durations[t.meta["ops"][op]["kind"]].append(e["dur"])
-    out = {k: round(v, 1) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])}
-    out["hops_and_rest"] = round(total - sum(per_kind.values()), 1)
-    out["profiled_step_us"] = round(total, 1)
-    out["median_task_us"] = {k: round(sorted(v)[len(v) // 2], 2) for k, v in durations.items()}
-    out["stages"] = stages(trace, t)
+    doc = ex.trace(trace_path)
+    if trace_path is not None:
+        timeline_svg(doc, trace_path.with_suffix(".svg"), title=trace_path.stem)
+    out = timeline_breakdown(doc)
+    del out["tasks"]
+    out["stages"] = stages(doc["traceEvents"], compiled.tables)
     return out
 
 

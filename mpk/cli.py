@@ -4,6 +4,9 @@ JIT/AOT counts; it writes the tables, DOT (SVG with graphviz), JSON and a summar
 
 TARGET is a preset (see ``mpk inspect --help``) or ``path/to/file.py:factory`` where
 ``factory()`` returns ``(module, example_args)``.
+
+``mpk timeline TRACE.json`` draws a profiled launch (the ``profile_dir`` option, or
+``GpuExecutor.trace``) as an SVG, one lane per SM, and prints the time per task kind.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from mpk.errors import MpkError
 
 
 def _preset_decoder(config_name: str, decode: bool, meta: bool) -> Callable[[argparse.Namespace], tuple]:
@@ -104,6 +109,23 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_timeline(ns: argparse.Namespace) -> int:
+    from mpk.megakernel.timeline import breakdown, timeline_svg
+
+    out = ns.out or str(Path(ns.trace).with_suffix(".svg"))
+    timeline_svg(ns.trace, out, start_us=ns.start_us, end_us=ns.end_us, title=ns.title or Path(ns.trace).stem)
+    summary = breakdown(ns.trace)
+    total = summary["profiled_step_us"]
+    for kind, us in summary.items():
+        if isinstance(us, float) and kind != "profiled_step_us":
+            extra = (f"  {summary['tasks'][kind]:5d} tasks, median {summary['median_task_us'][kind]:6.2f} µs"
+                     if kind in summary["tasks"] else "")
+            print(f"{kind:20s} {us:9.1f} µs {us / total:6.1%}{extra}")
+    print(f"{'launch':20s} {total:9.1f} µs")
+    print(f"svg      {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mpk", description="mpk: mega-kernel compiler for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,8 +139,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=8, help="prefill presets: sequence length (default 8)")
     p.add_argument("--cache-len", type=int, default=1024, help="decode presets: cache length (default 1024)")
     p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("timeline", help="draw a profiled launch's trace (profile_dir) as an SVG, time per task kind")
+    p.add_argument("trace", help="a trace JSON written by GpuExecutor.trace or the profile_dir option")
+    p.add_argument("--out", help="SVG path (default: the trace's, .svg)")
+    p.add_argument("--start-us", type=float, help="draw from this time on (µs on the trace's clock)")
+    p.add_argument("--end-us", type=float, help="draw up to this time")
+    p.add_argument("--title", help="title line (default: the trace's file name)")
+    p.set_defaults(func=cmd_timeline)
     ns = parser.parse_args(argv)
-    return ns.func(ns)
+    try:
+        return ns.func(ns)
+    except MpkError as e:
+        print(f"mpk {ns.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

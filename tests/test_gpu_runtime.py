@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from xml.etree import ElementTree
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from helpers import compile_with, random_decode_step, random_decoder, random_par
 from mpk.errors import MpkError
 from mpk.megakernel import Interpreter
 from mpk.megakernel.stress import force_jit, random_dag, stamp_graph, stamp_inputs
+from mpk.megakernel.timeline import breakdown, timeline_svg
 from mpk.models.toy import LLAMA, QWEN3, Config, GeluMLPBlock, randomize
 from test_property import build_program
 
@@ -184,6 +186,15 @@ def test_profiler_trace_spans_match_executed_tasks(tmp_path, monkeypatch, hop_st
         assert not any("ready" in e["args"] or "gate" in e["args"] for e in spans)
     counts = np.bincount([e["args"]["task"] for e in spans], minlength=len(tables.tasks))
     assert (counts == 4).all()
+    # each span names its op and kind, and the timeline counts and draws every one
+    ops = tables.meta["ops"]
+    for e in spans:
+        op = int(tables.tasks[e["args"]["task"]]["op"])
+        assert (e["cat"], e["args"].get("op")) == ((ops[op]["kind"], ops[op]["name"]) if op >= 0 else ("dummy", None))
+    kinds = [ops[int(r["op"])]["kind"] for r in tables.tasks if int(r["op"]) >= 0]
+    assert breakdown(path)["tasks"] == {k: 4 * kinds.count(k) for k in set(kinds)}
+    svg = ElementTree.fromstring(timeline_svg(path))
+    assert len(svg.findall(".//{*}g[@class='kind']/{*}rect")) == len(spans)
 
 
 def test_outputs_do_not_alias_the_next_launch():

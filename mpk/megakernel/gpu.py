@@ -439,7 +439,8 @@ class GpuExecutor:
     def trace(self, path: str | Path | None = None) -> dict:
         """Chrome/Perfetto trace of the last profiled launch: one track per SM. A task's span
         runs from its inputs being ready (a gated task: its gate opening) to its closing
-        barrier. A kernel built with ``-DMPK_HOP_STAMPS`` also stamps each task's way from its
+        barrier; its category is the op's kind (``dummy`` for a dummy task) and its args name
+        the op (``mpk.megakernel.timeline`` sums and draws them). A kernel built with ``-DMPK_HOP_STAMPS`` also stamps each task's way from its
         worker's previous task: its args then say when the worker had it in hand (``ready``)
         and, for a gated task, when it reached its gate (``gate``), on the trace's µs clock
         (dummy tasks, which thread 0 completes in passing, have neither)."""
@@ -456,8 +457,12 @@ class GpuExecutor:
             for task_sm, start, end, ready, gate in recs[w, : int(counts[w])]:
                 task, sm = int(task_sm) & 0xFFFFFFFF, int(task_sm) >> 32
                 args = {"task": task, "worker": w}
+                op = int(self.t.tasks[task]["op"])
+                kind = self.t.meta["ops"][op]["kind"] if op >= 0 else "dummy"
+                if op >= 0:
+                    args["op"] = self.t.meta["ops"][op]["name"]
                 args.update({k: (int(v) - t0) / 1e3 for k, v in (("ready", ready), ("gate", gate)) if v})
-                events.append({"name": self._describe(task), "ph": "X", "pid": 0, "tid": sm,
+                events.append({"name": self._describe(task), "cat": kind, "ph": "X", "pid": 0, "tid": sm,
                                "ts": (int(start) - t0) / 1e3, "dur": max(0.0, (int(end) - int(start)) / 1e3),
                                "args": args})
         doc = {"traceEvents": events, "displayTimeUnit": "ns"}
