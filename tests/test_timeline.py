@@ -104,7 +104,8 @@ def test_a_window_keeps_and_cuts_the_tasks_it_overlaps():
     left, right = 56, 1200 - 16
     assert all(left - 1e-6 <= float(r.get("x")) and float(r.get("x")) + float(r.get("width")) <= right + 0.41
                for r in bars)
-    assert any(re.search(r"window .* of the launch's", t.text or "") for t in svg.iter("{http://www.w3.org/2000/svg}text"))
+    labels = [t.text or "" for t in svg.iter("{http://www.w3.org/2000/svg}text")]
+    assert any(re.search(r"window .* of the launch's", t) for t in labels)
 
 
 def test_bad_traces_and_windows_are_named(tmp_path, capsys):

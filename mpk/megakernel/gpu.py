@@ -440,10 +440,11 @@ class GpuExecutor:
         """Chrome/Perfetto trace of the last profiled launch: one track per SM. A task's span
         runs from its inputs being ready (a gated task: its gate opening) to its closing
         barrier; its category is the op's kind (``dummy`` for a dummy task) and its args name
-        the op (``mpk.megakernel.timeline`` sums and draws them). A kernel built with ``-DMPK_HOP_STAMPS`` also stamps each task's way from its
-        worker's previous task: its args then say when the worker had it in hand (``ready``)
-        and, for a gated task, when it reached its gate (``gate``), on the trace's µs clock
-        (dummy tasks, which thread 0 completes in passing, have neither)."""
+        the op (``mpk.megakernel.timeline`` sums and draws them). A kernel built with
+        ``-DMPK_HOP_STAMPS`` also stamps each task's way from its worker's previous task: its
+        args then say when the worker had it in hand (``ready``) and, for a gated task, when it
+        reached its gate (``gate``), on the trace's µs clock (dummy tasks, which thread 0
+        completes in passing, have neither)."""
         if self.d_profile is None:
             raise MpkError("profiling is off: construct GpuExecutor(..., profile=True)")
         counts = self.d_zero[self._offset("profile_count"): self._offset("profile_count") + self.num_workers].cpu()

@@ -46,6 +46,12 @@ def _op(e: dict) -> str | None:
     return e.get("args", {}).get("op")
 
 
+def _kind(e: dict) -> str:
+    """The op kind a span belongs to (its category; the op's name in a trace without one)."""
+    op = _op(e)
+    return "dummy" if op is None else e.get("cat", op)
+
+
 def breakdown(trace: dict | str | Path) -> dict[str, Any]:
     """Per op kind the summed spans of its ops (µs), largest first, then ``hops_and_rest``,
     ``profiled_step_us`` (first start to last end), ``median_task_us`` and ``tasks`` per kind."""
@@ -59,7 +65,7 @@ def breakdown(trace: dict | str | Path) -> dict[str, Any]:
             continue
         lo_hi = spans.setdefault(op, [math.inf, -math.inf])
         lo_hi[0], lo_hi[1] = min(lo_hi[0], e["ts"]), max(lo_hi[1], e["ts"] + e["dur"])
-        kinds[op] = e.get("cat", op)
+        kinds[op] = _kind(e)
         durations[kinds[op]].append(e["dur"])
     per_kind: dict[str, float] = defaultdict(float)
     for op, (lo, hi) in spans.items():
@@ -121,7 +127,7 @@ def timeline_svg(trace: dict | str | Path, out: str | Path | None = None, *, sta
     by_kind: dict[str, list[str]] = defaultdict(list)
     for e in shown:
         x0, x1 = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
-        kind = e.get("cat", "dummy") if _op(e) is not None else "dummy"
+        kind = _kind(e)
         tip = escape(f'{e.get("name", "")}: {e["dur"]:.2f} µs from {e["ts"]:.2f}')
         by_kind[kind].append(f'<rect x="{left + (x0 - lo) * scale:.2f}" y="{top + lane[int(e["tid"])] * lane_px:.1f}" '
                              f'width="{max((x1 - x0) * scale, 0.4):.2f}" height="{lane_px * 0.85:.2f}">'

@@ -71,10 +71,12 @@ class LLMConfig:
             where, config = str(path), json.loads(path.read_text())
         model_type = config.get("model_type")
         if model_type not in FAMILIES:
-            raise ConfigError(f"{where}: model_type {model_type!r} is not supported; expected one of {sorted(FAMILIES)}")
+            raise ConfigError(f"{where}: model_type {model_type!r} is not supported; "
+                              f"expected one of {sorted(FAMILIES)}")
         missing = [k for k in _REQUIRED if config.get(k) is None]
         if missing:
-            raise ConfigError(f"{where} lacks {', '.join(missing)}; a {model_type} decoder needs {', '.join(_REQUIRED)}")
+            raise ConfigError(f"{where} lacks {', '.join(missing)}; a {model_type} decoder needs "
+                              f"{', '.join(_REQUIRED)}")
         if config.get("attention_bias") or config.get("mlp_bias"):
             raise ConfigError(f"{where}: projection biases (attention_bias / mlp_bias) are not supported")
         act = config.get("hidden_act", "silu")
@@ -92,7 +94,8 @@ class LLMConfig:
         heads = int(config["num_attention_heads"])
         kv_heads = int(config.get("num_key_value_heads") or heads)
         if heads % kv_heads:
-            raise ConfigError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+            raise ConfigError(f"{where}: num_attention_heads {heads} is not a multiple of "
+                              f"num_key_value_heads {kv_heads}")
         if not config.get("head_dim") and config["hidden_size"] % heads:
             raise ConfigError(f"{where}: hidden_size {config['hidden_size']} is not a multiple of num_attention_heads "
                               f"{heads}, and there is no head_dim")
