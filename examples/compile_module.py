@@ -1,6 +1,6 @@
 """Compile an ordinary PyTorch module with ``torch.compile(backend="mpk")``, check it against
 eager, print the task-graph summary and where the dump (tables, DOT/SVG, JSON) and, on a GPU,
-the in-kernel profiler's trace (Chrome/Perfetto JSON) were written.
+the in-kernel profiler's trace (Chrome/Perfetto JSON, and its timeline as an SVG) were written.
 
     python examples/compile_module.py [--layers 2] [--out mpk-example]
 
@@ -54,7 +54,11 @@ def main() -> None:
           f"({'OK' if err <= 1e-5 else 'MISMATCH'}); compile + first run {elapsed:.2f} s")
     print(f"dump: {ns.out}/graph0.{{summary.txt,opgraph.txt,tables,json,dot}} (+ .svg with graphviz)")
     if gpu:
-        print(f"profiler trace (open in ui.perfetto.dev or chrome://tracing): {ns.out}/trace0.json")
+        from mpk.megakernel.timeline import timeline_svg
+
+        timeline_svg(f"{ns.out}/trace0.json", f"{ns.out}/trace0.svg", title="compile_module.py: one launch")
+        print(f"profiler trace (open in ui.perfetto.dev or chrome://tracing): {ns.out}/trace0.json, "
+              f"drawn (a lane per SM): {ns.out}/trace0.svg")
     if err > 1e-5:
         raise SystemExit(1)
 

@@ -1,4 +1,4 @@
-"""Typed errors. Every message names the bad value and what was expected."""
+"""Typed errors (and the one warning). Every message names the bad value and what was expected."""
 
 from __future__ import annotations
 
@@ -43,3 +43,7 @@ class BadInputError(MpkError, ValueError):
     """A graph input held a value its op cannot take (a token id outside the embedding table).
     The GPU executor raises it after the launch that found it, or, for a launch not waited on,
     at the next launch or wait; that launch's outputs are not valid."""
+
+
+class PerformanceWarning(UserWarning):
+    """mpk compiled the graph, but part of it runs a slow fallback (the warning says which and why)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import re
 import subprocess
+import warnings
 
 import pytest
 import torch
@@ -66,20 +67,21 @@ def _paged_decode_tables(cache_len: int = 100, **options):
     return compile_module(model, args, {"num_workers": 128, **options}).tables
 
 
-def _compiled_decode_tables(family: str, **options):
-    """A small bf16 DecoderLM decode step through torch.compile (Dynamo, as users compile it:
+def _compiled_decode_tables(family: str, dtype: torch.dtype = torch.bfloat16, batch: int = 2, hidden: int = 128,
+                            inter: int = 256, heads: int = 4, **options):
+    """A small DecoderLM decode step through torch.compile (Dynamo, as users compile it:
     every pattern fusion applies), run once on the CPU interpreter; its tables."""
     from mpk.backend import COMPILED
     from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache
 
-    cfg = LLMConfig(family=family, hidden=128, inter=256, layers=1, heads=4, kv_heads=2, head_dim=64, vocab=64,
-                    tied=True, eps=1e-6, rope_theta=1e6, rope_scaling=None, max_position=64)
-    model = DecoderLM(cfg, torch.bfloat16).randomize(seed=0)
+    cfg = LLMConfig(family=family, hidden=hidden, inter=inter, layers=1, heads=heads, kv_heads=2, head_dim=64,
+                    vocab=64, tied=True, eps=1e-6, rope_theta=1e6, rope_scaling=None, max_position=64)
+    model = DecoderLM(cfg, dtype).randomize(seed=0)
     step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "cpu", **options})
-    kv = PagedKVCache(model, 2, 16, 4)
-    kv.grow([1, 3])
+    kv = PagedKVCache(model, batch, 16, 4)
+    kv.grow([1 + b % 3 for b in range(batch)])
     with torch.no_grad():
-        step(torch.tensor([1, 2]), *kv.args())
+        step(torch.arange(batch) % cfg.vocab, *kv.args())
     return COMPILED[-1].tables
 
 
@@ -103,6 +105,35 @@ def test_paged_decode_tasks_are_instantiated_per_graph():
         assert unfused.count(inst) == 1, inst
     silu = [i for i, m in enumerate(tables.meta["ops"]) if m["kind"] == "silu_mul"]
     assert silu and all(silu_mul_variant(tables, i) == 1 for i in silu)
+
+
+GATE_UP_DOWN, ALL_FOUR = ["2048×512", "512×1024"], ["2048×512", "512×1024", "512×512", "768×512"]
+
+
+@pytest.mark.parametrize("dtype, batch, reason, named", [
+    (torch.float16, 2, "its operands are float16, not bfloat16", GATE_UP_DOWN),
+    (torch.float32, 1, "its operands are float32, not bfloat16", ALL_FOUR),
+    (torch.bfloat16, 24, "a tile holds 24 rows (at most 16: the batch of a decode step)", GATE_UP_DOWN),
+])
+def test_projections_off_the_decode_linear_are_named_in_a_warning(dtype, batch, reason, named):
+    """A decode step the bandwidth-grade linear cannot take (its dtype, its batch) still
+    compiles, but the build warns, naming why and each projection of ≥ 1 MiB of weights (in
+    16-bit types gate·up, 2048×512, and down, 512×1024, not the 768×512 qkv or the 512×512 o;
+    in float32 all four); a bf16 step of batch ≤ 16 builds without the warning."""
+    from mpk.errors import PerformanceWarning
+
+    shape = dict(hidden=512, inter=1024, heads=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PerformanceWarning)
+        generate(_compiled_decode_tables("qwen3", torch.bfloat16, 16, **shape))
+    tables = _compiled_decode_tables("qwen3", dtype, batch, **shape)
+    with pytest.warns(PerformanceWarning) as caught:
+        generate(tables)
+    message = str(caught[0].message)
+    lines = re.findall(r"^  '[^']+' \((\w+), weight (\d+×\d+)\): (.*)$", message, re.M)
+    assert sorted(w for _, w, _ in lines) == named, message
+    assert all(why == reason for _, _, why in lines), message
+    assert message.startswith(f"mpk: {len(named)} projection(s) run the general CUDA matmul task")
 
 
 def test_long_rows_take_the_cta_per_row_tasks():

@@ -9,12 +9,14 @@ buffers and queues stay runtime data, so one build serves every launch of the gr
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Callable
 
 import torch
 
-from mpk.compiler.tables import DTYPE_CODE, MAX_DIMS, ROLE_INPUT, Tables
-from mpk.errors import CompileError
+from mpk.compiler.tables import DTYPE_CODE, DTYPES, MAX_DIMS, ROLE_INPUT, Tables
+from mpk.errors import CompileError, PerformanceWarning
 from mpk.ops.linalg import NORM_TILE_BYTES
 from mpk.ops.pointwise import POINTWISE_FNS
 from mpk.ops.rows import LONG_ROW, REDUCE_FNS
@@ -105,41 +107,86 @@ SELF_GATED = (*LINEAR_KINDS, "attn_partial", "rope_attn_partial")
 ATTN_REGS = 32  # registers a lane holds q in: group × head dim ≤ 32·32 (also the attn_partial scratch bound)
 
 
-def linear_variant(tables: Tables, op: int) -> int:
-    """1 (the bandwidth-grade linear of linalg.cuh) when the matmul (or its fused forms) is
-    x [M, K] @ Wᵀ with bf16 operands, bias (at most 2-d) and output, unit stride along K,
-    16-byte aligned rows, K % 32 == 0 and at most 16 rows per tile; else 0 (the general task)."""
+def linear_blockers(tables: Tables, op: int) -> list[str]:
+    """Why the matmul (or one of its fused forms) cannot take the bandwidth-grade linear of
+    linalg.cuh (variant 1), in words; empty when it can. It needs x [M, K] @ Wᵀ with bf16
+    operands, bias (at most 2-d) and output, W a graph input, unit stride along K, 16-byte
+    aligned rows, K % 32 == 0 and at most 16 rows per tile."""
     o = tables.ops[op]
     kind = tables.meta["ops"][op]["kind"]
     if int(o["ndim"]) != (4 if kind == "matmul_norm_stats" else 2):
-        return 0
+        return ["not a 2-d x @ Wᵀ (batched)"]
     a, b = (tables.views[int(x)] for x in tables.op_inputs[[o["first_input"], o["first_input"] + 1]])
     dtypes = [int(tables.buffers[int(v["buffer"])]["dtype"]) for v in (a, b)] + [int(tables.buffers[int(o["output"])]["dtype"])]
     M, K = int(a["shape"][0]), int(a["shape"][1])
     lda = int(a["strides"][0]) if M > 1 else 0  # a size-1 dim's stride is never used
+    why = []
     if int(tables.buffers[int(b["buffer"])]["role"]) != ROLE_INPUT:
-        return 0  # weights are streamed with non-coherent loads: they must not be written in the kernel
-    ok = (all(d == BF16 for d in dtypes) and int(a["strides"][1]) == 1 and int(b["strides"][0]) == 1
-          and K % 32 == 0 and all(int(x) % 8 == 0 for x in (a["offset"], lda, b["offset"], b["strides"][1]))
-          and _tile_rows(tables, op) <= LINEAR_ROWS)
-    if ok and kind in ("matmul", "matmul_norm_stats") and int(o["num_inputs"]) > 2:  # the bias: bf16, ≤ 2-d
+        why.append("its weight is computed in the graph")  # weights are streamed with non-coherent loads
+    if any(d != BF16 for d in dtypes):
+        why.append(f"its operands are {'/'.join(sorted({str(DTYPES[d]).removeprefix('torch.') for d in dtypes}))}, "
+                   "not bfloat16")
+    if int(a["strides"][1]) != 1 or int(b["strides"][0]) != 1:
+        why.append("x or W is strided along K")
+    if K % 32:
+        why.append(f"K = {K} is not a multiple of 32")
+    if any(int(x) % 8 for x in (a["offset"], lda, b["offset"], b["strides"][1])):
+        why.append("rows of x or W are not 16-byte aligned")
+    if _tile_rows(tables, op) > LINEAR_ROWS:
+        why.append(f"a tile holds {_tile_rows(tables, op)} rows (at most {LINEAR_ROWS}: the batch of a decode step)")
+        return why
+    if why:
+        return why  # (the fused forms' own inputs below follow the operands' dtype)
+    if kind in ("matmul", "matmul_norm_stats") and int(o["num_inputs"]) > 2:  # the bias: bf16, ≤ 2-d
         bias = tables.views[int(tables.op_inputs[o["first_input"] + 2])]
-        ok = int(tables.buffers[int(bias["buffer"])]["dtype"]) == BF16 and int(bias["ndim"]) <= 2
-    if ok and kind == "norm_stats_matmul":
+        if int(tables.buffers[int(bias["buffer"])]["dtype"]) != BF16 or int(bias["ndim"]) > 2:
+            why.append("its bias (residual) is not a bf16 matrix")
+    if kind == "norm_stats_matmul":
         # the sums: fp32 in bf16 pairs (4-byte aligned), 16 groups a lane, all rows' in shared memory
         st = tables.views[int(tables.op_inputs[o["first_input"] + 2])]
-        ok = (int(st["strides"][1]) == 1 and int(st["offset"]) % 2 == 0 and (M == 1 or int(st["strides"][0]) % 2 == 0)
-              and K % 256 == 0 and _tile_rows(tables, op) * K // 16 <= STATS_SMEM_FLOATS)
-    if ok and kind == "rms_matmul":
+        if not (int(st["strides"][1]) == 1 and int(st["offset"]) % 2 == 0 and (M == 1 or int(st["strides"][0]) % 2 == 0)
+                and K % 256 == 0 and _tile_rows(tables, op) * K // 16 <= STATS_SMEM_FLOATS):
+            why.append("its norm's sums do not fit the task's layout")
+    if kind == "rms_matmul":
         # the norm weight in 16-byte words, read before the gate (a graph input); x's rows
         # normalised in fp32 into a bf16 tile of whole 8-word groups (its swizzle) that fits
         attrs = tables.meta["ops"][op]["attrs"]
         w = tables.views[int(tables.op_inputs[o["first_input"] + 2])]
         wbuf = tables.buffers[int(w["buffer"])]
-        ok = (int(wbuf["dtype"]) == BF16 and int(wbuf["role"]) == ROLE_INPUT and int(w["strides"][0]) == 1
-              and int(w["offset"]) % 8 == 0 and attrs["compute_dtype"] == "float32" and attrs["norm_dtype"] == "bfloat16"
-              and K % 64 == 0 and K <= NORM_VECS * 8 * 256 and _tile_rows(tables, op) * K * 2 <= NORM_TILE_BYTES)
-    return int(ok)
+        if not (int(wbuf["dtype"]) == BF16 and int(wbuf["role"]) == ROLE_INPUT and int(w["strides"][0]) == 1
+                and int(w["offset"]) % 8 == 0 and attrs["compute_dtype"] == "float32"
+                and attrs["norm_dtype"] == "bfloat16" and K % 64 == 0 and K <= NORM_VECS * 8 * 256
+                and _tile_rows(tables, op) * K * 2 <= NORM_TILE_BYTES):
+            why.append("its RMSNorm prologue does not fit the task (a bf16 norm over K ≤ 8192, K % 64 == 0, "
+                       f"x within {NORM_TILE_BYTES} bytes)")
+    return why
+
+
+def linear_variant(tables: Tables, op: int) -> int:
+    """1 (the bandwidth-grade linear of linalg.cuh) when nothing blocks it (``linear_blockers``),
+    else 0 (the general task)."""
+    return int(not linear_blockers(tables, op))
+
+
+SLOW_LINEAR_MIN_BYTES = 1 << 20  # weights from which the general task's pace matters (a model's projection)
+
+
+def slow_linears(tables: Tables) -> list[str]:
+    """One line per projection of at least ``SLOW_LINEAR_MIN_BYTES`` of weights that runs the
+    general matmul task (one thread per output element: far from memory bandwidth), saying why."""
+    lines = []
+    for i, o in enumerate(tables.ops):
+        meta = tables.meta["ops"][i]
+        if meta["kind"] not in LINEAR_KINDS:
+            continue
+        w = tables.views[int(tables.op_inputs[o["first_input"] + 1])]  # Wᵀ: [..., K, N]
+        shape = [int(x) for x in w["shape"][: int(w["ndim"])]]
+        nbytes = math.prod(shape) * DTYPES[int(tables.buffers[int(w["buffer"])]["dtype"])].itemsize
+        why = linear_blockers(tables, i) if nbytes >= SLOW_LINEAR_MIN_BYTES else []
+        if why:
+            out_in = "×".join(map(str, shape[:-2] + shape[:-3:-1]))  # as nn.Linear holds it: out × in
+            lines.append(f"{meta['name']!r} ({meta['kind']}, weight {out_in}): {'; '.join(why)}")
+    return lines
 
 
 def _tile_rows(tables: Tables, op: int) -> int:
@@ -388,7 +435,14 @@ def buffer_table(n: int) -> str:
 
 
 def generate(tables: Tables) -> str:
-    """CUDA source for ``tables`` (deterministic: equal tables, equal source)."""
+    """CUDA source for ``tables`` (deterministic: equal tables, equal source). Warns
+    (``PerformanceWarning``) when a model-sized projection runs the general matmul task."""
+    slow = slow_linears(tables)
+    if slow:
+        warnings.warn(f"mpk: {len(slow)} projection(s) run the general CUDA matmul task (one thread per output, "
+                      "far from memory bandwidth), not the decode linear (bf16, ≤ 16 rows a tile):\n  "
+                      + "\n  ".join(slow[:6]) + (f"\n  … and {len(slow) - 6} more" if len(slow) > 6 else ""),
+                      PerformanceWarning, stacklevel=2)
     ops: list[str] = []
     kinds: dict[int, str] = {}
     instances: dict[int, list[str]] = {}  # type id -> the template instantiations, by variant
