@@ -57,6 +57,28 @@ def test_breakdown_sums_each_ops_span_per_kind():
     assert kinds == sorted(expect, key=lambda k: -expect[k])  # largest first
 
 
+def test_ops_side_by_side_leave_only_the_uncovered_time_to_the_rest():
+    """Two ops whose spans overlap (independent ops of one graph) and a gap after them: each
+    kind keeps its op's whole span, the rest is the launch's time no span covers (never
+    negative), so the kinds add up to more than the launch."""
+    rng = random.Random()
+    a0, a1 = 0.0, rng.uniform(5, 10)
+    b0, b1 = rng.uniform(1, 4), a1 + rng.uniform(1, 3)
+    c0 = b1 + rng.uniform(0.5, 2)
+    c1 = c0 + rng.uniform(1, 3)
+
+    def span(op, kind, ts, end, sm):
+        return {"name": op, "cat": kind, "ph": "X", "tid": sm, "ts": ts, "dur": end - ts, "args": {"op": op}}
+
+    trace = {"traceEvents": [span("a", "matmul", a0, a1, 0), span("b", "rope", b0, b1, 1),
+                             span("c", "matmul", c0, c1, 0)]}
+    got = breakdown(trace)
+    assert got["matmul"] == pytest.approx((a1 - a0) + (c1 - c0), abs=0.051)
+    assert got["rope"] == pytest.approx(b1 - b0, abs=0.051)
+    assert got["hops_and_rest"] == pytest.approx(c0 - b1, abs=0.051)
+    assert got["matmul"] + got["rope"] + got["hops_and_rest"] > got["profiled_step_us"]
+
+
 def _rects(svg: ElementTree.Element) -> dict[str, list[ElementTree.Element]]:
     return {g.get("data-kind"): g.findall("{*}rect") for g in svg.iter("{http://www.w3.org/2000/svg}g")
             if g.get("class") == "kind"}
