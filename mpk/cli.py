@@ -110,11 +110,12 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
 
 
 def cmd_timeline(ns: argparse.Namespace) -> int:
-    from mpk.megakernel.timeline import breakdown, timeline_svg
+    from mpk.megakernel.timeline import breakdown, load_trace, timeline_svg
 
     out = ns.out or str(Path(ns.trace).with_suffix(".svg"))
-    timeline_svg(ns.trace, out, start_us=ns.start_us, end_us=ns.end_us, title=ns.title or Path(ns.trace).stem)
-    summary = breakdown(ns.trace)
+    doc = {"traceEvents": load_trace(ns.trace)}  # read once: a full-size step's trace is MBs
+    timeline_svg(doc, out, start_us=ns.start_us, end_us=ns.end_us, title=ns.title or Path(ns.trace).stem)
+    summary = breakdown(doc)
     total = summary["profiled_step_us"]
     for kind, us in summary.items():
         if isinstance(us, float) and kind != "profiled_step_us":

@@ -120,6 +120,7 @@ def linear_blockers(tables: Tables, op: int) -> list[str]:
     dtypes = [int(tables.buffers[int(v["buffer"])]["dtype"]) for v in (a, b)] + [int(tables.buffers[int(o["output"])]["dtype"])]
     M, K = int(a["shape"][0]), int(a["shape"][1])
     lda = int(a["strides"][0]) if M > 1 else 0  # a size-1 dim's stride is never used
+    rows = _tile_rows(tables, op)
     why = []
     if int(tables.buffers[int(b["buffer"])]["role"]) != ROLE_INPUT:
         why.append("its weight is computed in the graph")  # weights are streamed with non-coherent loads
@@ -132,8 +133,8 @@ def linear_blockers(tables: Tables, op: int) -> list[str]:
         why.append(f"K = {K} is not a multiple of 32")
     if any(int(x) % 8 for x in (a["offset"], lda, b["offset"], b["strides"][1])):
         why.append("rows of x or W are not 16-byte aligned")
-    if _tile_rows(tables, op) > LINEAR_ROWS:
-        why.append(f"a tile holds {_tile_rows(tables, op)} rows (at most {LINEAR_ROWS}: the batch of a decode step)")
+    if rows > LINEAR_ROWS:
+        why.append(f"a tile holds {rows} rows (at most {LINEAR_ROWS}: the batch of a decode step)")
         return why
     if why:
         return why  # (the fused forms' own inputs below follow the operands' dtype)
@@ -145,7 +146,7 @@ def linear_blockers(tables: Tables, op: int) -> list[str]:
         # the sums: fp32 in bf16 pairs (4-byte aligned), 16 groups a lane, all rows' in shared memory
         st = tables.views[int(tables.op_inputs[o["first_input"] + 2])]
         if not (int(st["strides"][1]) == 1 and int(st["offset"]) % 2 == 0 and (M == 1 or int(st["strides"][0]) % 2 == 0)
-                and K % 256 == 0 and _tile_rows(tables, op) * K // 16 <= STATS_SMEM_FLOATS):
+                and K % 256 == 0 and rows * K // 16 <= STATS_SMEM_FLOATS):
             why.append("its norm's sums do not fit the task's layout")
     if kind == "rms_matmul":
         # the norm weight in 16-byte words, read before the gate (a graph input); x's rows
@@ -156,7 +157,7 @@ def linear_blockers(tables: Tables, op: int) -> list[str]:
         if not (int(wbuf["dtype"]) == BF16 and int(wbuf["role"]) == ROLE_INPUT and int(w["strides"][0]) == 1
                 and int(w["offset"]) % 8 == 0 and attrs["compute_dtype"] == "float32"
                 and attrs["norm_dtype"] == "bfloat16" and K % 64 == 0 and K <= NORM_VECS * 8 * 256
-                and _tile_rows(tables, op) * K * 2 <= NORM_TILE_BYTES):
+                and rows * K * 2 <= NORM_TILE_BYTES):
             why.append("its RMSNorm prologue does not fit the task (a bf16 norm over K ≤ 8192, K % 64 == 0, "
                        f"x within {NORM_TILE_BYTES} bytes)")
     return why
