@@ -6,7 +6,8 @@ iteration (the op's tasks plus one event hop). Reported: bytes the op must read 
 and its share of the copy bandwidth measured in the same run. Cases: the linear layers of the
 four model shapes of shared/BENCHMARKS.md at batch 1 (``--batches``: also others), one graph per
 model holding its qkv, o, gate_up, down and LM-head weights (target at batch 1: ≥ 0.85 of copy
-bandwidth), paged decode attention over a long cache, and the step's other task families at
+bandwidth), paged decode attention over long caches (beside it, ``torch_ms``: PyTorch's SDPA over the
+same K/V laid out contiguously, a static cache), and the step's other task families at
 qwen3-8b's batch-16 shapes (RMSNorm, qk-norm + RoPE + KV append, SiLU·mul, embedding, argmax
 and softmax over the vocabulary): a few hundred KiB to a few MiB each, so their time is mostly
 the task's latency and the event hop, which the bandwidth figure then shows; beside those
@@ -139,6 +140,11 @@ def family_cases(batch: int = 16, shape: str = "qwen3-8b",
     ]
 
 
+# (batch, positions per sequence, q heads, kv heads, head dim): qwen3-8b's heads over 32 K
+# positions in all, one long sequence or 16; llama3.2-1b's (d = 64)
+ATTENTION_CASES = [(16, 2048, 32, 8, 128), (1, 16384, 32, 8, 128), (16, 2048, 32, 8, 64)]
+
+
 def linear_cases(name: str) -> dict[str, tuple[int, int]]:
     s = SHAPES[name]
     q, kv = s.q_heads * s.head_dim, s.kv_heads * s.head_dim
@@ -183,6 +189,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--prebuild", action="store_true", help="build the linear and task-family cases' kernels (no GPU needed)")
     ap.add_argument("--linear-only", action="store_true", help="skip the attention and other task families' cases")
+    ap.add_argument("--attention-only", action="store_true", help="the paged attention cases alone")
     ap.add_argument("--options", nargs="+", type=json.loads, default=[{}],
                     help='mpk compile options of the linear cases, one JSON object per variant, e.g. \'{}\' \'{"fuse_norm_prologue": false}\'')
     args = ap.parse_args(argv)
@@ -203,7 +210,7 @@ def main(argv=None) -> int:
                 fh.write(json.dumps(row) + "\n")
 
     opts = {"executor": "gpu"}
-    for name in args.models:
+    for name in [] if args.attention_only else args.models:
         shapes = list(linear_cases(name).values())
         model = Linears(shapes)
         for batch in args.batches:
@@ -216,7 +223,7 @@ def main(argv=None) -> int:
                         "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9)}
                        | ({"options": options} if len(args.options) > 1 else {}))
                 torch._dynamo.reset()
-    for batch, length, heads, kv_heads, dim in [] if args.linear_only else [(16, 2048, 32, 8, 128), (1, 16384, 32, 8, 128)]:
+    for batch, length, heads, kv_heads, dim in [] if args.linear_only else ATTENTION_CASES:
         page = 16
         pages = batch * length // page
         cache = torch.randn(1, 2, pages, kv_heads, page, dim, device="cuda", dtype=torch.bfloat16)
@@ -230,11 +237,19 @@ def main(argv=None) -> int:
 
         fn = torch.compile(attend, backend="mpk", fullgraph=True, dynamic=False, options=opts)
         ms = per_iteration_ms(fn, (q, cache, indptr, indices, last))
+        # the peer: SDPA over the same K/V laid out contiguously per sequence (a static cache)
+        k, v = (cache[0, i, indices.long()].view(batch, length // page, kv_heads, page, dim)
+                .permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, length, dim) for i in (0, 1))
+
+        def sdpa(q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True)
+
         nbytes = cache.numel() * 2
         record({"case": f"paged attention B={batch} len={length} {heads}/{kv_heads} heads d={dim}", "ms": ms,
-                "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9)})
+                "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9), "torch_ms": eager_ms(sdpa, (q, k, v))})
+        del k, v
         torch._dynamo.reset()
-    for label, fn, fargs, nbytes, eager in [] if args.linear_only else family_cases():
+    for label, fn, fargs, nbytes, eager in [] if args.linear_only or args.attention_only else family_cases():
         compiled = torch.compile(fn, backend="mpk", fullgraph=True, dynamic=False, options=opts)
         ms = per_iteration_ms(compiled, fargs)
         record({"case": label, "ms": ms, "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9)}

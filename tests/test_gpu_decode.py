@@ -297,12 +297,17 @@ def test_long_row_softmax_matches_float64(rows, n, dtype):
     assert torch.equal(out.isnan(), ~finite)
 
 
+# a sequence long enough that a chunk of it gives each of a task's 8 warps several steps of
+# its position loop (with the L2 prefetch of the steps ahead)
+LONG_LEN = 601
+
+
 def _rope_inputs(page_size: int, dim: int, qk_norm: bool, heads: int = 8, kv_heads: int = 2):
     """A decode step's RoPE + append inputs on the CPU, fresh random: sequences of lengths 1,
-    odd, a full page and a partial last page over a shuffled page table; (lens, pages, [qkv,
+    odd, a full page, a partial last page and LONG_LEN over a shuffled page table; (lens, pages, [qkv,
     cos_sin, kv_indptr, kv_indices, kv_last_page_len, cache, q_norm, k_norm])."""
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
-    lens = [1, 37, page_size, 2 * page_size + 5]
+    lens = [1, 37, page_size, 2 * page_size + 5, LONG_LEN]
     pages, indptr, indices, last, num_pages = random_page_table(lens, page_size, g)
     cache = torch.randn(1, 2, num_pages, kv_heads, page_size, dim, generator=g).bfloat16()
     qkv = (3 * torch.randn(len(lens), (heads + 2 * kv_heads) * dim, generator=g)).bfloat16()
@@ -315,7 +320,7 @@ def _rope_inputs(page_size: int, dim: int, qk_norm: bool, heads: int = 8, kv_hea
 @pytest.mark.parametrize("page_size,dim,qk_norm", [(16, 128, True), (1, 64, False), (4, 256, True)])
 def test_rope_append_matches_eager(page_size, dim, qk_norm):
     """The unfused qk-norm + RoPE + KV append (rope_append) against mpk's eager op on the CPU,
-    for lengths 1, odd, a full page and a partial last page: the rotated q within a bf16
+    for lengths 1, odd, a full page, a partial last page and a long one: the rotated q within a bf16
     rounding, the appended k/v slots too, and every other slot of the cache untouched."""
     heads, kv_heads = 8, 2
     lens, pages, args = _rope_inputs(page_size, dim, qk_norm, heads, kv_heads)
@@ -369,10 +374,11 @@ ATTN_TOL = {torch.bfloat16: BF16_TOL, torch.float16: 2e-3, torch.float32: 1e-5}
     (16, 8, 2, 128, 1, torch.bfloat16), (4, 2, 1, 256, 7, torch.bfloat16), (16, 32, 2, 64, 2, torch.bfloat16),
     (8, 12, 2, 64, 0, torch.float16), (4, 8, 2, 128, 3, torch.float32)])
 def test_paged_attention_matches_float64(page_size, heads, kv_heads, dim, splits, dtype):
-    """Lengths 1, odd, a full page, partial last pages; shuffled pages; more chunks than
-    positions (empty chunks merge as the identity: the output has no NaN)."""
+    """Lengths 1, odd, a full page, partial last pages, one of several steps per warp;
+    shuffled pages; more chunks than positions (empty chunks merge as the identity: the output
+    has no NaN)."""
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
-    lens = [1, 37, page_size, 2 * page_size + 5]
+    lens = [1, 37, page_size, 2 * page_size + 5, LONG_LEN]
     pages, indptr, indices, last, num_pages = random_page_table(lens, page_size, g)
     cache = torch.randn(1, 2, num_pages, kv_heads, page_size, dim, generator=g).to(dtype)
     q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
@@ -391,7 +397,7 @@ def test_paged_attention_matches_float64(page_size, heads, kv_heads, dim, splits
     (16, 64, 0, False, False), (4, 128, 3, True, False), (1, 128, 0, True, True), (2, 64, 2, False, True)])
 def test_fused_rope_attention_matches_eager(page_size, dim, splits, qk_norm, computed_cos):
     """rope_attn_partial (qk-norm, RoPE, the append and attention in one task) against mpk's
-    eager ops on the CPU, for lengths 1, odd, a full page and a partial last page, one chunk or
+    eager ops on the CPU, for lengths 1, odd, a full page, a partial last page and a long one, one chunk or
     several, the cos/sin table a graph input or computed in the graph: the output and the whole
     cache."""
     heads, kv_heads = 8, 2
