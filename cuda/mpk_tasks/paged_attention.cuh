@@ -479,9 +479,9 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
           // past `valid` skipped), a piece's row and place shifts of its index. (Until session 37
           // the rounds were cut by the step's run-time row count and shuffled each piece's page
           // from its row's lane: a 64-bit multiply and two divisions a piece, most of a long
-          // loop's instructions — 0.50 → 0.77 of copy bandwidth at 16 × 2048 positions, H100.
-          // Two rounds unrolled: four gave long caches ~1–4% more and short ones, where this
-          // code is fetched cold each layer, ~0.5% less.)
+          // loop's instructions — 0.50 → 0.77–0.80 of copy bandwidth at 16 × 2048 positions,
+          // H100. Two rounds unrolled: four moved long caches by −4 to +6% and made short-context
+          // steps, which fetch this code cold each layer, up to 0.6% slower.)
 #pragma unroll
           for (int kv = 0; kv < 2; ++kv) {
             const T* rows = head_base + kv * v_at;
