@@ -67,6 +67,22 @@ def _paged_decode_tables(cache_len: int = 100, **options):
     return compile_module(model, args, {"num_workers": 128, **options}).tables
 
 
+def test_long_attention_chunks_reserve_a_second_slot():
+    """Paged attention's second K/V slot per warp is reserved (dynamic shared memory) only where
+    a warp's share of a chunk runs to many steps: not for a short cache, whose launch keeps just
+    the norm prologue's tile, and for a long one with its chunks of 512+ positions."""
+    from mpk.megakernel.codegen import (ATTN_SECOND_SLOT_BYTES, ATTN_SECOND_SLOT_MIN_STEPS, attention_steps,
+                                        dynamic_smem_bytes)
+
+    def steps(tables):
+        return max(attention_steps(tables, i) for i in range(len(tables.ops))
+                   if tables.meta["ops"][i]["kind"] in ("attn_partial", "rope_attn_partial"))
+
+    short, long = _paged_decode_tables(), _paged_decode_tables(cache_len=16384)
+    assert steps(short) < ATTN_SECOND_SLOT_MIN_STEPS <= steps(long)
+    assert dynamic_smem_bytes(short) < ATTN_SECOND_SLOT_BYTES == dynamic_smem_bytes(long)
+
+
 def _compiled_decode_tables(family: str, dtype: torch.dtype = torch.bfloat16, batch: int = 2, hidden: int = 128,
                             inter: int = 256, heads: int = 4, **options):
     """A small DecoderLM decode step through torch.compile (Dynamo, as users compile it:

@@ -393,6 +393,31 @@ def test_paged_attention_matches_float64(page_size, heads, kv_heads, dim, splits
     assert relative_error(out.cpu(), dense_paged_attention(q, cache, lens, pages, page_size, 0, scale)) <= ATTN_TOL[dtype]
 
 
+@pytest.mark.parametrize("dim,dtype", [(128, torch.bfloat16), (64, torch.float16), (128, torch.float32)])
+def test_long_cache_attention_takes_two_slots(dim, dtype):
+    """A page table long enough for many steps per warp makes the launch reserve attention's
+    second K/V slots (the warps then copy one step while attending to the other): the output
+    still matches float64, over sequences of odd lengths and a shuffled page table."""
+    from mpk.megakernel.codegen import ATTN_SECOND_SLOT_BYTES, attention_steps, dynamic_smem_bytes
+
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    page_size, heads, kv_heads = 16, 8, 2
+    lens = [3001, 1777]
+    pages, indptr, indices, last, num_pages = random_page_table(lens, page_size, g)
+    cache = torch.randn(1, 2, num_pages, kv_heads, page_size, dim, generator=g).to(dtype)
+    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
+    scale = dim ** -0.5
+
+    def attend(q, cache, indptr, indices, last):
+        return torch.ops.mpk.paged_attention(q, cache, indptr, indices, last, 0, scale, 1)
+
+    out = _gpu_compile(attend)(*[t.to(DEV) for t in (q, cache, indptr, indices, last)])
+    tables = COMPILED[-1].tables
+    attn = next(i for i in range(len(tables.ops)) if tables.meta["ops"][i]["kind"] == "attn_partial")
+    assert attention_steps(tables, attn) >= 8 and dynamic_smem_bytes(tables) == ATTN_SECOND_SLOT_BYTES
+    assert relative_error(out.cpu(), dense_paged_attention(q, cache, lens, pages, page_size, 0, scale)) <= ATTN_TOL[dtype]
+
+
 @pytest.mark.parametrize("page_size,dim,splits,qk_norm,computed_cos", [
     (16, 64, 0, False, False), (4, 128, 3, True, False), (1, 128, 0, True, True), (2, 64, 2, False, True)])
 def test_fused_rope_attention_matches_eager(page_size, dim, splits, qk_norm, computed_cos):

@@ -344,6 +344,15 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\n cp.async.wait_group 0;" ::: "memory");
 }
 
+// The thread's cp.async copies issued since the last commit form a group.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Wait until at most kPending of the thread's latest committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait_pending() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
 // cp_async16, or 16 zero bytes when !ok (nothing is read then; gmem must still be a valid address).
 __device__ __forceinline__ void cp_async16_or_zero(void* smem, const void* gmem, bool ok) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))),
@@ -422,11 +431,18 @@ __device__ __forceinline__ float* scratch() {
   return s;
 }
 
-// The launch's dynamic shared memory: rms_matmul's tile of normalised activations, sized per
-// graph by the host (mpk.megakernel.codegen.dynamic_smem_bytes; none when no task uses it).
+// The launch's dynamic shared memory, sized per graph by the host
+// (mpk.megakernel.codegen.dynamic_smem_bytes; none when no task uses it): rms_matmul's tile of
+// normalised activations, and paged attention's second K/V slot per warp.
 __device__ __forceinline__ uint4* norm_tile() {
   extern __shared__ __align__(16) uint4 mpk_dynamic_smem[];
   return mpk_dynamic_smem;
+}
+
+__device__ __forceinline__ unsigned dynamic_smem_size() {
+  unsigned n;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
 }
 
 // Phase timer (builds with -DMPK_PHASES only; benchmarks/linear_phases.py): thread 0 of a CTA

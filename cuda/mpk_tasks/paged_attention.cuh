@@ -411,10 +411,11 @@ struct AttnStart {
 // Each warp runs an online softmax over its share of the chunk for all G query heads (a K/V
 // row is read once per warp and used by every head); the warps' states are then combined in a
 // fixed order through shared memory. A warp takes kU consecutive positions per step (fewer
-// when the chunk is short, so that every warp has some): their K and V rows (up to 4 KB) are
-// copied into its shared-memory slot with cp.async, all in flight at once, and the page-table
-// entries of its next step are loaded during the current one, so a step costs one memory
-// round trip (the first step's copies go out before kRope's rotations, under their loads).
+// when the chunk is short, so that every warp has some): their K and V rows (4 KB) are
+// copied into its shared-memory slot with cp.async, all in flight at once — with a second slot
+// (long chunks), while it attends to the step in the other; the page-table entries of the step a slot takes
+// next are loaded during the current one (the first steps' copies go out before kRope's
+// rotations, under their loads).
 // A warp's states are AttnStates: on the tensor cores for 16-bit caches. (Issuing the first
 // step's copies before the task's gate, into the wait for the qkv projection, measured slower
 // on an H200: +3–4% per step at batch 16, none at 1.) kSlot: the phase timer's slot.
@@ -439,7 +440,13 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   // combined and stored
   PhaseTimer phase(kSlot);
   float* red = scratch();  // during the loop: each warp's K/V slot [2][kU][D] of T; then [warps][kG][D + 2]
-  T* slot = reinterpret_cast<T*>(red) + warp * 2 * kU * D;
+  // A warp's K/V slots: one in the scratch area and, where the launch reserved it (the host
+  // does where a warp's share of a chunk runs to many steps: codegen.ATTN_SECOND_SLOT_MIN_STEPS),
+  // a second in dynamic shared memory, so that a step's copies are in flight while the warp
+  // attends to the step before
+  constexpr unsigned kSlotBytes = kAttnWarps * 2 * kU * D * sizeof(T);
+  T* slots[2] = {reinterpret_cast<T*>(red) + warp * 2 * kU * D, reinterpret_cast<T*>(norm_tile()) + warp * 2 * kU * D};
+  const int ahead_steps = dynamic_smem_size() >= kSlotBytes ? 2 : 1;
   // after the slots: each warp's table of its step's row offsets (issue, below)
   static_assert(kAttnWarps * 2 * kU * D * sizeof(T) + kAttnWarps * kU * sizeof(long long) <= kScratchFloats * sizeof(float),
                 "the K/V slots and row tables fit the scratch area");
@@ -466,8 +473,9 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
         const int mine = lane % ku;  // the position of the step whose page this lane looks up
         const long long page = at_first && ch == ch0 ? first.page
                                : base + mine < t1 ? page_of<I>(env, indices, span.first_page, base + mine, shift) : 0;
-        // the K and V rows of the step at ``at`` into the warp's slot; pg: lane u's page is position at + u's
-        const auto issue = [&](long long at, long long pg) {
+        // the K and V rows of the step at ``at`` into `slot`, one cp.async group; pg: lane u's page
+        // is position at + u's
+        const auto issue = [&](long long at, long long pg, T* slot) {
           const int valid = static_cast<int>(min(static_cast<long long>(ku), t1 - at));
           // lane u < ku publishes where position at + u's K row starts in the layer's cache (its V
           // row is stride[1] further) in the warp's table, and each copy reads its row's from there:
@@ -493,8 +501,15 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
               if (u < valid) cp_async16(dst + u * D + piece * (16 / sizeof(T)), rows + rows_at[u] + p * (16 / sizeof(T)));
             }
           }
+          cp_async_commit();
         };
-        if (base < t1) issue(base, page);
+        // the first step's copies, and with two slots the second's (one call site: less code)
+#pragma unroll 1
+        for (int j = 0; j < ahead_steps && base + j * stride < t1; ++j) {
+          const long long at = base + j * stride;
+          issue(at, j == 0 ? page : at + mine < t1 ? page_of<I>(env, indices, span.first_page, at + mine, shift) : 0,
+                slots[j]);
+        }
         phase.mark(0);
         St st;
         if constexpr (kRope) {
@@ -526,16 +541,20 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
         }
         st.start(c.fparam[0] * kLog2e);
         phase.mark(1);
-        for (; base < t1; base += stride) {
-          const long long ahead = base + stride + mine;
-          const long long next_page = ahead < t1 ? page_of<I>(env, indices, span.first_page, ahead, shift) : 0;
+        for (int s = 0; base < t1; base += stride, ++s) {
+          T* slot = slots[s & (ahead_steps - 1)];
+          const long long next = base + ahead_steps * stride;  // the step this slot takes next
+          const long long next_page = next + mine < t1 ? page_of<I>(env, indices, span.first_page, next + mine, shift) : 0;
           const int valid = static_cast<int>(min(static_cast<long long>(ku), t1 - base));
-          cp_async_wait_all();
+          if (ahead_steps == 2 && base + stride < t1)
+            cp_async_wait_pending<1>();  // this step's group, not the next one's
+          else
+            cp_async_wait_pending<0>();
           __syncwarp();
           if (base == k.base) phase.mark(4);
           st.step(slot, slot + kU * D, valid);
-          __syncwarp();  // the slot is refilled by the next step
-          if (base + stride < t1) issue(base + stride, next_page);
+          __syncwarp();  // the slot is refilled
+          if (next < t1) issue(next, next_page, slot);
         }
         // (one row: the same in a swizzled slot's layout)
         if (fresh && warp == 0) st.step(rope_rows + kG * D, rope_rows + (kG + 1) * D, 1);

@@ -197,14 +197,45 @@ def _tile_rows(tables: Tables, op: int) -> int:
     return -(-int(tables.buffers[int(o["output"])]["shape"][d]) // int(o["grid"][d]))
 
 
+# Paged attention's second K/V slot per warp (cuda/mpk_tasks/paged_attention.cuh: 8 warps ×
+# 4 KiB steps), reserved where a warp's share of a chunk can run to this many steps: the
+# reservation takes L1 from every task (H200, session 37: reserved at position 64, ≤ 2 steps,
+# batch-16 steps were 1–2.5% slower), and pays only over long chunks (position 2048, 17–33
+# steps: qwen3-8b's batch-16 step 2.2% faster, llama3.2-1b's unchanged; attention alone 7–18%).
+# Between those, 8 is a guess.
+ATTN_SECOND_SLOT_BYTES = 8 * 4096
+ATTN_SECOND_SLOT_MIN_STEPS = 8
+
+
+def attention_steps(tables: Tables, op: int) -> int:
+    """The most K/V steps one warp of paged attention op ``op`` may take in a chunk: its page
+    table's slots per sequence (kv_indices / batch, in positions) split into the op's chunks,
+    over the task's 8 warps of 2 KiB-row steps."""
+    o, meta = tables.ops[op], tables.meta["ops"][op]
+    views = [tables.views[int(x)] for x in tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]]
+    cache, indices = views[5 if meta["kind"] == "rope_attn_partial" else 1], views[3]
+    out = tables.buffers[int(o["output"])]["shape"]
+    chunks = 1 if meta["attrs"].get("final", False) else int(out[2])
+    page_size, dim = int(cache["shape"][4]), int(cache["shape"][5])
+    step = 2048 // (dim * DTYPES[int(tables.buffers[int(cache["buffer"])]["dtype"])].itemsize)  # kAttnStep
+    slots = math.prod(int(n) for n in indices["shape"][: int(indices["ndim"])])
+    positions = slots // max(1, int(out[0])) * page_size
+    return -(-positions // (chunks * 8 * step))
+
+
 def dynamic_smem_bytes(tables: Tables) -> int:
-    """Dynamic shared memory a launch of ``tables``' kernel needs: the largest tile of
-    normalised activations among its variant-1 rms_matmul ops (``mpk::norm_tile``), else 0."""
+    """Dynamic shared memory a launch of ``tables``' kernel needs (``mpk::norm_tile``; tasks use
+    it one at a time): the largest tile of normalised activations among its variant-1
+    rms_matmul ops, and paged attention's second K/V slots where its chunks are long
+    (``ATTN_SECOND_SLOT_MIN_STEPS``); else 0."""
     need = 0
     for i, o in enumerate(tables.ops):
-        if tables.meta["ops"][i]["kind"] == "rms_matmul" and linear_variant(tables, i):
+        kind = tables.meta["ops"][i]["kind"]
+        if kind == "rms_matmul" and linear_variant(tables, i):
             K = int(tables.views[int(tables.op_inputs[o["first_input"]])]["shape"][1])
             need = max(need, _tile_rows(tables, i) * K * 2)
+        elif kind in ("attn_partial", "rope_attn_partial") and attention_steps(tables, i) >= ATTN_SECOND_SLOT_MIN_STEPS:
+            need = max(need, ATTN_SECOND_SLOT_BYTES)
     return need
 
 
