@@ -412,10 +412,10 @@ struct AttnStart {
 // row is read once per warp and used by every head); the warps' states are then combined in a
 // fixed order through shared memory. A warp takes kU consecutive positions per step (fewer
 // when the chunk is short, so that every warp has some): their K and V rows (4 KB) are
-// copied into its shared-memory slot with cp.async, all in flight at once — with a second slot
-// (long chunks), while it attends to the step in the other; the page-table entries of the step a slot takes
-// next are loaded during the current one (the first steps' copies go out before kRope's
-// rotations, under their loads).
+// copied into its shared-memory slot with cp.async, all in flight at once — with a second
+// slot (long chunks) while it attends to the step in the other; the page-table entries of the
+// step a slot takes next are loaded during the current one (the first steps' copies go out
+// before kRope's rotations, under their loads).
 // A warp's states are AttnStates: on the tensor cores for 16-bit caches. (Issuing the first
 // step's copies before the task's gate, into the wait for the qkv projection, measured slower
 // on an H200: +3–4% per step at batch 16, none at 1.) kSlot: the phase timer's slot.
