@@ -69,8 +69,8 @@ def _paged_decode_tables(cache_len: int = 100, **options):
 
 def test_long_attention_chunks_reserve_a_second_slot():
     """Paged attention's second K/V slot per warp is reserved (dynamic shared memory) only where
-    a warp's share of a chunk runs to many steps: not for a short cache, whose launch keeps just
-    the norm prologue's tile, and for a long one with its chunks of 512+ positions."""
+    a warp's share of a chunk runs to many steps: not for a short cache (its launch reserves less
+    than the slots' bytes), and for a long one with its chunks of 512+ positions."""
     from mpk.megakernel.codegen import (ATTN_SECOND_SLOT_BYTES, ATTN_SECOND_SLOT_MIN_STEPS, attention_steps,
                                         dynamic_smem_bytes)
 
