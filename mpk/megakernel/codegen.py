@@ -205,6 +205,7 @@ def _tile_rows(tables: Tables, op: int) -> int:
 # Between those, 8 is a guess.
 ATTN_SECOND_SLOT_BYTES = 8 * 4096
 ATTN_SECOND_SLOT_MIN_STEPS = 8
+ATTN_CACHE_INPUT = {"attn_partial": 1, "rope_attn_partial": 5}  # which input is the paged KV cache
 
 
 def attention_steps(tables: Tables, op: int) -> int:
@@ -212,8 +213,8 @@ def attention_steps(tables: Tables, op: int) -> int:
     table's slots per sequence (kv_indices / batch, in positions) split into the op's chunks,
     over the task's 8 warps of 2 KiB-row steps."""
     o, meta = tables.ops[op], tables.meta["ops"][op]
-    views = [tables.views[int(x)] for x in tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]]
-    cache, indices = views[5 if meta["kind"] == "rope_attn_partial" else 1], views[3]
+    views = _op_views(tables, op)
+    cache, indices = views[ATTN_CACHE_INPUT[meta["kind"]]], views[3]
     out = tables.buffers[int(o["output"])]["shape"]
     chunks = 1 if meta["attrs"].get("final", False) else int(out[2])
     page_size, dim = int(cache["shape"][4]), int(cache["shape"][5])
@@ -234,7 +235,7 @@ def dynamic_smem_bytes(tables: Tables) -> int:
         if kind == "rms_matmul" and linear_variant(tables, i):
             K = int(tables.views[int(tables.op_inputs[o["first_input"]])]["shape"][1])
             need = max(need, _tile_rows(tables, i) * K * 2)
-        elif kind in ("attn_partial", "rope_attn_partial") and attention_steps(tables, i) >= ATTN_SECOND_SLOT_MIN_STEPS:
+        elif kind in ATTN_CACHE_INPUT and attention_steps(tables, i) >= ATTN_SECOND_SLOT_MIN_STEPS:
             need = max(need, ATTN_SECOND_SLOT_BYTES)
     return need
 
@@ -383,7 +384,7 @@ def _paged_task(tables: Tables, op: int) -> str:
         return f"mpk::rope_append_impl<{D // 32}, {ctype}, {_index_ctype(tables, op, name, views[2:5])}>"
     if kind in ("attn_partial", "rope_attn_partial"):
         fused = kind == "rope_attn_partial"
-        cache = views[5] if fused else views[1]
+        cache = views[ATTN_CACHE_INPUT[kind]]
         kv, D = int(cache["shape"][3]), int(cache["shape"][5])
         heads = meta["attrs"]["heads"] if fused else int(views[0]["shape"][1])
         if D not in (64, 128, 256) or (heads // kv) * D > ATTN_REGS * 32:
