@@ -165,17 +165,18 @@ def dense_paged_attention(q, cache, lens, pages, page_size: int, layer: int, sca
     return out
 
 
-def lockstep(runs, tokens: torch.Tensor, steps: int, first_grow) -> list[torch.Tensor]:
-    """Decode side by side: each step grows every run's cache (by ``first_grow`` at the first,
-    then by one), runs each ``(step, cache)`` on the same tokens and feeds all of them the
-    first run's arg-max. Returns each run's stacked float logits, in order."""
+def lockstep(runs, tokens: torch.Tensor, first_grow) -> list[torch.Tensor]:
+    """Teacher-forced decode side by side: step t grows every run's cache (by ``first_grow`` at
+    the first, then by one) and runs each ``(step, cache)`` on ``tokens[t]`` ([steps, batch]).
+    (Feeding back an arg-max instead let a random model settle on one token at batch 1, so
+    every step repeated the first one's logits.) Returns each run's stacked float logits, in
+    order."""
     logits = [[] for _ in runs]
     with torch.no_grad():
-        for t in range(steps):
+        for t in range(tokens.shape[0]):
             for (step, kv), out in zip(runs, logits):
                 kv.grow(first_grow if t == 0 else 1)
-                out.append(step(tokens, *kv.args()).float())
-            tokens = logits[0][-1].argmax(-1)
+                out.append(step(tokens[t], *kv.args()).float())
     return [torch.stack(out) for out in logits]
 
 
@@ -201,9 +202,9 @@ def against_eager_and_float32(model, step, batch: int, max_len: int, page_size: 
 
     twin = float32_twin(model)
     kv_eager, kv_step = PagedKVCache(model, batch, max_len, page_size), PagedKVCache(model, batch, max_len, page_size)
-    tokens = torch.randint(0, model.cfg.vocab, (batch,), device=model.embed.device)
+    tokens = torch.randint(0, model.cfg.vocab, (steps, batch), device=model.embed.device)
     refs, outs, truth = lockstep([(model, kv_eager), (step, kv_step), (twin, PagedKVCache(twin, batch, max_len, page_size))],
-                                 tokens, steps, first_grow)
+                                 tokens, first_grow)
     ours, eager = compare_logits(outs, truth), compare_logits(refs, truth)
     assert ours["max_rel"] <= 1.5 * eager["max_rel"] and ours["median_rel"] <= 1.5 * eager["median_rel"], (ours, eager)
     stats = compare_logits(outs, refs)
@@ -222,3 +223,29 @@ def norm_fusions(options: dict, batch: int, hidden: int) -> tuple[bool, bool]:
     prologue = options.get("fuse_norm_prologue", True) and nbytes <= NORM_TILE_BYTES
     stats = options.get("fuse_norm_stats", "auto")
     return prologue, stats is True or (stats == "auto" and (nbytes > NORM_SPLIT_MIN_BYTES or not prologue))
+
+
+def check_arguments_inside_storage(model, step, batch: int, page_size: int, steps: int) -> None:
+    """Decode ``steps`` teacher-forced steps through the compiled ``step`` twice, on fresh
+    tensors and on arguments that start inside a larger storage — each step's tokens a row of
+    one [steps, batch] tensor, the KV cache the middle third of a tensor of random values —
+    and assert the two runs' logits and caches bit-identical (the same kernel on the same
+    values), the storage around the cache untouched."""
+    from mpk.models.llm import PagedKVCache
+
+    fresh, inside = PagedKVCache(model, batch, 32, page_size), PagedKVCache(model, batch, 32, page_size)
+    n = inside.cache.numel()  # a multiple of head_dim: the slice stays 16-byte aligned
+    storage = torch.randn(3 * n, device=inside.cache.device).to(inside.cache.dtype)
+    around = storage.clone()
+    inside.cache = storage[n: 2 * n].view(inside.cache.shape).zero_()
+    tokens = torch.randint(0, model.cfg.vocab, (steps, batch), device=model.embed.device)
+    with torch.no_grad():
+        for t in range(steps):
+            for kv in (fresh, inside):
+                kv.grow([1 + 3 * b for b in range(batch)] if t == 0 else 1)
+            ref = step(tokens[t].clone(), *fresh.args())
+            row = tokens[t]
+            assert row.storage_offset() == t * batch
+            assert torch.equal(step(row, *inside.args()), ref), t
+    assert torch.equal(inside.cache, fresh.cache)
+    assert torch.equal(storage[:n], around[:n]) and torch.equal(storage[2 * n:], around[2 * n:])

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from mpk.compiler.tables import DTYPES, FLAG_JIT, ROLE_INPUT, Tables, validate
+from mpk.compiler.tables import DTYPES, FLAG_JIT, ROLE_INPUT, Tables, validate, view_of
 from mpk.errors import BadInputError, ExecutorUnavailableError, MpkError
 from mpk.megakernel import cuda_driver as drv
 from mpk.megakernel.build import build_cubin
@@ -369,8 +369,8 @@ class GpuExecutor:
             v = self.t.views[o["view"]]
             nd = int(v["ndim"])
             buf = self.buffers[int(v["buffer"])]
-            view = buf.reshape(-1).as_strided([int(s) for s in v["shape"][:nd]],
-                                              [int(s) for s in v["strides"][:nd]], int(v["offset"]))
+            view = view_of(buf.reshape(-1), [int(s) for s in v["shape"][:nd]], [int(s) for s in v["strides"][:nd]],
+                           int(v["offset"]))
             # intermediates are reused by the next launch: hand out copies (inputs pass through)
             out.append(view if self.t.buffers[int(v["buffer"])]["role"] == ROLE_INPUT else view.clone())
         return out

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from mpk.compiler.tables import DTYPES, FLAG_JIT, ROLE_INPUT, Tables, validate
+from mpk.compiler.tables import DTYPES, FLAG_JIT, ROLE_INPUT, Tables, validate, view_of
 from mpk.errors import DeadlockError, ExecutorUnavailableError, RaceError, ScheduleError
 from mpk.ir.regions import Rect, tile_rect
 from mpk.ops import OpDef, OpSig, op_by_type_id
@@ -102,7 +102,7 @@ class Interpreter:
 
     def _view(self, bufs, v: int) -> torch.Tensor:
         b, shape, strides, offset = self.views[v]
-        return bufs[b].as_strided(shape, strides, offset)
+        return view_of(bufs[b], shape, strides, offset)
 
     def _element_ids(self, v: int) -> torch.Tensor:
         """Flat buffer index of every element of view ``v`` (for the race detector)."""
