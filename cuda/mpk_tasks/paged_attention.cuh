@@ -37,12 +37,26 @@ __device__ __forceinline__ SeqSpan seq_span(const TaskEnv& env, const ViewC& ind
   return SeqSpan{p0, p1 <= p0 ? 0 : (p1 - p0 - 1) * page_size + tail};
 }
 
-// Page holding position t of a sequence whose pages start at kv_indices[first_page].
+// A sequence's page table, its pages from kv_indices[first_page] on: pages(t) is the page of
+// position t. Built once per sequence, so that a loop holds the row's address in registers (the
+// cp.async asm's memory clobbers would otherwise make it reload the buffer table, then the
+// address, every step: a chain of dependent loads before each lookup).
+template <typename I>
+struct SeqPages {
+  const I* row;
+  long long stride;
+  int shift;
+  __device__ __forceinline__ SeqPages(const TaskEnv& env, const ViewC& indices, long long first_page, int shift_)
+      : row(static_cast<const I*>(env.buffers[indices.buffer]) + indices.offset + first_page * indices.stride[0]),
+        stride(indices.stride[0]),
+        shift(shift_) {}
+  __device__ __forceinline__ I operator()(long long t) const { return row[(t >> shift) * stride]; }
+};
+
 template <typename I>
 __device__ __forceinline__ long long page_of(const TaskEnv& env, const ViewC& indices, long long first_page,
                                              long long t, int shift) {
-  const I* ix = static_cast<const I*>(env.buffers[indices.buffer]) + indices.offset;
-  return ix[(first_page + (t >> shift)) * indices.stride[0]];
+  return SeqPages<I>(env, indices, first_page, shift)(t);
 }
 
 __device__ __forceinline__ int log2_pow2(int x) { return 31 - __clz(x); }
@@ -445,8 +459,11 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   // a second in dynamic shared memory, so that a step's copies are in flight while the warp
   // attends to the step before
   constexpr unsigned kSlotBytes = kAttnWarps * 2 * kU * D * sizeof(T);
-  T* slots[2] = {reinterpret_cast<T*>(red) + warp * 2 * kU * D, reinterpret_cast<T*>(norm_tile()) + warp * 2 * kU * D};
+  T* const slot0 = reinterpret_cast<T*>(red) + warp * 2 * kU * D;  // (two named slots, not an array that
+  T* const slot1 = reinterpret_cast<T*>(norm_tile()) + warp * 2 * kU * D;  // a step would index in local memory)
   const int ahead_steps = dynamic_smem_size() >= kSlotBytes ? 2 : 1;
+  // the cache's page and row strides, held in registers across the loop's asm memory clobbers
+  const long long page_stride = cache.stride[2], row_stride = cache.stride[4];
   // after the slots: each warp's table of its step's row offsets (issue, below)
   static_assert(kAttnWarps * 2 * kU * D * sizeof(T) + kAttnWarps * kU * sizeof(long long) <= kScratchFloats * sizeof(float),
                 "the K/V slots and row tables fit the scratch area");
@@ -461,6 +478,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   for (long long b = r.lo[0]; b < r.hi[0]; ++b) {
     const bool at_first = b == r.lo[0];  // the sequence whose page table attn_partial read before the gate
     const SeqSpan span = at_first ? first.span : seq_span<I>(env, indptr, last, b, page_size);
+    const SeqPages<I> pages(env, indices, span.first_page, shift);
     for (long long kvh = r.lo[1]; kvh < r.hi[1]; ++kvh) {
       const T* head_base = kvbase + kvh * cache.stride[3];
       const long long v_at = cache.stride[1];
@@ -471,8 +489,11 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
         const int ku = k.ku, stride = warps * ku;
         long long base = k.base;
         const int mine = lane % ku;  // the position of the step whose page this lane looks up
-        const long long page = at_first && ch == ch0 ? first.page
-                               : base + mine < t1 ? page_of<I>(env, indices, span.first_page, base + mine, shift) : 0;
+        // the page of the step at ``at``'s position `mine`, clamped to the chunk (a step past it is
+        // not issued, one running past it skips those rows): an unconditional load, whose value
+        // nothing reads until the step is issued
+        const auto lookup = [&](long long at) { return pages(min(at + mine, t1 - 1)); };
+        const long long page = at_first && ch == ch0 ? first.page : base < t1 ? static_cast<long long>(lookup(base)) : 0;
         // the K and V rows of the step at ``at`` into `slot`, one cp.async group; pg: lane u's page
         // is position at + u's
         const auto issue = [&](long long at, long long pg, T* slot) {
@@ -481,7 +502,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
           // row is stride[1] further) in the warp's table, and each copy reads its row's from there:
           // one 64-bit multiply a row, not one a copy
           __syncwarp();  // the last step's readers are done
-          if (lane < ku) rows_at[lane] = pg * cache.stride[2] + ((at + lane) & (page_size - 1)) * cache.stride[4];
+          if (lane < ku) rows_at[lane] = pg * page_stride + ((at + lane) & (page_size - 1)) * row_stride;
           __syncwarp();
           // K rows, then V rows: the lanes take the kU·kPieces pieces of each in rounds (rows
           // past `valid` skipped), a piece's row and place shifts of its index. (Until session 37
@@ -507,8 +528,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
 #pragma unroll 1
         for (int j = 0; j < ahead_steps && base + j * stride < t1; ++j) {
           const long long at = base + j * stride;
-          issue(at, j == 0 ? page : at + mine < t1 ? page_of<I>(env, indices, span.first_page, at + mine, shift) : 0,
-                slots[j]);
+          issue(at, j == 0 ? page : static_cast<long long>(lookup(at)), j == 0 ? slot0 : slot1);
         }
         phase.mark(0);
         St st;
@@ -520,7 +540,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
           if (rows) {
             const long long pos = rope_position(span, c.in[1]);
             const long long new_page = warp < kG ? 0
-                                       : at_first ? first.new_page : page_of<I>(env, indices, span.first_page, pos, shift);
+                                       : at_first ? first.new_page : static_cast<long long>(pages(pos));
             const ViewC &wnv = c.in[warp < kG ? 6 : 7], &cs = c.in[1];
             const T* crow = static_cast<const T*>(env.buffers[cs.buffer]) + cs.offset + pos * cs.stride[0];
             RopeRow<kPer, T> x;
@@ -541,10 +561,10 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
         }
         st.start(c.fparam[0] * kLog2e);
         phase.mark(1);
-        for (int s = 0; base < t1; base += stride, ++s) {
-          T* slot = slots[s & (ahead_steps - 1)];
+        for (int s = 0; base < t1; base += stride, s ^= ahead_steps - 1) {
+          T* slot = s ? slot1 : slot0;
           const long long next = base + ahead_steps * stride;  // the step this slot takes next
-          const long long next_page = next + mine < t1 ? page_of<I>(env, indices, span.first_page, next + mine, shift) : 0;
+          const I next_page = lookup(next);
           const int valid = static_cast<int>(min(static_cast<long long>(ku), t1 - base));
           if (ahead_steps == 2 && base + stride < t1)
             cp_async_wait_pending<1>();  // this step's group, not the next one's
