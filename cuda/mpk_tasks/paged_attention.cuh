@@ -459,8 +459,9 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   // a second in dynamic shared memory, so that a step's copies are in flight while the warp
   // attends to the step before
   constexpr unsigned kSlotBytes = kAttnWarps * 2 * kU * D * sizeof(T);
-  T* const slot0 = reinterpret_cast<T*>(red) + warp * 2 * kU * D;  // (two named slots, not an array that
-  T* const slot1 = reinterpret_cast<T*>(norm_tile()) + warp * 2 * kU * D;  // a step would index in local memory)
+  // (two named pointers: an array indexed by the step would live in local memory)
+  T* const slot0 = reinterpret_cast<T*>(red) + warp * 2 * kU * D;
+  T* const slot1 = reinterpret_cast<T*>(norm_tile()) + warp * 2 * kU * D;
   const int ahead_steps = dynamic_smem_size() >= kSlotBytes ? 2 : 1;
   // the cache's page and row strides, held in registers across the loop's asm memory clobbers
   const long long page_stride = cache.stride[2], row_stride = cache.stride[4];
