@@ -299,7 +299,7 @@ def test_long_row_softmax_matches_float64(rows, n, dtype):
 
 
 # a sequence long enough that a chunk of it gives each of a task's 8 warps several steps of
-# its position loop (with the L2 prefetch of the steps ahead)
+# its position loop (each step's page looked up while the one before is attended to)
 LONG_LEN = 601
 
 

@@ -135,7 +135,6 @@ def linear_blockers(tables: Tables, op: int) -> list[str]:
         why.append("rows of x or W are not 16-byte aligned")
     if rows > LINEAR_ROWS:
         why.append(f"a tile holds {rows} rows (at most {LINEAR_ROWS}: the batch of a decode step)")
-        return why
     if why:
         return why  # (the fused forms' own inputs below follow the operands' dtype)
     if kind in ("matmul", "matmul_norm_stats") and int(o["num_inputs"]) > 2:  # the bias: bf16, ≤ 2-d
