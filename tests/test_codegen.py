@@ -14,7 +14,8 @@ import torch
 from helpers import compile_with, random_partition, trace_graph
 from mpk.inspection import compile_module
 from mpk.megakernel import build
-from mpk.megakernel.codegen import generate
+from mpk.errors import CompileError
+from mpk.megakernel.codegen import fast_divisor, generate
 from mpk.megakernel.stress import random_dag, stamp_graph
 from mpk.models.toy import QWEN3, Decoder, GeluMLPBlock, randomize, rope_tables
 
@@ -197,8 +198,6 @@ def test_page_table_index_type_is_a_template_argument():
     """The paged tasks read the page table as its own integer type (no per-element dtype
     switch): int32 and int64 tables instantiate ``int`` and ``long long``; tables of mixed or
     other dtypes are refused with the dtypes named."""
-    from mpk.errors import CompileError
-
     assert "float, int, false, true>" in generate(_paged_attention_tables([torch.int32] * 3))
     assert "float, long long, false, true>" in generate(_paged_attention_tables([torch.int64] * 3))
     with pytest.raises(CompileError, match=r"share one dtype, int32 or int64; got \['int32', 'int64'\]"):
@@ -309,6 +308,65 @@ def test_linear_partial_sums_layout_is_free_of_bank_conflicts(tmp_path, cols, wo
     store, read = map(int, run.stdout.split())
     assert store == 1, f"{store}-way bank conflict in the partial sums' stores"
     assert read <= worst_read, f"{read}-way bank conflict in the epilogue's reads of {cols}-column passes"
+
+
+def _divisor_cases(n: int = 600) -> list[tuple[int, int]]:
+    """(g, x) pairs: fresh random extents of every size up to 2^31 − 1, powers of two and their
+    neighbours, each against the numerators where a rounding slip would show (0, around
+    multiples of g, the top of the 32-bit range) and random ones."""
+    gs = [1, 2, 3, 7, 2 ** 31 - 1] + [2 ** k + e for k in range(1, 31) for e in (-1, 0, 1)]
+    gs += [random.randrange(1, 2 ** random.randint(2, 31)) for _ in range(n)]
+    cases = []
+    for g in gs:
+        top = (2 ** 32 - 1) // g * g
+        xs = [0, 1, g - 1, g, g + 1, 2 * g - 1, top - 1, top, 2 ** 32 - 1] + [random.randrange(2 ** 32) for _ in range(8)]
+        cases += [(g, x) for x in xs if 0 <= x < 2 ** 32]
+    return cases
+
+
+def test_fast_divisor_matches_integer_division():
+    """codegen.fast_divisor's (m, s): (⌊x·m/2³²⌋ + x) >> s is x // g for 32-bit x (the formula
+    common.cuh's fast_div evaluates), m fits 32 bits; extents outside [1, 2³¹) are refused."""
+    for g, x in _divisor_cases():
+        m, s = fast_divisor(g)
+        assert 0 < m < 2 ** 32
+        assert (((x * m) >> 32) + x) >> s == x // g, (g, x, m, s)
+    for bad in (0, -3, 2 ** 31):
+        with pytest.raises(CompileError, match=str(bad)):
+            fast_divisor(bad)
+
+
+_FAST_DIV = r"""
+#include <cstdio>
+#include "mpk_tasks/common.cuh"
+// Reads "g m s x" lines; prints how many fast_div(x, m, s) differ from x / g.
+int main() {
+  unsigned g, m, x;
+  int s, bad = 0, n = 0;
+  while (scanf("%u %u %d %u", &g, &m, &s, &x) == 4) {
+    ++n;
+    if (mpk::fast_div(x, m, s) != x / g) ++bad;
+  }
+  printf("%d %d\n", n, bad);
+}
+"""
+
+
+@needs_nvcc
+def test_fast_div_in_cuda_matches_integer_division(tmp_path):
+    """common.cuh's fast_div (host code compiled by nvcc and run here) with codegen's magic
+    numbers divides exactly: the tile bounds every task computes on its way in."""
+    src = tmp_path / "fast_div.cu"
+    src.write_text(_FAST_DIV)
+    exe = tmp_path / "fast_div"
+    res = subprocess.run([build.nvcc_path(), "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+                          *[f"-I{d}" for d in build.INCLUDE_DIRS], "-o", str(exe), str(src)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    cases = _divisor_cases(200)
+    lines = "".join(f"{g} {fast_divisor(g)[0]} {fast_divisor(g)[1]} {x}\n" for g, x in cases)
+    run = subprocess.run([str(exe)], input=lines, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [str(len(cases)), "0"]
 
 
 @needs_nvcc

@@ -163,23 +163,38 @@ struct Pending {
   }
 };
 
-// A worker's AOT list: the head and the entry after it are in registers; consuming the head
-// issues the load of the one after next, which lands while tasks run.
+// The entry after a worker's AOT head, in shared memory: the worker's last warp copies it there
+// while a task runs (worker_loop). Loaded into thread 0's registers instead, it stalled thread 0
+// for the load's whole round trip on every task's way out — moving the value into a register
+// that survives the call into the task waits for the load (~0.3 µs a task, ncu).
+__device__ __forceinline__ AotEntry& aot_next_slot() {
+  __shared__ AotEntry s_next;
+  return s_next;
+}
+
+// A worker's AOT list: the head in registers; the entry after it comes through aot_next_slot,
+// asked for at each consume and copied during the next task (`ask` names its source), read at
+// the consume after that task. Two consumes with no task between (dummy tasks, which thread 0
+// completes in passing) load the entry themselves.
 struct AotCursor {
   int begin, count, idx = 0, iter = 1, iterations;  // head = entry idx of iteration iter (1-based)
-  AotEntry head, next;
+  AotEntry head;
+  const AotEntry* ask = nullptr;  // the entry after head, for the next task's last warp to copy (null: none)
+  bool staged = false;            // aot_next_slot holds the entry after head
   int seen_event = -1;  // counters only grow: once seen_event reached seen_need, it stays there
   unsigned long long seen_need = 0;
 
   __device__ __forceinline__ bool left() const { return count > 0 && iter <= iterations; }
   __device__ __forceinline__ long long pos() const { return static_cast<long long>(iter - 1) * count + idx; }
-  __device__ __forceinline__ AotEntry entry(const RuntimeArgs& a, int i, int it) const {
-    return it <= iterations ? a.aot_entries[begin + i] : AotEntry{};
+  // the entry after head: idx + 1 in this iteration, or the first of the next (null past the end)
+  __device__ __forceinline__ const AotEntry* after_head(const RuntimeArgs& a) const {
+    const int i = idx + 1 < count ? idx + 1 : 0, it = idx + 1 < count ? iter : iter + 1;
+    return it <= iterations ? a.aot_entries + begin + i : nullptr;
   }
   __device__ __forceinline__ void start(const RuntimeArgs& a) {
     if (count == 0) return;
-    head = entry(a, 0, 1);
-    next = count > 1 ? entry(a, 1, 1) : entry(a, 0, 2);
+    head = a.aot_entries[begin];
+    ask = after_head(a);
   }
   __device__ __forceinline__ unsigned long long need() const {
     return static_cast<unsigned long long>(iter) * static_cast<unsigned long long>(head.dep_triggers);
@@ -187,15 +202,18 @@ struct AotCursor {
   __device__ __forceinline__ TaskInfo consume(const RuntimeArgs& a) {
     TaskInfo ready = head.info;
     ready.iter = iter;
+    const AotEntry* following = ask;
     if (++idx == count) {
       idx = 0;
       ++iter;
     }
-    head = next;
-    // the entry after the new head: idx + 1 in this iteration, or the first of the next
-    next = idx + 1 < count ? entry(a, idx + 1, iter) : entry(a, 0, iter + 1);
+    head = !following ? AotEntry{} : staged ? aot_next_slot() : *following;
+    ask = after_head(a);
+    staged = false;
     return ready;
   }
+  // a task ran since the last consume, and its last warp copied `ask` into aot_next_slot
+  __device__ __forceinline__ void landed() { staged = ask != nullptr; }
 };
 
 // What a worker waiting for an AOT task's event tells the watchdog (host-mapped status words).
@@ -361,8 +379,10 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
   __shared__ InputGate s_gate;
   __shared__ bool s_gated;  // s_task started before its event fired: it waits on s_gate
   // The next AOT task's op constants and the slot they go to (-1: none): the last warp copies
-  // them while the task runs, 32 lanes at once (thread 0 alone took ~0.4 µs of the hop).
+  // them while the task runs, 32 lanes at once (thread 0 alone took ~0.4 µs of the hop); and
+  // the AOT entry after that one into aot_next_slot (AotCursor), from s_pf_entry (null: none).
   __shared__ int s_pf_op, s_pf_slot;
+  __shared__ const AotEntry* s_pf_entry;
   AotCursor aot;
   aot.begin = a.aot_offsets[w];
   aot.count = a.aot_offsets[w + 1] - aot.begin;
@@ -402,19 +422,25 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
       slots.last = s_slot = slot;
       s_pf_op = t.task != kExit && aot.left() ? aot.head.info.op : -1;
       s_pf_slot = slots.claim(s_pf_op);
+      s_pf_entry = t.task != kExit ? aot.ask : nullptr;
 #ifdef MPK_HOP_STAMPS
       if (a.profile) t0 = t_ready = globaltimer_ns();
 #else
       if (a.profile) t0 = globaltimer_ns();
 #endif
     }
-    if (threadIdx.x >= kThreads - 32) cp_async_wait_all();  // the last warp's copies of these constants landed
     __syncthreads();
     const TaskInfo t = s_task;
     if (t.task == kExit) break;
-    // lands while t runs; by the last warp, as warp 0 polls t's gate (mpk_tasks/common.cuh: GateShare)
-    if (threadIdx.x >= kThreads - 32 && s_pf_slot >= 0) mpk_prefetch_op(s_pf_op, s_pf_slot, threadIdx.x - (kThreads - 32), 32);
+    // land while t runs; by the last warp, as warp 0 polls t's gate (mpk_tasks/common.cuh: GateShare)
+    if (threadIdx.x >= kThreads - 32) {
+      const int lane = threadIdx.x - (kThreads - 32);
+      if (s_pf_slot >= 0) mpk_prefetch_op(s_pf_op, s_pf_slot, lane, 32);
+      if (s_pf_entry && lane < static_cast<int>(sizeof(AotEntry) / 16))
+        cp_async16(reinterpret_cast<int4*>(&aot_next_slot()) + lane, reinterpret_cast<const int4*>(s_pf_entry) + lane);
+    }
     mpk_execute_task(t.op, t.tile, s_slot, s_staged, s_gated ? &s_gate : nullptr);
+    if (threadIdx.x >= kThreads - 32) cp_async_wait_all();  // the last warp's copies landed (long ago)
     __syncthreads();
     hop_mark(kHopEnd);
     if (threadIdx.x == 0) {
@@ -429,6 +455,7 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
         aot.seen_event = s_gate.event;
         aot.seen_need = s_gate.seen;
       }
+      aot.landed();
       const unsigned long long t1 = a.profile ? globaltimer_ns() : 0;
       pending.add(a, t);
       // The arrival goes out now, not after the bookkeeping below and in next_task, unless the
