@@ -117,18 +117,22 @@ class Code:
         return min(inner)[1] if inner else "?"
 
 
-def short_name(mangled: str) -> str:
-    """A function's demangled name without its namespace and parameter list, template arguments kept."""
-    mangled = mangled.rsplit("$", 1)[-1]  # a callee's symbol: $<kernel>$<its mangled name>
-    name = subprocess.run(["c++filt", mangled], capture_output=True, text=True).stdout.strip() or mangled
-    depth, cut = 0, len(name)
-    for i, ch in enumerate(name):  # the parameter list: the first '(' outside template brackets
-        depth += ch == "<"
-        depth -= ch == ">"
-        if ch == "(" and depth == 0:
-            cut = i
-            break
-    return re.sub(r"\bmpk::", "", name[:cut])
+def short_names(mangled: list[str]) -> list[str]:
+    """Functions' demangled names (one c++filt call) without namespace and parameter list,
+    template arguments kept. A callee's symbol is ``$<kernel>$<its mangled name>``."""
+    plain = [m.rsplit("$", 1)[-1] for m in mangled]
+    out = subprocess.run(["c++filt", *plain], capture_output=True, text=True).stdout.splitlines() if plain else []
+    names = []
+    for raw, name in zip(plain, out if len(out) == len(plain) else plain):
+        depth, cut = 0, len(name)
+        for i, ch in enumerate(name):  # the parameter list: the first '(' outside template brackets
+            depth += ch == "<"
+            depth -= ch == ">"
+            if ch == "(" and depth == 0:
+                cut = i
+                break
+        names.append(re.sub(r"\bmpk::", "", name[:cut]) or raw)
+    return names
 
 
 def parse_line_table(disassembly: str) -> dict[int, str]:
@@ -150,12 +154,9 @@ def read_code(cubin: Path) -> Code:
     """The function table (readelf) and, where nvdisasm is found, the line table of a cubin
     whose code sits in one text section (the persistent kernel's, noinline callees included)."""
     syms = subprocess.run(["readelf", "-sW", str(cubin)], capture_output=True, text=True, check=True).stdout
-    funcs = []
-    for line in syms.splitlines():
-        f = line.split()
-        if len(f) >= 8 and f[3] == "FUNC" and int(f[2], 0) > 0:
-            funcs.append((int(f[1], 16), int(f[1], 16) + int(f[2], 0), short_name(f[-1])))
-    code = Code(sorted(funcs))
+    rows = [f for f in map(str.split, syms.splitlines()) if len(f) >= 8 and f[3] == "FUNC" and int(f[2], 0) > 0]
+    names = short_names([f[-1] for f in rows])
+    code = Code(sorted((int(f[1], 16), int(f[1], 16) + int(f[2], 0), name) for f, name in zip(rows, names)))
     nvdisasm = nvdisasm_path()
     if nvdisasm is None:
         print("ncu_stalls: no nvdisasm (pip install nvidia-cuda-nvdisasm): samples by function only", file=sys.stderr)
@@ -185,15 +186,19 @@ def read_sass(path: Path) -> list[Instr]:
         rows = list(csv.reader(fh))
     head = rows.index(next(r for r in rows if r and r[0] == "Address"))
     cols = {name: i for i, name in enumerate(rows[head])}
+    def num(r: list[str], name: str) -> int:  # "" or "-": no data
+        v = r[cols[name]]
+        return int(float(v)) if v not in ("", "-") else 0
+
     out, base = [], None
     for r in rows[head + 1:]:
         if not r or not r[0].startswith("0x"):
             continue
         addr = int(r[0], 16)
         base = addr if base is None else base
-        num = lambda name: int(float(r[cols[name]] or 0)) if r[cols[name]] not in ("", "-") else 0  # noqa: E731
-        out.append(Instr(addr - base, r[cols["Source"]].strip(), num("Warp Stall Sampling (All Samples)"),
-                         num("Instructions Executed"), Counter({s: num(f"stall_{s}") for s in STALLS if f"stall_{s}" in cols})))
+        out.append(Instr(addr - base, r[cols["Source"]].strip(), num(r, "Warp Stall Sampling (All Samples)"),
+                         num(r, "Instructions Executed"),
+                         Counter({s: num(r, f"stall_{s}") for s in STALLS if f"stall_{s}" in cols})))
     return out
 
 

@@ -522,11 +522,12 @@ def generate(tables: Tables) -> str:
         out = int(o["output"])
         buf = tables.buffers[out]
         views = [_view(tables, int(v)) for v in tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]]
+        grid = [int(g) for g in o["grid"][:nd]]
+        divisors = [fast_divisor(g) for g in grid]
         ops.append(
             f"  /* {i}: {meta['name']} ({kind}) */ {{{int(o['type_id'])},{variant},{out},{int(buf['dtype'])},{nd},"
-            f"{_arr([int(s) for s in buf['shape'][:nd]], MAX_DIMS)},{_arr([int(g) for g in o['grid'][:nd]], MAX_DIMS)},"
-            f"{_arr([fast_divisor(int(g))[0] for g in o['grid'][:nd]], MAX_DIMS, _hex)},"
-            f"{_arr([fast_divisor(int(g))[1] for g in o['grid'][:nd]], MAX_DIMS)},"
+            f"{_arr([int(s) for s in buf['shape'][:nd]], MAX_DIMS)},{_arr(grid, MAX_DIMS)},"
+            f"{_arr([m for m, _ in divisors], MAX_DIMS, _hex)},{_arr([s for _, s in divisors], MAX_DIMS)},"
             f"{int(o['num_inputs'])},{{{','.join(views) or '{}'}}},"
             f"{_arr([int(x) for x in ip], 8)},{_arr(fp, 4, _float)}}}")
         kinds[int(o["type_id"])] = kind
