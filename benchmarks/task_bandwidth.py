@@ -14,8 +14,9 @@ the task's latency and the event hop, which the bandwidth figure then shows; bes
 PyTorch runs as its own kernels, the same op in eager PyTorch (``torch_ms``, timed over
 back-to-back calls).
 
-``--prebuild`` (a machine with nvcc and no GPU): trace the linear cases on the CPU and build
-their kernels into ``$MPK_CACHE_DIR``, for carrying to the device (as prebuild_decode.py).
+``--prebuild`` (a machine with nvcc and no GPU): trace the cases the other flags select (all,
+``--linear-only`` or ``--attention-only``) on the CPU and build their kernels into
+``$MPK_CACHE_DIR``, for carrying to the device (as prebuild_decode.py).
 ``--options`` takes one JSON object of mpk compile options per variant of the linear cases
 (an A/B in one run: the variants alternate per model).
 """
@@ -145,6 +146,22 @@ def family_cases(batch: int = 16, shape: str = "qwen3-8b",
 ATTENTION_CASES = [(16, 2048, 32, 8, 128), (1, 16384, 32, 8, 128), (16, 2048, 32, 8, 64)]
 
 
+def attention_case(batch: int, length: int, heads: int, kv_heads: int, dim: int, page: int, device: str):
+    """Paged decode attention of ``batch`` sequences of ``length`` positions over a bf16 cache in
+    pages of ``page`` positions, dealt in random order: (fn, (q, cache, indptr, indices, last))."""
+    pages = batch * length // page
+    cache = torch.randn(1, 2, pages, kv_heads, page, dim, device=device, dtype=torch.bfloat16)
+    indptr = torch.arange(0, pages + 1, length // page, dtype=torch.int32, device=device)
+    indices = torch.randperm(pages, device=device).int()
+    last = torch.full((batch,), page, dtype=torch.int32, device=device)
+    q = torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16)
+
+    def attend(q, cache, indptr, indices, last):
+        return torch.ops.mpk.paged_attention(q, cache, indptr, indices, last, 0, dim ** -0.5, 0)
+
+    return attend, (q, cache, indptr, indices, last)
+
+
 def linear_cases(name: str) -> dict[str, tuple[int, int]]:
     s = SHAPES[name]
     q, kv = s.q_heads * s.head_dim, s.kv_heads * s.head_dim
@@ -152,9 +169,10 @@ def linear_cases(name: str) -> dict[str, tuple[int, int]]:
             "down": (s.hidden, s.inter), "lm_head": (s.vocab, s.hidden)}
 
 
-def prebuild(models: list[str], batches: list[int], families: bool, variants: list[dict]) -> None:
-    """Trace each model's linear case (and with ``families`` the other task families' cases) on
-    the CPU and build their kernels into the cubin cache."""
+def prebuild(models: list[str], batches: list[int], linears: bool, attention: bool, families: bool,
+             variants: list[dict]) -> None:
+    """Trace the chosen cases on the CPU — each model's linear case, the paged attention cases,
+    the other task families' cases — and build their kernels into the cubin cache."""
     from mpk.errors import ExecutorUnavailableError
     from mpk.megakernel import build
     from mpk.megakernel.codegen import generate
@@ -172,11 +190,13 @@ def prebuild(models: list[str], batches: list[int], families: bool, variants: li
         sources.append(generate(COMPILED[-1].tables))
         torch._dynamo.reset()
 
-    for name in models:
+    for name in models if linears else []:
         shapes = list(linear_cases(name).values())
         for batch in batches:
             for options in variants:
                 trace(Linears(shapes, "cpu"), [torch.zeros(batch, k, dtype=torch.bfloat16) for _, k in shapes], options)
+    for batch, length, heads, kv_heads, dim in ATTENTION_CASES if attention else []:
+        trace(*attention_case(batch, length, heads, kv_heads, dim, 16, "cpu"))
     for _, fn, args, *_ in family_cases(device="cpu") if families else []:
         trace(fn, args)
     print(f"built {len(build.prebuild(sources))} cubins into {build.cache_dir()}")
@@ -187,14 +207,15 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=["llama3.2-1b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1], help="rows of the linear cases' activations")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--prebuild", action="store_true", help="build the linear and task-family cases' kernels (no GPU needed)")
+    ap.add_argument("--prebuild", action="store_true", help="build the selected cases' kernels (no GPU needed)")
     ap.add_argument("--linear-only", action="store_true", help="skip the attention and other task families' cases")
     ap.add_argument("--attention-only", action="store_true", help="the paged attention cases alone")
     ap.add_argument("--options", nargs="+", type=json.loads, default=[{}],
                     help='mpk compile options of the linear cases, one JSON object per variant, e.g. \'{}\' \'{"fuse_norm_prologue": false}\'')
     args = ap.parse_args(argv)
     if args.prebuild:
-        prebuild(args.models, args.batches, not args.linear_only, args.options)
+        prebuild(args.models, args.batches, not args.attention_only, not args.linear_only,
+                 not (args.linear_only or args.attention_only), args.options)
         return 0
     device, bw = torch.cuda.get_device_name(), copy_bandwidth()
     print(f"device {device}; copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
@@ -225,16 +246,7 @@ def main(argv=None) -> int:
                 torch._dynamo.reset()
     for batch, length, heads, kv_heads, dim in [] if args.linear_only else ATTENTION_CASES:
         page = 16
-        pages = batch * length // page
-        cache = torch.randn(1, 2, pages, kv_heads, page, dim, device="cuda", dtype=torch.bfloat16)
-        indptr = torch.arange(0, pages + 1, length // page, dtype=torch.int32, device="cuda")
-        indices = torch.randperm(pages, device="cuda").int()
-        last = torch.full((batch,), page, dtype=torch.int32, device="cuda")
-        q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
-
-        def attend(q, cache, indptr, indices, last):
-            return torch.ops.mpk.paged_attention(q, cache, indptr, indices, last, 0, dim ** -0.5, 0)
-
+        attend, (q, cache, indptr, indices, last) = attention_case(batch, length, heads, kv_heads, dim, page, "cuda")
         fn = torch.compile(attend, backend="mpk", fullgraph=True, dynamic=False, options=opts)
         ms = per_iteration_ms(fn, (q, cache, indptr, indices, last))
         # the peer: SDPA over the same K/V laid out contiguously per sequence (a static cache)

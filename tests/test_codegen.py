@@ -256,6 +256,25 @@ def test_decode_step_kernel_has_no_register_spills(tmp_path):
     assert not spilling, f"ptxas spills (stores, loads bytes) in {spilling}"
 
 
+def test_task_bandwidth_prebuilds_the_attention_cases(tmp_path, monkeypatch):
+    """``task_bandwidth.py --prebuild --attention-only`` traces the paged attention cases on the
+    CPU and builds one kernel per case into $MPK_CACHE_DIR, so that the device run finds them
+    (each case's kernel differs: its head dim and whether chunks are merged)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))  # task_bandwidth imports peer from beside it
+    spec = importlib.util.spec_from_file_location("task_bandwidth", bench / "task_bandwidth.py")
+    task_bandwidth = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(task_bandwidth)
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
+    assert task_bandwidth.main(["--prebuild", "--attention-only"]) == 0
+    cubins = sorted(tmp_path.glob("*.cubin"))
+    assert len(cubins) == len(task_bandwidth.ATTENTION_CASES) and len({c.read_bytes() for c in cubins}) == len(cubins)
+
+
 _RED_BANKS = r"""
 #include <algorithm>
 #include <cstdio>
