@@ -373,7 +373,9 @@ ATTN_TOL = {torch.bfloat16: BF16_TOL, torch.float16: 2e-3, torch.float32: 1e-5}
 @pytest.mark.parametrize("page_size,heads,kv_heads,dim,splits,dtype", [
     (1, 8, 2, 128, 16, torch.bfloat16), (16, 4, 4, 64, 5, torch.bfloat16), (256, 16, 2, 64, 1, torch.bfloat16),
     (16, 8, 2, 128, 1, torch.bfloat16), (4, 2, 1, 256, 7, torch.bfloat16), (16, 32, 2, 64, 2, torch.bfloat16),
-    (8, 12, 2, 64, 0, torch.float16), (4, 8, 2, 128, 3, torch.float32)])
+    (8, 12, 2, 64, 0, torch.float16), (4, 8, 2, 128, 3, torch.float32),
+    # two long chunks, the second starting in the middle of a warp step's positions
+    (16, 8, 2, 128, 2, torch.bfloat16), (4, 8, 2, 128, 2, torch.bfloat16)])
 def test_paged_attention_matches_float64(page_size, heads, kv_heads, dim, splits, dtype):
     """Lengths 1, odd, a full page, partial last pages, one of several steps per warp;
     shuffled pages; more chunks than positions (empty chunks merge as the identity: the output
@@ -422,7 +424,8 @@ def test_long_cache_attention_takes_two_slots(dim, dtype):
 
 
 @pytest.mark.parametrize("page_size,dim,splits,qk_norm,computed_cos", [
-    (16, 64, 0, False, False), (4, 128, 3, True, False), (1, 128, 0, True, True), (2, 64, 2, False, True)])
+    (16, 64, 0, False, False), (4, 128, 3, True, False), (1, 128, 0, True, True), (2, 64, 2, False, True),
+    (16, 128, 2, True, False)])  # two long chunks, the second starting mid-step
 def test_fused_rope_attention_matches_eager(page_size, dim, splits, qk_norm, computed_cos):
     """rope_attn_partial (qk-norm, RoPE, the append and attention in one task) against mpk's
     eager ops on the CPU, for lengths 1, odd, a full page, a partial last page and a long one, one chunk or
