@@ -43,6 +43,10 @@ def main(argv=None) -> int:
     ap.add_argument("--executor", choices=["gpu", "cpu"], default="gpu" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--check", action="store_true", help="compare each step with mpk's eager path")
     args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps {args.steps}: expected ≥ 1 tokens to generate")
+    if args.page_size < 1 or args.page_size & (args.page_size - 1) or args.page_size > 256:
+        ap.error(f"--page-size {args.page_size}: expected a power of two in 1…256")
     device = "cuda" if args.executor == "gpu" else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tokenizer, eos = None, None
@@ -87,12 +91,11 @@ def main(argv=None) -> int:
                 tokens.append(nxt)
                 if nxt == eos:
                     break
-    warm = times[1:] or times
     print(f"generated ids: {generated}")
     if tokenizer is not None:
         print(f"text: {tokenizer.decode(args.prompt_ids + generated, skip_special_tokens=True)}")
-    print(f"{len(times)} steps, {1e3 * sum(warm) / len(warm):.2f} ms/step after the first "
-          f"(first: {times[0]:.1f} s, trace + compile + build)")
+    warm = f", {1e3 * sum(times[1:]) / (len(times) - 1):.2f} ms/step after the first" if len(times) > 1 else ""
+    print(f"{len(times)} step(s){warm} (first: {times[0]:.1f} s, trace + compile + build)")
     if args.check:
         print(f"largest logit difference vs mpk eager, relative to max |logit|: {worst:.2e}")
     return 0

@@ -97,7 +97,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
         model, args = _load_factory(ns.target)()
     options: dict[str, Any] = {"num_workers": ns.workers}
     if ns.partition:
-        options["partition"] = json.loads(ns.partition)
+        options["partition"] = ns.partition
     t0 = time.perf_counter()
     print(f"tracing and compiling {ns.target} …", file=sys.stderr)
     compiled = compile_module(model, args, options)
@@ -127,18 +127,38 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
+    return value
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object, e.g. '{{\"matmul\": {{\"-1\": 64}}}}'")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mpk", description="mpk: mega-kernel compiler for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="compile a model and report its task graph")
     p.add_argument("target", help=f"preset ({', '.join(PRESETS)}) or FILE.py:FACTORY")
     p.add_argument("--out", default="mpk-inspect", help="directory for tables/DOT/SVG/JSON (default %(default)s)")
-    p.add_argument("--workers", type=int, default=128, help="worker count partitioning targets (default 128)")
-    p.add_argument("--partition", help='JSON overrides, e.g. \'{"matmul": {"-1": 64}}\'')
-    p.add_argument("--layers", type=int, help="presets: number of layers")
-    p.add_argument("--batch", type=int, default=1, help="presets: batch size (default 1)")
-    p.add_argument("--seq", type=int, default=8, help="prefill presets: sequence length (default 8)")
-    p.add_argument("--cache-len", type=int, default=1024, help="decode presets: cache length (default 1024)")
+    p.add_argument("--workers", type=_positive_int, default=128, help="worker count partitioning targets (default 128)")
+    p.add_argument("--partition", type=_json_object, help='JSON overrides, e.g. \'{"matmul": {"-1": 64}}\'')
+    p.add_argument("--layers", type=_positive_int, help="presets: number of layers")
+    p.add_argument("--batch", type=_positive_int, default=1, help="presets: batch size (default 1)")
+    p.add_argument("--seq", type=_positive_int, default=8, help="prefill presets: sequence length (default 8)")
+    p.add_argument("--cache-len", type=_positive_int, default=1024, help="decode presets: cache length (default 1024)")
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("timeline", help="draw a profiled launch's trace (profile_dir) as an SVG, time per task kind")
     p.add_argument("trace", help="a trace JSON written by GpuExecutor.trace or the profile_dir option")

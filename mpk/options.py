@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
@@ -109,9 +111,18 @@ class CompileOptions:
         n = opts["num_workers"]
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise OptionError(f"num_workers={n!r}; expected a positive int")
-        for flag in ("sync", "fuse_norm_prologue", "fuse_rope_attention"):
+        for flag in ("sync", "fuse_norm_prologue", "fuse_rope_attention", "check_races"):
             if not isinstance(opts.get(flag, False), bool):
                 raise OptionError(f"{flag}={opts[flag]!r}; expected True or False")
+        t = opts.get("timeout_s", 30.0)
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+            raise OptionError(f"timeout_s={t!r}; expected a finite number of seconds > 0")
+        seed = opts.get("seed", 0)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise OptionError(f"seed={seed!r}; expected an int")
+        for path in ("debug_dir", "profile_dir"):
+            if not isinstance(opts.get(path), (str, os.PathLike, type(None))):
+                raise OptionError(f"{path}={opts[path]!r}; expected a directory path (str or os.PathLike) or None")
         stats = opts.get("fuse_norm_stats", "auto")
         if not (isinstance(stats, bool) or stats == "auto"):
             raise OptionError(f"fuse_norm_stats={stats!r}; expected True, False or 'auto'")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from mpk.cli import main
 from mpk.compiler.tables import Tables, validate
 
@@ -50,3 +52,18 @@ def test_inspect_paged_decode_preset(tmp_path, capsys):
     assert kinds.count("rope_attn_partial") == kinds.count("attn_merge") == 2
     assert "rope_append" not in kinds and "attn_partial" not in kinds
     assert kinds.count("matmul") == 2 * 4 + 1 and "pointwise" not in kinds
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--layers", "0", "argument --layers: '0': expected an integer >= 1"),
+    ("--batch", "-2", "argument --batch: '-2': expected an integer >= 1"),
+    ("--workers", "x", "argument --workers: 'x': expected an integer >= 1"),
+    ("--partition", "{bad", "argument --partition: '{bad' is not JSON"),
+    ("--partition", "[1]", "argument --partition: '[1]': expected a JSON object"),
+])
+def test_inspect_refuses_bad_values_by_name(flag, value, message, capsys):
+    """A bad flag value is refused before any compile, naming the flag, the value and what it must be
+    (``--layers 0`` once compiled every layer, bad JSON ended in a traceback)."""
+    with pytest.raises(SystemExit) as info:
+        main(["inspect", "qwen3-toy", flag, value])
+    assert info.value.code == 2 and message in capsys.readouterr().err

@@ -438,9 +438,25 @@ def test_second_identical_build_skips_nvcc(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err == ""
     assert build.prebuild([src, src], progress=True) == [first, first]
     assert "nvcc: 100%" in capsys.readouterr().err and not any("--version" not in c for c in calls)
-    # a different flag set is a different cache entry
+    # a different flag set is a different cache entry, also one nvcc takes from its environment
     assert build.build_cubin(src, debug=True) != first
     assert any("-DMPK_DEBUG" in c for c in calls)
+    monkeypatch.setenv("NVCC_APPEND_FLAGS", "-DMPK_UNUSED_SWITCH")
+    assert build.build_cubin(src) not in (first, build.build_cubin(src, debug=True))
+
+
+@needs_nvcc
+def test_concurrent_builds_of_one_source_share_the_cubin(tmp_path, monkeypatch):
+    """Threads building one source at once (an executor per GPU) each get the cached cubin, no
+    error and no temporary file left behind."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
+    src = generate(stamp_graph(random_dag(20, random.Random(2)), iterations=1))
+    with ThreadPoolExecutor(3) as pool:
+        cubins = list(pool.map(lambda _: build.build_cubin(src, progress=False), range(3)))
+    assert len(set(cubins)) == 1 and cubins[0].read_bytes()[:4] == b"\x7fELF"
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".cu", ".cubin"]
 
 
 @needs_nvcc
@@ -451,3 +467,19 @@ def test_build_error_names_file_and_nvcc_message(tmp_path, monkeypatch, capsys):
     assert re.search(r"nvcc failed in \d+\.\d s", capsys.readouterr().err)
     msg = str(info.value)
     assert str(tmp_path) in msg and ".cu" in msg and "error" in msg
+
+
+def test_page_table_the_graph_computes_is_refused():
+    """Paged attention reads its first sequence's page table before its gate opens, so a table
+    the graph computes (here kv_last_page_len from another tensor) would race with its producer:
+    codegen refuses it, naming the op and the tensor."""
+    class Attend(torch.nn.Module):
+        def forward(self, q, cache, indptr, indices, last_plus_one):
+            return torch.ops.mpk.paged_attention(q, cache, indptr, indices, last_plus_one - 1, 0, 0.125, 1)
+
+    ps, pages = 4, 6
+    args = (torch.randn(2, 4, 64), torch.randn(1, 2, pages, 2, ps, 64), torch.tensor([0, 2, 5], dtype=torch.int32),
+            torch.randperm(pages).int(), torch.tensor([4, 2], dtype=torch.int32))
+    tables = compile_module(Attend(), args, {"num_workers": 8}).tables
+    with pytest.raises(CompileError, match=r"paged attention reads kv_last_page_len before its inputs are ready"):
+        generate(tables)

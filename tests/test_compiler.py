@@ -102,6 +102,12 @@ def test_default_partition_targets_workers():
     ({"fuse_norm_stats": 1}, "fuse_norm_stats=1; expected True, False or 'auto'"),
     ({"sync": "auto"}, "sync='auto'; expected True or False"),
     ({"partiton": {}}, r"unknown mpk option\(s\) \['partiton'\]"),
+    ({"timeout_s": 0}, "timeout_s=0; expected a finite number of seconds > 0"),
+    ({"timeout_s": float("nan")}, "timeout_s=nan; expected a finite number"),
+    ({"timeout_s": "30"}, "timeout_s='30'; expected a finite number"),
+    ({"check_races": "no"}, "check_races='no'; expected True or False"),
+    ({"seed": "x"}, "seed='x'; expected an int"),
+    ({"profile_dir": 5}, "profile_dir=5; expected a directory path"),
 ])
 def test_bad_options_are_named(options, message):
     with pytest.raises(Exception, match=message) as info:

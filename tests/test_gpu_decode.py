@@ -214,6 +214,28 @@ def test_token_id_outside_the_table_is_reported(tiles):
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("options", [{}, {"fuse_rope_attention": False}])
+def test_step_without_grow_is_reported_and_the_process_stays_usable(options):
+    """A decode step whose page table does not count its token (PagedKVCache.grow forgotten)
+    raises BadInputError naming the position and the sequence — the append would write outside
+    the sequence's pages, so the tasks skip it (a device trap here used to leave the process's
+    CUDA context unusable) — and after grow the same compiled step gives what it gives on a
+    cache that never saw the bad step, bit for bit."""
+    from mpk.errors import BadInputError
+
+    model = DecoderLM(small("qwen3"), torch.bfloat16, DEV, max_len=64).randomize(seed=random.randrange(1 << 30))
+    step = _gpu_compile(model, **options)
+    kv, ref = PagedKVCache(model, 2, 64, 16), PagedKVCache(model, 2, 64, 16)
+    tokens = torch.randint(0, model.cfg.vocab, (2,), device=DEV)
+    with pytest.raises(BadInputError, match=r"decode position \(the sequence's length − 1\) -1 at row 0 is outside "
+                                            r"the rope table's 64 positions"):
+        step(tokens, *kv.args())
+    kv.grow(1)
+    ref.grow(1)
+    out = step(tokens, *kv.args()).clone()
+    assert out.isfinite().all() and torch.equal(out, step(tokens, *ref.args()))
+
+
 # (16, 12288): a qwen3-8b MLP at batch 16; (3, 1000, 3): tile bounds off 8-element words, the general path
 @pytest.mark.parametrize("rows,n,tiles,variant", [(1, 8192, 8, 1), (16, 12288, 128, 1), (3, 1000, 3, 0), (5, 528, 2, 1)])
 def test_silu_mul_matches_float64(rows, n, tiles, variant):

@@ -162,6 +162,27 @@ def test_watchdog_reports_a_never_firing_event_and_process_stays_usable():
     _check_stamps(preds, log, runs, 2)
 
 
+def test_watchdog_stops_only_the_launch_it_waited_on():
+    """Two launches of a graph that never finishes, queued at once (sync=False): the watchdog's
+    abort of the first does not pass the second off as finished — it runs, hangs in turn and is
+    reported too — and a good launch after them runs to completion."""
+    from mpk.megakernel.gpu import WatchdogTimeout
+
+    preds = [(), (0,), (1,), (1, 2), (3,)]
+    tables = stamp_graph(preds, 1)
+    tables.events["num_triggers"][int(tables.tasks["dep_event"][3])] += 5  # never reaches its count
+    ex = _gpu(tables, timeout_s=1.0, validate_tables=False)
+    args = stamp_inputs(tables, 1, DEV)
+    first, second = ex.launch(args), ex.launch(args)
+    for done in (first, second):
+        with pytest.raises(WatchdogTimeout, match="did not finish within 1.0 s"):
+            ex.wait(done)
+    good = stamp_graph(preds, 1)
+    clock, runs, log = stamp_inputs(good, 1, DEV)
+    _gpu(good).run([clock, runs, log])
+    _check_stamps(preds, log, runs, 1)
+
+
 @pytest.mark.parametrize("hop_stamps", [False, True])
 def test_profiler_trace_spans_match_executed_tasks(tmp_path, monkeypatch, hop_stamps):
     if hop_stamps:  # the build that also stamps each task's way from the worker's previous one
@@ -233,5 +254,7 @@ def test_rebinding_follows_new_moved_and_strided_arguments():
     check(x, wt)
     wt.copy_(torch.randn(8, 8, generator=g))
     check(x, wt)
+    w.t_()  # the same object, address and shape, transposed in place: copied, not read as before
+    check(x, w)
     with pytest.raises(ValueError, match=r"is \(4, 9\)"):
         ex.run([torch.randn(4, 9, device=DEV), w])

@@ -17,6 +17,7 @@ import torch
 
 from helpers import against_eager_and_float32, check_arguments_inside_storage, dense_paged_attention, norm_fusions, random_page_table, relative_error
 from mpk.backend import COMPILED
+from mpk.errors import MpkError
 from mpk.frontend.fused_ops import paged_attention
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache
 from mpk.models.parity import compare_logits, decode_logits, hf_logits, hf_twin
@@ -181,11 +182,38 @@ def test_bad_page_size_and_lengths_are_named():
     with pytest.raises(ValueError, match="batch 0"):
         PagedKVCache(short, 0, 32, 16)
     kv = PagedKVCache(short, 2, 32, 16)
-    with pytest.raises(ValueError, match=r"grow\(\[1\]\); expected a count ≥ 0 or one per sequence \(2\)"):
+    with pytest.raises(ValueError, match=r"grow\(\[1\]\); expected a count ≥ 0 \(an int\) or one per sequence \(2\)"):
         kv.grow([1])
     with pytest.raises(ValueError, match=r"grow\(-1\)"):
         kv.grow(-1)
+    with pytest.raises(ValueError, match=r"grow\(1.5\)"):
+        kv.grow(1.5)
     assert kv.lens == [0, 0]  # a refused grow changes nothing
+    kv.grow(1)
+    with pytest.raises(MpkError, match="sequence 1 would reach 101 tokens; max_len is 32"):
+        kv.grow([1, 100])
+    assert kv.lens == [1, 1] and kv.kv_indptr.tolist() == [0, 1, 2]  # nothing of it applied
+    kv.grow([2, 0])
+    assert kv.kv_last_page_len.tolist() == [3, 1] and kv.kv_indptr.tolist() == [0, 1, 2]
+    kv.reset()
+    assert kv.lens == [0, 0] and kv.kv_indptr.tolist() == [0, 0, 0] and kv.kv_last_page_len.tolist() == [0, 0]
+    for bad, message in [(dict(max_len=0), "max_len=0; expected None"), (dict(num_splits=-1), "num_splits=-1"),
+                         (dict(dtype=torch.int8), "dtype=torch.int8; expected a floating-point")]:
+        with pytest.raises(ValueError, match=message):
+            DecoderLM(small("qwen3"), **{"dtype": torch.float32, **bad})
+
+
+def test_tokens_must_match_the_page_table():
+    """One token per sequence of the page table: a shorter batch would leave a counted sequence
+    unwritten, so the step refuses it naming the shapes (eager, and when traced)."""
+    model = DecoderLM(small("llama"), torch.float32, max_len=16).randomize()
+    kv = PagedKVCache(model, 2, 16, 4)
+    kv.grow(1)
+    with pytest.raises(ValueError, match=r"tokens \(1,\), kv_indptr \(3,\), kv_last_page_len \(2,\); expected"):
+        model(torch.tensor([5]), *kv.args())
+    step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "cpu"})
+    with pytest.raises(Exception, match=r"expected \[B\], \[B \+ 1\] and \[B\]"):
+        step(torch.tensor([5]), *kv.args())
 
 
 def test_token_id_outside_the_vocabulary_is_named():
@@ -458,3 +486,44 @@ def test_rope_stays_apart_when_attention_reads_other_tables():
     assert relative_error(out, ref) <= 1e-5 and relative_error(kv_m.cache, kv_e.cache) <= 1e-6
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
     assert "rope_append" in kinds and "attn_partial" in kinds and "rope_attn_partial" not in kinds
+
+
+def test_paged_ops_refuse_bad_page_tables():
+    """The paged ops name what the tasks cannot follow: a page size that is not a power of two,
+    table tensors of the wrong shape, heads that do not group, and (where the table is read, eager
+    and on the CPU interpreter) entries outside the cache or the page — which the GPU tasks
+    would follow out of bounds."""
+    from mpk.errors import BadInputError
+
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    ps, pages = 4, 6
+    q, scale = torch.randn(2, 4, 64, generator=g), 0.125
+    cache = torch.randn(1, 2, pages, 2, ps, 64, generator=g)
+    indptr, indices, last = torch.tensor([0, 2, 5], dtype=torch.int32), torch.randperm(pages, generator=g).int(), \
+        torch.tensor([3, 2], dtype=torch.int32)
+    assert paged_attention(q, cache, indptr, indices, last, 0, scale, 1).isfinite().all()
+    with pytest.raises(ValueError, match="page_size 3; expected a power of two"):
+        paged_attention(q, torch.randn(1, 2, pages, 2, 3, 64), indptr, indices, last, 0, scale, 1)
+    with pytest.raises(ValueError, match=r"kv_indptr has shape \(2,\); expected \(3,\) for a batch of 2"):
+        paged_attention(q, cache, indptr[:2], indices, last, 0, scale, 1)
+    with pytest.raises(ValueError, match="layer 1; the cache has layers 0…0"):
+        paged_attention(q, cache, indptr, indices, last, 1, scale, 1)
+    with pytest.raises(ValueError, match="num_splits -1"):
+        paged_attention(q, cache, indptr, indices, last, 0, scale, -1)
+    for bad, message in [((indptr, indices, torch.tensor([5, 2], dtype=torch.int32)),
+                          r"kv_last_page_len\[0\] = 5; expected 1…4"),
+                         ((indptr, torch.tensor([0, 1, -1, 3, 4, 5], dtype=torch.int32), last),
+                          r"kv_indices\[2\] = -1 \(a page of sequence 1\) is outside the cache's 6 pages"),
+                         ((torch.tensor([0, 3, 2], dtype=torch.int32), indices, last),
+                          r"kv_indptr decreases at sequence 1 \(3 → 2\)"),
+                         ((torch.tensor([0, 2, 7], dtype=torch.int32), indices, last),
+                          r"kv_indptr spans entries 0…7 of kv_indices, which has 6")]:
+        with pytest.raises(BadInputError, match=message):
+            paged_attention(q, cache, *bad, 0, scale, 1)
+    qkv = torch.randn(2, (6 + 2 * 4) * 64, generator=g)
+    with pytest.raises(ValueError, match="heads 6, kv_heads 4; expected kv_heads = the cache's 2"):
+        torch.ops.mpk.rope_append(qkv, torch.randn(16, 64), indptr, indices, last, cache, None, None, 0, 6, 4, 1e-6)
+    qkv = torch.randn(2, (4 + 2 * 2) * 64, generator=g)
+    with pytest.raises(BadInputError, match="decode position -1 of sequence 0 is outside the rope table"):
+        torch.ops.mpk.rope_append(qkv, torch.randn(16, 64), torch.tensor([0, 0, 3], dtype=torch.int32), indices, last,
+                                  cache, None, None, 0, 4, 2, 1e-6)  # sequence 0 not grown: no pages

@@ -502,11 +502,12 @@ struct PhaseTimer {
 struct InputGate;
 __device__ bool wait_gate(InputGate* gate);  // block-wide; false: the wait was abandoned (abort)
 
-// A graph input holding a value its task cannot take (a token id outside the embedding table):
-// the task skips that work, so nothing is read out of bounds, and reports it. The first report
+// A graph input holding a value its task cannot take (a token id outside the embedding table, a
+// page table whose sequence does not count the token being decoded): the task skips that work,
+// so nothing is read or written out of bounds, and reports it. The first report
 // of a launch lands in a host-mapped record that the executor raises as BadInputError after the
 // launch (mpk/megakernel/gpu.py: BAD_INPUT_CODES); its epoch names the launch.
-enum BadInputCode : int { kBadTokenId = 1 };
+enum BadInputCode : int { kBadTokenId = 1, kBadPosition = 2 };
 struct BadInputRecord {
   int epoch, code, out_buffer, unused;
   long long row, value, limit;

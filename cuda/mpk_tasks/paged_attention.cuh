@@ -115,12 +115,16 @@ __device__ __forceinline__ T* cache_slot(const TaskEnv& env, const ViewC& cache,
          page * cache.stride[2] + head * cache.stride[3] + (pos & (page_size - 1)) * cache.stride[4];
 }
 
-// The position being decoded (len − 1) as rope reads it; a page table that does not count the
-// token, or a position past the cos/sin table, is a caller's bug that would corrupt the cache.
-__device__ __forceinline__ long long rope_position(const SeqSpan& s, const ViewC& cs) {
+// The position being decoded (len − 1) of sequence b as rope reads it, or −1 where the page
+// table does not count the token (no grow before the step) or the position is past the cos/sin
+// table: the caller skips the sequence (an append there would write outside its pages) and the
+// first such row of the launch is reported (BadInputError after the launch), where a trap would
+// leave the process's CUDA context unusable.
+__device__ __forceinline__ long long rope_position(const SeqSpan& s, const ViewC& cs, int out_buffer, long long b) {
   const long long pos = s.len - 1;
-  if (pos < 0 || pos >= cs.shape[0]) __trap();
-  return pos;
+  if (pos >= 0 && pos < cs.shape[0]) return pos;
+  report_bad_input(kBadPosition, out_buffer, b, pos, cs.shape[0]);
+  return -1;
 }
 
 // inputs: qkv [B, (H+2KV)·D], cos_sin [P, D] (cos | sin), kv_indptr, kv_indices,
@@ -153,7 +157,8 @@ __device__ __noinline__ void rope_append_impl(const OpC& c, const Rect& r, const
     const T* wn = norm ? static_cast<const T*>(env.buffers[c.in[head < H ? 6 : 7].buffer]) + c.in[head < H ? 6 : 7].offset
                        : nullptr;
     const SeqSpan s = seq_span<I>(env, indptr, last, b, page_size);
-    const long long pos = rope_position(s, cs);
+    const long long pos = rope_position(s, cs, c.out_buffer, b);
+    if (pos < 0) continue;
     RopeRow<kPer, T> x;
     x.load_consts(wn, rotate ? static_cast<const T*>(env.buffers[cs.buffer]) + cs.offset + pos * cs.stride[0] : nullptr);
     x.load(row);
@@ -538,8 +543,8 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
           const bool rows = warp < kG + (fresh ? 2 : 0);  // this warp rotates a q head, or takes k or v
           const int head = warp < kG ? static_cast<int>(kvh) * kG + warp : H + (warp - kG) * KVh + static_cast<int>(kvh);
           const bool rotate = warp <= kG, norm = c.iparam[4] != 0 && rotate;
-          if (rows) {
-            const long long pos = rope_position(span, c.in[1]);
+          const long long pos = rows ? rope_position(span, c.in[1], c.out_buffer, b) : -1;
+          if (pos >= 0) {
             const long long new_page = warp < kG ? 0
                                        : at_first ? first.new_page : static_cast<long long>(pages(pos));
             const ViewC &wnv = c.in[warp < kG ? 6 : 7], &cs = c.in[1];
@@ -642,9 +647,9 @@ __device__ __forceinline__ void attn_partial(const OpC& c, const Rect& r, const 
   // warps kG and kG + 1 append k and v in the sequence's last chunk, which may be a later chunk
   // of this tile than ch0 (the page does not depend on the chunk)
   const int warp = static_cast<int>(threadIdx.x >> 5);
-  first.new_page = kRope && warp >= kG && warp < kG + 2
-                       ? page_of<I>(env, indices, first.span.first_page, rope_position(first.span, c.in[1]), shift)
-                       : 0;
+  const long long pos = kRope && warp >= kG && warp < kG + 2 ? rope_position(first.span, c.in[1], c.out_buffer, r.lo[0])
+                                                              : -1;
+  first.new_page = pos >= 0 ? page_of<I>(env, indices, first.span.first_page, pos, shift) : 0;
   if (!acquire_inputs(env)) return;
   attn_partial_impl<kPer, kG, T, I, kRope, kFinal>(c, r, env, first);
 #ifdef MPK_ATTN_WARM_RERUN

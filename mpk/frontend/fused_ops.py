@@ -164,19 +164,41 @@ def _(q, k, v, attn_mask, is_causal, scale, enable_gqa):
 # --- decode over the paged KV cache (mpk.ops.paged documents the layout) ----------------------
 
 def _cache_dims(kv_cache: torch.Tensor) -> tuple[int, int]:
-    if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+    if len(kv_cache.shape) != 6 or kv_cache.shape[1] != 2:
         raise ValueError(f"kv_cache has shape {tuple(kv_cache.shape)}; expected [layers, 2, pages, kv_heads, "
                          "page_size, head_dim]")
     return int(kv_cache.shape[4]), int(kv_cache.shape[5])  # page_size, head_dim
 
 
-def rope_append_attrs(qkv, kv_cache, q_norm, layer, heads, kv_heads, eps) -> dict:
+def check_paged(kv_cache, layer: int, batch: int, kv_indptr, kv_indices, kv_last_page_len) -> tuple[int, int]:
+    """(page_size, head_dim) of a paged op's cache, after checking what the tasks assume of it
+    and of the page table's shapes (anything with ``.shape``: tensors, or the lowering's views);
+    a ValueError names the bad one. The table's entries are checked where they are read
+    (``mpk.ops.paged.checked_lens``)."""
     page_size, head_dim = _cache_dims(kv_cache)
+    if page_size & (page_size - 1) or not 1 <= page_size <= 256:
+        raise ValueError(f"page_size {page_size}; expected a power of two in 1…256")
+    if not 0 <= layer < kv_cache.shape[0]:
+        raise ValueError(f"layer {layer}; the cache has layers 0…{kv_cache.shape[0] - 1}")
+    for name, t, want in (("kv_indptr", kv_indptr, (batch + 1,)), ("kv_last_page_len", kv_last_page_len, (batch,))):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want} for a batch of {batch}")
+    if len(kv_indices.shape) != 1:
+        raise ValueError(f"kv_indices has shape {tuple(kv_indices.shape)}; expected [num_entries]")
+    return page_size, head_dim
+
+
+def rope_append_attrs(qkv, kv_cache, kv_indptr, kv_indices, kv_last_page_len, q_norm, k_norm, layer, heads,
+                      kv_heads, eps) -> dict:
+    page_size, head_dim = check_paged(kv_cache, layer, qkv.shape[0], kv_indptr, kv_indices, kv_last_page_len)
+    if not 1 <= kv_heads <= heads or heads % kv_heads or kv_heads != kv_cache.shape[3]:
+        raise ValueError(f"heads {heads}, kv_heads {kv_heads}; expected kv_heads = the cache's {kv_cache.shape[3]} "
+                         "and heads a multiple of it")
     if qkv.shape[-1] != (heads + 2 * kv_heads) * head_dim:
         raise ValueError(f"qkv has {qkv.shape[-1]} columns; expected (heads {heads} + 2·kv_heads {kv_heads})·"
                          f"head_dim {head_dim} = {(heads + 2 * kv_heads) * head_dim}")
-    if page_size & (page_size - 1) or not 1 <= page_size <= 256:
-        raise ValueError(f"page_size {page_size}; expected a power of two in 1…256")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm: expected both (per-head qk-norm) or neither")
     return dict(layer=layer, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
                 eps=eps, qk_norm=q_norm is not None)
 
@@ -188,7 +210,8 @@ def rope_append(qkv: torch.Tensor, cos_sin: torch.Tensor, kv_indptr: torch.Tenso
     """Split a fused qkv row, apply per-head qk-norm (when given) and RoPE at each sequence's
     last position, append that token's k and v to layer ``layer`` of the paged cache (in
     place) and return the rotated q [B, heads, head_dim]."""
-    attrs = rope_append_attrs(qkv, kv_cache, q_norm, layer, heads, kv_heads, eps)
+    attrs = rope_append_attrs(qkv, kv_cache, kv_indptr, kv_indices, kv_last_page_len, q_norm, k_norm, layer, heads,
+                              kv_heads, eps)
     inputs = [qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache]
     inputs += [q_norm, k_norm] if q_norm is not None else []
     sig = OpSig(tuple(tuple(t.shape) for t in inputs), (qkv.shape[0], heads, attrs["head_dim"]), qkv.dtype, attrs)
@@ -225,11 +248,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Te
     """Decode attention of q [B, H, D] (one new token per sequence) over layer ``layer`` of the
     paged cache; GQA when H is a multiple of the cache's kv heads. ``num_splits`` KV chunks per
     sequence (0: chosen by the compiler) are attended separately and merged with ⊕."""
-    page_size, head_dim = _cache_dims(kv_cache)
     B, H, D = q.shape
+    page_size, head_dim = check_paged(kv_cache, layer, B, kv_indptr, kv_indices, kv_last_page_len)
     KV = kv_cache.shape[3]
     if H % KV or D != head_dim:
         raise ValueError(f"q is {tuple(q.shape)}; expected [B, a multiple of kv_heads {KV}, head_dim {head_dim}]")
+    if num_splits < 0:
+        raise ValueError(f"num_splits {num_splits}; expected ≥ 0 (0: the compiler picks)")
     C = max(1, num_splits)
     attrs = dict(layer=layer, scale=scale, page_size=page_size)
     tables = [t.cpu() for t in (kv_indptr, kv_indices, kv_last_page_len)]

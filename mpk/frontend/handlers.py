@@ -425,9 +425,9 @@ def _rope_append(L, node, qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len,
 
     cache_val = node.kwargs["_all_bases"][0].meta["val"]
     qkv_val = node.kwargs["qkv"].meta["val"]
-    norm = node.kwargs.get("q_norm")
     try:
-        attrs = rope_append_attrs(qkv_val, cache_val, norm, layer, heads, kv_heads, eps)
+        attrs = rope_append_attrs(qkv_val, cache_val, kv_indptr, kv_indices, kv_last_page_len, q_norm, k_norm, layer,
+                                  heads, kv_heads, eps)
     except ValueError as exc:
         raise Unsupported(str(exc)) from None
     ins = [qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, _whole_input(L, kv_cache, "kv_cache")]
@@ -466,9 +466,15 @@ def _auto_functionalized(L, node, op, **kwargs):
 
 @handles(mpk_ops.paged_attention.default)
 def _paged_attention(L, node, q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, layer, scale, num_splits):
-    from mpk.frontend.fused_ops import default_splits
+    from mpk.frontend.fused_ops import check_paged, default_splits
 
     B, H, D = q.shape
+    try:
+        check_paged(kv_cache, layer, B, kv_indptr, kv_indices, kv_last_page_len)
+    except ValueError as exc:
+        raise Unsupported(str(exc)) from None
+    if num_splits < 0:
+        raise Unsupported(f"num_splits {num_splits}; expected ≥ 0 (0: the compiler picks)")
     _, _, _, KV, page_size, head_dim = kv_cache.shape
     cache = _whole_input(L, kv_cache, "kv_cache")
     if isinstance(q, DeferredRope) and tuple(q.inputs[2:6]) != (kv_indptr, kv_indices, kv_last_page_len, cache):

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -59,6 +60,10 @@ def arch_flags(arch: str) -> list[str]:
     return [f"-gencode=arch=compute_{num},code=sm_{num}"]
 
 
+# environment variables nvcc reads flags from (part of a build's cache key)
+NVCC_ENV_FLAGS = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")
+
+
 def nvcc_flags(arch: str = "sm_90a", debug: bool = False, tile_kernel: bool = False) -> list[str]:
     """nvcc's flags for a generated source (without the include dirs, ``INCLUDE_DIRS``)."""
     flags = ["-std=c++17", "-O3", "-cubin", "-lineinfo", *arch_flags(arch)]
@@ -74,16 +79,22 @@ def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_ker
     stderr when nvcc runs and how long it took (a full-size decode step takes ~10 s;
     default: when stderr is a terminal)."""
     flags = nvcc_flags(arch, debug, tile_kernel)
-    key = hashlib.sha256("\0".join([source, _headers_digest(), " ".join(flags), nvcc_version()]).encode()).hexdigest()[:32]
+    # nvcc also takes flags from these variables: they are part of what was built
+    env_flags = [os.environ.get(v, "") for v in NVCC_ENV_FLAGS]
+    key = hashlib.sha256("\0".join([source, _headers_digest(), " ".join(flags), *env_flags, nvcc_version()])
+                         .encode()).hexdigest()[:32]
     out_dir = cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     cubin = out_dir / f"{key}.cubin"
     if cubin.exists():
         return cubin
-    src = out_dir / f"{key}.{os.getpid()}.cu"  # per process: concurrent builders never share a file
-    src.write_text(source)
+    # names of this build alone: concurrent builders of one key (processes or threads) never
+    # share a file
+    fd, name = tempfile.mkstemp(prefix=f"{key}.", suffix=".cu", dir=out_dir)
+    with os.fdopen(fd, "w") as f:
+        f.write(source)
+    src, tmp = Path(name), Path(name).with_suffix(".tmp")
     includes = [f"-I{d}" for d in INCLUDE_DIRS]
-    tmp = out_dir / f"{key}.{os.getpid()}.tmp"
     say = sys.stderr.isatty() if progress is None else progress
     if say:
         print(f"mpk: nvcc is building the megakernel for {arch} (once; cached as {cubin}) ...", file=sys.stderr, flush=True)
@@ -94,6 +105,7 @@ def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_ker
         print(f"mpk: nvcc {'finished' if res.returncode == 0 else 'failed'} in {time.perf_counter() - start:.1f} s",
               file=sys.stderr, flush=True)
     if res.returncode != 0:
+        tmp.unlink(missing_ok=True)
         raise BuildError(f"nvcc failed (exit {res.returncode}) building {src}:\n{res.stderr.strip()[-6000:]}")
     tmp.replace(cubin)  # atomic: concurrent builders of one key never see a partial cubin
     src.replace(out_dir / f"{key}.cu")  # kept beside the cubin for reading
@@ -109,7 +121,7 @@ def prebuild(sources: list[str], arch: str = "sm_90a", jobs: int | None = None,
 
     from tqdm import tqdm
 
-    unique = list(dict.fromkeys(sources))  # one build per source: equal ones would share temp files
+    unique = list(dict.fromkeys(sources))  # one build per source
     with ThreadPoolExecutor(max_workers=jobs or min(len(unique), os.cpu_count() or 1) or 1) as pool, \
             tqdm(total=len(unique), desc="nvcc", unit="cubin", disable=None if progress is None else not progress) as bar:
         futures = {pool.submit(build_cubin, s, arch, progress=False): s for s in unique}

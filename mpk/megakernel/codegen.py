@@ -404,6 +404,14 @@ def _paged_task(tables: Tables, op: int) -> str:
             _check_contiguous(name, what, v, 1 if fused else D // 32)
         _check_contiguous(name, "kv_cache", cache, 16 // DTYPE_SIZE[ctype])  # rows are copied in 16-byte pieces
         index = _index_ctype(tables, op, name, views[2:5])
+        # the task reads its first sequence's page table before its gate opens (attn_partial in
+        # paged_attention.cuh): a table the graph computes could still be in the making
+        computed = [what for what, v in zip(("kv_indptr", "kv_indices", "kv_last_page_len"), views[2:5])
+                    if int(tables.buffers[int(v["buffer"])]["role"]) != ROLE_INPUT]
+        if computed:
+            raise CompileError(f"op {name!r}: paged attention reads {', '.join(computed)} before its inputs are "
+                               "ready, so they must be graph inputs; this graph computes them — pass the page table "
+                               "in as tensors")
         return (f"mpk::attn_partial<{D // 32}, {heads // kv}, {ctype}, {index}, {'true' if fused else 'false'}, "
                 f"{'true' if final else 'false'}>")
     D = int(views[0]["shape"][4]) - 1  # attn_merge: states [B, KV, C, G, D + 1]

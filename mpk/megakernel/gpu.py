@@ -31,7 +31,10 @@ SCHED_WARPS_PER_CTA = 4
 SCHEDULER_CTAS = 4  # scheduler CTAs of a graph with JIT tasks, by default
 STATUS_WORDS = 8  # runtime/mpk_runtime/types.cuh: StatusWord
 # cuda/mpk_tasks/common.cuh: BadInputCode -> what the value was, what it had to be
-BAD_INPUT_CODES = {1: ("token id", "the embedding table's {limit} rows [0, {limit})")}
+BAD_INPUT_CODES = {1: ("token id", "the embedding table's {limit} rows [0, {limit})"),
+                   2: ("decode position (the sequence's length − 1)",
+                       "the rope table's {limit} positions [0, {limit}): the page table must count the token being "
+                       "decoded (PagedKVCache.grow(1) before each step) and stay within the model's max_len")}
 MAX_WORKERS_PER_SCHEDULER = 136  # runtime/mpk_runtime/persistent.cuh: kMaxWorkersPerScheduler
 EVENT_HAS_JIT, EVENT_ALL_JIT, EVENT_LOCAL_JIT = 2, 4, 8
 STATES = {0: "starting", 1: "waiting for its AOT task", 2: "idle (no AOT work left)", 3: "exited", 4: "aborted"}
@@ -87,6 +90,14 @@ class GpuExecutor:
             raise ExecutorUnavailableError("the gpu executor needs a CUDA device; use executor='cpu'")
         if validate_tables:
             validate(tables)
+        for name, value in (("num_workers", num_workers), ("scheduler_ctas", scheduler_ctas)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0
+                                      or (name == "num_workers" and value == 0)):
+                raise MpkError(f"{name}={value!r}; expected None or an integer >= {1 if name == 'num_workers' else 0}")
+        if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
+            raise MpkError(f"timeout_s={timeout_s!r}; expected a finite number of seconds > 0")
+        if profile and not (isinstance(profile_capacity, int) and profile_capacity > 0):
+            raise MpkError(f"profile_capacity={profile_capacity!r}; expected an integer > 0 (records per worker)")
         has_jit = bool((tables.tasks["flags"] & FLAG_JIT).any())
         if scheduler_ctas is None:  # schedulers only hand out JIT tasks: without any, every SM works
             scheduler_ctas = SCHEDULER_CTAS if has_jit else 0
@@ -113,9 +124,9 @@ class GpuExecutor:
                            f"{self.smem} bytes of dynamic shared memory)")
         sms = props.multi_processor_count
         self.scheduler_ctas = scheduler_ctas
-        self.num_workers = num_workers or sms - scheduler_ctas
+        self.num_workers = num_workers if num_workers is not None else sms - scheduler_ctas
         self.grid = self.num_workers + scheduler_ctas
-        if self.grid > sms:
+        if self.num_workers < 1 or self.grid > sms:
             raise MpkError(f"{self.num_workers} workers + {scheduler_ctas} scheduler CTAs = {self.grid} CTAs, but the "
                            f"device has {sms} SMs (a cooperative launch needs every CTA resident)")
         self.num_schedulers = scheduler_ctas * SCHED_WARPS_PER_CTA
@@ -231,7 +242,7 @@ class GpuExecutor:
         self._input_plan = [(b, int(t.buffers[b]["input_index"]))
                             for b in np.nonzero(t.buffers["role"] == ROLE_INPUT)[0].tolist()]
         self._bound_args: list[torch.Tensor] | None = None  # None: the next launch binds in full
-        self._bound_keys: list[tuple[int, torch.Size]] = []
+        self._bound_keys: list[tuple[int, torch.Size, tuple[int, ...]]] = []
 
     def _jit_ring_capacity(self, jit_events: np.ndarray) -> int:
         """Pushes one worker's ring can receive in one iteration, at most: a scheduler hands each
@@ -265,10 +276,11 @@ class GpuExecutor:
     def _bind(self, args: Sequence[torch.Tensor]) -> None:
         if len(args) != len(self._input_plan):
             raise ValueError(f"the compiled graph takes {len(self._input_plan)} tensor arguments, got {len(args)}")
+        keys = [(a.data_ptr(), a.shape, a.stride()) for a in args]
         if self._bound_args is not None and all(a is b for a, b in zip(args, self._bound_args)) \
-                and [(a.data_ptr(), a.shape) for a in args] == self._bound_keys:
-            return  # the tensors bound last time, unmoved and unresized: checked then, in the table now
-        copied = False
+                and keys == self._bound_keys:
+            return  # the tensors bound last time, unmoved, unresized, unrestrided: checked then, in the table now
+        copied, bound = False, {}
         for b, i in self._input_plan:
             a = args[i]
             if tuple(a.shape) != self.buf_shape[b] or a.dtype != self.buf_dtype[b]:
@@ -282,10 +294,12 @@ class GpuExecutor:
                 raise ValueError(f"argument {i} ({self.t.meta['buffers'][b]['name']}) starts at an address that is not "
                                  "16-byte aligned, which its tasks' vector loads need; pass a fresh tensor "
                                  "(e.g. .clone()) instead of an offset view")
+            bound[b] = c
+        for b, c in bound.items():  # all checked: none of a refused call's tensors stays bound
             self.buffers[b] = c
         # a strided argument was copied: the next launch must copy it again (its values may change)
         self._bound_args = None if copied else list(args)
-        self._bound_keys = [(a.data_ptr(), a.shape) for a in args]
+        self._bound_keys = keys
         ptrs = [buf.data_ptr() if buf is not None else 0 for buf in self.buffers]
         if ptrs == self._bound_ptrs:  # the module's table still holds them
             return
@@ -299,23 +313,25 @@ class GpuExecutor:
     # --- running ------------------------------------------------------------------------------
     def launch(self, args: Sequence[torch.Tensor], iterations: int = 1) -> torch.cuda.Event:
         """Bind, reset and launch asynchronously on the current stream; returns a done-event."""
-        if iterations < 1:
-            raise ValueError(f"iterations={iterations}; expected >= 1")
+        if not isinstance(iterations, int) or not 1 <= iterations < 2 ** 31:
+            raise ValueError(f"iterations={iterations!r}; expected an integer in [1, 2^31)")
         self.check_inputs()  # a report of an earlier launch not waited on
+        stream = torch.cuda.current_stream(self.device)
+        # a launch still in flight on another stream shares our state: the buffer table below
+        # is rewritten only after it (and the copies of its outputs) are done
+        if self._last_done is not None:
+            stream.wait_event(self._last_done)
         self._bind(args)
         self.epoch += 1
         self._write_args(iterations)
-        stream = torch.cuda.current_stream(self.device)
-        if self._last_done is not None:  # a launch still in flight on another stream shares our state
-            stream.wait_event(self._last_done)
         drv.copy_device_async(self.d_zero.data_ptr(), self.d_reset.data_ptr(), 8 * self.d_zero.numel(),
                               stream.cuda_stream)
         self.h_status.array[:] = 0
-        self.h_abort.array[:] = 0
         drv.launch(self.kernel, self.grid, THREADS, stream.cuda_stream, [self.args], cooperative=True, smem=self.smem)
         done = torch.cuda.Event()
         done.record(stream)
         self._last_done = done
+        done.mpk_epoch = self.epoch  # the launch the watchdog stops if this one hangs
         return done
 
     def _offset(self, name: str) -> int:
@@ -373,6 +389,12 @@ class GpuExecutor:
                            int(v["offset"]))
             # intermediates are reused by the next launch: hand out copies (inputs pass through)
             out.append(view if self.t.buffers[int(v["buffer"])]["role"] == ROLE_INPUT else view.clone())
+        if self._last_done is not None:
+            # the next launch, on whichever stream, waits for these copies too, not just the kernel
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            done.mpk_epoch = self._last_done.mpk_epoch
+            self._last_done = done
         return out
 
     def run_tile_kernel(self, op: int, args: Sequence[torch.Tensor]) -> None:
@@ -393,7 +415,9 @@ class GpuExecutor:
     # --- watchdog ------------------------------------------------------------------------------
     def _abort_and_report(self, done: torch.cuda.Event, iterations: int) -> str:
         status = self.h_status.array.reshape(-1, STATUS_WORDS).copy()
-        self.h_abort.array[0] = 1
+        # stop this launch and any queued before it; launches queued after it run (the flag
+        # holds the latest stopped launch's number and is never reset)
+        self.h_abort.array[0] = max(int(self.h_abort.array[0]), getattr(done, "mpk_epoch", self.epoch))
         deadline = time.monotonic() + 10.0
         while not done.query() and time.monotonic() < deadline:
             time.sleep(0.001)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -212,6 +213,7 @@ class DecoderLM(nn.Module):
     def __init__(self, cfg: LLMConfig, dtype: torch.dtype = torch.bfloat16, device=None, max_len: int | None = None,
                  num_splits: int = 0):
         super().__init__()
+        _check_model_args(dtype, max_len, num_splits)
         self.cfg, self.num_splits = cfg, num_splits
         kw = dict(dtype=dtype, device=device)
         self.embed = nn.Parameter(torch.empty(cfg.vocab, cfg.hidden, **kw))
@@ -222,6 +224,12 @@ class DecoderLM(nn.Module):
                              persistent=False)
 
     def forward(self, tokens, kv_cache, kv_indptr, kv_indices, kv_last_page_len):
+        # one token per sequence of the page table (a shorter batch would leave sequences counted
+        # but never written); static shapes, so this costs nothing once compiled
+        if tokens.dim() != 1 or kv_indptr.shape != (tokens.shape[0] + 1,) or kv_last_page_len.shape != tokens.shape:
+            raise ValueError(f"tokens {tuple(tokens.shape)}, kv_indptr {tuple(kv_indptr.shape)}, kv_last_page_len "
+                             f"{tuple(kv_last_page_len.shape)}; expected [B], [B + 1] and [B]: one token per sequence "
+                             "of the page table")
         x = torch.nn.functional.embedding(tokens, self.embed)
         for layer in self.layers:
             x = layer(x, self.cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache, self.num_splits)
@@ -274,7 +282,11 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, devic
     from safetensors import safe_open
     from tqdm import tqdm
 
+    _check_model_args(dtype, max_len, num_splits)
     path = Path(path)
+    if not path.is_dir():
+        raise MpkError(f"{path} is not a directory; expected a checkpoint directory holding config.json and "
+                       "*.safetensors")
     cfg = LLMConfig.from_hf(path)
     index = path / "model.safetensors.index.json"  # a sharded checkpoint's map: its files, no others
     files = ([path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))] if index.exists()
@@ -331,6 +343,22 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, devic
     return model
 
 
+def _check_model_args(dtype: torch.dtype, max_len: int | None, num_splits: int) -> None:
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype={dtype!r}; expected a floating-point torch dtype (torch.bfloat16, float16, float32)")
+    if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1):
+        raise ValueError(f"max_len={max_len!r}; expected None (the config's max_position) or an int ≥ 1")
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
+        raise ValueError(f"num_splits={num_splits!r}; expected an int ≥ 0 (0: the compiler picks)")
+
+
+def _count(value: Any, what: str) -> int:
+    """``value`` as a count (an int ≥ 0, not a bool), or a ValueError naming ``what``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{what}={value!r}; expected an int ≥ 0")
+    return value
+
+
 def _few(names: list[str], n: int = 6) -> str:
     """The first n names, and how many more."""
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
@@ -348,9 +376,10 @@ class PagedKVCache:
     """
 
     def __init__(self, model: DecoderLM, batch: int, max_len: int, page_size: int):
+        _count(page_size, "page_size")
         if page_size & (page_size - 1) or not 1 <= page_size <= 256:
             raise ValueError(f"page_size {page_size}; expected a power of two in 1…256")
-        if batch < 1 or max_len < 1:
+        if _count(batch, "batch") < 1 or _count(max_len, "max_len") < 1:
             raise ValueError(f"batch {batch}, max_len {max_len}; expected both ≥ 1")
         positions = model.cos_sin.shape[0]
         if max_len > positions:  # rope reads row len − 1 of the table; past it the step would fault
@@ -364,35 +393,50 @@ class PagedKVCache:
         self.kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
         self.kv_indices = torch.zeros(num_pages, dtype=torch.int32, device=dev)
         self.kv_last_page_len = torch.zeros(batch, dtype=torch.int32, device=dev)
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty every sequence (all pages back to the free list), keeping the cache tensor and
+        the table tensors (and their addresses): the next prompt needs no second cache."""
+        num_pages = self.batch * self.pages_per_seq
         # Pages interleaved across sequences, so a sequence's pages are not contiguous (the
         # kernels must follow the table, not assume an order).
         self.free = [p for i in range(self.pages_per_seq) for p in range(i, num_pages, self.pages_per_seq)][::-1]
-        self.owned: list[list[int]] = [[] for _ in range(batch)]
-        self.lens = [0] * batch
+        self.owned = np.zeros((self.batch, self.pages_per_seq), np.int32)  # row b: sequence b's pages in order
+        self.lens = [0] * self.batch
+        self._write()
 
     def grow(self, n: int | list[int] = 1) -> None:
         """Count ``n`` more tokens in every sequence, or ``n[b]`` in sequence b (the next decode
-        step writes each sequence's last token)."""
-        counts = n if isinstance(n, list) else [n] * self.batch
-        if len(counts) != self.batch or any(k < 0 for k in counts):
-            raise ValueError(f"grow({n}); expected a count ≥ 0 or one per sequence ({self.batch})")
-        for b, n in enumerate(counts):
-            if self.lens[b] + n > self.max_len:
-                raise MpkError(f"sequence {b} would reach {self.lens[b] + n} tokens; max_len is {self.max_len}")
-            self.lens[b] += n
-            while len(self.owned[b]) * self.page_size < self.lens[b]:
-                self.owned[b].append(self.free.pop())
+        step writes each sequence's last token). A refused grow changes nothing."""
+        counts = list(n) if isinstance(n, (list, tuple)) else [n] * self.batch
+        if len(counts) != self.batch or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0
+                                                for k in counts):
+            raise ValueError(f"grow({n!r}); expected a count ≥ 0 (an int) or one per sequence ({self.batch})")
+        for b, k in enumerate(counts):
+            if self.lens[b] + k > self.max_len:
+                raise MpkError(f"sequence {b} would reach {self.lens[b] + k} tokens; max_len is {self.max_len}")
+        for b, k in enumerate(counts):
+            have = -(-self.lens[b] // self.page_size)
+            self.lens[b] += k
+            for i in range(have, -(-self.lens[b] // self.page_size)):
+                self.owned[b, i] = self.free.pop()
         self._write()
 
     def args(self) -> tuple[torch.Tensor, ...]:
         return self.cache, self.kv_indptr, self.kv_indices, self.kv_last_page_len
 
     def _write(self) -> None:
-        indptr = [0]
-        for pages in self.owned:
-            indptr.append(indptr[-1] + len(pages))
-        flat = [p for pages in self.owned for p in pages]
-        last = [(n - 1) % self.page_size + 1 if n else 0 for n in self.lens]
-        self.kv_indptr.copy_(torch.tensor(indptr, dtype=torch.int32))
-        self.kv_indices[: len(flat)].copy_(torch.tensor(flat, dtype=torch.int32))
-        self.kv_last_page_len.copy_(torch.tensor(last, dtype=torch.int32))
+        lens = np.asarray(self.lens, np.int64)
+        pages = -(-lens // self.page_size)
+        indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+        flat = np.concatenate([self.owned[b, :k] for b, k in enumerate(pages)]).astype(np.int32)
+        last = np.where(lens > 0, (lens - 1) % self.page_size + 1, 0).astype(np.int32)
+        # From pinned host memory, asynchronously: a blocking copy would wait for the steps still
+        # queued on the stream (sync=False), stalling the host each step. The caching host
+        # allocator keeps each staging block until its copy has run.
+        for dst, src in ((self.kv_indptr, indptr), (self.kv_indices[: len(flat)], flat), (self.kv_last_page_len, last)):
+            host = torch.from_numpy(src)
+            if dst.is_cuda:
+                host = host.pin_memory()
+            dst.copy_(host, non_blocking=dst.is_cuda)

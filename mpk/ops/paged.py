@@ -43,6 +43,40 @@ def seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size:
     return torch.where(pages > 0, (pages - 1) * page_size + kv_last_page_len.long(), torch.zeros_like(pages))
 
 
+def checked_lens(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int,
+                 num_pages: int) -> torch.Tensor:
+    """``seq_lens`` of a page table the tasks can follow, else ``BadInputError`` naming the
+    first bad entry: kv_indptr must start at ≥ 0, never decrease and end within kv_indices, a
+    sequence with pages must fill 1…page_size slots of its last one, and its pages must be
+    pages of the cache. (The CUDA tasks trust the table's entries, as FlashInfer's do; this is
+    what the eager path and the CPU interpreter check.)"""
+    from mpk.errors import BadInputError
+
+    indptr, last = kv_indptr.long(), kv_last_page_len.long()
+    pages = indptr[1:] - indptr[:-1]
+    bad = torch.nonzero(pages < 0).flatten()
+    if len(bad):
+        b = int(bad[0])
+        raise BadInputError(f"kv_indptr decreases at sequence {b} ({int(indptr[b])} → {int(indptr[b + 1])}); "
+                            "expected non-decreasing page offsets")
+    if int(indptr[0]) < 0 or int(indptr[-1]) > kv_indices.shape[0]:
+        raise BadInputError(f"kv_indptr spans entries {int(indptr[0])}…{int(indptr[-1])} of kv_indices, which has "
+                            f"{kv_indices.shape[0]}")
+    bad = torch.nonzero((pages > 0) & ((last < 1) | (last > page_size))).flatten()
+    if len(bad):
+        b = int(bad[0])
+        raise BadInputError(f"kv_last_page_len[{b}] = {int(last[b])}; expected 1…{page_size} (the page size) for a "
+                            "sequence with pages")
+    used = kv_indices[int(indptr[0]): int(indptr[-1])].long()
+    bad = torch.nonzero((used < 0) | (used >= num_pages)).flatten()
+    if len(bad):
+        i = int(bad[0]) + int(indptr[0])
+        b = int(torch.searchsorted(indptr, torch.tensor(i), right=True)) - 1
+        raise BadInputError(f"kv_indices[{i}] = {int(kv_indices[i])} (a page of sequence {b}) is outside the cache's "
+                            f"{num_pages} pages")
+    return seq_lens(kv_indptr, kv_last_page_len, page_size)
+
+
 def token_slots(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, b: int, positions: torch.Tensor,
                 page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(page id, slot in page) of the given positions of sequence ``b``."""
@@ -123,10 +157,15 @@ def _rope_rows(a: dict, dtype: torch.dtype, rows, heads, xs, append: bool) -> to
     q, k, v = x[:, h0:h1], x[:, H + kvs.start:H + kvs.stop], x[:, H + KV + kvs.start:H + KV + kvs.stop]
     if a["qk_norm"]:
         q, k = rms_rows(q, norms[0], a["eps"], dtype), rms_rows(k, norms[1], a["eps"], dtype)
-    pos = seq_lens(indptr, last, ps)[b0:b1] - 1
-    if bool((pos < 0).any()):
-        raise ValueError("rope_append: a sequence of the batch has no pages (length 0); the caller must "
-                         "grow the page table by the decoded token before the step")
+    pos = checked_lens(indptr, indices, last, ps, cache.shape[2])[b0:b1] - 1
+    bad = torch.nonzero((pos < 0) | (pos >= cos_sin.shape[0])).flatten()
+    if len(bad):  # the GPU tasks report the same (BadInputCode kBadPosition)
+        from mpk.errors import BadInputError
+
+        b = b0 + int(bad[0])
+        raise BadInputError(f"rope_append: decode position {int(pos[bad[0]])} of sequence {b} is outside the rope "
+                            f"table's {cos_sin.shape[0]} positions: the page table must count the token being decoded "
+                            "(PagedKVCache.grow(1) before each step) and stay within the model's max_len")
     cs = cos_sin[pos].float()
     cos, sin = torch.cat([cs[:, : D // 2]] * 2, -1)[:, None], torch.cat([cs[:, D // 2:]] * 2, -1)[:, None]
 
@@ -175,7 +214,7 @@ def _partial_cpu(sig: OpSig, rect, xs):
     final, C, G = _chunks(sig)
     ps = a["page_size"]
     (b0, b1), (k0, k1) = rect[0], rect[1]
-    lens = seq_lens(indptr, last, ps)
+    lens = checked_lens(indptr, indices, last, ps, cache.shape[2])
     out = torch.empty(tuple(h - lo for lo, h in rect), dtype=torch.float32)
     for i, b in enumerate(range(b0, b1)):
         n = int(lens[b])

@@ -83,7 +83,7 @@ struct RuntimeArgs {
   unsigned long long* jit_head;      // per worker, stride 16: the consumer's head (debug checks)
   unsigned* done;                    // set once the last iteration's end event fired
   volatile int* status;              // host-mapped: kStatusWords per worker, then per scheduler
-  volatile int* abort_flag;          // host-mapped: the watchdog asks everyone to stop
+  volatile int* abort_flag;          // host-mapped: the latest launch (epoch) the watchdog stopped
   ProfileRecord* profile;            // null unless profiling: profile_capacity per worker
   unsigned long long* profile_count;
   int profile_capacity;
