@@ -16,7 +16,10 @@ eager path on the same tokens and reports the largest logit difference.
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -28,6 +31,17 @@ RANDOM = {
     "llama-tiny": LLMConfig(family="llama", hidden=256, inter=512, layers=2, heads=8, kv_heads=2, head_dim=64,
                             vocab=1000, tied=True, eps=1e-5, rope_theta=5e5, max_position=4096),
 }
+
+
+def _eos_ids(model_dir: str, tokenizer_eos: int | None) -> set[int]:
+    """The ids that end generation: the tokenizer's end-of-sequence token and those the
+    checkpoint's generation_config.json names (Llama 3 instruct models stop at several)."""
+    ids = {tokenizer_eos} if tokenizer_eos is not None else set()
+    config = Path(model_dir) / "generation_config.json"
+    if config.exists():
+        named = json.loads(config.read_text()).get("eos_token_id")
+        ids |= set(named if isinstance(named, list) else [named] if named is not None else [])
+    return ids
 
 
 def main(argv=None) -> int:
@@ -49,7 +63,7 @@ def main(argv=None) -> int:
         ap.error(f"--page-size {args.page_size}: expected a power of two in 1…256")
     device = "cuda" if args.executor == "gpu" else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    tokenizer, eos = None, None
+    tokenizer, eos = None, set()
     if args.prompt is not None:
         if not args.model:
             ap.error("--prompt needs --model: the text is tokenized by the checkpoint's tokenizer")
@@ -59,7 +73,7 @@ def main(argv=None) -> int:
             ap.error("--prompt needs transformers (pip install transformers) for the checkpoint's tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
         args.prompt_ids = tokenizer(args.prompt)["input_ids"]
-        eos = tokenizer.eos_token_id
+        eos = _eos_ids(args.model, tokenizer.eos_token_id)
         if not args.prompt_ids:
             ap.error(f"--prompt {args.prompt!r} tokenizes to no tokens")
     max_len = len(args.prompt_ids) + args.steps
@@ -73,7 +87,7 @@ def main(argv=None) -> int:
     step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False, options={"executor": args.executor})
     kv = PagedKVCache(model, 1, max_len, args.page_size)
     ref_kv = PagedKVCache(model, 1, max_len, args.page_size) if args.check else None
-    tokens, generated, times, worst = list(args.prompt_ids), [], [], 0.0
+    tokens, generated, times, worst, shown = list(args.prompt_ids), [], [], 0.0, ""
     with torch.no_grad():
         for i in range(max_len - 1):
             kv.grow(1)
@@ -89,8 +103,14 @@ def main(argv=None) -> int:
             if i + 1 >= len(args.prompt_ids):
                 generated.append(nxt)
                 tokens.append(nxt)
-                if nxt == eos:
+                if tokenizer is not None:  # the text so far, as it grows
+                    text = tokenizer.decode(generated, skip_special_tokens=True)
+                    print(text[len(shown):], end="", flush=True, file=sys.stderr)
+                    shown = text
+                if nxt in eos:
                     break
+    if tokenizer is not None:
+        print(file=sys.stderr)
     print(f"generated ids: {generated}")
     if tokenizer is not None:
         print(f"text: {tokenizer.decode(args.prompt_ids + generated, skip_special_tokens=True)}")

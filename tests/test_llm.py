@@ -421,13 +421,14 @@ def test_decode_example_takes_text_through_the_checkpoint_tokenizer(tmp_path, ca
     prompt = " ".join(random.sample(words, 3))
     capsys.readouterr()
     assert module.main(["--model", str(tmp_path), "--prompt", prompt, "--steps", "6", "--executor", "cpu"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     ids = ast.literal_eval(out.split("generated ids: ")[1].splitlines()[0])
     text = out.split("text: ")[1].splitlines()[0]
     assert 1 <= len(ids) <= 6 and (len(ids) == 6 or ids[-1] == tok.eos_token_id)
     assert tok.eos_token_id not in ids[:-1]  # it stopped at the first one
     assert text == tok.decode([vocab[w] for w in prompt.split()] + ids, skip_special_tokens=True)
     assert text.startswith(prompt)
+    assert tok.decode(ids, skip_special_tokens=True) in err  # streamed as it was generated
     # the same prompt with the first generated token as end-of-sequence: one token, then stop
     first = {i: w for w, i in vocab.items()}[ids[0]]
     transformers.PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", eos_token=first).save_pretrained(tmp_path)
@@ -435,6 +436,17 @@ def test_decode_example_takes_text_through_the_checkpoint_tokenizer(tmp_path, ca
     assert ast.literal_eval(capsys.readouterr().out.split("generated ids: ")[1].splitlines()[0]) == ids[:1]
     with pytest.raises(SystemExit):  # text without a checkpoint's tokenizer
         module.main(["--random", "llama-tiny", "--prompt", prompt, "--executor", "cpu"])
+
+
+def test_decode_example_stops_at_every_eos_id_the_checkpoint_names(tmp_path):
+    """Generation ends at the tokenizer's end-of-sequence id and at those generation_config.json
+    lists (one id or several, as Llama 3 instruct checkpoints do)."""
+    module = _decode_example()
+    assert module._eos_ids(str(tmp_path), 1) == {1}
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, 9]}')
+    assert module._eos_ids(str(tmp_path), 1) == {1, 7, 9}
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 7}')
+    assert module._eos_ids(str(tmp_path), None) == {7}
 
 
 def test_attention_must_read_the_appended_q():

@@ -312,7 +312,12 @@ class GpuExecutor:
 
     # --- running ------------------------------------------------------------------------------
     def launch(self, args: Sequence[torch.Tensor], iterations: int = 1) -> torch.cuda.Event:
-        """Bind, reset and launch asynchronously on the current stream; returns a done-event."""
+        """Bind, reset and launch asynchronously on the executor's device's current stream
+        (whichever device is current on the calling thread); returns a done-event."""
+        with torch.cuda.device(self.device):  # the driver calls act on the thread's current context
+            return self._launch(args, iterations)
+
+    def _launch(self, args: Sequence[torch.Tensor], iterations: int) -> torch.cuda.Event:
         if not isinstance(iterations, int) or not 1 <= iterations < 2 ** 31:
             raise ValueError(f"iterations={iterations!r}; expected an integer in [1, 2^31)")
         self.check_inputs()  # a report of an earlier launch not waited on
@@ -402,6 +407,10 @@ class GpuExecutor:
         construct with ``tile_kernel=True``)."""
         if self.tile_kernel is None:
             raise MpkError("this executor was built without the tile kernel: pass tile_kernel=True")
+        with torch.cuda.device(self.device):
+            self._run_tile_kernel(op, args)
+
+    def _run_tile_kernel(self, op: int, args: Sequence[torch.Tensor]) -> None:
         self.check_inputs()
         self._bind(args)
         self.epoch += 1
@@ -426,8 +435,14 @@ class GpuExecutor:
                  f"({len(self.t.tasks)} tasks, {iterations} iteration(s), {self.num_workers} workers, "
                  f"{self.num_schedulers} schedulers)."]
         counters = None
-        if exited:
-            counters = self.d_zero[self._offset("counters"): self._offset("counters") + len(self.t.events)].cpu().numpy()
+        # a launch queued after this one has reset the counters (and a copy on the launch stream
+        # would wait for that launch, which may hang too): read them only where none was
+        later = getattr(done, "mpk_epoch", self.epoch) < self.epoch
+        if exited and not later:
+            side = torch.cuda.Stream(self.device)  # ordered after nothing the stream still holds
+            with torch.cuda.stream(side):
+                counters = self.d_zero[self._offset("counters"): self._offset("counters") + len(self.t.events)].cpu()
+            counters = counters.numpy()
         waited: dict[int, list[int]] = {}
         for w in range(self.num_workers):
             st = status[w]
@@ -448,6 +463,9 @@ class GpuExecutor:
                              f"workers {ws[:8]}{' …' if len(ws) > 8 else ''}")
             lines.append("  the kernel observed the abort flag and exited: the process and its CUDA context "
                          "stay usable (intermediate buffers hold partial results).")
+        elif exited:
+            lines.append("  the kernel observed the abort flag and exited (a launch queued after it runs next; its "
+                         "own wait reports it if it hangs too): the process and its CUDA context stay usable.")
         else:
             lines.append("  the kernel did not exit within 10 s of the abort request (a task itself does not "
                          "terminate); the CUDA context may be unusable until the process exits.")
