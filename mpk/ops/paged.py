@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from mpk.errors import BadInputError
 from mpk.ops.registry import OpDef, OpSig, register
 
 LOG2E = 1.4426950408889634
@@ -50,8 +51,6 @@ def checked_lens(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page
     sequence with pages must fill 1…page_size slots of its last one, and its pages must be
     pages of the cache. (The CUDA tasks trust the table's entries, as FlashInfer's do; this is
     what the eager path and the CPU interpreter check.)"""
-    from mpk.errors import BadInputError
-
     indptr, last = kv_indptr.long(), kv_last_page_len.long()
     pages = indptr[1:] - indptr[:-1]
     bad = torch.nonzero(pages < 0).flatten()
@@ -160,8 +159,6 @@ def _rope_rows(a: dict, dtype: torch.dtype, rows, heads, xs, append: bool) -> to
     pos = checked_lens(indptr, indices, last, ps, cache.shape[2])[b0:b1] - 1
     bad = torch.nonzero((pos < 0) | (pos >= cos_sin.shape[0])).flatten()
     if len(bad):  # the GPU tasks report the same (BadInputCode kBadPosition)
-        from mpk.errors import BadInputError
-
         b = b0 + int(bad[0])
         raise BadInputError(f"rope_append: decode position {int(pos[bad[0]])} of sequence {b} is outside the rope "
                             f"table's {cos_sin.shape[0]} positions: the page table must count the token being decoded "

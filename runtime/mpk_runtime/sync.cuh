@@ -59,8 +59,9 @@ struct Spin {
     if (polls > (1 << 14)) __nanosleep(64);
     if ((polls & 1023) == 0) {
       if (status) status[kStSpins] = static_cast<int>(polls >> 10);
-      // this launch, or a later one queued behind it, was stopped (a launch after the stopped
-      // one runs: the flag is never reset, so it cannot race with a launch still queued)
+      // the watchdog stopped this launch or a later one (which stops an earlier one still
+      // running too); a launch queued after the stopped one runs: the flag is never reset, so
+      // no reset can race with a launch still queued
       if (*a.abort_flag >= a.epoch) return true;
 #ifdef MPK_DEBUG
       if (polls > MPK_MAX_SPINS) {
