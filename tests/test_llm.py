@@ -217,9 +217,9 @@ def test_tokens_must_match_the_page_table():
 
 
 def test_token_id_outside_the_vocabulary_is_named():
-    """The compiled decode step (CPU interpreter) refuses a token id outside the vocabulary
-    with BadInputError naming the id, its sequence and the vocabulary size (the GPU executor
-    raises the same: tests/test_gpu_decode.py)."""
+    """The compiled decode step (CPU interpreter) and the eager path refuse a token id outside
+    the vocabulary with BadInputError naming the id, its sequence and the vocabulary size (the
+    GPU executor raises the same: tests/test_gpu_decode.py)."""
     from mpk.errors import BadInputError
 
     cfg = small("qwen3")
@@ -228,9 +228,10 @@ def test_token_id_outside_the_vocabulary_is_named():
     kv = PagedKVCache(model, 3, 16, 4)
     kv.grow(1)
     bad = random.choice([cfg.vocab, cfg.vocab + random.randrange(1000), -1])
-    with torch.no_grad(), pytest.raises(BadInputError, match=rf"token id {bad} at row 1 is outside the embedding "
-                                                             rf"table's {cfg.vocab} rows \[0, {cfg.vocab}\)"):
-        step(torch.tensor([0, bad, 5]), *kv.args())
+    for run in (step, model):  # compiled, and the eager path alike
+        with torch.no_grad(), pytest.raises(BadInputError, match=rf"token id {bad} at row 1 is outside the "
+                                                                 rf"embedding table's {cfg.vocab} rows \[0, {cfg.vocab}\)"):
+            run(torch.tensor([0, bad, 5]), *kv.args())
 
 
 # tiles that split query heads off their groups (rope_append [1, 3, 1] over 4 heads in groups

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import mpk.frontend.fused_ops  # noqa: F401  (registers torch.ops.mpk.*)
-from mpk.errors import ConfigError, MpkError
+from mpk.errors import BadInputError, ConfigError, MpkError
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -230,6 +230,12 @@ class DecoderLM(nn.Module):
             raise ValueError(f"tokens {tuple(tokens.shape)}, kv_indptr {tuple(kv_indptr.shape)}, kv_last_page_len "
                              f"{tuple(kv_last_page_len.shape)}; expected [B], [B + 1] and [B]: one token per sequence "
                              "of the page table")
+        if not torch.compiler.is_compiling():  # eagerly: what the compiled step reports (BadInputError)
+            bad = torch.nonzero((tokens < 0) | (tokens >= self.cfg.vocab)).flatten()
+            if len(bad):
+                row = int(bad[0])
+                raise BadInputError(f"token id {int(tokens[row])} at row {row} is outside the embedding table's "
+                                    f"{self.cfg.vocab} rows [0, {self.cfg.vocab})")
         x = torch.nn.functional.embedding(tokens, self.embed)
         for layer in self.layers:
             x = layer(x, self.cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache, self.num_splits)
