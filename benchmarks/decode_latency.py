@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer import SHAPES, copy_bandwidth, floor_ms, kv_bytes, time_peer, time_step, weight_bytes  # noqa: E402
 
-from mpk.backend import COMPILED, RUNNERS  # noqa: E402
+from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
 from mpk.megakernel.timeline import breakdown as timeline_breakdown  # noqa: E402
 from mpk.megakernel.timeline import timeline_svg  # noqa: E402
 from mpk.models.llm import SHAPES as MODELS  # noqa: E402
@@ -56,7 +56,7 @@ def breakdown(compiled, trace_path: Path | None = None) -> dict:
 
     runner = RUNNERS[id(compiled)]
     ex = GpuExecutor(compiled.tables, profile=True, profile_capacity=4096)
-    ex.run(runner.state["args"])
+    ex.run(last_args(runner))
     doc = ex.trace(trace_path)
     if trace_path is not None:
         timeline_svg(doc, trace_path.with_suffix(".svg"), title=trace_path.stem)

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_latency import add_step_args, compile_step, max_len, random_model  # noqa: E402
 
-from mpk.backend import COMPILED, RUNNERS  # noqa: E402
+from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
 from mpk.megakernel.gpu import GpuExecutor  # noqa: E402
 from mpk.models.llm import SHAPES  # noqa: E402
 
@@ -50,7 +50,7 @@ def records(model_name: str, batch: int, position: int, page_size: int, steps: i
         torch.cuda.synchronize()
         compiled = COMPILED[-1]
         ex = GpuExecutor(compiled.tables, profile=True, profile_capacity=4096)
-        args = RUNNERS[id(compiled)].state["args"]
+        args = last_args(RUNNERS[id(compiled)])
         ex.run(args)  # warm-up
         ops = compiled.tables.tasks["op"]
         for s in range(steps):

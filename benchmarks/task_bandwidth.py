@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer import SHAPES, copy_bandwidth  # noqa: E402
 
-from mpk.backend import COMPILED, RUNNERS  # noqa: E402
+from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
 
 
 class Linears(torch.nn.Module):
@@ -58,7 +58,7 @@ def per_iteration_ms(fn, args, k: int = 21) -> float:
         fn(*args)
     torch.cuda.synchronize()
     runner = RUNNERS[id(COMPILED[-1])]
-    ex, flat = runner.state["ex"], runner.state["args"]
+    ex, flat = runner.state["ex"], last_args(runner)
 
     def timed(iters: int) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

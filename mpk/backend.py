@@ -118,6 +118,14 @@ def _compile_with_fallback(gm: GraphModule, unsupported: set, opts: CompileOptio
     return fused
 
 
+def last_args(runner: Callable) -> list[Any]:
+    """The arguments of a GPU runner's last launch, while their owner still holds them."""
+    args = [a() if isinstance(a, weakref.ref) else a for a in runner.state["args"]]  # type: ignore[attr-defined]
+    if any(a is None for a in args):
+        raise MpkError("the last launch's arguments have been freed; run the compiled step again first")
+    return args
+
+
 def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
     if opts.executor == "gpu":
         from mpk.megakernel.gpu import GpuExecutor
@@ -129,7 +137,9 @@ def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
             if "ex" not in state:
                 state["ex"] = GpuExecutor(compiled.tables, timeout_s=opts.timeout_s,
                                           profile=opts.profile_dir is not None)
-            state["args"] = args  # the last launch's arguments (benchmarks re-run them profiled)
+            # the last launch's arguments (benchmarks re-run them profiled: last_args), weakly: the
+            # compiled step outlives a decode loop and must not keep its KV cache alive
+            state["args"] = [weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in args]
             out = state["ex"].run(args, wait=opts.sync)
             if opts.profile_dir:
                 Path(opts.profile_dir).mkdir(parents=True, exist_ok=True)

@@ -237,6 +237,30 @@ def test_step_without_grow_is_reported_and_the_process_stays_usable(options):
         assert out.isfinite().all() and torch.equal(out, step(tokens, *ref.args()))
 
 
+def test_compiled_step_does_not_keep_a_dropped_cache_alive():
+    """The compiled step outlives a decode loop; it must not hold the loop's KV cache (GBs at
+    full size): once the caller drops its cache, the memory is free, and a step on a new cache
+    runs as on the first."""
+    import gc
+
+    model = DecoderLM(small("llama"), torch.bfloat16, DEV, max_len=256).randomize(seed=random.randrange(1 << 30))
+    step = _gpu_compile(model)
+    tokens = torch.randint(0, model.cfg.vocab, (4,), device=DEV)
+    with torch.no_grad():
+        kv = PagedKVCache(model, 4, 256, 16)
+        kv.grow(1)
+        first = step(tokens, *kv.args()).clone()
+        torch.cuda.synchronize()
+        size = kv.cache.numel() * kv.cache.element_size()
+        before = torch.cuda.memory_allocated()
+        del kv
+        gc.collect()
+        assert before - torch.cuda.memory_allocated() >= size
+        kv = PagedKVCache(model, 4, 256, 16)
+        kv.grow(1)
+        assert torch.equal(step(tokens, *kv.args()), first)
+
+
 # (16, 12288): a qwen3-8b MLP at batch 16; (3, 1000, 3): tile bounds off 8-element words, the general path
 @pytest.mark.parametrize("rows,n,tiles,variant", [(1, 8192, 8, 1), (16, 12288, 128, 1), (3, 1000, 3, 0), (5, 528, 2, 1)])
 def test_silu_mul_matches_float64(rows, n, tiles, variant):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import json
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -241,8 +242,15 @@ class GpuExecutor:
         # re-checking a few hundred of them cost ~0.5–1 ms of host time per launch
         self._input_plan = [(b, int(t.buffers[b]["input_index"]))
                             for b in np.nonzero(t.buffers["role"] == ROLE_INPUT)[0].tolist()]
-        self._bound_args: list[torch.Tensor] | None = None  # None: the next launch binds in full
+        # The executor holds no argument beyond its launch (a decode loop's KV cache is GBs, and
+        # the compiled step outlives the loop): the last bound arguments as weak references, and
+        # an argument that an output passes through (a cache written in place) only from its bind
+        # until outputs() has viewed it. The launch reads them in stream order, as any op does.
+        self._bound_args: list[weakref.ref] | None = None  # None: the next launch binds in full
         self._bound_keys: list[tuple[int, torch.Size, tuple[int, ...]]] = []
+        self._input_ptrs: dict[int, int] = {}  # buffer -> the bound argument's address
+        outputs_of = {int(self.t.views[o["view"]]["buffer"]) for o in t.meta["outputs"] if "value" not in o}
+        self._passthrough = [(b, i) for b, i in self._input_plan if b in outputs_of]
 
     def _jit_ring_capacity(self, jit_events: np.ndarray) -> int:
         """Pushes one worker's ring can receive in one iteration, at most: a scheduler hands each
@@ -277,9 +285,12 @@ class GpuExecutor:
         if len(args) != len(self._input_plan):
             raise ValueError(f"the compiled graph takes {len(self._input_plan)} tensor arguments, got {len(args)}")
         keys = [(a.data_ptr(), a.shape, a.stride()) for a in args]
-        if self._bound_args is not None and all(a is b for a, b in zip(args, self._bound_args)) \
+        if self._bound_args is not None and all(a is r() for a, r in zip(args, self._bound_args)) \
                 and keys == self._bound_keys:
-            return  # the tensors bound last time, unmoved, unresized, unrestrided: checked then, in the table now
+            # the tensors bound last time, unmoved, unresized, unrestrided: checked then, in the table now
+            for b, i in self._passthrough:
+                self.buffers[b] = args[i]
+            return
         copied, bound = False, {}
         for b, i in self._input_plan:
             a = args[i]
@@ -295,12 +306,14 @@ class GpuExecutor:
                                  "16-byte aligned, which its tasks' vector loads need; pass a fresh tensor "
                                  "(e.g. .clone()) instead of an offset view")
             bound[b] = c
-        for b, c in bound.items():  # all checked: none of a refused call's tensors stays bound
-            self.buffers[b] = c
+        # all checked: nothing of a refused call is bound
+        self._input_ptrs = {b: c.data_ptr() for b, c in bound.items()}
+        for b, _ in self._passthrough:
+            self.buffers[b] = bound[b]
         # a strided argument was copied: the next launch must copy it again (its values may change)
-        self._bound_args = None if copied else list(args)
+        self._bound_args = None if copied else [weakref.ref(a) for a in args]
         self._bound_keys = keys
-        ptrs = [buf.data_ptr() if buf is not None else 0 for buf in self.buffers]
+        ptrs = [self._input_ptrs.get(b, 0) if buf is None else buf.data_ptr() for b, buf in enumerate(self.buffers)]
         if ptrs == self._bound_ptrs:  # the module's table still holds them
             return
         self._bound_ptrs = ptrs
@@ -390,10 +403,15 @@ class GpuExecutor:
             v = self.t.views[o["view"]]
             nd = int(v["ndim"])
             buf = self.buffers[int(v["buffer"])]
+            if buf is None:
+                raise MpkError("outputs() passes an argument through, which the executor holds only until the "
+                               "first outputs() after a launch: take the outputs once per launch")
             view = view_of(buf.reshape(-1), [int(s) for s in v["shape"][:nd]], [int(s) for s in v["strides"][:nd]],
                            int(v["offset"]))
             # intermediates are reused by the next launch: hand out copies (inputs pass through)
             out.append(view if self.t.buffers[int(v["buffer"])]["role"] == ROLE_INPUT else view.clone())
+        for b, _ in self._passthrough:  # the caller holds what it passed in; the executor lets go
+            self.buffers[b] = None
         if self._last_done is not None:
             # the next launch, on whichever stream, waits for these copies too, not just the kernel
             done = torch.cuda.Event()
