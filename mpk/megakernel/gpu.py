@@ -91,10 +91,9 @@ class GpuExecutor:
             raise ExecutorUnavailableError("the gpu executor needs a CUDA device; use executor='cpu'")
         if validate_tables:
             validate(tables)
-        for name, value in (("num_workers", num_workers), ("scheduler_ctas", scheduler_ctas)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0
-                                      or (name == "num_workers" and value == 0)):
-                raise MpkError(f"{name}={value!r}; expected None or an integer >= {1 if name == 'num_workers' else 0}")
+        for name, value, least in (("num_workers", num_workers, 1), ("scheduler_ctas", scheduler_ctas, 0)):
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+                raise MpkError(f"{name}={value!r}; expected None or an integer >= {least}")
         if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
             raise MpkError(f"timeout_s={timeout_s!r}; expected a finite number of seconds > 0")
         if profile and not (isinstance(profile_capacity, int) and profile_capacity > 0):

@@ -349,20 +349,18 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, devic
     return model
 
 
+def _is_count(value: Any, least: int = 0) -> bool:
+    """``value`` is an int (not a bool) ≥ ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 def _check_model_args(dtype: torch.dtype, max_len: int | None, num_splits: int) -> None:
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype={dtype!r}; expected a floating-point torch dtype (torch.bfloat16, float16, float32)")
-    if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1):
+    if max_len is not None and not _is_count(max_len, 1):
         raise ValueError(f"max_len={max_len!r}; expected None (the config's max_position) or an int ≥ 1")
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
+    if not _is_count(num_splits):
         raise ValueError(f"num_splits={num_splits!r}; expected an int ≥ 0 (0: the compiler picks)")
-
-
-def _count(value: Any, what: str) -> int:
-    """``value`` as a count (an int ≥ 0, not a bool), or a ValueError naming ``what``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{what}={value!r}; expected an int ≥ 0")
-    return value
 
 
 def _few(names: list[str], n: int = 6) -> str:
@@ -382,11 +380,10 @@ class PagedKVCache:
     """
 
     def __init__(self, model: DecoderLM, batch: int, max_len: int, page_size: int):
-        _count(page_size, "page_size")
-        if page_size & (page_size - 1) or not 1 <= page_size <= 256:
-            raise ValueError(f"page_size {page_size}; expected a power of two in 1…256")
-        if _count(batch, "batch") < 1 or _count(max_len, "max_len") < 1:
-            raise ValueError(f"batch {batch}, max_len {max_len}; expected both ≥ 1")
+        if not _is_count(page_size, 1) or page_size & (page_size - 1) or page_size > 256:
+            raise ValueError(f"page_size {page_size!r}; expected a power of two in 1…256")
+        if not (_is_count(batch, 1) and _is_count(max_len, 1)):
+            raise ValueError(f"batch {batch!r}, max_len {max_len!r}; expected both ints ≥ 1")
         positions = model.cos_sin.shape[0]
         if max_len > positions:  # rope reads row len − 1 of the table; past it the step would fault
             raise ValueError(f"max_len {max_len} exceeds the model's rope table of {positions} positions; build "
@@ -416,8 +413,7 @@ class PagedKVCache:
         """Count ``n`` more tokens in every sequence, or ``n[b]`` in sequence b (the next decode
         step writes each sequence's last token). A refused grow changes nothing."""
         counts = list(n) if isinstance(n, (list, tuple)) else [n] * self.batch
-        if len(counts) != self.batch or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0
-                                                for k in counts):
+        if len(counts) != self.batch or not all(_is_count(k) for k in counts):
             raise ValueError(f"grow({n!r}); expected a count ≥ 0 (an int) or one per sequence ({self.batch})")
         for b, k in enumerate(counts):
             if self.lens[b] + k > self.max_len:
