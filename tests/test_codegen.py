@@ -371,21 +371,92 @@ int main() {
 """
 
 
+def _run_host_program(tmp_path, source: str, stdin: str) -> str:
+    """Compile ``source`` (host code that includes the task headers) with nvcc, run it here on
+    ``stdin``, return its stdout: the task code's arithmetic checked on a CPU machine."""
+    src = tmp_path / "program.cu"
+    src.write_text(source)
+    exe = tmp_path / "program"
+    res = subprocess.run([build.nvcc_path(), "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+                          *[f"-I{d}" for d in build.INCLUDE_DIRS], "-o", str(exe), str(src)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
 @needs_nvcc
 def test_fast_div_in_cuda_matches_integer_division(tmp_path):
     """common.cuh's fast_div (host code compiled by nvcc and run here) with codegen's magic
     numbers divides exactly: the tile bounds every task computes on its way in."""
-    src = tmp_path / "fast_div.cu"
-    src.write_text(_FAST_DIV)
-    exe = tmp_path / "fast_div"
-    res = subprocess.run([build.nvcc_path(), "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
-                          *[f"-I{d}" for d in build.INCLUDE_DIRS], "-o", str(exe), str(src)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
     cases = _divisor_cases(200)
     lines = "".join(f"{g} {fast_divisor(g)[0]} {fast_divisor(g)[1]} {x}\n" for g, x in cases)
-    run = subprocess.run([str(exe)], input=lines, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == [str(len(cases)), "0"]
+    assert _run_host_program(tmp_path, _FAST_DIV, lines).split() == [str(len(cases)), "0"]
+
+
+_SPAN_FAULT = r"""
+#include <cstdio>
+#include "mpk_tasks/paged_attention.cuh"
+// Reads "b p0 p1 tail n page_size" lines; prints span_fault's code, row, value, limit and
+// span_ok for each.
+int main() {
+  long long b, p0, p1, tail, n;
+  int page_size;
+  while (scanf("%lld %lld %lld %lld %lld %d", &b, &p0, &p1, &tail, &n, &page_size) == 6) {
+    const mpk::SpanFault f = mpk::span_fault(b, p0, p1, tail, n, page_size);
+    printf("%d %lld %lld %lld %d\n", f.code, f.row, f.value, f.limit, mpk::span_ok(p0, p1, tail, n, page_size));
+  }
+}
+"""
+
+
+@needs_nvcc
+def test_page_span_check_in_cuda_agrees_with_checked_lens(tmp_path):
+    """paged_attention.cuh's span_ok, which the GPU tasks apply to each sequence's kv_indptr /
+    kv_last_page_len entries before they follow them, refuses a table exactly where
+    mpk.ops.paged.checked_lens (the eager path's check) does, and span_fault, what they then
+    report, names an entry that is wrong: fresh random tables with one entry corrupted, or none."""
+    from mpk.errors import BadInputError
+    from mpk.ops.paged import checked_lens
+
+    rng = random.Random()
+    tables, lines = [], []
+    for _ in range(300):
+        page_size, batch = 2 ** rng.randrange(9), rng.randint(1, 6)
+        counts = [rng.choice([0, 1, rng.randint(1, 9)]) for _ in range(batch)]
+        indptr = [0]
+        for k in counts:
+            indptr.append(indptr[-1] + k)
+        n = indptr[-1] + rng.randint(0, 3)
+        last = [rng.randint(1, page_size) if k else rng.randint(-2, page_size + 2) for k in counts]
+        what = rng.choice(["none", "indptr", "last"])
+        if what == "indptr":
+            indptr[rng.randrange(batch + 1)] = rng.choice([-1 - rng.randrange(5), n + 1 + rng.randrange(5),
+                                                           rng.randint(0, n)])
+        elif what == "last":
+            last[rng.randrange(batch)] = rng.choice([0, -rng.randrange(1, 4), page_size + 1 + rng.randrange(4)])
+        tables.append((page_size, indptr, last, n))
+        lines += [f"{b} {indptr[b]} {indptr[b + 1]} {last[b]} {n} {page_size}" for b in range(batch)]
+    faults = iter(tuple(int(x) for x in line.split())
+                  for line in _run_host_program(tmp_path, _SPAN_FAULT, "\n".join(lines) + "\n").splitlines())
+    refused = 0
+    for page_size, indptr, last, n in tables:
+        found = [next(faults) for _ in last]
+        for b, (code, row, value, limit, ok) in enumerate(found):
+            assert code in (0, 3, 4) and ok == (code == 0), (code, ok)
+            if code == 3:  # kBadPageSpan names the kv_indptr entry
+                assert row in (b, b + 1) and value == indptr[row] and limit == n
+            elif code == 4:  # kBadLastPageLen
+                assert row == b and value == last[b] and limit == page_size and indptr[b + 1] > indptr[b]
+        try:
+            checked_lens(torch.tensor(indptr), torch.zeros(n, dtype=torch.int64), torch.tensor(last), page_size, 1)
+            ok = True
+        except BadInputError:
+            ok = False
+        assert ok == all(f[0] == 0 for f in found), (page_size, indptr, last, n, found)
+        refused += not ok
+    assert 50 < refused < 250  # both sides of the check were exercised
+    assert next(faults, None) is None
 
 
 @needs_nvcc

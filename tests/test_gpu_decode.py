@@ -498,6 +498,75 @@ def test_fused_rope_attention_matches_eager(page_size, dim, splits, qk_norm, com
     assert (dev_args[5].cpu() != before).any()  # the step's k/v were appended
 
 
+# (fault, the sequences whose k/v the step must still append): one entry of a good table made
+# bad — a page past the cache (the last page of sequence 1: where its append would go), a
+# negative page (sequence 2's last), a page past the cache that only attention reads (sequence
+# 3's second), kv_indptr's end past kv_indices, kv_indptr decreasing at its end, a last page
+# longer than a page, and one of no positions
+_TABLE_FAULTS = [("page_past_cache", (0, 2, 3)), ("negative_page", (0, 1, 3)), ("middle_page", (0, 1, 2, 3)),
+                 ("indptr_past_indices", (0, 1, 2)), ("indptr_decreases", (0, 1, 2)),
+                 ("long_last_page", (1, 2, 3)), ("empty_last_page", (0, 2, 3))]
+
+
+@pytest.mark.parametrize("fused,splits", [(True, 2), (False, 0)])
+def test_bad_page_table_is_reported_and_nothing_is_written_outside(fused, splits):
+    """A page table the tasks cannot follow — page ids outside the cache, kv_indptr entries
+    outside kv_indices or decreasing, a last page's length outside 1…page_size — raises
+    BadInputError naming the entry; the step writes no slot but the new tokens' of the
+    sequences whose table is intact (the cache has a layer on each side of the step's, where
+    an id just outside the cache would land), and the same compiled step then runs a good table
+    as mpk's eager ops do."""
+    from mpk.errors import BadInputError
+
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    page_size, heads, kv_heads, dim, layer = 4, 8, 2, 64, 1
+    lens = [1, 37, 2 * page_size + 5, 3 * page_size]
+    pages, indptr, indices, last, num_pages = random_page_table(lens, page_size, g)
+    cache = torch.randn(3, 2, num_pages, kv_heads, page_size, dim, generator=g).bfloat16()
+    qkv = (3 * torch.randn(len(lens), (heads + 2 * kv_heads) * dim, generator=g)).bfloat16()
+    angles = 10 * torch.rand(64, dim // 2, generator=g)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], -1).bfloat16()
+
+    def step(qkv, cos_sin, indptr, indices, last, cache):
+        q = torch.ops.mpk.rope_append(qkv, cos_sin, indptr, indices, last, cache, None, None, layer, heads, kv_heads,
+                                      1e-6)
+        return torch.ops.mpk.paged_attention(q, cache, indptr, indices, last, layer, dim ** -0.5, splits)
+
+    fn = _gpu_compile(step, **({} if fused else UNFUSED))
+    good = [t.to(DEV) for t in (qkv, cos_sin, indptr, indices, last)]
+    for fault, appending in _TABLE_FAULTS:
+        bad_indptr, bad_indices, bad_last = indptr.clone(), indices.clone(), last.clone()
+        if fault == "page_past_cache":
+            bad_indices[indptr[2] - 1], expected = num_pages, rf"page id \(a kv_indices entry\) {num_pages} at row 1 "
+        elif fault == "negative_page":
+            bad_indices[indptr[3] - 1], expected = -1, r"page id \(a kv_indices entry\) -1 at row 2 "
+        elif fault == "middle_page":
+            bad_indices[indptr[3] + 1], expected = num_pages + 5, rf"page id \(a kv_indices entry\) {num_pages + 5} at row 3 "
+        elif fault == "indptr_past_indices":
+            bad_indptr[4], expected = len(indices) + 1, rf"kv_indptr entry {len(indices) + 1} at row 4 "
+        elif fault == "indptr_decreases":
+            bad_indptr[4], expected = indptr[3] - 1, rf"kv_indptr entry {int(indptr[3]) - 1} at row 4 "
+        elif fault == "long_last_page":
+            bad_last[0], expected = page_size + 1, rf"kv_last_page_len {page_size + 1} at row 0 "
+        else:
+            bad_last[1], expected = 0, r"kv_last_page_len 0 at row 1 "
+        dev_cache = cache.to(DEV)
+        with pytest.raises(BadInputError, match=expected + "is outside"):
+            fn(good[0], good[1], bad_indptr.to(DEV), bad_indices.to(DEV), bad_last.to(DEV), dev_cache)
+        after = dev_cache.cpu()
+        written = torch.zeros_like(after, dtype=torch.bool)
+        for b in appending:  # the new token's slot: position n − 1 of sequence b
+            written[layer, :, pages[b][(lens[b] - 1) // page_size], :, (lens[b] - 1) % page_size] = True
+        assert torch.equal(after[~written], cache[~written]), fault
+        assert (after[written] != cache[written]).any(), fault
+    ref_cache = cache.clone()
+    ref = step(qkv, cos_sin, indptr, indices, last, ref_cache)
+    dev_cache = cache.to(DEV)
+    out = fn(*good, dev_cache)
+    assert relative_error(out.cpu(), ref) <= BF16_TOL
+    assert relative_error(dev_cache.cpu().float(), ref_cache.float()) <= BF16_TOL
+
+
 def small(family: str, **kw) -> LLMConfig:
     base = dict(family=family, hidden=256, inter=512, layers=2, heads=8, kv_heads=2, head_dim=128 if family == "qwen3"
                 else 64, vocab=1000, tied=family == "llama", eps=1e-6, rope_theta=1e6 if family == "qwen3" else 5e5,

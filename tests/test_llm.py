@@ -504,8 +504,8 @@ def test_rope_stays_apart_when_attention_reads_other_tables():
 def test_paged_ops_refuse_bad_page_tables():
     """The paged ops name what the tasks cannot follow: a page size that is not a power of two,
     table tensors of the wrong shape, heads that do not group, and (where the table is read, eager
-    and on the CPU interpreter) entries outside the cache or the page — which the GPU tasks
-    would follow out of bounds."""
+    and on the CPU interpreter) entries outside the cache or the page (which the GPU tasks check
+    as they read them: tests/test_gpu_decode.py)."""
     from mpk.errors import BadInputError
 
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
@@ -521,6 +521,8 @@ def test_paged_ops_refuse_bad_page_tables():
         paged_attention(q, cache, indptr[:2], indices, last, 0, scale, 1)
     with pytest.raises(ValueError, match="layer 1; the cache has layers 0…0"):
         paged_attention(q, cache, indptr, indices, last, 1, scale, 1)
+    with pytest.raises(ValueError, match="the cache has 0 pages; expected at least one"):
+        paged_attention(q, cache[:, :, :0], indptr, indices, last, 0, scale, 1)
     with pytest.raises(ValueError, match="num_splits -1"):
         paged_attention(q, cache, indptr, indices, last, 0, scale, -1)
     for bad, message in [((indptr, indices, torch.tensor([5, 2], dtype=torch.int32)),

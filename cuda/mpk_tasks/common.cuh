@@ -503,11 +503,12 @@ struct InputGate;
 __device__ bool wait_gate(InputGate* gate);  // block-wide; false: the wait was abandoned (abort)
 
 // A graph input holding a value its task cannot take (a token id outside the embedding table, a
-// page table whose sequence does not count the token being decoded): the task skips that work,
-// so nothing is read or written out of bounds, and reports it. The first report
-// of a launch lands in a host-mapped record that the executor raises as BadInputError after the
-// launch (mpk/megakernel/gpu.py: BAD_INPUT_CODES); its epoch names the launch.
-enum BadInputCode : int { kBadTokenId = 1, kBadPosition = 2 };
+// page table whose sequence does not count the token being decoded, or whose entries lie outside
+// kv_indices, a page or the cache): the task skips that work, so nothing is read or written out
+// of bounds, and reports it. The first report of a launch lands in a host-mapped record that
+// the executor raises as BadInputError after the launch (mpk/megakernel/gpu.py:
+// BAD_INPUT_CODES); its epoch names the launch.
+enum BadInputCode : int { kBadTokenId = 1, kBadPosition = 2, kBadPageSpan = 3, kBadLastPageLen = 4, kBadPage = 5 };
 struct BadInputRecord {
   int epoch, code, out_buffer, unused;
   long long row, value, limit;

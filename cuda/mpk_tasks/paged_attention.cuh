@@ -25,16 +25,56 @@ struct SeqSpan {
   long long first_page, len;
 };
 
+// The tests a task applies to a page table before following it; host code too (a CPU test
+// checks them against mpk.ops.paged.checked_lens). span_ok: sequence b's kv_indptr entries p0,
+// p1 lie within kv_indices' n entries and do not decrease, and its last page holds 1…page_size
+// positions (tail; any where it has no pages). page_ok: the cache has the page.
+__host__ __device__ __forceinline__ bool span_ok(long long p0, long long p1, long long tail, long long n,
+                                                 int page_size) {
+  return p0 >= 0 && p0 <= p1 && p1 <= n &&
+         (p1 == p0 || static_cast<unsigned long long>(tail - 1) < static_cast<unsigned long long>(page_size));
+}
+__host__ __device__ __forceinline__ bool page_ok(long long page, long long num_pages) {
+  return static_cast<unsigned long long>(page) < static_cast<unsigned long long>(num_pages);
+}
+
+// What a span that is not span_ok reports: the kv_indptr entry outside kv_indices or below the
+// one before it (kBadPageSpan), or the last page's length (kBadLastPageLen); code 0: span_ok.
+struct SpanFault {
+  int code;
+  long long row, value, limit;
+};
+__host__ __device__ inline SpanFault span_fault(long long b, long long p0, long long p1, long long tail, long long n,
+                                                int page_size) {
+  if (p0 < 0 || p0 > n) return {kBadPageSpan, b, p0, n};
+  if (p1 < p0 || p1 > n) return {kBadPageSpan, b + 1, p1, n};
+  if (p1 > p0 && (tail < 1 || tail > page_size)) return {kBadLastPageLen, b, tail, page_size};
+  return {0, 0, 0, 0};
+}
+
+// The reports, out of line: the tasks' code holds only the tests and one call each (a task
+// whose code grows pays for fetching it in every layer).
+__device__ __noinline__ void report_span_fault(long long b, long long p0, long long p1, long long tail, long long n,
+                                               int page_size, int out_buffer) {
+  const SpanFault f = span_fault(b, p0, p1, tail, n, page_size);
+  report_bad_input(f.code, out_buffer, f.row, f.value, f.limit);
+}
+
 // Sequence b's span. I: the page table's integer type (int or long long; codegen checks that
-// its three tensors share it).
+// its three tensors share it). A span that is not span_ok is reported and taken as empty, so
+// that every entry of kv_indices a task looks up (for a position below len) is the sequence's.
 template <typename I>
-__device__ __forceinline__ SeqSpan seq_span(const TaskEnv& env, const ViewC& indptr, const ViewC& last, long long b,
-                                            int page_size) {
+__device__ __forceinline__ SeqSpan seq_span(const TaskEnv& env, const ViewC& indptr, const ViewC& indices,
+                                            const ViewC& last, long long b, int page_size, int out_buffer) {
   // three independent loads: one round trip
   const I* ip = static_cast<const I*>(env.buffers[indptr.buffer]) + indptr.offset;
   const long long p0 = ip[b * indptr.stride[0]], p1 = ip[(b + 1) * indptr.stride[0]];
   const long long tail = static_cast<const I*>(env.buffers[last.buffer])[last.offset + b * last.stride[0]];
-  return SeqSpan{p0, p1 <= p0 ? 0 : (p1 - p0 - 1) * page_size + tail};
+  if (!span_ok(p0, p1, tail, indices.shape[0], page_size)) {
+    report_span_fault(b, p0, p1, tail, indices.shape[0], page_size, out_buffer);
+    return SeqSpan{0, 0};
+  }
+  return SeqSpan{p0, p1 == p0 ? 0 : (p1 - p0 - 1) * page_size + tail};
 }
 
 // A sequence's page table, its pages from kv_indices[first_page] on: pages(t) is the page of
@@ -57,6 +97,28 @@ template <typename I>
 __device__ __forceinline__ long long page_of(const TaskEnv& env, const ViewC& indices, long long first_page,
                                              long long t, int shift) {
   return SeqPages<I>(env, indices, first_page, shift)(t);
+}
+
+// seq_span out of line, for a tile's sequences after its first (batch ≥ 2): a call each,
+// against code that every attention task fetches.
+template <typename I>
+__device__ __noinline__ SeqSpan next_span(const TaskEnv& env, const ViewC& indptr, const ViewC& indices,
+                                          const ViewC& last, long long b, int page_size, int out_buffer) {
+  return seq_span<I>(env, indptr, indices, last, b, page_size, out_buffer);
+}
+
+// Reports the first page of sequence b (len positions) that the cache does not have: a task
+// that met one (page_ok false) reads page 0 in its place, or skips the append, and calls this once.
+template <typename I>
+__device__ __noinline__ void report_bad_page(SeqPages<I> pages, long long len, long long num_pages, int out_buffer,
+                                             long long b) {
+  for (long long t = 0; t < len; t += 1LL << pages.shift) {
+    const long long page = pages(t);
+    if (!page_ok(page, num_pages)) {
+      report_bad_input(kBadPage, out_buffer, b, page, num_pages);
+      return;
+    }
+  }
 }
 
 __device__ __forceinline__ int log2_pow2(int x) { return 31 - __clz(x); }
@@ -156,13 +218,17 @@ __device__ __noinline__ void rope_append_impl(const OpC& c, const Rect& r, const
                    static_cast<long long>(head) * D;
     const T* wn = norm ? static_cast<const T*>(env.buffers[c.in[head < H ? 6 : 7].buffer]) + c.in[head < H ? 6 : 7].offset
                        : nullptr;
-    const SeqSpan s = seq_span<I>(env, indptr, last, b, page_size);
+    const SeqSpan s = seq_span<I>(env, indptr, indices, last, b, page_size, c.out_buffer);
     const long long pos = rope_position(s, cs, c.out_buffer, b);
     if (pos < 0) continue;
     RopeRow<kPer, T> x;
     x.load_consts(wn, rotate ? static_cast<const T*>(env.buffers[cs.buffer]) + cs.offset + pos * cs.stride[0] : nullptr);
     x.load(row);
     const long long page = head >= H ? page_of<I>(env, indices, s.first_page, pos, shift) : 0;
+    if (!page_ok(page, cache.shape[2])) {
+      report_bad_page(SeqPages<I>(env, indices, s.first_page, shift), s.len, cache.shape[2], c.out_buffer, b);
+      continue;
+    }
     if (rotate) x.rotate(norm, c.fparam[0]);
     const int kv = head < H + KV ? 0 : 1;
     x.store(head < H ? static_cast<T*>(env.buffers[c.out_buffer]) + (b * H + head) * static_cast<long long>(D)
@@ -468,8 +534,9 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   T* const slot0 = reinterpret_cast<T*>(red) + warp * 2 * kU * D;
   T* const slot1 = reinterpret_cast<T*>(norm_tile()) + warp * 2 * kU * D;
   const int ahead_steps = dynamic_smem_size() >= kSlotBytes ? 2 : 1;
-  // the cache's page and row strides, held in registers across the loop's asm memory clobbers
-  const long long page_stride = cache.stride[2], row_stride = cache.stride[4];
+  // the cache's page count, page and row strides, held in registers across the loop's asm
+  // memory clobbers
+  const long long num_pages = cache.shape[2], page_stride = cache.stride[2], row_stride = cache.stride[4];
   // after the slots: each warp's table of its step's row offsets (issue, below)
   static_assert(kAttnWarps * 2 * kU * D * sizeof(T) + kAttnWarps * kU * sizeof(long long) <= kScratchFloats * sizeof(float),
                 "the K/V slots and row tables fit the scratch area");
@@ -483,7 +550,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   const long long ch0 = kFinal ? 0 : r.lo[2];
   for (long long b = r.lo[0]; b < r.hi[0]; ++b) {
     const bool at_first = b == r.lo[0];  // the sequence whose page table attn_partial read before the gate
-    const SeqSpan span = at_first ? first.span : seq_span<I>(env, indptr, last, b, page_size);
+    const SeqSpan span = at_first ? first.span : next_span<I>(env, indptr, indices, last, b, page_size, c.out_buffer);
     const SeqPages<I> pages(env, indices, span.first_page, shift);
     for (long long kvh = r.lo[1]; kvh < r.hi[1]; ++kvh) {
       const T* head_base = kvbase + kvh * cache.stride[3];
@@ -495,6 +562,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
         const int ku = k.ku, stride = warps * ku;
         long long base = k.base;
         const int mine = lane % ku;  // the position of the step whose page this lane looks up
+        bool bad_page = false;       // this lane met a page outside the cache
         // the page of the step at ``at``'s position `mine`, clamped to the chunk (a step past it is
         // not issued, one running past it skips those rows): an unconditional load, whose value
         // nothing reads until the step is issued
@@ -506,9 +574,14 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
           const int valid = static_cast<int>(min(static_cast<long long>(ku), t1 - at));
           // lane u < ku publishes where position at + u's K row starts in the layer's cache (its V
           // row is stride[1] further) in the warp's table, and each copy reads its row's from there:
-          // one 64-bit multiply a row, not one a copy
+          // one 64-bit multiply a row, not one a copy. A page outside the cache is read as page 0
+          // (nothing out of bounds) and reported after the loop: the launch's outputs are not valid.
           __syncwarp();  // the last step's readers are done
-          if (lane < ku) rows_at[lane] = pg * page_stride + ((at + lane) & (page_size - 1)) * row_stride;
+          if (lane < ku) {
+            const bool ok = page_ok(pg, num_pages);
+            bad_page |= !ok;
+            rows_at[lane] = (ok ? pg : 0) * page_stride + ((at + lane) & (page_size - 1)) * row_stride;
+          }
           __syncwarp();
           // K rows, then V rows: the lanes take the kU·kPieces pieces of each in rounds (rows
           // past `valid` skipped), a piece's row and place shifts of its index. (Until session 37
@@ -545,8 +618,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
           const bool rotate = warp <= kG, norm = c.iparam[4] != 0 && rotate;
           const long long pos = rows ? rope_position(span, c.in[1], c.out_buffer, b) : -1;
           if (pos >= 0) {
-            const long long new_page = warp < kG ? 0
-                                       : at_first ? first.new_page : static_cast<long long>(pages(pos));
+            const long long new_page = warp < kG ? 0 : at_first ? first.new_page : static_cast<long long>(pages(pos));
             const ViewC &wnv = c.in[warp < kG ? 6 : 7], &cs = c.in[1];
             const T* crow = static_cast<const T*>(env.buffers[cs.buffer]) + cs.offset + pos * cs.stride[0];
             RopeRow<kPer, T> x;
@@ -556,7 +628,12 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
                    static_cast<long long>(head) * D);
             if (rotate) x.rotate(norm, c.fparam[1]);
             x.store(rope_rows + warp * D);
-            if (warp >= kG) x.store(cache_slot<T>(env, cache, c.iparam[0], warp - kG, new_page, kvh, pos, page_size));
+            if (warp >= kG) {
+              if (page_ok(new_page, num_pages))
+                x.store(cache_slot<T>(env, cache, c.iparam[0], warp - kG, new_page, kvh, pos, page_size));
+              else
+                bad_page = true;
+            }
           }
           __syncthreads();
         }
@@ -584,6 +661,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
         }
         // (one row: the same in a swizzled slot's layout)
         if (fresh && warp == 0) st.step(rope_rows + kG * D, rope_rows + (kG + 1) * D, 1);
+        if (bad_page) report_bad_page(pages, span.len, num_pages, c.out_buffer, b);
         __syncthreads();  // the states below overwrite the warps' K/V slots
         phase.mark(2);
         // combine the warps' states in warp order (deterministic)
@@ -640,7 +718,7 @@ __device__ __forceinline__ void attn_partial(const OpC& c, const Rect& r, const 
   const int page_size = static_cast<int>(c.iparam[1]), shift = log2_pow2(page_size);
   const long long ch0 = kFinal ? 0 : r.lo[2];
   AttnStart first;
-  first.span = seq_span<I>(env, indptr, last, r.lo[0], page_size);
+  first.span = seq_span<I>(env, indptr, indices, last, r.lo[0], page_size, c.out_buffer);
   const ChunkSplit k = split_chunk(first.span, ch0, C, kRope && ch0 == C - 1, kU);
   const long long at = k.base + (threadIdx.x & 31) % k.ku;  // this lane's position of the first step
   first.page = at < k.t1 ? page_of<I>(env, indices, first.span.first_page, at, shift) : 0;

@@ -180,6 +180,8 @@ def check_paged(kv_cache, layer: int, batch: int, kv_indptr, kv_indices, kv_last
         raise ValueError(f"page_size {page_size}; expected a power of two in 1…256")
     if not 0 <= layer < kv_cache.shape[0]:
         raise ValueError(f"layer {layer}; the cache has layers 0…{kv_cache.shape[0] - 1}")
+    if kv_cache.shape[2] < 1:  # the tasks read page 0 in place of a page id outside the cache
+        raise ValueError(f"the cache has {kv_cache.shape[2]} pages; expected at least one")
     for name, t, want in (("kv_indptr", kv_indptr, (batch + 1,)), ("kv_last_page_len", kv_last_page_len, (batch,))):
         if tuple(t.shape) != want:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want} for a batch of {batch}")

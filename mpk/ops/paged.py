@@ -49,8 +49,9 @@ def checked_lens(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page
     """``seq_lens`` of a page table the tasks can follow, else ``BadInputError`` naming the
     first bad entry: kv_indptr must start at ≥ 0, never decrease and end within kv_indices, a
     sequence with pages must fill 1…page_size slots of its last one, and its pages must be
-    pages of the cache. (The CUDA tasks trust the table's entries, as FlashInfer's do; this is
-    what the eager path and the CPU interpreter check.)"""
+    pages of the cache. (The eager path and the CPU interpreter check here; the CUDA tasks check
+    the same as they read the table, skip what they cannot follow and report it:
+    BadInputCode in cuda/mpk_tasks/common.cuh.)"""
     indptr, last = kv_indptr.long(), kv_last_page_len.long()
     pages = indptr[1:] - indptr[:-1]
     bad = torch.nonzero(pages < 0).flatten()
