@@ -501,27 +501,34 @@ def test_fused_rope_attention_matches_eager(page_size, dim, splits, qk_norm, com
 # (fault, the sequences whose k/v the step must still append): one entry of a good table made
 # bad — a page past the cache (the last page of sequence 1: where its append would go), a
 # negative page (sequence 2's last), a page past the cache that only attention reads (sequence
-# 3's second), kv_indptr's end past kv_indices, kv_indptr decreasing at its end, a last page
-# longer than a page, and one of no positions
+# 3's second), kv_indptr's end past kv_indices, kv_indptr decreasing at its end, a negative
+# start, a last page longer than a page, and one of no positions
 _TABLE_FAULTS = [("page_past_cache", (0, 2, 3)), ("negative_page", (0, 1, 3)), ("middle_page", (0, 1, 2, 3)),
-                 ("indptr_past_indices", (0, 1, 2)), ("indptr_decreases", (0, 1, 2)),
+                 ("indptr_past_indices", (0, 1, 2)), ("indptr_decreases", (0, 1, 2)), ("negative_start", (1, 2, 3)),
                  ("long_last_page", (1, 2, 3)), ("empty_last_page", (0, 2, 3))]
 
 
-@pytest.mark.parametrize("fused,splits", [(True, 2), (False, 0)])
-def test_bad_page_table_is_reported_and_nothing_is_written_outside(fused, splits):
+# fused or not, one chunk a sequence (the attention tasks write O) or two (states merged), the
+# page table's index type, and tiles of the default partition or of all sequences at once (a
+# task's later sequences read their spans apart from its first)
+@pytest.mark.parametrize("fused,splits,index_dtype,partition", [
+    (True, 2, torch.int32, {}), (True, 1, torch.int64, {"rope_attn_partial": [1, 2, 1, 1]}),
+    (False, 1, torch.int32, {}), (False, 2, torch.int64, {"attn_partial": [1, 1, 2, 1, 1], "rope_append": [1, 2, 1]})])
+def test_bad_page_table_is_reported_and_nothing_is_written_outside(fused, splits, index_dtype, partition):
     """A page table the tasks cannot follow — page ids outside the cache, kv_indptr entries
     outside kv_indices or decreasing, a last page's length outside 1…page_size — raises
-    BadInputError naming the entry; the step writes no slot but the new tokens' of the
-    sequences whose table is intact (the cache has a layer on each side of the step's, where
-    an id just outside the cache would land), and the same compiled step then runs a good table
-    as mpk's eager ops do."""
+    BadInputError naming the entry, its value and the bound; the step writes no slot but the
+    new tokens' of the sequences whose table is intact (the step's layer has one on each side in
+    the cache tensor, where an id just outside the layer's pages would land: the same layer's v
+    or the next layer's k past its end, the layer before's v below 0), and the same compiled
+    step then runs a good table as mpk's eager ops do."""
     from mpk.errors import BadInputError
 
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
     page_size, heads, kv_heads, dim, layer = 4, 8, 2, 64, 1
     lens = [1, 37, 2 * page_size + 5, 3 * page_size]
     pages, indptr, indices, last, num_pages = random_page_table(lens, page_size, g)
+    indptr, indices, last = indptr.to(index_dtype), indices.to(index_dtype), last.to(index_dtype)
     cache = torch.randn(3, 2, num_pages, kv_heads, page_size, dim, generator=g).bfloat16()
     qkv = (3 * torch.randn(len(lens), (heads + 2 * kv_heads) * dim, generator=g)).bfloat16()
     angles = 10 * torch.rand(64, dim // 2, generator=g)
@@ -532,26 +539,34 @@ def test_bad_page_table_is_reported_and_nothing_is_written_outside(fused, splits
                                       1e-6)
         return torch.ops.mpk.paged_attention(q, cache, indptr, indices, last, layer, dim ** -0.5, splits)
 
-    fn = _gpu_compile(step, **({} if fused else UNFUSED))
+    fn = _gpu_compile(step, partition=partition, **({} if fused else UNFUSED))
     good = [t.to(DEV) for t in (qkv, cos_sin, indptr, indices, last)]
+    n = len(indices)
+    span = rf"is outside kv_indices' {n} entries \[0, {n}\], or below the entry before it"
+    page = rf"is outside the cache's {num_pages} pages \[0, {num_pages}\)"
     for fault, appending in _TABLE_FAULTS:
         bad_indptr, bad_indices, bad_last = indptr.clone(), indices.clone(), last.clone()
         if fault == "page_past_cache":
-            bad_indices[indptr[2] - 1], expected = num_pages, rf"page id \(a kv_indices entry\) {num_pages} at row 1 "
+            at = int(indptr[2]) - 1
+            bad_indices[at], expected = num_pages, rf"kv_indices entry \(a page id\) {num_pages} at row {at} {page}"
         elif fault == "negative_page":
-            bad_indices[indptr[3] - 1], expected = -1, r"page id \(a kv_indices entry\) -1 at row 2 "
+            at = int(indptr[3]) - 1
+            bad_indices[at], expected = -1, rf"kv_indices entry \(a page id\) -1 at row {at} {page}"
         elif fault == "middle_page":
-            bad_indices[indptr[3] + 1], expected = num_pages + 5, rf"page id \(a kv_indices entry\) {num_pages + 5} at row 3 "
+            at = int(indptr[3]) + 1
+            bad_indices[at], expected = num_pages + 5, rf"kv_indices entry \(a page id\) {num_pages + 5} at row {at} {page}"
         elif fault == "indptr_past_indices":
-            bad_indptr[4], expected = len(indices) + 1, rf"kv_indptr entry {len(indices) + 1} at row 4 "
+            bad_indptr[4], expected = n + 1, rf"kv_indptr entry {n + 1} at row 4 {span}"
         elif fault == "indptr_decreases":
-            bad_indptr[4], expected = indptr[3] - 1, rf"kv_indptr entry {int(indptr[3]) - 1} at row 4 "
+            bad_indptr[4], expected = indptr[3] - 1, rf"kv_indptr entry {int(indptr[3]) - 1} at row 4 {span}"
+        elif fault == "negative_start":
+            bad_indptr[0], expected = -3, rf"kv_indptr entry -3 at row 0 {span}"
         elif fault == "long_last_page":
-            bad_last[0], expected = page_size + 1, rf"kv_last_page_len {page_size + 1} at row 0 "
+            bad_last[0], expected = page_size + 1, rf"kv_last_page_len {page_size + 1} at row 0 is outside 1…{page_size}"
         else:
-            bad_last[1], expected = 0, r"kv_last_page_len 0 at row 1 "
+            bad_last[1], expected = 0, rf"kv_last_page_len 0 at row 1 is outside 1…{page_size}"
         dev_cache = cache.to(DEV)
-        with pytest.raises(BadInputError, match=expected + "is outside"):
+        with pytest.raises(BadInputError, match=expected):
             fn(good[0], good[1], bad_indptr.to(DEV), bad_indices.to(DEV), bad_last.to(DEV), dev_cache)
         after = dev_cache.cpu()
         written = torch.zeros_like(after, dtype=torch.bool)
@@ -565,6 +580,9 @@ def test_bad_page_table_is_reported_and_nothing_is_written_outside(fused, splits
     out = fn(*good, dev_cache)
     assert relative_error(out.cpu(), ref) <= BF16_TOL
     assert relative_error(dev_cache.cpu().float(), ref_cache.float()) <= BF16_TOL
+    if partition:
+        op = COMPILED[-1].graph.ops[[o.kind for o in COMPILED[-1].graph.ops].index(next(iter(partition)))]
+        assert op.partition[0] == 1  # one tile takes every sequence
 
 
 def small(family: str, **kw) -> LLMConfig:

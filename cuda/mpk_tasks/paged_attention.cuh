@@ -32,7 +32,7 @@ struct SeqSpan {
 __host__ __device__ __forceinline__ bool span_ok(long long p0, long long p1, long long tail, long long n,
                                                  int page_size) {
   return p0 >= 0 && p0 <= p1 && p1 <= n &&
-         (p1 == p0 || static_cast<unsigned long long>(tail - 1) < static_cast<unsigned long long>(page_size));
+         (p1 == p0 || static_cast<unsigned long long>(tail) - 1 < static_cast<unsigned long long>(page_size));
 }
 __host__ __device__ __forceinline__ bool page_ok(long long page, long long num_pages) {
   return static_cast<unsigned long long>(page) < static_cast<unsigned long long>(num_pages);
@@ -107,15 +107,17 @@ __device__ __noinline__ SeqSpan next_span(const TaskEnv& env, const ViewC& indpt
   return seq_span<I>(env, indptr, indices, last, b, page_size, out_buffer);
 }
 
-// Reports the first page of sequence b (len positions) that the cache does not have: a task
-// that met one (page_ok false) reads page 0 in its place, or skips the append, and calls this once.
+// Reports the first entry of a sequence's pages (kv_indices[first_page …], len positions) that
+// the cache does not have, naming its index in kv_indices. A task that met one (page_ok false)
+// reads page 0 in its place or skips the append, and calls this after its loop (each lane that
+// met one; the launch keeps the first report).
 template <typename I>
-__device__ __noinline__ void report_bad_page(SeqPages<I> pages, long long len, long long num_pages, int out_buffer,
-                                             long long b) {
+__device__ __noinline__ void report_bad_page(SeqPages<I> pages, long long first_page, long long len,
+                                             long long num_pages, int out_buffer) {
   for (long long t = 0; t < len; t += 1LL << pages.shift) {
     const long long page = pages(t);
     if (!page_ok(page, num_pages)) {
-      report_bad_input(kBadPage, out_buffer, b, page, num_pages);
+      report_bad_input(kBadPage, out_buffer, first_page + (t >> pages.shift), page, num_pages);
       return;
     }
   }
@@ -226,7 +228,8 @@ __device__ __noinline__ void rope_append_impl(const OpC& c, const Rect& r, const
     x.load(row);
     const long long page = head >= H ? page_of<I>(env, indices, s.first_page, pos, shift) : 0;
     if (!page_ok(page, cache.shape[2])) {
-      report_bad_page(SeqPages<I>(env, indices, s.first_page, shift), s.len, cache.shape[2], c.out_buffer, b);
+      report_bad_page(SeqPages<I>(env, indices, s.first_page, shift), s.first_page, s.len, cache.shape[2],
+                      c.out_buffer);
       continue;
     }
     if (rotate) x.rotate(norm, c.fparam[0]);
@@ -661,7 +664,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
         }
         // (one row: the same in a swizzled slot's layout)
         if (fresh && warp == 0) st.step(rope_rows + kG * D, rope_rows + (kG + 1) * D, 1);
-        if (bad_page) report_bad_page(pages, span.len, num_pages, c.out_buffer, b);
+        if (bad_page) report_bad_page(pages, span.first_page, span.len, num_pages, c.out_buffer);
         __syncthreads();  // the states below overwrite the warps' K/V slots
         phase.mark(2);
         // combine the warps' states in warp order (deterministic)

@@ -39,7 +39,7 @@ BAD_INPUT_CODES = {1: ("token id", "the embedding table's {limit} rows [0, {limi
                    3: ("kv_indptr entry", "kv_indices' {limit} entries [0, {limit}], or below the entry before it "
                        "(kv_indptr's offsets must not decrease)"),
                    4: ("kv_last_page_len", "1…{limit} (the page size) for a sequence with pages"),
-                   5: ("page id (a kv_indices entry)", "the cache's {limit} pages [0, {limit})")}
+                   5: ("kv_indices entry (a page id)", "the cache's {limit} pages [0, {limit})")}
 MAX_WORKERS_PER_SCHEDULER = 136  # runtime/mpk_runtime/persistent.cuh: kMaxWorkersPerScheduler
 EVENT_HAS_JIT, EVENT_ALL_JIT, EVENT_LOCAL_JIT = 2, 4, 8
 STATES = {0: "starting", 1: "waiting for its AOT task", 2: "idle (no AOT work left)", 3: "exited", 4: "aborted"}
