@@ -397,14 +397,13 @@ def test_fast_div_in_cuda_matches_integer_division(tmp_path):
 _SPAN_FAULT = r"""
 #include <cstdio>
 #include "mpk_tasks/paged_attention.cuh"
-// Reads "b p0 p1 tail n page_size" lines; prints span_fault's code, row, value, limit and
-// span_ok for each.
+// Reads "b p0 p1 tail n page_size" lines; prints span_fault's code, row, value, limit for each.
 int main() {
   long long b, p0, p1, tail, n;
   int page_size;
   while (scanf("%lld %lld %lld %lld %lld %d", &b, &p0, &p1, &tail, &n, &page_size) == 6) {
     const mpk::SpanFault f = mpk::span_fault(b, p0, p1, tail, n, page_size);
-    printf("%d %lld %lld %lld %d\n", f.code, f.row, f.value, f.limit, mpk::span_ok(p0, p1, tail, n, page_size));
+    printf("%d %lld %lld %lld\n", f.code, f.row, f.value, f.limit);
   }
 }
 """
@@ -412,10 +411,10 @@ int main() {
 
 @needs_nvcc
 def test_page_span_check_in_cuda_agrees_with_checked_lens(tmp_path):
-    """paged_attention.cuh's span_ok, which the GPU tasks apply to each sequence's kv_indptr /
-    kv_last_page_len entries before they follow them, refuses a table exactly where
-    mpk.ops.paged.checked_lens (the eager path's check) does, and span_fault, what they then
-    report, names an entry that is wrong: fresh random tables with one entry corrupted, or none."""
+    """paged_attention.cuh's span_fault, which the GPU tasks apply to each sequence's kv_indptr /
+    kv_last_page_len entries before they follow them, finds a fault in a table exactly where
+    mpk.ops.paged.checked_lens (the eager path's check) refuses it, and names an entry that is
+    wrong: fresh random tables with one entry corrupted, or none."""
     from mpk.errors import BadInputError
     from mpk.ops.paged import checked_lens
 
@@ -442,8 +441,8 @@ def test_page_span_check_in_cuda_agrees_with_checked_lens(tmp_path):
     refused = 0
     for page_size, indptr, last, n in tables:
         found = [next(faults) for _ in last]
-        for b, (code, row, value, limit, ok) in enumerate(found):
-            assert code in (0, 3, 4) and ok == (code == 0), (code, ok)
+        for b, (code, row, value, limit) in enumerate(found):
+            assert code in (0, 3, 4), code
             if code == 3:  # kBadPageSpan names the kv_indptr entry
                 assert row in (b, b + 1) and value == indptr[row] and limit == n
             elif code == 4:  # kBadLastPageLen

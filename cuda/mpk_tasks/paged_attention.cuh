@@ -26,30 +26,24 @@ struct SeqSpan {
 };
 
 // The tests a task applies to a page table before following it; host code too (a CPU test
-// checks them against mpk.ops.paged.checked_lens). span_ok: sequence b's kv_indptr entries p0,
-// p1 lie within kv_indices' n entries and do not decrease, and its last page holds 1…page_size
-// positions (tail; any where it has no pages). page_ok: the cache has the page.
-__host__ __device__ __forceinline__ bool span_ok(long long p0, long long p1, long long tail, long long n,
-                                                 int page_size) {
-  return p0 >= 0 && p0 <= p1 && p1 <= n &&
-         (p1 == p0 || static_cast<unsigned long long>(tail) - 1 < static_cast<unsigned long long>(page_size));
-}
-__host__ __device__ __forceinline__ bool page_ok(long long page, long long num_pages) {
-  return static_cast<unsigned long long>(page) < static_cast<unsigned long long>(num_pages);
-}
-
-// What a span that is not span_ok reports: the kv_indptr entry outside kv_indices or below the
-// one before it (kBadPageSpan), or the last page's length (kBadLastPageLen); code 0: span_ok.
+// checks them against mpk.ops.paged.checked_lens). span_fault: what is wrong with sequence b's
+// span (p0, p1: its kv_indptr entries; tail: its kv_last_page_len; n: kv_indices' length) — a
+// kv_indptr entry outside kv_indices or below the one before it (kBadPageSpan, naming the
+// entry), a last page holding not 1…page_size positions (kBadLastPageLen) — with the row, value
+// and limit its report names; code 0: nothing. page_ok: the cache has the page.
 struct SpanFault {
   int code;
   long long row, value, limit;
 };
-__host__ __device__ inline SpanFault span_fault(long long b, long long p0, long long p1, long long tail, long long n,
-                                                int page_size) {
+__host__ __device__ __forceinline__ SpanFault span_fault(long long b, long long p0, long long p1, long long tail,
+                                                         long long n, int page_size) {
   if (p0 < 0 || p0 > n) return {kBadPageSpan, b, p0, n};
   if (p1 < p0 || p1 > n) return {kBadPageSpan, b + 1, p1, n};
   if (p1 > p0 && (tail < 1 || tail > page_size)) return {kBadLastPageLen, b, tail, page_size};
   return {0, 0, 0, 0};
+}
+__host__ __device__ __forceinline__ bool page_ok(long long page, long long num_pages) {
+  return static_cast<unsigned long long>(page) < static_cast<unsigned long long>(num_pages);
 }
 
 // The reports, out of line: the tasks' code holds only the tests and one call each (a task
@@ -61,7 +55,7 @@ __device__ __noinline__ void report_span_fault(long long b, long long p0, long l
 }
 
 // Sequence b's span. I: the page table's integer type (int or long long; codegen checks that
-// its three tensors share it). A span that is not span_ok is reported and taken as empty, so
+// its three tensors share it). A span with a fault is reported and taken as empty, so
 // that every entry of kv_indices a task looks up (for a position below len) is the sequence's.
 template <typename I>
 __device__ __forceinline__ SeqSpan seq_span(const TaskEnv& env, const ViewC& indptr, const ViewC& indices,
@@ -70,7 +64,7 @@ __device__ __forceinline__ SeqSpan seq_span(const TaskEnv& env, const ViewC& ind
   const I* ip = static_cast<const I*>(env.buffers[indptr.buffer]) + indptr.offset;
   const long long p0 = ip[b * indptr.stride[0]], p1 = ip[(b + 1) * indptr.stride[0]];
   const long long tail = static_cast<const I*>(env.buffers[last.buffer])[last.offset + b * last.stride[0]];
-  if (!span_ok(p0, p1, tail, indices.shape[0], page_size)) {
+  if (span_fault(b, p0, p1, tail, indices.shape[0], page_size).code != 0) {
     report_span_fault(b, p0, p1, tail, indices.shape[0], page_size, out_buffer);
     return SeqSpan{0, 0};
   }
