@@ -7,9 +7,14 @@ the watchdog's report on a planted never-firing event; the profiler's trace."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import pathlib
 import random
+import re
+import shutil
+import subprocess
 from xml.etree import ElementTree
 
 import numpy as np
@@ -258,3 +263,23 @@ def test_rebinding_follows_new_moved_and_strided_arguments():
     check(x, w)
     with pytest.raises(ValueError, match=r"is \(4, 9\)"):
         ex.run([torch.randn(4, 9, device=DEV), w])
+
+
+def test_strided_copies_and_bad_page_tables_are_clean_under_memcheck(tmp_path):
+    """compute-sanitizer's memcheck, with PyTorch's caching allocator off, over the rebinding
+    test above (a strided argument's contiguous copy was once freed before the launch that read
+    it) and one bad-page-table test (bad ids must be skipped, not followed): no access outside
+    an allocation. scripts/gpu_sanitize.sh, narrowed to those two; it first checks that the tool
+    reports a planted out-of-bounds write."""
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu_sanitize.sh"
+    if shutil.which("compute-sanitizer") is None and not glob.glob("/usr/local/cuda*/bin/compute-sanitizer"):
+        pytest.skip("compute-sanitizer is not installed")
+    if os.environ.get("MPK_UNDER_SANITIZER"):
+        pytest.skip("already under compute-sanitizer, which cannot follow a second one")
+    env = {**os.environ, "TOOLS": "memcheck", "JOBS": "0", "OUT": str(tmp_path),
+           "MEMCHECK_K": "rebinding or (bad_page_table and True-2)"}
+    res = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=900)
+    report = res.stdout[-3000:] + res.stderr[-2000:]
+    assert res.returncode == 0, report
+    # the table's row: the planted bug counted, no error in the tests, both passed
+    assert re.search(r"^memcheck +\| +[1-9][0-9]* \| +0 \|.*\b2 passed", res.stdout, re.M), report

@@ -252,6 +252,10 @@ class GpuExecutor:
         self._bound_args: list[weakref.ref] | None = None  # None: the next launch binds in full
         self._bound_keys: list[tuple[int, torch.Size, tuple[int, ...]]] = []
         self._input_ptrs: dict[int, int] = {}  # buffer -> the bound argument's address
+        # contiguous copies of strided arguments, which the buffer table points at: held until
+        # the next bind, when the launch that reads them is on the stream (freed earlier, their
+        # memory could go to another tensor before the kernel reads it)
+        self._copies: list[torch.Tensor] = []
         outputs_of = {int(self.t.views[o["view"]]["buffer"]) for o in t.meta["outputs"] if "value" not in o}
         self._passthrough = [(b, i) for b, i in self._input_plan if b in outputs_of]
 
@@ -294,7 +298,7 @@ class GpuExecutor:
             for b, i in self._passthrough:
                 self.buffers[b] = args[i]
             return
-        copied, bound = False, {}
+        copies, bound = [], {}
         for b, i in self._input_plan:
             a = args[i]
             if tuple(a.shape) != self.buf_shape[b] or a.dtype != self.buf_dtype[b]:
@@ -303,7 +307,8 @@ class GpuExecutor:
             if a.device != self.device:
                 raise ValueError(f"argument {i} is on {a.device}; the kernel runs on {self.device}")
             c = a if a.is_contiguous() else a.detach().contiguous()
-            copied = copied or c is not a
+            if c is not a:
+                copies.append(c)
             if b in self.aligned and c.data_ptr() % 16:
                 raise ValueError(f"argument {i} ({self.t.meta['buffers'][b]['name']}) starts at an address that is not "
                                  "16-byte aligned, which its tasks' vector loads need; pass a fresh tensor "
@@ -311,10 +316,11 @@ class GpuExecutor:
             bound[b] = c
         # all checked: nothing of a refused call is bound
         self._input_ptrs = {b: c.data_ptr() for b, c in bound.items()}
+        self._copies = copies
         for b, _ in self._passthrough:
             self.buffers[b] = bound[b]
         # a strided argument was copied: the next launch must copy it again (its values may change)
-        self._bound_args = None if copied else [weakref.ref(a) for a in args]
+        self._bound_args = None if copies else [weakref.ref(a) for a in args]
         self._bound_keys = keys
         ptrs = [self._input_ptrs.get(b, 0) if buf is None else buf.data_ptr() for b, buf in enumerate(self.buffers)]
         if ptrs == self._bound_ptrs:  # the module's table still holds them
