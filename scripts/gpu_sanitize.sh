@@ -2,8 +2,8 @@
 # The GPU tests under NVIDIA's compute-sanitizer (on the lent device): memcheck (accesses outside
 # any allocation, misaligned accesses, hardware exceptions), synccheck (barriers used wrongly)
 # and racecheck (shared-memory hazards). PyTorch's caching allocator is off, so each tensor is
-# an allocation of its own and an access past a tensor's end is outside an allocation (memcheck
-# sees that up to the allocator's rounding, 512 bytes). Each tool first runs its positive
+# a cudaMalloc of its own exact size and an access past a tensor's end is outside every
+# allocation (not inside a pooled block, where memcheck cannot see it). Each tool first runs its positive
 # control (scripts/sanitizer_control.py: a planted bug, built by mpk's nvcc step and launched
 # through mpk's driver calls); the table's "control" is what the tool counted there, which must
 # not be 0 (else its count over the tests means nothing). TOOLS picks tools (default
@@ -18,14 +18,18 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; rm -f "$OUT/sanitize-controls.log"
 export PYTHONUNBUFFERED=1 MPK_CACHE_DIR=${MPK_CACHE_DIR:-/tmp/mpk-cache} PYTORCH_NO_CUDA_MEMORY_CACHING=1
 export MPK_UNDER_SANITIZER=1  # the test that runs this script skips itself under it (no nested tool)
+tools=${TOOLS:-memcheck synccheck racecheck}
+for tool in $tools; do
+  [[ $tool == @(memcheck|synccheck|racecheck) ]] || { echo "TOOLS: $tool? expected memcheck, synccheck or racecheck"; exit 2; }
+done
 san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 [[ -x ${san:-} ]] || { echo "compute-sanitizer not found (it ships with the CUDA toolkit)"; exit 2; }
 "$san" --version | tail -1
 python3 -c "import mpk" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
   || echo "pip install failed (see install.log)"
 parallel=(); python3 -c "import xdist" 2>/dev/null && parallel=(-n "${JOBS:-8}")
-# Out: the full-size parity tests (minutes each even without a sanitizer), the 10^5-task stress
-# tests, the launch count (torch.profiler's CUPTI cannot attach beside the tool) and the
+# Out: the full-size parity tests (minutes each even without a sanitizer), the stress tests
+# (10^5 tasks, and 20k through the schedulers), the launch count (torch.profiler's CUPTI cannot attach beside the tool) and the
 # dropped-cache test (it reads the caching allocator's statistics, which are off here).
 # synccheck and racecheck (the slowest tool), whose findings depend on a task family's code
 # rather than on its shapes, take each family's tests and one compiled decode step.
@@ -38,7 +42,7 @@ racecheck_k=${RACECHECK_K:-$families}
 # "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)"
 count() { grep -oE "(ERROR|RACECHECK) SUMMARY: [0-9]+" "$1" | awk '{print $3}'; }
 table=() status=0
-for tool in ${TOOLS:-memcheck synccheck racecheck}; do
+for tool in $tools; do
   log="$OUT/sanitize-$tool.log"
   opts=(--tool "$tool" --target-processes all --report-api-errors no --print-limit 200)
   "$san" "${opts[@]}" --log-file "$OUT/control.tmp" python3 scripts/sanitizer_control.py "$tool" > /dev/null 2>&1
@@ -49,12 +53,12 @@ for tool in ${TOOLS:-memcheck synccheck racecheck}; do
   fi
   k_var="${tool}_k"
   start=$SECONDS
-  timeout "${TOOL_TIMEOUT:-540}" "$san" "${opts[@]}" --log-file "$log" python3 -m pytest -m gpu -q -p no:cacheprovider "${parallel[@]}" \
+  timeout -k 30 "${TOOL_TIMEOUT:-540}" "$san" "${opts[@]}" --log-file "$log" python3 -m pytest -m gpu -q -p no:cacheprovider "${parallel[@]}" \
     ${PYTEST_ARGS:-} -k "${!k_var}" tests/test_gpu_decode.py tests/test_gpu_runtime.py > "$OUT/pytest-$tool.log" 2>&1
   rc=$?
   errors=$(count "$log")
-  tests=$(grep -E "passed|failed|error" "$OUT/pytest-$tool.log" | tail -1)
-  (( rc == 124 )) && tests="TIMED OUT after ${TOOL_TIMEOUT:-540} s; $tests"
+  tests=$(grep -E "[0-9]+ (passed|failed|skipped|deselected|errors?)\b" "$OUT/pytest-$tool.log" | tail -1)
+  (( rc == 124 || rc == 137 )) && tests="TIMED OUT after ${TOOL_TIMEOUT:-540} s; $tests"
   [[ $rc == 0 && ${errors:-x} == 0 ]] || status=1
   table+=("$(printf '%-9s | %7s | %6s | %5d s | %s' "$tool" "${control:-none}" "${errors:-none}" $((SECONDS - start)) "$tests")")
   grep -m 40 -E "^=+ (Invalid|Race|Barrier|Error|.*hazard)|^=+ +at |^=+ +by thread" "$log"

@@ -11,12 +11,16 @@ calls ``__syncwarp`` with a mask that leaves itself out."""
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 
-import torch
+# each tensor its own cudaMalloc, so that a write past it leaves every allocation (in a pooled
+# block memcheck would not see it); set before torch reads it
+os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+import torch  # noqa: E402
 
-from mpk.megakernel.build import build_cubin
-from mpk.megakernel.cuda_driver import Module, launch
+from mpk.megakernel.build import build_cubin  # noqa: E402
+from mpk.megakernel.cuda_driver import Module, launch  # noqa: E402
 
 SOURCE = r"""
 extern "C" __global__ void planted_memcheck(float* p, int n) { p[n + threadIdx.x] = 1.0f; }
@@ -38,7 +42,7 @@ THREADS = {"memcheck": 32, "racecheck": 64, "synccheck": 32}
 def main(tool: str) -> None:
     if tool not in THREADS:
         raise SystemExit(f"tool {tool!r}; expected one of {sorted(THREADS)}")
-    n = 1 << 16  # a whole 256 KiB allocation: no rounding slack past its end
+    n = 1 << 16
     buf = torch.randn(n, device="cuda")
     module = Module(build_cubin(SOURCE, progress=False).read_bytes())
     launch(module.function(f"planted_{tool}"), 1, THREADS[tool], torch.cuda.current_stream().cuda_stream,

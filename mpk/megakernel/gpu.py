@@ -254,7 +254,8 @@ class GpuExecutor:
         self._input_ptrs: dict[int, int] = {}  # buffer -> the bound argument's address
         # contiguous copies of strided arguments, which the buffer table points at: held until
         # the next bind, when the launch that reads them is on the stream (freed earlier, their
-        # memory could go to another tensor before the kernel reads it)
+        # memory could go to another tensor before the kernel reads it; a strided argument costs
+        # its size in device memory until then)
         self._copies: list[torch.Tensor] = []
         outputs_of = {int(self.t.views[o["view"]]["buffer"]) for o in t.meta["outputs"] if "value" not in o}
         self._passthrough = [(b, i) for b, i in self._input_plan if b in outputs_of]
