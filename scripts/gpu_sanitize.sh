@@ -3,10 +3,10 @@
 # any allocation, misaligned accesses, hardware exceptions), synccheck (barriers used wrongly)
 # and racecheck (shared-memory hazards). PyTorch's caching allocator is off, so each tensor is
 # a cudaMalloc of its own exact size and an access past a tensor's end is outside every
-# allocation (not inside a pooled block, where memcheck cannot see it). Each tool first runs its positive
-# control (scripts/sanitizer_control.py: a planted bug, built by mpk's nvcc step and launched
-# through mpk's driver calls); the table's "control" is what the tool counted there, which must
-# not be 0 (else its count over the tests means nothing). TOOLS picks tools (default
+# allocation (not inside a pooled block, where memcheck cannot see it). Each tool first runs
+# its positive control (scripts/sanitizer_control.py: a planted bug, built by mpk's nvcc step
+# and launched through mpk's driver calls); the table's "control" is what the tool counted
+# there, which must not be 0 (else its count over the tests means nothing). TOOLS picks tools (default
 # "memcheck synccheck racecheck"); MEMCHECK_K / SYNCCHECK_K / RACECHECK_K override each tool's
 # pytest -k selection; JOBS: pytest-xdist processes where xdist is importable (default 8);
 # TOOL_TIMEOUT: seconds per tool (default 540); PYTEST_ARGS: more pytest arguments. Logs go to
@@ -29,8 +29,9 @@ python3 -c "import mpk" 2>/dev/null || python3 -m pip install -q --no-deps --no-
   || echo "pip install failed (see install.log)"
 parallel=(); python3 -c "import xdist" 2>/dev/null && parallel=(-n "${JOBS:-8}")
 # Out: the full-size parity tests (minutes each even without a sanitizer), the stress tests
-# (10^5 tasks, and 20k through the schedulers), the launch count (torch.profiler's CUPTI cannot attach beside the tool) and the
-# dropped-cache test (it reads the caching allocator's statistics, which are off here).
+# (10^5 tasks, and 20k through the schedulers), the launch count (torch.profiler's CUPTI cannot
+# attach beside the tool) and the dropped-cache test (it reads the caching allocator's
+# statistics, which are off here).
 # synccheck and racecheck (the slowest tool), whose findings depend on a task family's code
 # rather than on its shapes, take each family's tests and one compiled decode step.
 memcheck_k=${MEMCHECK_K:-"not qwen3-1.7b and not stress and not one_kernel_launch and not dropped_cache_alive"}
