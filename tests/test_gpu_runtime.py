@@ -293,3 +293,22 @@ def test_strided_copies_and_bad_page_tables_are_clean_under_memcheck(tmp_path):
     assert proc.returncode == 0, report
     # the table's row: the planted bug counted, no error in the tests, both passed
     assert re.search(r"^memcheck +\| +[1-9][0-9]* \| +0 \|.*\b2 passed", out, re.M), report
+
+
+def test_an_executor_dropped_while_its_launch_runs_keeps_what_the_launch_uses():
+    """An executor dropped with its asynchronous launch still running hands its module, mapped
+    status words and buffers to a list that holds them until that launch's event completes (the
+    kernel uses them until then); the next launch of any executor lets go of them."""
+    from mpk.megakernel import gpu
+
+    preds = [()] * 64
+    tables = stamp_graph(preds, 1, busy_ns=200_000_000)  # tasks of up to 0.2 s each
+    ex = _gpu(tables)
+    done = ex.launch(stamp_inputs(tables, 1, DEV))
+    ex = None  # noqa: F841 (dropped while the kernel runs)
+    held = [h for d, h in gpu._DROPPED if d is done]
+    assert len(held) == 1 and any(isinstance(v, gpu.drv.Module) for v in held[0])
+    done.synchronize()
+    other = _gpu(stamp_graph(preds, 1))
+    other.run(stamp_inputs(other.t, 1, DEV))
+    assert not any(d is done for d, _ in gpu._DROPPED)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -42,6 +43,16 @@ BAD_INPUT_CODES = {1: ("token id", "the embedding table's {limit} rows [0, {limi
                    5: ("kv_indices entry (a page id)", "the cache's {limit} pages [0, {limit})")}
 MAX_WORKERS_PER_SCHEDULER = 136  # runtime/mpk_runtime/persistent.cuh: kMaxWorkersPerScheduler
 EVENT_HAS_JIT, EVENT_ALL_JIT, EVENT_LOCAL_JIT = 2, 4, 8
+# What executors dropped while their last launch ran still own (module, mapped status words,
+# buffers), with that launch's done-event: kept until the event completes, since the kernel
+# uses them until then (a launch that never ends keeps them for good).
+_DROPPED: list[tuple[torch.cuda.Event, list[Any]]] = []
+
+
+def _release_dropped() -> None:
+    _DROPPED[:] = [(done, held) for done, held in _DROPPED if not done.query()]
+
+
 STATES = {0: "starting", 1: "waiting for its AOT task", 2: "idle (no AOT work left)", 3: "exited", 4: "aborted"}
 
 
@@ -344,6 +355,8 @@ class GpuExecutor:
         if not isinstance(iterations, int) or not 1 <= iterations < 2 ** 31:
             raise ValueError(f"iterations={iterations!r}; expected an integer in [1, 2^31)")
         self.check_inputs()  # a report of an earlier launch not waited on
+        if _DROPPED:
+            _release_dropped()
         stream = torch.cuda.current_stream(self.device)
         # a launch still in flight on another stream shares our state: the buffer table below
         # is rewritten only after it (and the copies of its outputs) are done
@@ -440,14 +453,22 @@ class GpuExecutor:
 
     def _run_tile_kernel(self, op: int, args: Sequence[torch.Tensor]) -> None:
         self.check_inputs()
+        stream = torch.cuda.current_stream(self.device)
+        if self._last_done is not None:  # a launch still running reads the buffer table _bind rewrites
+            stream.wait_event(self._last_done)
         self._bind(args)
         self.epoch += 1
         n_tiles = int(self.t.ops[op]["num_tiles"])
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        drv.launch(self.tile_kernel, n_tiles, THREADS, stream, [ctypes.c_int(op), ctypes.c_int(self.epoch)],
+        drv.launch(self.tile_kernel, n_tiles, THREADS, stream.cuda_stream, [ctypes.c_int(op), ctypes.c_int(self.epoch)],
                    smem=self.smem)
         torch.cuda.synchronize(self.device)
         self.check_inputs()
+
+    def __del__(self):
+        # an asynchronous launch may still run: what it uses outlives this object until it ends
+        done = getattr(self, "_last_done", None)
+        if done is not None and not sys.is_finalizing() and not done.query():
+            _DROPPED.append((done, list(vars(self).values())))
 
     # --- watchdog ------------------------------------------------------------------------------
     def _abort_and_report(self, done: torch.cuda.Event, iterations: int) -> str:
