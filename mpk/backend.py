@@ -139,7 +139,10 @@ def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
                                           profile=opts.profile_dir is not None)
             # the last launch's arguments (benchmarks re-run them profiled: last_args), weakly: the
             # compiled step outlives a decode loop and must not keep its KV cache alive
-            state["args"] = [weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in args]
+            try:
+                state["args"] = list(map(weakref.ref, args))
+            except TypeError:  # not all tensors
+                state["args"] = [weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in args]
             out = state["ex"].run(args, wait=opts.sync)
             if opts.profile_dir:
                 Path(opts.profile_dir).mkdir(parents=True, exist_ok=True)

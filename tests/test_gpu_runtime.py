@@ -176,13 +176,16 @@ def test_watchdog_stops_only_the_launch_it_waited_on():
 
     preds = [(), (0,), (1,), (1, 2), (3,)]
     tables = stamp_graph(preds, 1)
-    tables.events["num_triggers"][int(tables.tasks["dep_event"][3])] += 5  # never reaches its count
+    waited = int(tables.tasks["dep_event"][3])
+    tables.events["num_triggers"][waited] += 5  # never reaches its count
     ex = _gpu(tables, timeout_s=1.0, validate_tables=False)
     args = stamp_inputs(tables, 1, DEV)
     first, second = ex.launch(args), ex.launch(args)
     for done in (first, second):
-        with pytest.raises(WatchdogTimeout, match="did not finish within 1.0 s"):
+        with pytest.raises(WatchdogTimeout, match="did not finish within 1.0 s") as info:
             ex.wait(done)
+        # the second launch, queued while the first ran, left the first's worker states alone
+        assert f"waits on event {waited}" in str(info.value)
     good = stamp_graph(preds, 1)
     clock, runs, log = stamp_inputs(good, 1, DEV)
     _gpu(good).run([clock, runs, log])
@@ -264,6 +267,46 @@ def test_rebinding_follows_new_moved_and_strided_arguments():
     check(x, w)
     with pytest.raises(ValueError, match=r"is \(4, 9\)"):
         ex.run([torch.randn(4, 9, device=DEV), w])
+
+
+def test_compiled_step_follows_parameters_moved_or_relaid_between_calls():
+    """A compiled step's weights changed between calls: new values in place are read; new
+    storage (``.data =``) is bound afresh; transposed in place, at the same address and shape,
+    the weight is copied to its graph layout rather than read in the old one, whether or not
+    dynamo recompiles (torch 2.11 does not guard a parameter's strides: the executor's own check
+    of its arguments' keys must see it)."""
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 8, generator=g))
+
+        def forward(self, x):
+            return torch.relu(x @ self.w) * 2
+
+    layer = Layer().to(DEV)
+    step = torch.compile(layer, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "gpu"})
+    x = torch.randn(4, 8, generator=g).to(DEV)
+
+    def check():
+        with torch.no_grad():
+            out = step(x)
+            ref = torch.relu(x.cpu().double() @ layer.w.detach().cpu().double()) * 2
+        assert relative_error(out.cpu().double(), ref) <= TOL
+
+    check()
+    check()  # the same tensors: the fast path
+    with torch.no_grad():
+        layer.w.copy_(torch.randn(8, 8, generator=g))  # new values in place
+    check()
+    layer.w.data = torch.randn(8, 8, generator=g).to(DEV)  # new storage, same Parameter
+    check()
+    with torch.no_grad():
+        layer.w.t_()  # same address and shape, strides swapped
+    check()
+    x.copy_(torch.randn(4, 8, generator=g))
+    check()
 
 
 def test_strided_copies_and_bad_page_tables_are_clean_under_memcheck(tmp_path):

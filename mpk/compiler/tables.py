@@ -209,7 +209,7 @@ def emit(tg: TaskGraph, options: dict[str, Any] | None = None) -> Tables:
 
 def view_of(flat: torch.Tensor, shape, strides, offset: int) -> torch.Tensor:
     """A tables view — ``shape``, ``strides`` and ``offset`` in elements from the start of its
-    buffer — of ``flat``, the 1-d tensor bound to that buffer. ``flat`` may start inside its
+    buffer — of ``flat``, the contiguous tensor bound to that buffer. ``flat`` may start inside its
     storage (an argument that is a slice or a row of a larger tensor), so the offset is taken
     from its start, not the storage's."""
     return flat.as_strided(shape, strides, flat.storage_offset() + offset)

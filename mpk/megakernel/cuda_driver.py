@@ -70,7 +70,9 @@ def max_blocks_per_sm(fn: ctypes.c_void_p, threads: int, smem: int = 0) -> int:
     return n.value
 
 
-def _params(values: list) -> ctypes.Array:
+def param_array(values: list) -> ctypes.Array:
+    """A launch's parameter array (pointers to each value, which it keeps alive): build it once
+    for launches that repeat (``launch`` takes it in place of the list)."""
     holders = [v if isinstance(v, (ctypes._SimpleCData, ctypes.Structure)) else ctypes.c_void_p(v) for v in values]
     arr = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
     arr._holders = holders  # keep alive until the launch call returns
@@ -87,8 +89,9 @@ def allow_dynamic_smem(fn: ctypes.c_void_p, nbytes: int) -> None:
           f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={nbytes})")
 
 
-def launch(fn, grid: int, threads: int, stream: int, params: list, cooperative: bool = False, smem: int = 0) -> None:
-    p = _params(params)
+def launch(fn, grid: int, threads: int, stream: int, params: list | ctypes.Array, cooperative: bool = False,
+           smem: int = 0) -> None:
+    p = params if isinstance(params, ctypes.Array) else param_array(params)
     if cooperative:
         check(_lib().cuLaunchCooperativeKernel(fn, grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), p),
               "cuLaunchCooperativeKernel")

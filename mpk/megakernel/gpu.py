@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import ctypes
 import json
+import operator
 import sys
 import time
-import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -51,6 +51,11 @@ _DROPPED: list[tuple[torch.cuda.Event, list[Any]]] = []
 
 def _release_dropped() -> None:
     _DROPPED[:] = [(done, held) for done, held in _DROPPED if not done.query()]
+
+
+# what a bind records of each argument, taken by C-level passes over the arguments (map): a
+# decode step has a few hundred, and a Python loop over them cost 0.05–0.2 ms of each launch
+_KEYS = (torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.stride, operator.attrgetter("dtype"))
 
 
 STATES = {0: "starting", 1: "waiting for its AOT task", 2: "idle (no AOT work left)", 3: "exited", 4: "aborted"}
@@ -251,17 +256,15 @@ class GpuExecutor:
         self.d_buffer_ptrs = torch.zeros(max(1, len(t.buffers)), **i64)
         self.aligned = aligned_inputs(t)
         self._last_done: torch.cuda.Event | None = None
-        # (buffer, argument index) of each graph input, and the last bound arguments with the
-        # (address, shape) of each: a decode loop passes the same tensors every step, and
-        # re-checking a few hundred of them cost ~0.5–1 ms of host time per launch
+        # (buffer, argument index) of each graph input; a decode loop passes the same tensors
+        # every step, so a launch whose arguments match the last full bind's keys skips it
         self._input_plan = [(b, int(t.buffers[b]["input_index"]))
                             for b in np.nonzero(t.buffers["role"] == ROLE_INPUT)[0].tolist()]
         # The executor holds no argument beyond its launch (a decode loop's KV cache is GBs, and
-        # the compiled step outlives the loop): the last bound arguments as weak references, and
+        # the compiled step outlives the loop): of the last bound arguments only their keys, and
         # an argument that an output passes through (a cache written in place) only from its bind
         # until outputs() has viewed it. The launch reads them in stream order, as any op does.
-        self._bound_args: list[weakref.ref] | None = None  # None: the next launch binds in full
-        self._bound_keys: list[tuple[int, torch.Size, tuple[int, ...]]] = []
+        self._bound_keys: list[list[Any]] | None = None  # None: the next launch binds in full
         self._input_ptrs: dict[int, int] = {}  # buffer -> the bound argument's address
         # contiguous copies of strided arguments, which the buffer table points at: held until
         # the next bind, when the launch that reads them is on the stream (freed earlier, their
@@ -270,6 +273,18 @@ class GpuExecutor:
         self._copies: list[torch.Tensor] = []
         outputs_of = {int(self.t.views[o["view"]]["buffer"]) for o in t.meta["outputs"] if "value" not in o}
         self._passthrough = [(b, i) for b, i in self._input_plan if b in outputs_of]
+        # each output: its constant value, or (buffer, shape, strides, offset, an input's?) of its view
+        self._output_plan: list[tuple[Any, ...]] = []
+        for o in t.meta["outputs"]:
+            if "value" in o:
+                self._output_plan.append((o["value"],))
+                continue
+            v = t.views[o["view"]]
+            nd, b = int(v["ndim"]), int(v["buffer"])
+            self._output_plan.append((b, [int(x) for x in v["shape"][:nd]], [int(x) for x in v["strides"][:nd]],
+                                      int(v["offset"]), t.buffers[b]["role"] == ROLE_INPUT))
+        self.args = self._make_args()  # passed by value at launch (a __grid_constant__ parameter)
+        self._launch_params = drv.param_array([self.args])
 
     def _jit_ring_capacity(self, jit_events: np.ndarray) -> int:
         """Pushes one worker's ring can receive in one iteration, at most: a scheduler hands each
@@ -283,9 +298,11 @@ class GpuExecutor:
             worst = max(worst, int((-(-count // min(mine, 32))).sum()))
         return _pow2(worst)
 
-    def _write_args(self, iterations: int) -> None:
+    def _make_args(self) -> _Args:
+        """The kernel's arguments, built once: a launch sets only ``iterations`` and ``epoch``
+        (the struct is copied into the launch's parameter bank when the launch is issued)."""
         z = self.zero_ptr
-        args = _Args(
+        return _Args(
             tasks=self.d_tasks.data_ptr(), events=self.d_events.data_ptr(), counters=z["counters"],
             aot_offsets=self.d_aot_offsets.data_ptr(), aot_entries=self.d_aot_entries.data_ptr(),
             task_infos=self.d_task_infos.data_ptr(), jit_events=self.d_jit_events.data_ptr(), mailbox=z["mailbox"],
@@ -296,17 +313,14 @@ class GpuExecutor:
             num_workers=self.num_workers, num_schedulers=self.num_schedulers,
             active_schedulers=self.active_schedulers, num_tasks=len(self.t.tasks), num_events=len(self.t.events),
             num_jit_events=self.num_jit_events, start_jit_index=self.start_jit_index,
-            start_event=self.t.start_event, end_event=self.t.end_event, iterations=iterations,
+            start_event=self.t.start_event, end_event=self.t.end_event, iterations=1,
             any_jit=int(self.any_jit), jit_capacity=self.jit_capacity, epoch=self.epoch)
-        self.args = args  # passed by value at launch (a __grid_constant__ parameter)
 
     def _bind(self, args: Sequence[torch.Tensor]) -> None:
         if len(args) != len(self._input_plan):
             raise ValueError(f"the compiled graph takes {len(self._input_plan)} tensor arguments, got {len(args)}")
-        keys = [(a.data_ptr(), a.shape, a.stride()) for a in args]
-        if self._bound_args is not None and all(a is r() for a, r in zip(args, self._bound_args)) \
-                and keys == self._bound_keys:
-            # the tensors bound last time, unmoved, unresized, unrestrided: checked then, in the table now
+        if self._bound_keys is not None and self._unmoved(args):
+            # the addresses, shapes, strides and dtypes bound last time: checked then, in the table now
             for b, i in self._passthrough:
                 self.buffers[b] = args[i]
             return
@@ -332,8 +346,7 @@ class GpuExecutor:
         for b, _ in self._passthrough:
             self.buffers[b] = bound[b]
         # a strided argument was copied: the next launch must copy it again (its values may change)
-        self._bound_args = None if copies else [weakref.ref(a) for a in args]
-        self._bound_keys = keys
+        self._bound_keys = None if copies else [list(map(key, args)) for key in _KEYS]
         ptrs = [self._input_ptrs.get(b, 0) if buf is None else buf.data_ptr() for b, buf in enumerate(self.buffers)]
         if ptrs == self._bound_ptrs:  # the module's table still holds them
             return
@@ -344,10 +357,23 @@ class GpuExecutor:
         drv.copy_device_async(dst, self.d_buffer_ptrs.data_ptr(), min(nbytes, 8 * len(ptrs)),
                               torch.cuda.current_stream(self.device).cuda_stream)
 
+    def _unmoved(self, args: Sequence[torch.Tensor]) -> bool:
+        """Whether every argument has the address, shape, strides and dtype its predecessor
+        had at the last full bind (the device follows from the address: one address space). All
+        are compared, not the tensors' identity: a tensor changed in place keeps it (``t_()``,
+        ``.data =``), and torch.compile's guards need not see that (torch 2.11 does not guard
+        a parameter's strides)."""
+        try:
+            return all(list(map(key, args)) == bound for key, bound in zip(_KEYS, self._bound_keys or ()))
+        except (TypeError, AttributeError):  # not a tensor: the full bind says which
+            return False
+
     # --- running ------------------------------------------------------------------------------
     def launch(self, args: Sequence[torch.Tensor], iterations: int = 1) -> torch.cuda.Event:
         """Bind, reset and launch asynchronously on the executor's device's current stream
         (whichever device is current on the calling thread); returns a done-event."""
+        if torch.cuda.current_device() == self.device.index:
+            return self._launch(args, iterations)
         with torch.cuda.device(self.device):  # the driver calls act on the thread's current context
             return self._launch(args, iterations)
 
@@ -357,18 +383,21 @@ class GpuExecutor:
         self.check_inputs()  # a report of an earlier launch not waited on
         if _DROPPED:
             _release_dropped()
-        stream = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.current_stream(self.device.index)
         # a launch still in flight on another stream shares our state: the buffer table below
         # is rewritten only after it (and the copies of its outputs) are done
         if self._last_done is not None:
             stream.wait_event(self._last_done)
         self._bind(args)
         self.epoch += 1
-        self._write_args(iterations)
+        self.args.iterations, self.args.epoch = iterations, self.epoch
         drv.copy_device_async(self.d_zero.data_ptr(), self.d_reset.data_ptr(), 8 * self.d_zero.numel(),
                               stream.cuda_stream)
-        self.h_status.array[:] = 0
-        drv.launch(self.kernel, self.grid, THREADS, stream.cuda_stream, [self.args], cooperative=True, smem=self.smem)
+        # h_status is not reset here: a launch still running owns it until it ends (its watchdog
+        # report reads it), and every launch leaves each row exited or aborted, which the report
+        # counts as neither waiting nor idle, as it does a row a new launch has not written yet
+        drv.launch(self.kernel, self.grid, THREADS, stream.cuda_stream, self._launch_params, cooperative=True,
+                   smem=self.smem)
         done = torch.cuda.Event()
         done.record(stream)
         self._last_done = done
@@ -419,26 +448,24 @@ class GpuExecutor:
 
     def outputs(self) -> list[Any]:
         out = []
-        for o in self.t.meta["outputs"]:
-            if "value" in o:
-                out.append(o["value"])
+        for plan in self._output_plan:
+            if len(plan) == 1:  # a constant
+                out.append(plan[0])
                 continue
-            v = self.t.views[o["view"]]
-            nd = int(v["ndim"])
-            buf = self.buffers[int(v["buffer"])]
+            b, shape, strides, offset, is_input = plan
+            buf = self.buffers[b]
             if buf is None:
                 raise MpkError("outputs() passes an argument through, which the executor holds only until the "
                                "first outputs() after a launch: take the outputs once per launch")
-            view = view_of(buf.reshape(-1), [int(s) for s in v["shape"][:nd]], [int(s) for s in v["strides"][:nd]],
-                           int(v["offset"]))
+            view = view_of(buf, shape, strides, offset)  # bound buffers are contiguous
             # intermediates are reused by the next launch: hand out copies (inputs pass through)
-            out.append(view if self.t.buffers[int(v["buffer"])]["role"] == ROLE_INPUT else view.clone())
+            out.append(view if is_input else view.clone())
         for b, _ in self._passthrough:  # the caller holds what it passed in; the executor lets go
             self.buffers[b] = None
         if self._last_done is not None:
             # the next launch, on whichever stream, waits for these copies too, not just the kernel
             done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
+            done.record(torch.cuda.current_stream(self.device.index))
             done.mpk_epoch = self._last_done.mpk_epoch
             self._last_done = done
         return out
