@@ -128,6 +128,15 @@ def max_len(position: int) -> int:
     return position + 64
 
 
+def emit_row(row: dict, out: Path | None) -> None:
+    """Print ``row`` as one JSON line, and append it to ``out`` if given."""
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out:
+        with out.open("a") as fh:
+            fh.write(line + "\n")
+
+
 def compile_step(model: DecoderLM, batch: int, position: int, page_size: int, options: dict | None = None):
     """The benchmarked step: the cache holding ``position`` tokens plus the one being decoded,
     and the model compiled for the GPU executor (asynchronous launches). Returns (step, kv).
@@ -220,11 +229,7 @@ def main(argv=None) -> int:
                               "max {max:6.2f}  start spread {start_spread:5.2f}".format(**st)
                               + ("  late hop: end→ready {end_ready:.2f} ready→gate {ready_gate:.2f} gate→open "
                                  "{gate_open:.2f}".format(**hop) if hop else ""), flush=True)
-                    line = json.dumps(row)
-                    print(line, flush=True)
-                    if args.out:
-                        with args.out.open("a") as fh:
-                            fh.write(line + "\n")
+                    emit_row(row, args.out)
         del model
         gc.collect()
         torch.cuda.empty_cache()

@@ -29,7 +29,6 @@ import cProfile
 import datetime
 import gc
 import io
-import json
 import pstats
 import statistics
 import sys
@@ -40,7 +39,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_latency import add_step_args, compile_step, max_len, random_model  # noqa: E402
+from decode_latency import add_step_args, compile_step, emit_row, max_len, random_model  # noqa: E402
 from peer import time_step  # noqa: E402
 
 from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
@@ -153,11 +152,7 @@ def main(argv=None) -> int:
             for t in row.get("top", []):
                 print(f"  {t['own_us']:8.1f} own {t['cum_us']:8.1f} cum µs/step  x{t['calls_per_step']:<6.1f} "
                       f"{t['function']}", flush=True)
-            line = json.dumps(row)
-            print(line, flush=True)
-            if args.out:
-                with args.out.open("a") as fh:
-                    fh.write(line + "\n")
+            emit_row(row, args.out)
         del model
         gc.collect()
         torch.cuda.empty_cache()
