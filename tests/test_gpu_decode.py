@@ -510,26 +510,30 @@ _TABLE_FAULTS = [("page_past_cache", (0, 2, 3)), ("negative_page", (0, 1, 3)), (
 
 # fused or not, one chunk a sequence (the attention tasks write O) or two (states merged), the
 # page table's index type, and tiles of the default partition or of all sequences at once (a
-# task's later sequences read their spans apart from its first)
+# task's later sequences read their spans apart from its first); the cache of three layers (the
+# step's in the middle: an id just outside its pages lands in the tensor, where the test sees
+# any write) or of one (such an id's k or v lands outside the tensor, where memcheck sees any
+# access: scripts/gpu_sanitize.sh)
+@pytest.mark.parametrize("layers", [3, 1], ids=["three_layers", "one_layer"])
 @pytest.mark.parametrize("fused,splits,index_dtype,partition", [
     (True, 2, torch.int32, {}), (True, 1, torch.int64, {"rope_attn_partial": [1, 2, 1, 1]}),
     (False, 1, torch.int32, {}), (False, 2, torch.int64, {"attn_partial": [1, 1, 2, 1, 1], "rope_append": [1, 2, 1]})])
-def test_bad_page_table_is_reported_and_nothing_is_written_outside(fused, splits, index_dtype, partition):
+def test_bad_page_table_is_reported_and_nothing_is_written_outside(fused, splits, index_dtype, partition, layers):
     """A page table the tasks cannot follow — page ids outside the cache, kv_indptr entries
     outside kv_indices or decreasing, a last page's length outside 1…page_size — raises
     BadInputError naming the entry, its value and the bound; the step writes no slot but the
-    new tokens' of the sequences whose table is intact (the step's layer has one on each side in
-    the cache tensor, where an id just outside the layer's pages would land: the same layer's v
-    or the next layer's k past its end, the layer before's v below 0), and the same compiled
-    step then runs a good table as mpk's eager ops do."""
+    new tokens' of the sequences whose table is intact (with three layers, the step's has one on
+    each side in the cache tensor, where an id just outside the layer's pages would land: the same
+    layer's v or the next layer's k past its end, the layer before's v below 0), and the same
+    compiled step then runs a good table as mpk's eager ops do."""
     from mpk.errors import BadInputError
 
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
-    page_size, heads, kv_heads, dim, layer = 4, 8, 2, 64, 1
+    page_size, heads, kv_heads, dim, layer = 4, 8, 2, 64, layers // 2
     lens = [1, 37, 2 * page_size + 5, 3 * page_size]
     pages, indptr, indices, last, num_pages = random_page_table(lens, page_size, g)
     indptr, indices, last = indptr.to(index_dtype), indices.to(index_dtype), last.to(index_dtype)
-    cache = torch.randn(3, 2, num_pages, kv_heads, page_size, dim, generator=g).bfloat16()
+    cache = torch.randn(layers, 2, num_pages, kv_heads, page_size, dim, generator=g).bfloat16()
     qkv = (3 * torch.randn(len(lens), (heads + 2 * kv_heads) * dim, generator=g)).bfloat16()
     angles = 10 * torch.rand(64, dim // 2, generator=g)
     cos_sin = torch.cat([angles.cos(), angles.sin()], -1).bfloat16()

@@ -312,9 +312,9 @@ def test_compiled_step_follows_parameters_moved_or_relaid_between_calls():
 def test_strided_copies_and_bad_page_tables_are_clean_under_memcheck(tmp_path):
     """compute-sanitizer's memcheck, with PyTorch's caching allocator off, over the rebinding
     test above (a strided argument's contiguous copy was once freed before the launch that read
-    it) and one bad-page-table test (a kv_indptr past kv_indices must not be followed; its bad
-    page ids land inside the cache tensor, where memcheck cannot tell): no access outside an
-    allocation. scripts/gpu_sanitize.sh, narrowed to those two; it first checks that the tool
+    it) and the one-layer bad-page-table test (a kv_indptr past kv_indices must not be followed,
+    nor a bad page id, whose k or v lies outside the one-layer cache tensor): no access outside
+    an allocation. scripts/gpu_sanitize.sh, narrowed to those two; it first checks that the tool
     reports a planted out-of-bounds write."""
     script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu_sanitize.sh"
     if shutil.which("compute-sanitizer") is None and not glob.glob("/usr/local/cuda*/bin/compute-sanitizer"):
@@ -322,7 +322,7 @@ def test_strided_copies_and_bad_page_tables_are_clean_under_memcheck(tmp_path):
     if os.environ.get("MPK_UNDER_SANITIZER"):
         pytest.skip("already under compute-sanitizer, which cannot follow a second one")
     env = {**os.environ, "TOOLS": "memcheck", "JOBS": "0", "OUT": str(tmp_path),
-           "MEMCHECK_K": "rebinding or (bad_page_table and True-2)"}
+           "MEMCHECK_K": "rebinding or (bad_page_table and True-2 and one_layer)"}
     # a session of its own: on a timeout the tool and its pytest go too, not just bash
     proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
