@@ -50,3 +50,5 @@ def test_same_tensors_are_unmoved_and_any_change_is_seen():
         elif change == "non-tensor":
             args[i] = 3
         assert GpuExecutor._unmoved(ex, args) == (change in ("none", "values")), change
+    # no full bind yet (or the last one copied a strided argument): never unmoved
+    assert not GpuExecutor._unmoved(types.SimpleNamespace(_bound_keys=None), args)

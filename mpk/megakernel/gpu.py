@@ -319,7 +319,7 @@ class GpuExecutor:
     def _bind(self, args: Sequence[torch.Tensor]) -> None:
         if len(args) != len(self._input_plan):
             raise ValueError(f"the compiled graph takes {len(self._input_plan)} tensor arguments, got {len(args)}")
-        if self._bound_keys is not None and self._unmoved(args):
+        if self._unmoved(args):
             # the addresses, shapes, strides and dtypes bound last time: checked then, in the table now
             for b, i in self._passthrough:
                 self.buffers[b] = args[i]
@@ -362,9 +362,11 @@ class GpuExecutor:
         had at the last full bind (the device follows from the address: one address space). All
         are compared, not the tensors' identity: a tensor changed in place keeps it (``t_()``,
         ``.data =``), and torch.compile's guards need not see that (torch 2.11 does not guard
-        a parameter's strides)."""
+        a parameter's strides). False before a full bind, or after one that copied."""
+        if self._bound_keys is None:
+            return False
         try:
-            return all(list(map(key, args)) == bound for key, bound in zip(_KEYS, self._bound_keys or ()))
+            return all(list(map(key, args)) == bound for key, bound in zip(_KEYS, self._bound_keys))
         except (TypeError, AttributeError):  # not a tensor: the full bind says which
             return False
 
