@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer import SHAPES, copy_bandwidth, floor_ms, kv_bytes, time_peer, time_step, weight_bytes  # noqa: E402
+from peer import Shape, copy_bandwidth, floor_ms, kv_bytes, time_peer, time_step, weight_bytes  # noqa: E402
 
 from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
 from mpk.megakernel.timeline import breakdown as timeline_breakdown  # noqa: E402
@@ -45,6 +45,13 @@ def random_model(cfg: LLMConfig, max_len: int, seed: int = 0, num_splits: int = 
         for name, p in model.named_parameters():
             p.normal_(1.0 if "norm" in name else 0.0, 0.02)
     return model
+
+
+def peer_shape(name: str) -> Shape:
+    """The peer's shape of the model ``name`` (any of ``mpk.models.llm.SHAPES``)."""
+    c = MODELS[name]
+    return Shape(name, c.hidden, c.inter, c.layers, c.heads, c.kv_heads, c.head_dim, c.vocab, c.tied, c.qk_norm,
+                 c.rope_theta, c.eps)
 
 
 def breakdown(compiled, trace_path: Path | None = None) -> dict:
@@ -115,7 +122,8 @@ _ENV_FLAGS = os.environ.get("MPK_NVCC_FLAGS", "")
 def add_step_args(ap: argparse.ArgumentParser) -> None:
     """The arguments that pick the benchmarked decode steps (shared with prebuild_decode.py,
     whose cubins must be these steps')."""
-    ap.add_argument("--models", nargs="+", default=["llama3.2-1b", "qwen3-1.7b", "qwen3-8b"])
+    ap.add_argument("--models", nargs="+", default=["llama3.2-1b", "qwen3-1.7b", "qwen3-8b"],
+                    choices=sorted(MODELS))
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
     ap.add_argument("--position", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=16)
@@ -201,13 +209,13 @@ def main(argv=None) -> int:
     print(f"device {device}; copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     rows = []
     for name in args.models:
-        cfg = MODELS[name]
+        cfg, shape = MODELS[name], peer_shape(name)
         model = random_model(cfg, max_len(args.position), num_splits=args.num_splits)
         for batch in args.batches:
             peer = (dict.fromkeys(("eager_ms", "eager_graph_ms", "compile_graph_ms", "peer_ms", "peer_mode"), None)
-                    | {"errors": {}} if args.skip_peer else time_peer(name, batch, args.position,
+                    | {"errors": {}} if args.skip_peer else time_peer(shape, batch, args.position,
                                                                       compile_mode=args.compile_mode))
-            floor = floor_ms(weight_bytes(SHAPES[name]) + kv_bytes(SHAPES[name], batch, args.position + 1), bw)
+            floor = floor_ms(weight_bytes(shape) + kv_bytes(shape, batch, args.position + 1), bw)
             for rnd in range(args.rounds):
                 for v, options in enumerate(args.options):
                     tag = f"{name}-b{batch}" + (f"-v{v}" if len(args.options) > 1 else "") + (f"-r{rnd}" if rnd else "")

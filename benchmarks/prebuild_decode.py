@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,9 +31,12 @@ from mpk.megakernel.codegen import generate  # noqa: E402
 from mpk.models.llm import SHAPES, DecoderLM  # noqa: E402
 
 
-def decode_source(name: str, batch: int, position: int, page_size: int, num_splits: int, options: dict) -> str:
-    """The generated CUDA of ``decode_latency.bench_mpk``'s step for this configuration."""
-    model = DecoderLM(SHAPES[name], torch.bfloat16, "cpu", max_len=max_len(position), num_splits=num_splits)
+def decode_source(name: str, batch: int, position: int, page_size: int, num_splits: int, options: dict,
+                  layers: int | None = None) -> str:
+    """The generated CUDA of ``decode_latency.bench_mpk``'s step for this configuration
+    (``layers``: the model cut to that many)."""
+    cfg = SHAPES[name] if layers is None else replace(SHAPES[name], layers=layers)
+    model = DecoderLM(cfg, torch.bfloat16, "cpu", max_len=max_len(position), num_splits=num_splits)
     step, kv = compile_step(model, batch, position, page_size, options)
     COMPILED.clear()
     try:

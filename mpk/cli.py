@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from mpk.errors import MpkError
+from mpk.models.llm import SHAPES
 
 
 def _preset_decoder(config_name: str, decode: bool, meta: bool) -> Callable[[argparse.Namespace], tuple]:
@@ -50,7 +51,7 @@ def _preset_paged(shape: str) -> Callable[[argparse.Namespace], tuple]:
     def build(ns: argparse.Namespace):
         from dataclasses import replace
 
-        from mpk.models.llm import SHAPES, DecoderLM
+        from mpk.models.llm import DecoderLM
 
         cfg = SHAPES[shape] if not ns.layers else replace(SHAPES[shape], layers=ns.layers)
         page = 16
@@ -66,9 +67,7 @@ def _preset_paged(shape: str) -> Callable[[argparse.Namespace], tuple]:
 
 PRESETS: dict[str, Callable[[argparse.Namespace], tuple]] = {
     "qwen3-8b-decode": _preset_decoder("QWEN3_8B", decode=True, meta=True),
-    "llama3.2-1b-paged": _preset_paged("llama3.2-1b"),
-    "qwen3-1.7b-paged": _preset_paged("qwen3-1.7b"),
-    "qwen3-8b-paged": _preset_paged("qwen3-8b"),
+    **{f"{shape}-paged": _preset_paged(shape) for shape in SHAPES},
     "llama-toy": _preset_decoder("LLAMA", decode=False, meta=False),
     "qwen3-toy": _preset_decoder("QWEN3", decode=False, meta=False),
     "qwen3-toy-decode": _preset_decoder("QWEN3", decode=True, meta=False),

@@ -228,12 +228,15 @@ def test_generated_cuda_compiles_for_sm90a(name, tables, tmp_path, monkeypatch):
     assert data[:4] == b"\x7fELF" and b"mpk_persistent_kernel" in data and b"mpk_tile_kernel" in data
 
 
+# qwen3-32b: groups of 8 query heads (rope + append an op of its own), hidden 5120;
+# smollm2-135m: head dim 64, groups of 3, hidden 576 (no split norm); both cut to 2 layers
 @needs_nvcc
-def test_decode_step_kernel_has_no_register_spills(tmp_path):
-    """ptxas reports no spills for the qwen3-0.6b batch-1 decode step's persistent kernel (the
-    benchmark's own trace): local-memory traffic on a task's way in costs every hop (a Rect
-    returned by value and copied through local memory, with spills around it — 58 bytes in the
-    kernel, 56 in the dispatch for this step — made decode steps 5–9% slower on an H200)."""
+@pytest.mark.parametrize("name,batch,layers", [("qwen3-0.6b", 1, None), ("qwen3-32b", 16, 2), ("smollm2-135m", 4, 2)])
+def test_decode_step_kernel_has_no_register_spills(tmp_path, name, batch, layers):
+    """ptxas reports no spills for decode steps' persistent kernels (the benchmark's own trace):
+    local-memory traffic on a task's way in costs every hop (a Rect returned by value and
+    copied through local memory, with spills around it — 58 bytes in the kernel, 56 in the
+    dispatch for qwen3-0.6b's batch-1 step — made decode steps 5–9% slower on an H200)."""
     import importlib.util
     import pathlib
     import re
@@ -245,7 +248,7 @@ def test_decode_step_kernel_has_no_register_spills(tmp_path):
     prebuild_decode = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prebuild_decode)
     src = tmp_path / "step.cu"
-    src.write_text(prebuild_decode.decode_source("qwen3-0.6b", 1, 64, 16, 0, {}))
+    src.write_text(prebuild_decode.decode_source(name, batch, 64, 16, 0, {}, layers=layers))
     res = subprocess.run([build.nvcc_path(), *build.nvcc_flags(), *[f"-I{d}" for d in build.INCLUDE_DIRS],
                           "-Xptxas", "-v", "-o", str(tmp_path / "step.cubin"), str(src)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -137,12 +137,25 @@ class LLMConfig:
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 8192}
 
-# The public model shapes of shared/BENCHMARKS.md (for random-weight benchmarks and inspection).
+# Public model shapes (random-weight benchmarks, inspection, tests): first those of
+# shared/BENCHMARKS.md, then other public checkpoints' as their config.json gives them, which
+# the GPU tests run cut to two layers (head groups of 1-8 query heads, head dims 64 and 128,
+# hidden sizes that are not multiples of 256, Llama 3.1's rope scaling).
 SHAPES: dict[str, LLMConfig] = {
     "llama3.2-1b": LLMConfig("llama", 2048, 8192, 16, 32, 8, 64, 128256, True, 1e-5, 5e5, _LLAMA3_SCALING, 131072),
     "qwen3-0.6b": LLMConfig("qwen3", 1024, 3072, 28, 16, 8, 128, 151936, True, 1e-6, 1e6, None, 40960),
     "qwen3-1.7b": LLMConfig("qwen3", 2048, 6144, 28, 16, 8, 128, 151936, True, 1e-6, 1e6, None, 40960),
     "qwen3-8b": LLMConfig("qwen3", 4096, 12288, 36, 32, 8, 128, 151936, False, 1e-6, 1e6, None, 40960),
+    "llama3.2-3b": LLMConfig("llama", 3072, 8192, 28, 24, 8, 128, 128256, True, 1e-5, 5e5, _LLAMA3_SCALING, 131072),
+    "llama3.1-8b": LLMConfig("llama", 4096, 14336, 32, 32, 8, 128, 128256, False, 1e-5, 5e5,
+                             _LLAMA3_SCALING | {"factor": 8.0}, 131072),
+    "llama2-7b": LLMConfig("llama", 4096, 11008, 32, 32, 32, 128, 32000, False, 1e-5, 1e4, None, 4096),
+    "tinyllama-1.1b": LLMConfig("llama", 2048, 5632, 22, 32, 4, 64, 32000, False, 1e-5, 1e4, None, 2048),
+    "smollm2-135m": LLMConfig("llama", 576, 1536, 30, 9, 3, 64, 49152, True, 1e-5, 1e5, None, 8192),
+    "smollm2-360m": LLMConfig("llama", 960, 2560, 32, 15, 5, 64, 49152, True, 1e-5, 1e5, None, 8192),
+    "qwen3-4b": LLMConfig("qwen3", 2560, 9728, 36, 32, 8, 128, 151936, True, 1e-6, 1e6, None, 40960),
+    "qwen3-14b": LLMConfig("qwen3", 5120, 17408, 40, 40, 8, 128, 151936, False, 1e-6, 1e6, None, 40960),
+    "qwen3-32b": LLMConfig("qwen3", 5120, 25600, 64, 64, 8, 128, 151936, False, 1e-6, 1e6, None, 40960),
 }
 
 
