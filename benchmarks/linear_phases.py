@@ -35,14 +35,14 @@ from mpk.backend import COMPILED, RUNNERS  # noqa: E402
 from mpk.megakernel import cuda_driver as drv  # noqa: E402
 from mpk.models.llm import SHAPES  # noqa: E402
 
-# linalg.cuh: linear_phase_slot (slot = index here · 3 + block index)
+# linalg.cuh: linear_phase_slot (slot = index here · len(BLOCKS) + block index)
 FORMS = ("plain", "norm prologue", "silu epilogue", "norm prologue + silu", "norm stats out", "norm stats in",
          "norm stats in + silu")
-BLOCKS = (2, 4, 8)
+BLOCKS = (2, 3, 4, 6, 8)
 PHASES = ("setup", "k_loop", "to_shared", "epilogue", "barrier", "pre_gate")  # linalg.cuh: linear_bf16's marks
-ATTN_SLOT, ATTN_WARM_SLOT = 24, 25  # common.cuh: kAttnPhaseSlot, kAttnWarmSlot
+ATTN_SLOT, ATTN_WARM_SLOT = 35, 36  # common.cuh: kAttnPhaseSlot, kAttnWarmSlot
 ATTN_PHASES = ("issue", "rope", "loop", "combine", "kv_wait")  # paged_attention.cuh: attn_partial_impl's marks
-SLOTS, NUM_PHASES = 32, 8  # common.cuh: kPhaseSlots, kPhases
+SLOTS, NUM_PHASES = 40, 8  # common.cuh: kPhaseSlots, kPhases
 
 
 def phases(model_name: str, batch: int, position: int, steps: int, options: dict | None = None) -> list[dict]:
@@ -66,7 +66,7 @@ def phases(model_name: str, batch: int, position: int, steps: int, options: dict
         tasks = int(table[slot, NUM_PHASES - 1])
         if tasks and slot != ATTN_SLOT:
             per = table[slot, : len(PHASES)] / tasks
-            rows.append({"form": FORMS[slot // 3], "blocks": BLOCKS[slot % 3], "tasks_per_step": tasks // steps,
+            rows.append({"form": FORMS[slot // len(BLOCKS)], "blocks": BLOCKS[slot % len(BLOCKS)], "tasks_per_step": tasks // steps,
                          **{f"{p}_us": round(float(v) / 1e3, 3) for p, v in zip(PHASES, per)},
                          "total_us": round(float(per.sum()) / 1e3, 3)})
     for slot, form in ((ATTN_SLOT, "attention"), (ATTN_WARM_SLOT, "attention warm")):

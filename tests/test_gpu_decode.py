@@ -41,10 +41,13 @@ class _Linear(torch.nn.Module):
 
 # each case is one nvcc build (~10 s): rows 1…16, odd N, short and long K, with and without
 # the residual epilogue; ``tiles`` few tiles over N: many 64-column passes per task, with a
-# partial last pass and K not a multiple of the unrolled step
+# partial last pass and K not a multiple of the unrolled step; or tiles of 22, 48 and 44
+# columns (passes of 3 and 6 blocks, whole and with a partial last block)
 @pytest.mark.parametrize("m,n,k,residual,tiles", [(1, 1000, 64, True, 0), (3, 520, 4096, False, 0),
                                                   (16, 24, 2048, True, 0), (16, 1000, 96, False, 0),
-                                                  (2, 1000, 2400, True, 3), (16, 300, 4160, False, 2)])
+                                                  (2, 1000, 2400, True, 3), (16, 300, 4160, False, 2),
+                                                  (1, 2816, 2048, True, 128), (16, 1920, 4160, True, 40),
+                                                  (5, 5632, 1024, False, 128)])
 def test_linear_variant_matches_float64(m, n, k, residual, tiles):
     mod = _Linear(n, k, residual)
     x = torch.randn(m, k, device=DEV).bfloat16()
@@ -97,7 +100,9 @@ class _NormLinear(torch.nn.Module):
 
 
 # K = 80 (not a multiple of 64): the general task
+# (1, 3072, 2048): llama3.2-1b's qkv projection at batch 1, tiles of 24 columns (3 blocks)
 @pytest.mark.parametrize("m,n,k,tiles,silu", [(1, 1000, 2048, 0, False), (16, 40, 256, 0, False),
+                                              (1, 3072, 2048, 128, False),
                                               (3, 700, 1344, 2, False), (1, 520, 4096, 0, True),
                                               (4, 300, 1024, 0, True), (3, 1000, 1344, 3, True),
                                               (2, 150, 80, 0, False), (3, 200, 80, 0, True)])
@@ -147,14 +152,16 @@ class _ResidualNormLinear(torch.nn.Module):
 
 @pytest.mark.parametrize("m,n,k,out,tiles,silu,computed_w2", [
     (1, 2048, 2048, 1000, None, False, False), (16, 4096, 512, 300, None, True, False),
-    (3, 512, 96, 520, [1, 1, 3, 1], False, False), (4, 256, 80, 200, [1, 2, 2, 1], True, True)])
+    (3, 512, 96, 520, [1, 1, 3, 1], False, False), (4, 256, 80, 200, [1, 2, 2, 1], True, True),
+    # qwen3-14b's hidden 5120 in 128 tiles: 32 and 48 columns (4 and 6 blocks), then 48 (6)
+    (16, 5120, 512, 6144, [1, 1, 128, 1], False, False)])
 def test_norm_split_between_projections_matches_float64(m, n, k, out, tiles, silu, computed_w2):
     """fuse_norm_stats: the residual projection writes h, h·g and per-16-column sums of h²
     (matmul_norm_stats), the projection after the norm scales its sums by rstd from them
     (norm_stats_matmul). h within a bf16 rounding of its float64 definition, the projection
     within a bf16 rounding of float64 rms_norm(h) @ w2 (of the kernel's h), through the
-    bandwidth-grade linear (1, 16 rows; 16- and 32-column tiles; uneven tiles of passes with a
-    partial last pass) and the general tasks (K = 80 for the first, a computed w2 for the
+    bandwidth-grade linear (1, 16 rows; 16-, 32- and 48-column tiles; uneven tiles of passes
+    with a partial last pass) and the general tasks (K = 80 for the first, a computed w2 for the
     second)."""
     mod = _ResidualNormLinear(n, k, out, silu, computed_w2)
     a = torch.randn(m, k, device=DEV).bfloat16()

@@ -388,8 +388,9 @@ constexpr int kThreadsPerTask = 256;  // mpk_runtime/persistent.cuh: kThreads
 // arrives when its copies have landed, warp 0's lane 0 arrives and waits). Thread 0 initialises
 // ``bar`` once per launch (init_gate_share, before the launch's first barrier).
 constexpr int kLinInFlight = 16;  // 16-byte weight loads each lane of a linear task keeps in flight (linalg.cuh)
+constexpr int kGateShareWords = 32 * (kLinInFlight + 2);  // lin_unroll's rounding: 18 loads a lane at 6 blocks
 struct GateShare {
-  uint4 words[32 * kLinInFlight];  // warp 0's weight loads in flight
+  uint4 words[kGateShareWords];  // warp 0's weight loads in flight
   unsigned long long bar;
 };
 constexpr int kGateShareArrivals = kThreadsPerTask - 32 + 1;
@@ -468,9 +469,10 @@ __device__ __forceinline__ unsigned dynamic_smem_size() {
 // cannot. The sums are reductions (no value returned): a read-modify-write would make thread 0
 // wait a round trip inside the phase after each mark. Without MPK_PHASES the marks compile to
 // nothing.
-constexpr int kPhaseCtas = 256, kPhaseSlots = 32, kPhases = 8;
-constexpr int kAttnPhaseSlot = 24;  // linalg.cuh's linear forms take 0…23 (linear_phase_slot)
-constexpr int kAttnWarmSlot = 25;   // attention run a second time in the same task (MPK_ATTN_WARM_RERUN)
+constexpr int kPhaseCtas = 256, kPhaseSlots = 40, kPhases = 8;
+constexpr int kLinBlockCounts = 5;  // the linear's block counts (2, 3, 4, 6, 8: linalg.cuh, linear_variant1)
+constexpr int kAttnPhaseSlot = 7 * kLinBlockCounts;  // linalg.cuh's 7 linear forms take the slots below (linear_phase_slot)
+constexpr int kAttnWarmSlot = kAttnPhaseSlot + 1;    // attention run a second time in the same task (MPK_ATTN_WARM_RERUN)
 #ifdef MPK_PHASES
 extern "C" {
 __device__ unsigned long long mpk_phase_ns[kPhaseCtas][kPhaseSlots][kPhases];

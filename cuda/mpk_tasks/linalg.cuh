@@ -11,7 +11,10 @@ namespace mpk {
 constexpr int kLinRows = 16;     // rows (batch) a variant-1 tile may hold: the MMA's M
 constexpr int kLinBlocks = 8;    // 8-column weight blocks per pass, at most: 64 columns
 // kLinInFlight (common.cuh, beside the gate_share that holds warp 0's share of them): 16-byte
-// weight loads each lane keeps in flight
+// weight loads each lane keeps in flight, about: a pass of kBlocks blocks goes
+// kLinUnroll(kBlocks) 32-wide K steps deep, the nearest whole number (15 for 3 and 18 for 6
+// blocks, 16 for 2, 4 and 8)
+__host__ __device__ constexpr int lin_unroll(int blocks) { return (kLinInFlight + blocks / 2) / blocks; }
 
 // A 16-byte load that bypasses L1: weights are read exactly once. (An L2 evict-first hint on
 // these loads measured no faster on H200 decode steps.)
@@ -76,14 +79,17 @@ __host__ __device__ constexpr int linear_phase_slot(int form, int blocks) {
                             kStatsPrologue, kStatsPrologue | kSiluEpilogue};
   int i = 0;
   while (kForms[i] != form) ++i;
-  return i * 3 + (blocks == 2 ? 0 : blocks == 4 ? 1 : 2);
+  return i * kLinBlockCounts + (blocks == 2 ? 0 : blocks == 3 ? 1 : blocks == 4 ? 2 : blocks == 6 ? 3 : 4);
 }
 
 template <int kBlocks, int kForm>
 __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const TaskEnv& env) {
   constexpr bool kNorm = kForm & kNormPrologue, kGlu = kForm & kSiluEpilogue;
   constexpr bool kStatsOut = kForm & kStatsEpilogue, kStatsIn = kForm & kStatsPrologue;
-  constexpr int kLinUnroll = kLinInFlight / kBlocks, kWarps = kThreadsPerTask / 32;
+  constexpr int kLinUnroll = lin_unroll(kBlocks), kWarps = kThreadsPerTask / 32;
+  constexpr int kWarp0Words = 32 * kLinUnroll * kBlocks;  // warp 0's first loads, through gate_share
+  static_assert(kWarp0Words <= kGateShareWords, "gate_share too small for this block count");
+  static_assert(!(kForm & kSiluEpilogue) || kBlocks == kLinBlocks, "SiLU·mul passes are 4 gate + 4 up blocks");
   // The next pass's first weights go out at the end of a pass (see below), except in the SiLU·mul
   // forms without the norm prologue (plain: batch ≥ 4, whose gate·up tasks measured 3% slower
   // with it on an H200, qwen3-8b; after norm stats, with it at batch ≤ 2 on an H100: llama3.2-1b's
@@ -148,7 +154,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   unsigned long long share_token = 0;  // warp 0's lane 0: the phase of share.bar it waits for
   if (warp != 0) {
     // warp 0's loads: word e is its lane e % 32's block (e / 32) % kBlocks of step u = e / (32·kBlocks)
-    for (int e = threadIdx.x - 32; e < 32 * kLinInFlight; e += kThreadsPerTask - 32) {
+    for (int e = threadIdx.x - 32; e < kWarp0Words; e += kThreadsPerTask - 32) {
       const int u = e / (32 * kBlocks), j = (e / 32) % kBlocks, gl = (e % 32) >> 2, tl = e & 3;
       const int col = 8 * (kGlu ? j % (kBlocks / 2) : j) + gl;
       const int k = u * kWarps;
@@ -228,7 +234,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   }
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(env.buffers[c.out_buffer]);
   const long long part = kStatsOut ? c.out_shape[1] * N : 0;  // kStatsOut: elements of one of the 3 parts
-  constexpr int kPerThread = kLinRows * kOut / kThreadsPerTask;  // epilogue outputs per thread
+  constexpr int kPerThread = (kLinRows * kOut + kThreadsPerTask - 1) / kThreadsPerTask;  // epilogue outputs per thread
   if (warp == 0) {  // its first weights, copied by warps 1–7
     if (lane == 0) mbarrier_wait(gate_share_bar(), share_token);
     __syncwarp();
@@ -354,8 +360,11 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   }
 }
 
-// The block count (columns per pass) by the tile's width: narrow tiles go deeper along K.
-// (SiLU·mul always takes 8: one instantiation, 4 gate and 4 up blocks.)
+// The block count (columns per pass) by the tile's width: a tile of one pass takes the fewest
+// blocks that cover it, so that no lane's share of the loads in flight goes to columns past
+// the tile (a 48-column tile in 8 blocks kept 12 of 16 loads per lane in flight, 24 columns in
+// 4 blocks 12 too); narrow tiles go deeper along K. (SiLU·mul always takes 8: one
+// instantiation, 4 gate and 4 up blocks.)
 template <int kForm>
 __device__ __forceinline__ void linear_variant1(const OpC& c, const Rect& r, const TaskEnv& env) {
   const long long cols = r.hi[1] - r.lo[1];
@@ -363,8 +372,12 @@ __device__ __forceinline__ void linear_variant1(const OpC& c, const Rect& r, con
     linear_bf16<kLinBlocks, kForm>(c, r, env);
   } else if (cols <= 16) {
     linear_bf16<2, kForm>(c, r, env);
+  } else if (cols <= 24) {
+    linear_bf16<3, kForm>(c, r, env);
   } else if (cols <= 32) {
     linear_bf16<4, kForm>(c, r, env);
+  } else if (cols <= 48) {
+    linear_bf16<6, kForm>(c, r, env);
   } else {
     linear_bf16<kLinBlocks, kForm>(c, r, env);
   }
