@@ -66,7 +66,7 @@ def unsupported_report(failures) -> str:
 def compile_fx(gm: GraphModule, opts: CompileOptions, param_flags: list[bool] | None = None,
                input_names: list[str] | None = None) -> Callable:
     """Compile one functionalized ATen graph into a callable taking the graph's flat inputs."""
-    fuse_patterns(gm, opts.optional_fusions())
+    fuse_patterns(gm, opts.optional_fusions(), opts.num_workers)
     failures = find_unsupported(gm, opts.fuse_rope_attention)
     if not failures:
         graph = lower(gm, param_flags, input_names, opts.fuse_rope_attention)

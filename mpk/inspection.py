@@ -42,7 +42,7 @@ def compile_module(model: torch.nn.Module, args: Sequence[Any],
     specs = ep.graph_signature.input_specs
     flags = [s.kind.name in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR") for s in specs]
     names = [s.target if s.target else s.arg.name for s in specs]
-    fuse_patterns(gm, opts.optional_fusions())
+    fuse_patterns(gm, opts.optional_fusions(), opts.num_workers)
     graph = lower(gm, flags, names, opts.fuse_rope_attention)
     return compile_graph(graph, opts.num_workers, opts.partition)
 

@@ -39,8 +39,9 @@ class CompileOptions:
                  1, or 2 for hidden ≤ 2048); larger inputs keep the separate norm task, which
                  measured faster on an H200 from batch 4 on.
     fuse_norm_stats  split an RMSNorm whose input is a residual projection's output between
-                 that projection (which also writes h·g and per-16-column sums of h²) and the
-                 projection after the norm (which scales its sums by each row's rstd):
+                 that projection (which also writes h·g and sums of h² over groups of 16 or 8
+                 columns, mpk.ops.linalg.stats_group) and the projection after the norm
+                 (which scales its sums by each row's rstd):
                  matmul_norm_stats / norm_stats_matmul, no norm stage. "auto" (default): the
                  norms of more than 4 KiB of activations (mpk.ops.linalg.NORM_SPLIT_MIN_BYTES:
                  a bf16 decode step from batch 2 for hidden 2048, from batch 1 for 4096),

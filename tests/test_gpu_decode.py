@@ -17,7 +17,9 @@ from mpk.backend import COMPILED
 from mpk.megakernel.codegen import linear_variant, row_vector_ctype
 from mpk.models.llm import SHAPES, DecoderLM, LLMConfig, PagedKVCache
 from mpk.models.parity import compare_logits, decode_logits, hf_logits, hf_twin
+from mpk.ops.linalg import stats_group
 from mpk.ops.rows import LONG_ROW
+from mpk.options import default_num_workers
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -42,12 +44,13 @@ class _Linear(torch.nn.Module):
 # each case is one nvcc build (~10 s): rows 1…16, odd N, short and long K, with and without
 # the residual epilogue; ``tiles`` few tiles over N: many 64-column passes per task, with a
 # partial last pass and K not a multiple of the unrolled step; or tiles of 22, 48 and 44
-# columns (passes of 3 and 6 blocks, whole and with a partial last block)
+# columns (passes of 3 and 6 blocks, whole and with a partial last block), or of 80 (a pass of
+# 64 columns and one of 16)
 @pytest.mark.parametrize("m,n,k,residual,tiles", [(1, 1000, 64, True, 0), (3, 520, 4096, False, 0),
                                                   (16, 24, 2048, True, 0), (16, 1000, 96, False, 0),
                                                   (2, 1000, 2400, True, 3), (16, 300, 4160, False, 2),
                                                   (1, 2816, 2048, True, 128), (16, 1920, 4160, True, 40),
-                                                  (5, 5632, 1024, False, 128)])
+                                                  (5, 5632, 1024, False, 128), (3, 10240, 256, True, 128)])
 def test_linear_variant_matches_float64(m, n, k, residual, tiles):
     mod = _Linear(n, k, residual)
     x = torch.randn(m, k, device=DEV).bfloat16()
@@ -70,8 +73,11 @@ class _GateUp(torch.nn.Module):
         return torch.nn.functional.silu(h[:, : self.inter]) * h[:, self.inter:]
 
 
-# K = 80 (not a multiple of 32): the general task
-@pytest.mark.parametrize("m,inter,k,tiles", [(1, 520, 2048, 0), (16, 300, 96, 0), (5, 1000, 2400, 3), (3, 200, 80, 0)])
+# K = 80 (not a multiple of 32): the general task; SiLU·mul passes take 32 columns (4 gate and 4
+# up blocks): tiles of 48 columns (a full pass and a half one), 16 (half a pass) and 136 (four
+# passes and a quarter)
+@pytest.mark.parametrize("m,inter,k,tiles", [(1, 520, 2048, 0), (16, 300, 96, 0), (5, 1000, 2400, 3), (3, 200, 80, 0),
+                                             (4, 1536, 256, 32), (2, 240, 512, 15), (3, 1088, 256, 8)])
 def test_silu_epilogue_linear_matches_float64(m, inter, k, tiles):
     """The gate·up projection with SiLU·mul as its epilogue (matmul_silu, variant 1, or the
     general task) against a float64 projection rounded to bf16, then SiLU·mul with the same
@@ -100,9 +106,10 @@ class _NormLinear(torch.nn.Module):
 
 
 # K = 80 (not a multiple of 64): the general task
-# (1, 3072, 2048): llama3.2-1b's qkv projection at batch 1, tiles of 24 columns (3 blocks)
+# (1, 3072, 2048): llama3.2-1b's qkv projection at batch 1, tiles of 24 columns (3 blocks);
+# (1, 6144, 2048, silu): qwen3-1.7b's gate·up, tiles of 48 columns (a full pass and a half one)
 @pytest.mark.parametrize("m,n,k,tiles,silu", [(1, 1000, 2048, 0, False), (16, 40, 256, 0, False),
-                                              (1, 3072, 2048, 128, False),
+                                              (1, 3072, 2048, 128, False), (1, 6144, 2048, 128, True),
                                               (3, 700, 1344, 2, False), (1, 520, 4096, 0, True),
                                               (4, 300, 1024, 0, True), (3, 1000, 1344, 3, True),
                                               (2, 150, 80, 0, False), (3, 200, 80, 0, True)])
@@ -153,23 +160,29 @@ class _ResidualNormLinear(torch.nn.Module):
 @pytest.mark.parametrize("m,n,k,out,tiles,silu,computed_w2", [
     (1, 2048, 2048, 1000, None, False, False), (16, 4096, 512, 300, None, True, False),
     (3, 512, 96, 520, [1, 1, 3, 1], False, False), (4, 256, 80, 200, [1, 2, 2, 1], True, True),
-    # qwen3-14b's hidden 5120 in 128 tiles: 32 and 48 columns (4 and 6 blocks), then 48 (6)
-    (16, 5120, 512, 6144, [1, 1, 128, 1], False, False)])
+    # qwen3-14b's hidden 5120 at batch 16 in 128 tiles: 32 and 48 columns (4 and 6 blocks; its
+    # sums of 8-column groups would not fit the consumer), then 48 (6); gate·up after the norm
+    # in tiles of 48 columns (a full pass and a half one)
+    (16, 5120, 512, 6144, [1, 1, 128, 1], False, False), (16, 2048, 256, 6144, [1, 1, 128, 1], True, False),
+    # 8-column groups: qwen3-4b's hidden 2560 (tiles of 16 and 24 columns), llama3.2-3b's 3072
+    (4, 2560, 512, 1000, None, False, False), (1, 3072, 256, 3072, None, True, False)])
 def test_norm_split_between_projections_matches_float64(m, n, k, out, tiles, silu, computed_w2):
-    """fuse_norm_stats: the residual projection writes h, h·g and per-16-column sums of h²
-    (matmul_norm_stats), the projection after the norm scales its sums by rstd from them
-    (norm_stats_matmul). h within a bf16 rounding of its float64 definition, the projection
-    within a bf16 rounding of float64 rms_norm(h) @ w2 (of the kernel's h), through the
-    bandwidth-grade linear (1, 16 rows; 16-, 32- and 48-column tiles; uneven tiles of passes
-    with a partial last pass) and the general tasks (K = 80 for the first, a computed w2 for the
-    second)."""
+    """fuse_norm_stats: the residual projection writes h, h·g and sums of h² over groups of 16
+    or 8 columns (matmul_norm_stats; mpk.ops.linalg.stats_group picks, the test checks which),
+    the projection after the norm scales its sums by rstd from them (norm_stats_matmul). h
+    within a bf16 rounding of its float64 definition, the projection within a bf16 rounding of
+    float64 rms_norm(h) @ w2 (of the kernel's h), through the bandwidth-grade linear (1, 16
+    rows; 16-, 24-, 32- and 48-column tiles; uneven tiles of passes with a partial last pass)
+    and the general tasks (K = 80 for the first, a computed w2 for the second)."""
     mod = _ResidualNormLinear(n, k, out, silu, computed_w2)
     a = torch.randn(m, k, device=DEV).bfloat16()
     r = (4 * torch.randn(m, n, device=DEV)).bfloat16()
     h, y = _gpu_compile(mod, fuse_norm_stats=True, **({"partition": {"matmul_norm_stats": tiles}} if tiles else {}))(a, r)
     t = COMPILED[-1].tables
-    kinds = [op.kind for op in COMPILED[-1].graph.ops]
+    graph = COMPILED[-1].graph
+    kinds = [op.kind for op in graph.ops]
     assert kinds.count("matmul_norm_stats") == kinds.count("norm_stats_matmul") == 1 and "rms_norm" not in kinds
+    assert graph.buffers[graph.ops[kinds.index("matmul_norm_stats")].output].shape[-1] == stats_group(m, n, default_num_workers())
     assert linear_variant(t, kinds.index("matmul_norm_stats")) == int(k % 32 == 0)
     assert linear_variant(t, kinds.index("norm_stats_matmul")) == int(not computed_w2)
     assert relative_error(h, a.double() @ mod.w1.double().T + r.double()) <= BF16_TOL

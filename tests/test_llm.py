@@ -307,6 +307,8 @@ def test_arguments_that_start_inside_their_storage(family, fuse_rope):
     # uneven tiles of 16-column groups, rows split over tiles, the consumer over rows and columns
     ("qwen3", 4, 256, {"fuse_norm_stats": True,
                        "partition": {"matmul_norm_stats": [1, 2, 3, 1], "norm_stats_matmul": [2, 3]}}),
+    # 12 workers: 8-column groups (tiles of 16 and 24 columns, where 16-column groups gave 16 and 32)
+    ("llama", 2, 256, {"fuse_norm_stats": True, "num_workers": 12}),
     # "auto" (the default) splits the norms of more than 4 KiB of x (3 × 1024 bf16: 6 KiB,
     # which the prologue's 8 KiB tile would hold; 5 × 1024: 10 KiB, which it would not) and
     # leaves smaller ones to the prologue, unless that is off
@@ -334,6 +336,9 @@ def test_norm_split_between_projections_in_a_decode_step(family, batch, hidden, 
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
     prologue, split = norm_fusions(options, batch, hidden)
     assert kinds.count("matmul_norm_stats") == kinds.count("norm_stats_matmul") == (2 * cfg.layers if split else 0)
+    graph = COMPILED[-1].graph
+    groups = {graph.buffers[op.output].shape[-1] for op in graph.ops if op.kind == "matmul_norm_stats"}
+    assert groups <= ({8} if options.get("num_workers") == 12 else {16})
     norm = "rms_matmul" if prologue else "rms_norm"
     assert kinds.count(norm) == (1 if split else 2 * cfg.layers + 1)
     assert "rms_norm" not in kinds or "rms_matmul" not in kinds

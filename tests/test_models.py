@@ -169,13 +169,13 @@ def test_norm_prologue_fuses_only_what_a_task_keeps_on_chip(rows, k, fused):
     assert kinds == (["rms_matmul"] if fused else ["rms_norm", "matmul"])
 
 
-@pytest.mark.parametrize("silu", [False, True])
-def test_norm_split_between_projections_matches_float64(silu):
+@pytest.mark.parametrize("silu,group", [(False, 16), (True, 16), (False, 8), (True, 8)])
+def test_norm_split_between_projections_matches_float64(silu, group):
     """mm_norm_stats + norm_stats_mm (an RMSNorm split between the residual projection before
     it and the projection after it) against float64: h = r + a @ w within a bf16 rounding, the
-    packed sums equal to Σh² of the rounded h (fp32, relative 1e-6), and the projection within
-    a bf16 rounding of its float64 definition with the op's roundings (rows whose rstd is far
-    from 1)."""
+    packed sums (groups of 16 or 8 columns) equal to Σh² of the rounded h (fp32, relative 1e-6),
+    and the projection within a bf16 rounding of its float64 definition with the op's roundings
+    (rows whose rstd is far from 1); a group size the tasks do not take is refused."""
     from mpk.frontend.fused_ops import norm_stats_parts
 
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
@@ -185,16 +185,16 @@ def test_norm_split_between_projections_matches_float64(silu):
     r = (4 * torch.randn(m, n, generator=g)).bfloat16()
     nw = (1 + 0.2 * torch.randn(n, generator=g)).bfloat16()
     b = (torch.randn(n, 2 * out if silu else out, generator=g) / n ** 0.5).bfloat16()
-    packed = torch.ops.mpk.mm_norm_stats(a, w, r, nw)
-    assert packed.shape == (3, m, n // 16, 16) and packed.dtype == torch.bfloat16
+    packed = torch.ops.mpk.mm_norm_stats(a, w, r, nw, group)
+    assert packed.shape == (3, m, n // group, group) and packed.dtype == torch.bfloat16
     h, hg, sums = norm_stats_parts(packed)
     h64 = a.double() @ w.double() + r.double()
     assert relative_error(h.double(), h64) <= 2 ** -8
     assert torch.equal(hg, (h.float() * nw.float()).bfloat16())
-    group_sums = sums.contiguous().view(torch.float32)[:, ::8].double()
-    ref_sums = h.double().pow(2).view(m, n // 16, 16).sum(-1)
+    group_sums = sums.contiguous().view(torch.float32)[:, ::group // 2].double()
+    ref_sums = h.double().pow(2).view(m, n // group, group).sum(-1)
     assert ((group_sums - ref_sums).abs() / ref_sums).max() <= 1e-6
-    assert torch.count_nonzero(sums.contiguous().view(torch.float32).view(m, n // 16, 8)[..., 1:]) == 0
+    assert torch.count_nonzero(sums.contiguous().view(torch.float32).view(m, n // group, group // 2)[..., 1:]) == 0
     y = torch.ops.mpk.norm_stats_mm(packed, b, 1e-6, silu)
     assert y.shape == (m, out) and y.dtype == torch.bfloat16
     hd = h.double()  # the op's roundings: h·g and (with silu) gate, up and silu(gate) to bf16
@@ -204,4 +204,20 @@ def test_norm_split_between_projections_matches_float64(silu):
         ref = torch.nn.functional.silu(ref[:, :out]).bfloat16().double() * ref[:, out:]
     assert relative_error(y.double(), ref) <= 2 ** -8
     with pytest.raises(ValueError, match=r"float32 \[5, 512\]; expected a 2-byte dtype"):
-        torch.ops.mpk.mm_norm_stats(a.float(), w.float(), r.float(), nw.float())
+        torch.ops.mpk.mm_norm_stats(a.float(), w.float(), r.float(), nw.float(), group)
+    with pytest.raises(ValueError, match=r"group=4; expected one of \(16, 8\)"):
+        torch.ops.mpk.mm_norm_stats(a, w, r, nw, 4)
+
+
+@pytest.mark.parametrize("rows,n,workers,group", [
+    (1, 2560, 128, 8), (16, 3072, 128, 8),  # 16- and 32-column tiles of 16-column groups; 16 and 24 of 8
+    (16, 4096, 128, 16), (1, 2048, 128, 16),  # whole groups either way: the tiles are as wide
+    (1, 5120, 128, 8), (12, 5120, 128, 8),  # 32 and 48 columns against 40
+    (13, 5120, 128, 16)])  # 8-column groups' sums (13 × 640) would not fit the consumer's shared memory
+def test_stats_group_takes_the_evener_split_that_fits(rows, n, workers, group):
+    """The norm split's group size (mpk.ops.linalg.stats_group): 8 columns where 16-column
+    groups would leave some tiles wider, unless the consuming task's sums then overflow its
+    shared memory."""
+    from mpk.ops.linalg import stats_group
+
+    assert stats_group(rows, n, workers) == group

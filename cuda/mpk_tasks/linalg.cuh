@@ -64,16 +64,17 @@ __host__ __device__ __forceinline__ int red_index(int warp, int row, int col) {
 //   silu(gate)·up, each factor rounded to bf16 first, as the unfused projection and silu_mul
 //   would.
 // kStatsEpilogue: the matmul_norm_stats op — the residual projection before an RMSNorm of weight
-//   g (input 3) also stores h·g and each 16-column group's Σh² (a half warp's butterfly over
-//   its lanes' h², in the epilogue), packed as mpk/ops/linalg.py lays out; r is 2-d here.
+//   g (input 3) also stores h·g and each group's Σh² (groups of 16 or 8 columns, the output's
+//   last dim: a butterfly over as many lanes' h², in the epilogue), packed as mpk/ops/linalg.py
+//   lays out; r is 2-d here.
 // kStatsPrologue: the norm_stats_matmul op — the projection after that norm reads h·g as a plain
 //   matmul reads x; the sums (input 2) go to shared memory by cp.async after the gate, are
 //   added up after the first K loop into each row's rstd, and the epilogue scales by it.
 enum LinearForm : int { kPlain = 0, kNormPrologue = 1, kSiluEpilogue = 2, kStatsEpilogue = 4, kStatsPrologue = 8 };
-constexpr int kStatsGroup = 16;  // columns per sum of squares (mpk.ops.linalg.STATS_GROUP)
+constexpr int kMaxStatsGroup = 16;  // columns per sum of squares: 16 or 8 (mpk.ops.linalg.STATS_GROUPS)
 
 // The phase timer's slot of a form: its index in the forms instantiated (benchmarks/
-// linear_phases.py: FORMS, same order) · 3 + log2(kBlocks) − 1.
+// linear_phases.py: FORMS, same order) · kLinBlockCounts + the index of kBlocks among 2, 3, 4, 6, 8.
 __host__ __device__ constexpr int linear_phase_slot(int form, int blocks) {
   constexpr int kForms[] = {kPlain, kNormPrologue, kSiluEpilogue, kNormPrologue | kSiluEpilogue, kStatsEpilogue,
                             kStatsPrologue, kStatsPrologue | kSiluEpilogue};
@@ -102,8 +103,10 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   constexpr int kOut = kGlu ? 4 * kBlocks : 8 * kBlocks;  // output columns per pass
   const ViewC& a = c.in[0];
   const ViewC& b = c.in[1];
-  // kStatsOut: the output is [3, M, N/16, 16] (h, h·g, sums), r the rows × columns rect
-  const long long K = a.shape[1], N = kStatsOut ? c.out_shape[2] * kStatsGroup : c.out_shape[1];
+  // kStatsOut: the output is [3, M, N/G, G] (h, h·g, sums), r the rows × columns rect
+  // kStatsOut / kStatsIn: columns per sum of squares (the output's last dim, or iparam[1])
+  const int group = kStatsOut ? static_cast<int>(c.out_shape[3]) : kStatsIn ? c.iparam[1] : kMaxStatsGroup;
+  const long long K = a.shape[1], N = kStatsOut ? c.out_shape[2] * group : c.out_shape[1];
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(env.buffers[a.buffer]) + a.offset;
   const __nv_bfloat16* w = static_cast<const __nv_bfloat16*>(env.buffers[b.buffer]) + b.offset;
   const long long lda = a.stride[0], ldw = b.stride[1];
@@ -184,12 +187,13 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   }
   // kStatsIn: half warp `srow` copies row srow's sums into red (free until the first pass's
   // partials), lane l taking groups l, l + 16, … (the order mpk.ops.linalg.stats_rstd adds them)
-  const int groups = static_cast<int>(K / kStatsGroup), srow = threadIdx.x >> 4, slane = threadIdx.x & 15;
+  const int group_shift = __ffs(group) - 1;  // a power of two: no 64-bit division
+  const int groups = static_cast<int>(K >> group_shift), srow = threadIdx.x >> 4, slane = threadIdx.x & 15;
   if constexpr (kStatsIn) {
     const ViewC& sv = c.in[2];
     const __nv_bfloat16* st = static_cast<const __nv_bfloat16*>(env.buffers[sv.buffer]) + sv.offset + (m0 + srow) * sv.stride[0];
     if (srow < rows)
-      for (int q = slane; q < groups; q += 16) cp_async4(red + srow * groups + q, st + q * kStatsGroup);
+      for (int q = slane; q < groups; q += 16) cp_async4(red + srow * groups + q, st + (q << group_shift));
   }
   uint4* tile = nullptr;  // kNorm: the rows of x, normalised
   if constexpr (kNorm) {
@@ -322,8 +326,8 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int e = threadIdx.x + j * kThreadsPerTask;
-      // kStatsOut: a half warp holds one row's aligned 16 columns (tiles and passes are whole
-      // groups), and all 32 lanes take part in its shuffles
+      // kStatsOut: `group` consecutive lanes hold one row's aligned group of columns (tiles and
+      // passes are whole groups), and all 32 lanes take part in its shuffles
       const bool live = e < rows * pass_cols;
       if (!kStatsOut && !live) break;
       const int row = live ? e / pass_cols : 0, col = live ? e % pass_cols : 0;
@@ -337,10 +341,11 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
         const float h = round_to(kBF16, s * scale + c.fparam[1] * (bias ? bf16_bits_to_float(bv[j]) : 0.f));
         float sq = live ? h * h : 0.f;
 #pragma unroll
-        for (int o = kStatsGroup / 2; o; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        for (int o = kMaxStatsGroup / 2; o; o >>= 1)  // unrolled: constant shuffle offsets
+          if (o < group) sq += __shfl_xor_sync(0xffffffffu, sq, o);
         if (live) {
           const long long at = (m0 + row) * N + n0 + col;
-          const unsigned bits = __float_as_uint(sq), k = col % kStatsGroup;
+          const unsigned bits = __float_as_uint(sq), k = col & (group - 1);
           out[at] = __float2bfloat16(h);
           out[part + at] = __float2bfloat16(h * bf16_bits_to_float(gv[j]));
           out[2 * part + at] = __ushort_as_bfloat16(static_cast<unsigned short>(k == 0 ? bits & 0xffffu : k == 1 ? bits >> 16 : 0u));
@@ -496,29 +501,30 @@ __device__ void task_matmul_silu(const OpC& c, const Rect& r, const TaskEnv& env
   }
 }
 
-// matmul_norm_stats: out [3, M, N/16, 16] = h = alpha·a @ b + beta·r, h·g, and each 16-column
+// matmul_norm_stats: out [3, M, N/G, G] = h = alpha·a @ b + beta·r, h·g, and each G-column
 // group's Σh² as fp32 bits in the group's first two elements of part 2 (the rest 0; mpk/ops/
-// linalg.py defines it). Inputs a [M, K], b [K, N], r [M, N], g [N]; bf16 storage. Variant 0
-// (general views): a thread per (row, group).
+// linalg.py defines it; G = 16 or 8). Inputs a [M, K], b [K, N], r [M, N], g [N]; bf16 storage.
+// Variant 0 (general views): a thread per (row, group).
 __device__ void task_matmul_norm_stats(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const int group = static_cast<int>(c.out_shape[3]);
   Rect rc;  // rows × columns
   rc.lo[0] = r.lo[1];
   rc.hi[0] = r.hi[1];
-  rc.lo[1] = r.lo[2] * kStatsGroup;
-  rc.hi[1] = r.hi[2] * kStatsGroup;
+  rc.lo[1] = r.lo[2] * group;
+  rc.hi[1] = r.hi[2] * group;
   if (c.variant == 1) {
     linear_variant1<kStatsEpilogue>(c, rc, env);
     return;
   }
   if (!acquire_inputs(env)) return;
   const ViewC &a = c.in[0], &b = c.in[1], &res = c.in[2], &g = c.in[3];
-  const long long K = a.shape[1], M = c.out_shape[1], N = c.out_shape[2] * kStatsGroup;
-  const long long groups = (rc.hi[1] - rc.lo[1]) / kStatsGroup, n = (rc.hi[0] - rc.lo[0]) * groups;
+  const long long K = a.shape[1], M = c.out_shape[1], N = c.out_shape[2] * group;
+  const long long groups = (rc.hi[1] - rc.lo[1]) / group, n = (rc.hi[0] - rc.lo[0]) * groups;
   void* out = env.buffers[c.out_buffer];
   for (long long e = threadIdx.x; e < n; e += blockDim.x) {
-    const long long row = rc.lo[0] + e / groups, col0 = rc.lo[1] + e % groups * kStatsGroup;
-    float sq[kStatsGroup];
-    for (int j = 0; j < kStatsGroup; ++j) {
+    const long long row = rc.lo[0] + e / groups, col0 = rc.lo[1] + e % groups * group;
+    float sq[kMaxStatsGroup];
+    for (int j = 0; j < group; ++j) {
       const long long col = col0 + j, ir[2] = {row, col}, ig[1] = {col};
       float acc = 0.f;
       for (long long k = 0; k < K; ++k) {
@@ -530,23 +536,30 @@ __device__ void task_matmul_norm_stats(const OpC& c, const Rect& r, const TaskEn
       store_f(out, c.out_dtype, (M + row) * N + col, h * load_f(env.buffers[g.buffer], g.dtype, view_index(g, ig, 1)));
       sq[j] = h * h;
     }
-    for (int o = kStatsGroup / 2; o; o >>= 1)  // the half warp's butterfly, as lane 0 adds
-      for (int j = 0; j < o; ++j) sq[j] += sq[j + o];
+#pragma unroll
+    for (int o = kMaxStatsGroup / 2; o; o >>= 1)  // the lanes' butterfly, as lane 0 adds (unrolled:
+      if (o < group)                                // sq stays in registers)
+#pragma unroll
+        for (int j = 0; j < o; ++j) sq[j] += sq[j + o];
     const unsigned bits = __float_as_uint(sq[0]);
     auto* words = static_cast<unsigned short*>(out) + (2 * M + row) * N + col0;
-    for (int j = 0; j < kStatsGroup; ++j) words[j] = static_cast<unsigned short>(j == 0 ? bits & 0xffffu : j == 1 ? bits >> 16 : 0u);
+    for (int j = 0; j < group; ++j) words[j] = static_cast<unsigned short>(j == 0 ? bits & 0xffffu : j == 1 ? bits >> 16 : 0u);
   }
 }
 
-// rsqrt(mean + eps) of row `row` from part 2 of a matmul_norm_stats output viewed [M, K], in the
-// variant-1 task's order (lane l adds groups l, l + 16, …, then the half warp's butterfly).
-__device__ float stats_rstd(const ViewC& sv, const void* base, long long row, long long K, float eps) {
+// rsqrt(mean + eps) of row `row` from part 2 of a matmul_norm_stats output of `group`-column
+// groups viewed [M, K], in the variant-1 task's order (lane l adds groups l, l + 16, …, then the
+// half warp's butterfly). Out of line: inlined into the dispatch, its loops over a run-time group
+// pushed the persistent kernel past 255 registers (ptxas spilled ~500 bytes in qwen3-32b's and
+// qwen3-4b's steps; the variant-0 task that calls it never runs in them).
+__device__ __noinline__ float stats_rstd(const ViewC& sv, const void* base, long long row, long long K, int group, float eps) {
   const auto* words = static_cast<const unsigned short*>(base) + sv.offset + row * sv.stride[0];
+  const int shift = __ffs(group) - 1;  // group is a power of two
   float lane[16];
   for (int l = 0; l < 16; ++l) {
     lane[l] = 0.f;
-    for (long long q = l; q < K / kStatsGroup; q += 16) {
-      const long long at = q * kStatsGroup * sv.stride[1];
+    for (long long q = l; q < K >> shift; q += 16) {
+      const long long at = (q << shift) * sv.stride[1];
       lane[l] += __uint_as_float(words[at] | static_cast<unsigned>(words[at + sv.stride[1]]) << 16);
     }
   }
@@ -557,7 +570,8 @@ __device__ float stats_rstd(const ViewC& sv, const void* base, long long row, lo
 
 // norm_stats_matmul: out [M, N] = rstd · (x @ b), rstd per row from a matmul_norm_stats output's
 // sums; with iparam[0] SiLU·mul of the two halves of b [K, 2N], each factor rounded first.
-// Inputs x (its h·g) [M, K], b, sums [M, K]; fparam[2] eps. Variant 0: each element alone.
+// Inputs x (its h·g) [M, K], b, sums [M, K] (groups of iparam[1] columns); fparam[2] eps.
+// Variant 0: each element alone.
 __device__ void task_norm_stats_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
   if (c.variant == 1) {
     linear_variant1_glu_if<kStatsPrologue>(c, r, env);
@@ -570,7 +584,7 @@ __device__ void task_norm_stats_matmul(const OpC& c, const Rect& r, const TaskEn
   for (long long e = threadIdx.x; e < n; e += blockDim.x) {
     long long idx[kMaxDims];
     rect_unravel(r, 2, e, idx);
-    const float rstd = stats_rstd(sv, env.buffers[sv.buffer], idx[0], K, c.fparam[2]);
+    const float rstd = stats_rstd(sv, env.buffers[sv.buffer], idx[0], K, c.iparam[1], c.fparam[2]);
     const float2 d = gate_up_dots(a, b, env, idx[0], idx[1], N, glu, [](long long, float x) { return x; });
     const float out = glu ? silu_times(round_to(c.out_dtype, d.x * rstd), round_to(c.out_dtype, d.y * rstd), c.out_dtype)
                           : d.x * rstd;

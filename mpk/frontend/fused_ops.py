@@ -59,29 +59,31 @@ def _(x, weight, eps, compute_dtype, norm_dtype, b, silu=False):
                        dtype=rms_norm_out_dtype(x, weight, norm_dtype))
 
 
-def _norm_stats_sig(a, b, r, g) -> OpSig:
-    from mpk.ops.linalg import STATS_GROUP
+def _norm_stats_sig(a, b, r, g, group: int) -> OpSig:
+    from mpk.ops.linalg import STATS_GROUPS
 
     M, N = r.shape
-    if r.dtype.itemsize != 2 or N % STATS_GROUP:
+    if group not in STATS_GROUPS:
+        raise ValueError(f"mm_norm_stats: group={group!r}; expected one of {STATS_GROUPS} (columns per sum of h²)")
+    if r.dtype.itemsize != 2 or N % group:
         raise ValueError(f"mm_norm_stats: h = r + a @ b is {str(r.dtype)[6:]} [{M}, {N}]; expected a 2-byte dtype "
-                         f"(the sums are fp32 in element pairs) and a multiple of {STATS_GROUP} columns")
+                         f"(the sums are fp32 in element pairs) and a multiple of {group} columns")
     return OpSig((tuple(a.shape), tuple(b.shape), tuple(r.shape), tuple(g.shape)),
-                 (3, M, N // STATS_GROUP, STATS_GROUP), r.dtype, {})
+                 (3, M, N // group, group), r.dtype, {})
 
 
 @torch.library.custom_op("mpk::mm_norm_stats", mutates_args=())
-def mm_norm_stats(a: torch.Tensor, b: torch.Tensor, r: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def mm_norm_stats(a: torch.Tensor, b: torch.Tensor, r: torch.Tensor, g: torch.Tensor, group: int = 16) -> torch.Tensor:
     """``h = r + a @ b`` (a residual projection) packed with what the RMSNorm of weight ``g``
-    after it needs: [3, M, N/16, 16] of h, h·g and per-16-column sums of h² (mpk.ops.linalg's
+    after it needs: [3, M, N/group, group] of h, h·g and per-group sums of h² (mpk.ops.linalg's
     matmul_norm_stats defines the layout); ``norm_stats_mm`` consumes it."""
-    sig = _norm_stats_sig(a, b, r, g)
+    sig = _norm_stats_sig(a, b, r, g, group)
     return get_op("matmul_norm_stats").cpu(sig, full_rect(sig.out_shape), [a, b, r, g])
 
 
 @mm_norm_stats.register_fake
-def _(a, b, r, g):
-    return r.new_empty(_norm_stats_sig(a, b, r, g).out_shape)
+def _(a, b, r, g, group=16):
+    return r.new_empty(_norm_stats_sig(a, b, r, g, group).out_shape)
 
 
 def norm_stats_parts(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,7 +100,7 @@ def norm_stats_mm(packed: torch.Tensor, b: torch.Tensor, eps: float, silu: bool 
     _, hg, sums = norm_stats_parts(packed)
     M, N = hg.shape[0], b.shape[1] // 2 if silu else b.shape[1]
     sig = OpSig((tuple(hg.shape), tuple(b.shape), tuple(sums.shape)), (M, N), packed.dtype,
-                {"eps": eps, "silu": silu})
+                {"eps": eps, "silu": silu, "group": packed.shape[3]})
     return get_op("norm_stats_matmul").cpu(sig, full_rect(sig.out_shape), [hg, b, sums]).contiguous()
 
 

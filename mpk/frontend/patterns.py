@@ -203,14 +203,15 @@ def _add_node(gm: GraphModule, after: Node, target, args, val: torch.Tensor) -> 
     return node
 
 
-def _norm_stats_rewriter(gm: GraphModule, min_bytes: int = 0):
+def _norm_stats_rewriter(gm: GraphModule, num_workers: int, min_bytes: int = 0):
     """``norm @ b`` (or its SiLU·mul form) where the norm's input is a residual projection
     ``h = r + a @ w`` → ``mm_norm_stats`` in place of h (its users take h from the packed
     output) and ``norm_stats_mm`` in place of the projection: the producer writes h·g and
     per-group sums of h², so the norm needs no stage of its own and no task normalises a row
     (mpk.ops.linalg, matmul_norm_stats). Only norms of more than ``min_bytes`` of h: the
-    prologue fusion, which applies after this one, takes the rest that fit its tile."""
-    from mpk.ops.linalg import STATS_GROUP
+    prologue fusion, which applies after this one, takes the rest that fit its tile. The sums'
+    group size suits h's split over ``num_workers`` tiles (mpk.ops.linalg.stats_group)."""
+    from mpk.ops.linalg import stats_group
 
     def match(node: Node):
         if not _is(node, aten.mm.default, torch.ops.mpk.mm_silu_mul.default):
@@ -230,11 +231,12 @@ def _norm_stats_rewriter(gm: GraphModule, min_bytes: int = 0):
         M, N = hv.shape
         if hv.numel() * hv.element_size() <= min_bytes:
             return None
-        if M > 16 or N % (16 * STATS_GROUP):  # the tasks: ≤ 16 rows a tile, a half warp per 16 groups of sums
+        if M > 16 or N % 256:  # the tasks: ≤ 16 rows a tile, a half warp per 16 or 32 groups of sums
             return None
-        packed = _add_node(gm, h, torch.ops.mpk.mm_norm_stats.default, (a, w, r, g),
-                           _fake_like(hv, (3, M, N // STATS_GROUP, STATS_GROUP)))
-        part = _add_node(gm, packed, aten.select.int, (packed, 0, 0), _fake_like(hv, (M, N // STATS_GROUP, STATS_GROUP)))
+        group = stats_group(M, N, num_workers)
+        packed = _add_node(gm, h, torch.ops.mpk.mm_norm_stats.default, (a, w, r, g, group),
+                           _fake_like(hv, (3, M, N // group, group)))
+        part = _add_node(gm, packed, aten.select.int, (packed, 0, 0), _fake_like(hv, (M, N // group, group)))
         h_new = _add_node(gm, part, aten.view.default, (part, [M, N]), _fake_like(hv, (M, N)))
         h.replace_all_uses_with(h_new)
         return node, (torch.ops.mpk.norm_stats_mm.default, (packed, b, float(eps), bool(silu)))
@@ -252,17 +254,18 @@ MATCHERS = (_match_rms_norm, _match_rope, _match_silu_mul, _match_mm_silu_mul, _
 # (``_norm_stats_rewriter``; it also rewrites the producer, so it takes the graph module);
 # "norm_stats_large" is its "auto" form, which leaves small norms to the prologue. Either
 # applies before the prologue fusion (CompileOptions.optional_fusions).
-OPTIONAL_MATCHERS = {"norm_prologue": lambda gm: _match_rms_norm_mm, "norm_stats": _norm_stats_rewriter,
-                     "norm_stats_large": lambda gm: _norm_stats_rewriter(gm, NORM_SPLIT_MIN_BYTES)}
+OPTIONAL_MATCHERS = {"norm_prologue": lambda gm, workers: _match_rms_norm_mm, "norm_stats": _norm_stats_rewriter,
+                     "norm_stats_large": lambda gm, workers: _norm_stats_rewriter(gm, workers, NORM_SPLIT_MIN_BYTES)}
 
 
-def fuse_patterns(gm: GraphModule, optional: tuple[str, ...] = ()) -> dict[str, int]:
+def fuse_patterns(gm: GraphModule, optional: tuple[str, ...] = (), num_workers: int = 128) -> dict[str, int]:
     """Rewrite every match in place; returns how many of each pattern were fused.
-    ``optional``: names from ``OPTIONAL_MATCHERS`` to apply as well."""
+    ``optional``: names from ``OPTIONAL_MATCHERS`` to apply as well; ``num_workers``: the
+    worker count the default partitioning targets (CompileOptions.num_workers)."""
     unknown = sorted(set(optional) - set(OPTIONAL_MATCHERS))
     if unknown:
         raise ValueError(f"unknown optional fusions {unknown}; known: {sorted(OPTIONAL_MATCHERS)}")
-    matchers = MATCHERS + tuple(OPTIONAL_MATCHERS[name](gm) for name in optional)
+    matchers = MATCHERS + tuple(OPTIONAL_MATCHERS[name](gm, num_workers) for name in optional)
     counts = {m.__name__[len("_match_"):]: 0 for m in matchers}
     for matcher in matchers:
         for node in list(gm.graph.nodes):

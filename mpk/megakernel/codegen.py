@@ -17,7 +17,7 @@ import torch
 
 from mpk.compiler.tables import DTYPE_CODE, DTYPES, MAX_DIMS, ROLE_INPUT, Tables
 from mpk.errors import CompileError, PerformanceWarning
-from mpk.ops.linalg import NORM_TILE_BYTES
+from mpk.ops.linalg import NORM_TILE_BYTES, STATS_SMEM_FLOATS
 from mpk.ops.pointwise import POINTWISE_FNS
 from mpk.ops.rows import LONG_ROW, REDUCE_FNS
 
@@ -60,7 +60,7 @@ ENCODERS: dict[str, Callable[[dict], Params]] = {
     "rms_matmul": lambda a: (0, [int(a.get("silu", False)), _dtype_code(a["norm_dtype"])], [1.0, 0.0, a["eps"]]),
     "matmul_silu": lambda a: (0, [], [1.0, 0.0]),
     "matmul_norm_stats": lambda a: (0, [], [1.0, 1.0]),
-    "norm_stats_matmul": lambda a: (0, [int(a.get("silu", False))], [1.0, 0.0, a["eps"]]),
+    "norm_stats_matmul": lambda a: (0, [int(a.get("silu", False)), a["group"]], [1.0, 0.0, a["eps"]]),
     "embedding": lambda a: (0, [], []),
     "attention": lambda a: (0, [int(a["causal"])], [a["scale"]]),
     "rope_append": lambda a: (0, [a["heads"], a["kv_heads"], a["head_dim"], a["page_size"], int(a["qk_norm"]),
@@ -103,7 +103,6 @@ def _view(tables: Tables, view_id: int) -> str:
 BF16 = DTYPE_CODE[torch.bfloat16]
 LINEAR_ROWS = 16  # cuda/mpk_tasks/linalg.cuh: kLinRows
 LINEAR_KINDS = ("matmul", "rms_matmul", "matmul_silu", "matmul_norm_stats", "norm_stats_matmul")
-STATS_SMEM_FLOATS = 8 * 64 * LINEAR_ROWS  # linalg.cuh: a norm_stats_matmul task's sums wait in its reduction area
 # Kinds whose tasks open the gate themselves (acquire_inputs), after the loads that need nothing
 # the graph computes: the linears' first weights, paged attention's page table (attn_partial,
 # inlined into the dispatch).
@@ -146,10 +145,11 @@ def linear_blockers(tables: Tables, op: int) -> list[str]:
         if int(tables.buffers[int(bias["buffer"])]["dtype"]) != BF16 or int(bias["ndim"]) > 2:
             why.append("its bias (residual) is not a bf16 matrix")
     if kind == "norm_stats_matmul":
-        # the sums: fp32 in bf16 pairs (4-byte aligned), 16 groups a lane, all rows' in shared memory
+        # the sums: fp32 in bf16 pairs (4-byte aligned), 16 or 32 groups a lane, all rows' in shared memory
         st = tables.views[int(tables.op_inputs[o["first_input"] + 2])]
+        group = tables.meta["ops"][op]["attrs"]["group"]
         if not (int(st["strides"][1]) == 1 and int(st["offset"]) % 2 == 0 and (M == 1 or int(st["strides"][0]) % 2 == 0)
-                and K % 256 == 0 and rows * K // 16 <= STATS_SMEM_FLOATS):
+                and K % 256 == 0 and rows * K // group <= STATS_SMEM_FLOATS):
             why.append("its norm's sums do not fit the task's layout")
     if kind == "rms_matmul":
         # the norm weight in 16-byte words, read before the gate (a graph input); x's rows

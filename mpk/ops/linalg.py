@@ -149,19 +149,31 @@ register(OpDef(
 
 # --- an RMSNorm split between the projection before it and the one after -----------------------
 # ``matmul_norm_stats`` (the residual projection that produces a decoder layer's hidden state h)
-# also writes h·g, g the next RMSNorm's weight, and the sums of h² over groups of STATS_GROUP
+# also writes h·g, g the next RMSNorm's weight, and the sums of h² over groups of 16 or 8
 # columns; ``norm_stats_matmul`` (the projection after that norm) then streams h·g like a plain
 # matmul's input and scales its sums by rstd = rsqrt(Σ groups / K + eps). The norm's own stage
 # and event hop go, and no task normalises a row. Roundings differ from the unfused pair's
 # (bf16(bf16(h·rstd)·g) there, bf16(h·g) and rstd in fp32 here): about one bf16 ulp of the
-# normalised activation either way.
+# normalised activation either way. A producer's tile holds whole groups, so the group size
+# sets how evenly N splits over the workers (stats_group).
 
-STATS_GROUP = 16  # columns per sum of squares: a half warp in the producing task's epilogue
+STATS_GROUP = 16  # columns per sum of squares by default: a half warp in the producing task's epilogue
+STATS_GROUPS = (16, 8)  # the sizes the tasks take (a power of two ≥ 2: the sum's fp32 bits fill two elements)
+STATS_SMEM_FLOATS = 8 * 64 * 16  # linalg.cuh: a norm_stats_matmul task's sums wait in its reduction area
+
+
+def stats_group(rows: int, n: int, num_workers: int) -> int:
+    """The group size for h [rows, n] split over ``num_workers`` tiles: 8 where 16-column
+    groups would leave some tiles a group wider than 8-column ones do (qwen3-4b's hidden 2560 over
+    128 workers: tiles of 16 and 32 columns, against 16 and 24) and the consuming task's shared
+    memory holds all its rows' sums; else 16 (fewer sums to add)."""
+    widest = {gs: -(-n // gs // num_workers) * gs for gs in STATS_GROUPS}
+    return 8 if widest[8] < widest[16] and rows * (n // 8) <= STATS_SMEM_FLOATS else 16
 
 
 def _butterfly_sum(v: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim (a power of two) in the order of an xor-shuffle butterfly, as a
-    half warp adds its lanes' values (fp32, the same bits as the CUDA tasks)."""
+    group of lanes adds its values (fp32, the same bits as the CUDA tasks)."""
     while v.shape[-1] > 1:
         half = v.shape[-1] // 2
         v = v[..., :half] + v[..., half:]
@@ -170,8 +182,9 @@ def _butterfly_sum(v: torch.Tensor) -> torch.Tensor:
 
 def _norm_stats_regions(sig: OpSig, rect):
     a_shape, b_shape, _, _ = sig.in_shapes
+    group = sig.out_shape[3]
     rows, (g0, g1) = rect[1], rect[2]
-    cols = (g0 * STATS_GROUP, g1 * STATS_GROUP)
+    cols = (g0 * group, g1 * group)
     return [(rows, (0, a_shape[1])), ((0, b_shape[0]), cols), (rows, cols), (cols,)]
 
 
@@ -179,31 +192,33 @@ def _norm_stats_cpu(sig: OpSig, rect, xs):
     a, b, r, g = xs
     h = (torch.matmul(a.float(), b.float()) + r.float()).to(sig.out_dtype)  # one rounding, as the task's epilogue
     rows, cols = h.shape
-    groups = cols // STATS_GROUP
+    group = sig.out_shape[3]
+    groups = cols // group
     hf = h.float()
-    stats = torch.zeros(rows, groups, STATS_GROUP // 2, dtype=torch.float32)
-    stats[..., 0] = _butterfly_sum(hf.pow(2).view(rows, groups, STATS_GROUP))
-    return torch.stack([h.view(rows, groups, STATS_GROUP),
-                        (hf * g.float()).to(sig.out_dtype).view(rows, groups, STATS_GROUP),
-                        stats.view(sig.out_dtype).view(rows, groups, STATS_GROUP)])
+    stats = torch.zeros(rows, groups, group // 2, dtype=torch.float32)
+    stats[..., 0] = _butterfly_sum(hf.pow(2).view(rows, groups, group))
+    return torch.stack([h.view(rows, groups, group),
+                        (hf * g.float()).to(sig.out_dtype).view(rows, groups, group),
+                        stats.view(sig.out_dtype).view(rows, groups, group)])
 
 
 register(OpDef(
     kind="matmul_norm_stats", type_id=24, input_regions=_norm_stats_regions, cpu=_norm_stats_cpu,
     splittable=lambda sig: (False, True, True, False), split_order=lambda sig: [2, 1],
     min_tile_elems=3 * STATS_GROUP,
-    doc="h = a @ b + r (fp32 sums, one rounding) packed with what the RMSNorm after it needs: out [3, M, N/16, 16] "
-        "holds h, h·g (rounded) and, at the first two elements of each 16-column group of part 2, the fp32 bits of "
-        "that group's Σh² (butterfly order; the rest 0). a [M, K], b [K, N], r [M, N], g [N]; N % 16 == 0",
+    doc="h = a @ b + r (fp32 sums, one rounding) packed with what the RMSNorm after it needs: out [3, M, N/G, G] "
+        "(G = 16 or 8) holds h, h·g (rounded) and, at the first two elements of each G-column group of part 2, the "
+        "fp32 bits of that group's Σh² (butterfly order; the rest 0). a [M, K], b [K, N], r [M, N], g [N]; N % G == 0",
 ))
 
 
-def stats_rstd(stats: torch.Tensor, eps: float) -> torch.Tensor:
-    """rsqrt(mean + eps) of each row from part 2 of a ``matmul_norm_stats`` output viewed [M, K]
-    (bf16 pairs holding fp32 sums), summed in the consuming task's order: lane l of a half warp
-    adds groups l, l + 16, … in turn, then the half warp's butterfly."""
+def stats_rstd(stats: torch.Tensor, eps: float, group: int) -> torch.Tensor:
+    """rsqrt(mean + eps) of each row from part 2 of a ``matmul_norm_stats`` output of
+    ``group``-column groups viewed [M, K] (bf16 pairs holding fp32 sums), summed in the
+    consuming task's order: lane l of a half warp adds groups l, l + 16, … in turn, then the
+    half warp's butterfly."""
     rows, k = stats.shape
-    sums = stats.contiguous().reshape(-1).view(torch.float32).view(rows, -1)[:, ::STATS_GROUP // 2]  # [M, K/16]
+    sums = stats.contiguous().reshape(-1).view(torch.float32).view(rows, -1)[:, ::group // 2]  # [M, K/group]
     lanes = sums.view(rows, -1, 16)
     acc = lanes[:, 0]
     for i in range(1, lanes.shape[1]):
@@ -213,7 +228,7 @@ def stats_rstd(stats: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _stats_matmul_cpu(sig: OpSig, rect, xs):
     x, b, stats = xs
-    rstd = stats_rstd(stats, sig.attrs["eps"])
+    rstd = stats_rstd(stats, sig.attrs["eps"], sig.attrs["group"])
     out = (torch.matmul(x.float(), b.float()) * rstd[:, None]).to(sig.out_dtype)
     return _silu_of_halves(sig, rect, out) if sig.attrs.get("silu") else out
 
@@ -222,6 +237,6 @@ register(OpDef(
     kind="norm_stats_matmul", type_id=25, input_regions=_normed_matmul_regions, cpu=_stats_matmul_cpu,
     split_order=_matmul_order, min_tile_elems=16,
     doc="out = rstd · (x @ b), rstd per row from a matmul_norm_stats output's sums (stats_rstd): x = its h·g "
-        "[M, K], stats its part 2 viewed [M, K], b [K, N]; K % 256 == 0. With silu: b [K, 2N] and out = "
-        "silu(gate)·up of the two halves, each rounded first",
+        "[M, K], stats its part 2 viewed [M, K] (groups of attrs['group'] columns), b [K, N]; K % 256 == 0. "
+        "With silu: b [K, 2N] and out = silu(gate)·up of the two halves, each rounded first",
 ))
