@@ -36,6 +36,10 @@ RUNNERS: weakref.WeakValueDictionary[int, Callable] = weakref.WeakValueDictionar
 def mpk_backend(gm: GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None):
     """Dynamo backend entry point (``torch.compile(model, backend="mpk", options={...})``)."""
     opts = CompileOptions.parse(options)
+    if _needs_grad(gm, example_inputs) and any(_is_mpk_op(n.target) for n in gm.graph.nodes):
+        # mpk's custom ops (DecoderLM's) have no backward: AOTAutograd's trace of one would fail
+        # with an internal error before the backward compiler below could say why
+        _no_training(gm, example_inputs)
     route_attention(gm)
     dynamo_inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     lifted = [name for name, _ in gm.named_parameters()] + [name for name, _ in gm.named_buffers()]
@@ -48,6 +52,17 @@ def mpk_backend(gm: GraphModule, example_inputs: Sequence[Any], options: Mapping
         return compile_fx(fx_gm, opts, flags if same else None, names if same else None)
 
     return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=_no_training)
+
+
+def _needs_grad(gm: GraphModule, example_inputs: Sequence[Any]) -> bool:
+    return torch.is_grad_enabled() and any(
+        t.requires_grad for t in [*gm.parameters(), *example_inputs] if isinstance(t, torch.Tensor))
+
+
+def _is_mpk_op(target: Any) -> bool:
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.startswith("mpk::")
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "mpk"
 
 
 def _no_training(gm, example_inputs):

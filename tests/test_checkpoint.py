@@ -73,7 +73,26 @@ def _shape(t):
     return r"shape \(64, 48\); the config implies \(64, 64\)"
 
 
-@pytest.mark.parametrize("corrupt", [_missing, _bias, _shape])
+def _split(t):
+    """q / k / v rows redistributed so that the fused q|k|v keeps its shape: each piece is checked"""
+    p = "model.layers.1.self_attn."
+    qkv = torch.cat([t[p + f"{x}_proj.weight"] for x in "qkv"])  # 64 + 32 + 32 rows
+    t[p + "q_proj.weight"], t[p + "k_proj.weight"], t[p + "v_proj.weight"] = qkv[:48], qkv[48:88], qkv[88:]
+    return r"model.layers.1.self_attn.q_proj.weight has shape \(48, 64\); the config implies \(64, 64\)"
+
+
+def _int8(t):
+    name = "model.layers.0.mlp.down_proj.weight"
+    t[name] = torch.randint(-127, 128, t[name].shape, dtype=torch.int8)  # quantized codes, no config for them
+    return rf"weights stored in a non-float dtype: {name} \(I8\); expected one of BF16, F16, F32, F64"
+
+
+def _bool(t):
+    t["model.norm.weight"] = t["model.norm.weight"] > 0
+    return r"non-float dtype: model.norm.weight \(BOOL\)"
+
+
+@pytest.mark.parametrize("corrupt", [_missing, _bias, _shape, _split, _int8, _bool])
 def test_unfaithful_checkpoints_are_refused_by_name(tmp_path, corrupt):
     path, tensors = _checkpoint(tmp_path, "qwen3")
     message = corrupt(tensors)
@@ -98,6 +117,9 @@ def test_an_index_names_the_shards(tmp_path):
     assert torch.equal(model.norm, tensors["model.norm.weight"].float())
     (path / shards[1]).unlink()
     with pytest.raises(MpkError, match=f"names shards that are not there: {shards[1]}"):
+        load_pretrained(path, torch.float32)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(MpkError, match="model.safetensors.index.json has no weight_map of tensor names to shard files"):
         load_pretrained(path, torch.float32)
 
 

@@ -141,11 +141,21 @@ def test_hf_mha_without_qk_norm_config_roundtrip():
     ({"attention_bias": True}, "projection biases"),
     ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quant_method 'awq'"),
     ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}, "layers 1 use sliding-window"),
+    # transformers' Qwen3 default: sliding from layer 28 when the config does not say
+    ({"use_sliding_window": True, "sliding_window": 64, "num_hidden_layers": 30}, "layers 28, 29 use sliding-window"),
     ({"layer_types": ["sliding_attention", "full_attention"]}, "layers 0 use sliding-window"),
     ({"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
-    ({"head_dim": None, "hidden_size": 30}, "hidden_size 30 is not a multiple of num_attention_heads 4"),
+    ({"model_type": "llama", "head_dim": None, "hidden_size": 30},  # (Qwen3's head_dim defaults to 128)
+     "hidden_size 30 is not a multiple of num_attention_heads 4"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling lacks 'low_freq_factor'"),
+    ({"num_attention_heads": 0}, "num_attention_heads 0; expected a positive integer"),
+    ({"num_key_value_heads": -2}, "num_key_value_heads -2; expected a positive integer"),
+    ({"hidden_size": 64.5}, "hidden_size 64.5; expected a positive integer"),
+    ({"num_hidden_layers": True}, "num_hidden_layers True; expected a positive integer"),
+    ({"head_dim": 15}, "head_dim 15 is odd"),
+    ({"rms_norm_eps": -1e-6}, "rms_norm_eps -1e-06; expected a positive number"),
+    ({"rope_theta": 0.0}, "rope_theta 0.0; expected a positive number"),
 ])
 def test_configs_it_would_not_compute_faithfully_are_refused(tmp_path, change, message):
     """Each field that would change what the model computes, if mpk ignored it, is a named
@@ -159,6 +169,34 @@ def test_configs_it_would_not_compute_faithfully_are_refused(tmp_path, change, m
     with pytest.raises(ConfigError, match=re.escape(message)) as err:
         LLMConfig.from_hf(tmp_path)
     assert str(tmp_path / "config.json") in str(err.value)
+
+
+def test_unreadable_config_json_is_named(tmp_path):
+    from mpk.errors import ConfigError
+
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / 'config.json'} is not valid JSON")):
+        LLMConfig.from_hf(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="holds a list; expected a JSON object"):
+        LLMConfig.from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fields_a_config_leaves_out_take_transformers_defaults(family):
+    """A minimal config.json means what transformers reads it as: Qwen3's head_dim 128 and 32 kv
+    heads, each family's max_position_embeddings and eps (a different default would build
+    another model, or refuse a checkpoint transformers loads)."""
+    import transformers
+
+    heads = random.choice([32, 64])
+    minimal = dict(model_type=family, hidden_size=heads * 2, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=heads, vocab_size=97)
+    ours, hf = LLMConfig.from_hf(minimal), transformers.AutoConfig.for_model(**minimal)
+    hf_head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert (ours.head_dim, ours.kv_heads, ours.max_position, ours.eps, ours.rope_theta) == \
+        (hf_head_dim, hf.num_key_value_heads, hf.max_position_embeddings, hf.rms_norm_eps, 10000.0)
+    assert ours.head_dim == (128 if family == "qwen3" else 2)
 
 
 def test_transformers_own_configs_load():
@@ -198,7 +236,9 @@ def test_bad_page_size_and_lengths_are_named():
     kv.reset()
     assert kv.lens == [0, 0] and kv.kv_indptr.tolist() == [0, 0, 0] and kv.kv_last_page_len.tolist() == [0, 0]
     for bad, message in [(dict(max_len=0), "max_len=0; expected None"), (dict(num_splits=-1), "num_splits=-1"),
-                         (dict(dtype=torch.int8), "dtype=torch.int8; expected a floating-point")]:
+                         (dict(dtype=torch.int8), "dtype=torch.int8; expected torch.bfloat16"),
+                         (dict(dtype=torch.float8_e4m3fn), "dtype=torch.float8_e4m3fn; expected torch.bfloat16"),
+                         (dict(dtype=torch.float64), "dtype=torch.float64; expected torch.bfloat16")]:
         with pytest.raises(ValueError, match=message):
             DecoderLM(small("qwen3"), **{"dtype": torch.float32, **bad})
 
@@ -214,6 +254,24 @@ def test_tokens_must_match_the_page_table():
     step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "cpu"})
     with pytest.raises(Exception, match=r"expected \[B\], \[B \+ 1\] and \[B\]"):
         step(torch.tensor([5]), *kv.args())
+
+
+def test_compiled_step_with_grad_enabled_says_to_use_no_grad():
+    """A decode step compiled while autograd records (DecoderLM's parameters require grad) is
+    refused with mpk's message, not AOTAutograd's internal error about mpk's custom ops; a
+    model of plain ATen ops still runs with grad enabled (its forward is mpk's)."""
+    model = DecoderLM(small("llama"), torch.float32, max_len=16).randomize()
+    kv = PagedKVCache(model, 1, 16, 4)
+    kv.grow(1)
+    step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "cpu"})
+    with pytest.raises(Exception, match=r"mpk compiles inference graphs only: call the compiled model under "
+                                        r"torch.no_grad\(\)"):
+        step(torch.tensor([3]), *kv.args())
+    torch._dynamo.reset()
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.SiLU(), torch.nn.Linear(16, 8))
+    x = torch.randn(3, 8)
+    out = torch.compile(mlp, backend="mpk", options={"executor": "cpu"})(x)
+    assert out.requires_grad and torch.allclose(out, mlp(x), rtol=1e-5, atol=1e-6)
 
 
 def test_token_id_outside_the_vocabulary_is_named():

@@ -25,18 +25,39 @@ from mpk.errors import BadInputError, ConfigError, MpkError
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# What transformers' LlamaConfig / Qwen3Config take for a field the config.json leaves out
+# (num_key_value_heads null means "as many as the query heads" in both; Llama's head_dim
+# defaults to hidden_size / heads).
+_DEFAULTS = {
+    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+    "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "head_dim": 128, "num_key_value_heads": 32,
+              "sliding_window": 4096, "max_window_layers": 28},
+}
 
 
-def _sliding_layers(config: dict[str, Any]) -> list[int]:
-    """The layers a HF config gives sliding-window attention (Qwen3: ``layer_types``, else
-    ``use_sliding_window`` from layer ``max_window_layers`` on, as transformers derives them)."""
+def _sliding_layers(config: dict[str, Any], defaults: dict[str, Any]) -> list[int]:
+    """The layers a HF config gives sliding-window attention: ``layer_types``, else Qwen3's
+    ``use_sliding_window`` from layer ``max_window_layers`` on, as transformers derives them
+    (Llama has no sliding window)."""
     types = config.get("layer_types")
     if types is None:
-        layers = int(config.get("num_hidden_layers") or 0)
-        on = config.get("use_sliding_window") and config.get("sliding_window") is not None
-        first = int(config.get("max_window_layers", layers) or 0)
+        if config.get("model_type") != "qwen3":
+            return []
+        layers = config["num_hidden_layers"]
+        on = config.get("use_sliding_window") and config.get("sliding_window", defaults["sliding_window"]) is not None
+        first = config.get("max_window_layers", defaults["max_window_layers"])
         types = ["sliding_attention" if on and i >= first else "full_attention" for i in range(layers)]
     return [i for i, t in enumerate(types) if t != "full_attention"]
+
+
+def _positive(where: str, config: dict[str, Any], key: str, kind: type = int) -> Any:
+    """config[key] as a positive int (or float), else a ConfigError naming it."""
+    v = config[key]
+    ok = (isinstance(v, int) and not isinstance(v, bool)) if kind is int else \
+        (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+    if not ok or v <= 0:
+        raise ConfigError(f"{where}: {key} {v!r}; expected a positive {'integer' if kind is int else 'number'}")
+    return kind(v)
 
 
 @dataclass(frozen=True)
@@ -69,7 +90,13 @@ class LLMConfig:
         if not isinstance(config, dict):
             path = Path(config)
             path = path / "config.json" if path.is_dir() else path
-            where, config = str(path), json.loads(path.read_text())
+            where = str(path)
+            try:
+                config = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where} is not valid JSON: {e}") from None
+            if not isinstance(config, dict):
+                raise ConfigError(f"{where} holds a {type(config).__name__}; expected a JSON object")
         model_type = config.get("model_type")
         if model_type not in FAMILIES:
             raise ConfigError(f"{where}: model_type {model_type!r} is not supported; "
@@ -88,29 +115,41 @@ class LLMConfig:
             method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
             raise ConfigError(f"{where}: quantized checkpoints (quant_method {method!r}) are not supported; "
                               "expected bf16, f16 or f32 weights")
-        sliding = _sliding_layers(config)
+        defaults = _DEFAULTS[model_type]
+        for key in _REQUIRED:
+            _positive(where, config, key)
+        sliding = _sliding_layers(config, defaults)
         if sliding:
             raise ConfigError(f"{where}: layers {_few([str(i) for i in sliding])} use sliding-window attention, "
                               "which is not supported; expected full attention in every layer")
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
+        config = defaults | config  # (the sliding-window fields were read above; the rest are plain)
+        heads = config["num_attention_heads"]
+        # null: as many kv heads as query heads, head_dim = hidden_size / heads (as transformers reads it)
+        kv_heads = heads if config.get("num_key_value_heads") is None else _positive(where, config, "num_key_value_heads")
         if heads % kv_heads:
             raise ConfigError(f"{where}: num_attention_heads {heads} is not a multiple of "
                               f"num_key_value_heads {kv_heads}")
-        if not config.get("head_dim") and config["hidden_size"] % heads:
+        if config.get("head_dim") is not None:
+            head_dim = _positive(where, config, "head_dim")
+        elif config["hidden_size"] % heads:
             raise ConfigError(f"{where}: hidden_size {config['hidden_size']} is not a multiple of num_attention_heads "
                               f"{heads}, and there is no head_dim")
+        else:
+            head_dim = config["hidden_size"] // heads
+        if head_dim % 2:
+            raise ConfigError(f"{where}: head_dim {head_dim} is odd; rotary embeddings rotate pairs of dims")
+        eps = _positive(where, config, "rms_norm_eps", float)
+        max_position = _positive(where, config, "max_position_embeddings")
         # transformers ≥ 5 writes rope settings as one `rope_parameters` dict
         rope = dict(config.get("rope_parameters") or {})
-        theta = float(config.get("rope_theta") or rope.pop("rope_theta", 10000.0))
+        theta = rope.pop("rope_theta", 10000.0) if config.get("rope_theta") is None else config["rope_theta"]
         rope.pop("rope_theta", None)
+        theta = _positive(where, {"rope_theta": theta}, "rope_theta", float)
         scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
-        cfg = cls(family=model_type, hidden=int(config["hidden_size"]), inter=int(config["intermediate_size"]),
-                  layers=int(config["num_hidden_layers"]), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                  vocab=int(config["vocab_size"]), tied=bool(config.get("tie_word_embeddings", False)),
-                  eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-                  max_position=int(config.get("max_position_embeddings", 4096)))
+        cfg = cls(family=model_type, hidden=config["hidden_size"], inter=config["intermediate_size"],
+                  layers=config["num_hidden_layers"], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                  vocab=config["vocab_size"], tied=bool(config.get("tie_word_embeddings", False)),
+                  eps=eps, rope_theta=theta, rope_scaling=scaling, max_position=max_position)
         try:
             rope_inv_freq(cfg)  # the rope scaling is one this decoder computes
         except (MpkError, KeyError) as e:
@@ -281,9 +320,19 @@ def _hf_names(cfg: LLMConfig, i: int) -> dict[str, list[str]]:
     return names
 
 
+def _piece_rows(cfg: LLMConfig, attr: str, rows: int) -> list[int]:
+    """The rows each checkpoint tensor of a fused weight (q|k|v, gate|up) contributes."""
+    if attr == "qkv":
+        return [cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim]
+    return [cfg.inter, cfg.inter] if attr == "gate_up" else [rows]
+
+
 # Checkpoint tensors a decode step has no use for, by name suffix: the rotary tables some
 # transformers versions saved (the model computes its own, rope_table).
 _UNUSED_SUFFIXES = (".rotary_emb.inv_freq",)
+# safetensors dtypes a weight may be stored in (converted to the model's dtype on loading);
+# integer, bool or float8 tensors would be quantized codes or masks, which a cast would misread
+_FLOAT_STORAGE = ("BF16", "F16", "F32", "F64")
 
 
 def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, device=None,
@@ -293,9 +342,10 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, devic
 
     Weights are read one fused weight at a time (host memory holds one, not the checkpoint),
     converted to ``dtype`` and moved to ``device``. Raises ``MpkError`` naming the tensors for a
-    missing tensor, a shape the config does not imply, a tensor in two shards, or checkpoint
-    tensors the model would not use (biases the config does not declare, say): nothing is
-    dropped silently. ``progress``: a progress bar on stderr (default: when stderr is a
+    missing tensor, a shape the config does not imply, a tensor stored as integers, bools or
+    float8, a tensor in two shards, or checkpoint tensors the model would not use (biases the
+    config does not declare, say): nothing is dropped or reinterpreted silently; all of it is
+    checked before any weight is read. ``progress``: a progress bar on stderr (default: when stderr is a
     terminal).
     """
     from safetensors import safe_open
@@ -308,8 +358,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, devic
                        "*.safetensors")
     cfg = LLMConfig.from_hf(path)
     index = path / "model.safetensors.index.json"  # a sharded checkpoint's map: its files, no others
-    files = ([path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))] if index.exists()
-             else sorted(path.glob("*.safetensors")))
+    files = [path / f for f in _index_files(index)] if index.exists() else sorted(path.glob("*.safetensors"))
     if not files:
         raise MpkError(f"no *.safetensors files in {path}")
     absent = [f.name for f in files if not f.exists()]
@@ -342,24 +391,47 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, devic
             raise MpkError(f"checkpoint {path} holds {len(extra)} tensors a {cfg.family} decoder with this "
                            f"config does not use (it would drop them): {_few(extra)}")
 
+        def meta(name: str):
+            return where[name][0].get_slice(name)
+
+        bad = [f"{n} ({meta(n).get_dtype()})" for n in sorted(wanted) if meta(n).get_dtype() not in _FLOAT_STORAGE]
+        if bad:
+            raise MpkError(f"checkpoint {path}: weights stored in a non-float dtype: {_few(bad)}; "
+                           f"expected one of {', '.join(_FLOAT_STORAGE)} (quantized checkpoints are not supported)")
+        for owner, attr, names in plan:
+            shape = tuple(getattr(owner, attr).shape)
+            for n, rows in zip(names, _piece_rows(model.cfg, attr, shape[0])):
+                if tuple(meta(n).get_shape()) != (rows,) + shape[1:]:
+                    raise MpkError(f"checkpoint tensor {n} has shape {tuple(meta(n).get_shape())}; the config "
+                                   f"implies {(rows,) + shape[1:]}")
+
         def read(name: str) -> torch.Tensor:
             return where[name][0].get_tensor(name)
 
         if tied_head and not torch.equal(read("lm_head.weight"), read("model.embed_tokens.weight")):
             raise MpkError(f"checkpoint {path}: config.json ties the LM head to the embedding "
                            "(tie_word_embeddings), but lm_head.weight differs from model.embed_tokens.weight")
-        numel = {n: math.prod(where[n][0].get_slice(n).get_shape()) for n in wanted}
+        numel = {n: math.prod(meta(n).get_shape()) for n in wanted}
         with tqdm(total=sum(numel.values()), unit="param", unit_scale=True, desc=f"loading {path.name}",
                   disable=None if progress is None else not progress) as bar:
             for owner, attr, names in plan:
                 t = torch.cat([read(n) for n in names], 0)
-                shape = tuple(getattr(owner, attr).shape)
-                if tuple(t.shape) != shape:
-                    raise MpkError(f"checkpoint tensors {names} have shape {tuple(t.shape)}; the config implies {shape}")
                 setattr(owner, attr, nn.Parameter(t.to(dtype=dtype, device=device), requires_grad=False))
                 bar.update(sum(numel[n] for n in names))
     model.cos_sin = rope_table(cfg, max_len or cfg.max_position, dtype).to(device)
     return model
+
+
+def _index_files(index: Path) -> list[str]:
+    """The shard files a ``model.safetensors.index.json`` maps tensors to."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise MpkError(f"{index} is not a JSON object ({e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise MpkError(f"{index} has no weight_map of tensor names to shard files; expected "
+                       '{"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors", ...}}')
+    return sorted(set(weight_map.values()))
 
 
 def _is_count(value: Any, least: int = 0) -> bool:
@@ -368,8 +440,8 @@ def _is_count(value: Any, least: int = 0) -> bool:
 
 
 def _check_model_args(dtype: torch.dtype, max_len: int | None, num_splits: int) -> None:
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype={dtype!r}; expected a floating-point torch dtype (torch.bfloat16, float16, float32)")
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dtype={dtype!r}; expected torch.bfloat16, torch.float16 or torch.float32")
     if max_len is not None and not _is_count(max_len, 1):
         raise ValueError(f"max_len={max_len!r}; expected None (the config's max_position) or an int ≥ 1")
     if not _is_count(num_splits):
