@@ -36,9 +36,11 @@ RUNNERS: weakref.WeakValueDictionary[int, Callable] = weakref.WeakValueDictionar
 def mpk_backend(gm: GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None):
     """Dynamo backend entry point (``torch.compile(model, backend="mpk", options={...})``)."""
     opts = CompileOptions.parse(options)
-    if _needs_grad(gm, example_inputs) and any(_is_mpk_op(n.target) for n in gm.graph.nodes):
-        # mpk's custom ops (DecoderLM's) have no backward: AOTAutograd's trace of one would fail
-        # with an internal error before the backward compiler below could say why
+    if torch.is_grad_enabled() and any(t.requires_grad for t in [*gm.parameters(), *example_inputs]
+                                       if isinstance(t, torch.Tensor)):
+        # refused here, not by the backward compiler below: AOTAutograd would first trace a
+        # backward through mpk's custom ops (an internal error) or make the forward also return
+        # what backward saves (a layer norm's mean and rstd, which mpk does not compute)
         _no_training(gm, example_inputs)
     route_attention(gm)
     dynamo_inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -54,20 +56,9 @@ def mpk_backend(gm: GraphModule, example_inputs: Sequence[Any], options: Mapping
     return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=_no_training)
 
 
-def _needs_grad(gm: GraphModule, example_inputs: Sequence[Any]) -> bool:
-    return torch.is_grad_enabled() and any(
-        t.requires_grad for t in [*gm.parameters(), *example_inputs] if isinstance(t, torch.Tensor))
-
-
-def _is_mpk_op(target: Any) -> bool:
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name.startswith("mpk::")
-    return isinstance(target, torch._ops.OpOverload) and target.namespace == "mpk"
-
-
 def _no_training(gm, example_inputs):
     raise MpkError("mpk compiles inference graphs only: call the compiled model under torch.no_grad() "
-                   "or torch.inference_mode() to run backward in eager PyTorch")
+                   "or torch.inference_mode() (to train, run the model in eager PyTorch)")
 
 
 def unsupported_report(failures) -> str:

@@ -118,7 +118,8 @@ def test_bad_options_are_named(options, message):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_gpu_executor_without_cuda_is_refused_clearly():
-    with pytest.raises(Exception, match="the gpu executor needs a CUDA device; use executor='cpu'") as info:
+    with pytest.raises(Exception, match="the gpu executor needs a CUDA device; use executor='cpu'") as info, \
+            torch.no_grad():
         torch.compile(nn.Linear(4, 4), backend="mpk", options={"executor": "gpu"})(torch.randn(2, 4))
     assert "ExecutorUnavailableError" in str(info.value) or isinstance(info.value, ExecutorUnavailableError)
 
@@ -170,8 +171,50 @@ def test_eager_fallback_runs_the_rest_in_mpk():
     assert len(COMPILED) - before == 2  # the parts before and after cumsum are mpk graphs
 
 
+def test_bit_views_are_not_lowered_as_reshapes():
+    """x.view(int32) reinterprets bits: mpk refuses it (naming it), and with fallback='eager'
+    the result is PyTorch's, bit for bit."""
+    f = lambda x: x.view(torch.int32) + 1  # noqa: E731
+    x = torch.randn(7)
+    with pytest.raises(Exception, match=r"Tensor.view\(torch.int32\) reinterprets the bits"):
+        torch.compile(f, backend="mpk", options={"executor": "cpu"})(x)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = torch.compile(f, backend="mpk", options={"executor": "cpu", "fallback": "eager"})(x)
+    assert torch.equal(out, f(x))
+
+
+def test_reductions_honour_their_dtype_argument():
+    """sum / mean with dtype= reduce the converted values (eager PyTorch's result), not the
+    input dtype's rounded sum converted afterwards."""
+    x = (torch.rand(3, 4096) + 1).bfloat16()
+    f = lambda x: (x.sum(-1, dtype=torch.float32), x.mean(-1, dtype=torch.float64))  # noqa: E731
+    out = torch.compile(f, backend="mpk", options={"executor": "cpu"})(x)
+    for o, ref, tol in zip(out, f(x), (1e-6, 1e-12)):
+        assert o.dtype == ref.dtype and relative_error(o, ref) <= tol, (o, ref)
+
+
+def test_fallback_runs_a_secondary_output_op_in_eager():
+    """A graph returning what mpk does not compute (native_layer_norm's mean and rstd) runs that
+    op in PyTorch with fallback='eager' (it used to re-partition the same graph until Python's
+    recursion limit) and names it with fallback='error'."""
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(8, generator=g), torch.randn(8, generator=g)
+    f = lambda x: torch.native_layer_norm(torch.relu(x) * 2, [8], w, b, 1e-5)  # noqa: E731
+    x = torch.randn(5, 8)
+    with pytest.raises(Exception, match="aten::native_layer_norm .*the mean output of layer_norm"):
+        torch.compile(f, backend="mpk", options={"executor": "cpu"})(x)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = torch.compile(f, backend="mpk", options={"executor": "cpu", "fallback": "eager"})(x)
+    for o, ref in zip(out, f(x)):
+        assert relative_error(o, ref) <= 1e-6
+
+
 def test_symbolic_shapes_are_refused_clearly():
-    with pytest.raises(Exception, match="static shapes only"):
+    with pytest.raises(Exception, match="static shapes only"), torch.no_grad():
         torch.compile(nn.Linear(4, 4), backend="mpk", dynamic=True,
                       options={"executor": "cpu"})(torch.randn(3, 4))
 

@@ -257,21 +257,23 @@ def test_tokens_must_match_the_page_table():
 
 
 def test_compiled_step_with_grad_enabled_says_to_use_no_grad():
-    """A decode step compiled while autograd records (DecoderLM's parameters require grad) is
-    refused with mpk's message, not AOTAutograd's internal error about mpk's custom ops; a
-    model of plain ATen ops still runs with grad enabled (its forward is mpk's)."""
+    """A model compiled while autograd records (parameters that require grad) is refused with
+    mpk's message — not AOTAutograd's internal error about mpk's custom ops (a decode step), nor
+    a complaint about a layer norm's saved mean (a plain module) — and runs under no_grad."""
     model = DecoderLM(small("llama"), torch.float32, max_len=16).randomize()
     kv = PagedKVCache(model, 1, 16, 4)
     kv.grow(1)
-    step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "cpu"})
-    with pytest.raises(Exception, match=r"mpk compiles inference graphs only: call the compiled model under "
-                                        r"torch.no_grad\(\)"):
-        step(torch.tensor([3]), *kv.args())
-    torch._dynamo.reset()
-    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.SiLU(), torch.nn.Linear(16, 8))
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 8))
     x = torch.randn(3, 8)
-    out = torch.compile(mlp, backend="mpk", options={"executor": "cpu"})(x)
-    assert out.requires_grad and torch.allclose(out, mlp(x), rtol=1e-5, atol=1e-6)
+    message = r"mpk compiles inference graphs only: call the compiled model under torch.no_grad\(\)"
+    for m, args in ((model, (torch.tensor([3]), *kv.args())), (mlp, (x,))):
+        torch._dynamo.reset()
+        compiled = torch.compile(m, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "cpu"})
+        with pytest.raises(Exception, match=message):
+            compiled(*args)
+        with torch.no_grad():
+            out, ref = compiled(*args), m(*args)
+        assert relative_error(out, ref) <= 1e-5
 
 
 def test_token_id_outside_the_vocabulary_is_named():

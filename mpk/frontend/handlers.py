@@ -50,6 +50,9 @@ def _shape(L: Lowering) -> tuple[int, ...]:
 @handles(aten.view, aten._unsafe_view, aten.reshape, aten.unsqueeze, aten.squeeze, aten.flatten,
          aten.view_as)
 def _reshape(L, node, x: View, *args, **kwargs):
+    if node.target is aten.view.dtype:  # the same packet: a bit reinterpretation, not a reshape
+        raise Unsupported(f"Tensor.view({args[0]}) reinterprets the bits of a {L.graph.buffers[x.buffer].dtype} "
+                          "tensor, which mpk does not lower")
     return x.then(("reshape", _shape(L)))
 
 
@@ -201,6 +204,9 @@ def _last_dim_only(x: View, dims) -> None:
 def _reduce(fn: str):
     def handler(L, node, x: View, dims=None, keepdim=False, *, dtype=None):
         _last_dim_only(x, dims)
+        if dtype is not None and dtype != L.graph.buffers[x.buffer].dtype:
+            # sum(dtype=...) / mean(dtype=...) reduce the converted values, as eager PyTorch does
+            x = L.emit("pointwise", [x], {"fn": "cast", "args": [["in", 0]]}, shape=x.shape, dtype=dtype)
         return L.emit("reduce", [x], {"fn": fn, "keepdim": bool(keepdim)})
     return handler
 

@@ -205,11 +205,17 @@ class Lowering:
         self.env[node] = self._opaque(node)
 
     def _outputs(self, node: Node):
-        for value in _flat(map_arg(node.args[0], lambda n: self.env[n]), {}):
+        for src in _flat(node.args[0], {}):
+            value = self.env[src] if isinstance(src, Node) else src
             if isinstance(value, View):
                 self.graph.outputs.append(GraphOutput(view=self.strided(value)))
             elif isinstance(value, Unavailable):
-                self._fail(node, f"a graph output is {value.what}, which mpk does not compute")
+                # blamed on the op that would have to compute it (not the getitem picking it, nor
+                # the output node), so that fallback='eager' runs that op in PyTorch
+                while isinstance(src, Node) and src.target is operator.getitem:
+                    src = src.args[0]
+                self._fail(src if isinstance(src, Node) else node,
+                           f"a graph output is {value.what}, which mpk does not compute")
             else:
                 self.graph.outputs.append(GraphOutput(value=value))
 
