@@ -18,7 +18,8 @@ import torch
 
 from mpk.compiler import CompiledGraph, compile_graph
 from mpk.compiler.tables import FLAG_BARRIER, FLAG_JIT
-from mpk.frontend import fuse_patterns, lower
+from mpk.errors import OptionError, UnsupportedOpError
+from mpk.frontend import find_unsupported, fuse_patterns, lower
 from mpk.options import CompileOptions
 
 
@@ -31,8 +32,16 @@ def pretty_input_name(name: str) -> str:
 
 def compile_module(model: torch.nn.Module, args: Sequence[Any],
                    options: Mapping[str, Any] | None = None) -> CompiledGraph:
-    """Trace ``model(*args)`` with torch.export and compile it to tables (nothing is executed)."""
+    """Trace ``model(*args)`` with torch.export and compile it to tables (nothing is executed).
+    ``options`` as for torch.compile; ``debug_dir`` dumps the graph there (``dump``). The whole
+    graph must lower: an unsupported op is an ``UnsupportedOpError`` listing every one, and
+    ``fallback='eager'`` (parts run in PyTorch) has nothing to run here and is refused."""
+    from mpk.backend import unsupported_report  # (backend imports this module)
+
     opts = CompileOptions.parse(dict(options or {}, executor="cpu"))
+    if opts.fallback != "error":
+        raise OptionError(f"fallback={opts.fallback!r}: compile_module (mpk inspect) builds one graph to inspect "
+                          "and runs nothing, so no part of it can fall back to PyTorch; expected 'error'")
     with torch.no_grad():
         ep = torch.export.export(model, tuple(args)).run_decompositions({})
     gm = ep.graph_module
@@ -43,8 +52,13 @@ def compile_module(model: torch.nn.Module, args: Sequence[Any],
     flags = [s.kind.name in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR") for s in specs]
     names = [s.target if s.target else s.arg.name for s in specs]
     fuse_patterns(gm, opts.optional_fusions(), opts.num_workers)
-    graph = lower(gm, flags, names, opts.fuse_rope_attention)
-    return compile_graph(graph, opts.num_workers, opts.partition)
+    failures = find_unsupported(gm, opts.fuse_rope_attention)
+    if failures:
+        raise UnsupportedOpError(unsupported_report(failures) + "\nmpk inspect needs the whole graph lowered.")
+    compiled = compile_graph(lower(gm, flags, names, opts.fuse_rope_attention), opts.num_workers, opts.partition)
+    if opts.debug_dir:
+        dump(compiled, opts.debug_dir)
+    return compiled
 
 
 def to_json(compiled: CompiledGraph) -> dict:

@@ -87,6 +87,38 @@ def test_bad_partition_overrides_are_named(partition, message):
         compile_with(graph, partition=partition)
 
 
+def test_partition_by_kind_spans_graph_breaks():
+    """A kind override applies to the graphs that have such ops; the graph a break leaves without
+    one compiles too (only names must be the graph's own)."""
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.lin(x)
+            torch._dynamo.graph_break()
+            return torch.softmax(h, -1)
+
+    from mpk.backend import COMPILED
+    model, x = Broken().eval(), torch.randn(4, 8)
+    before = len(COMPILED)
+    with torch.no_grad():
+        out = torch.compile(model, backend="mpk", options={"executor": "cpu", "partition": {"matmul": [1, 2]}})(x)
+        ref = model(x)
+    assert relative_error(out, ref) <= 1e-6
+    graphs = COMPILED[before:]
+    assert len(graphs) == 2 and any(2 in g.stats.tasks_per_op.values() for g in graphs)
+
+
+def test_rotate_half_with_a_scalar_factor_is_plain_arithmetic():
+    """x·2.0 + rotate_half(x)·sin has RoPE's shape but a Python number for cos: not a rope op."""
+    f = lambda x, s: x * 2.0 + torch.cat((-x[..., 4:], x[..., :4]), -1) * s  # noqa: E731
+    x, s = torch.randn(3, 8), torch.randn(3, 8)
+    out = torch.compile(f, backend="mpk", options={"executor": "cpu"})(x, s)
+    assert relative_error(out, f(x, s)) <= 1e-6
+
+
 def test_default_partition_targets_workers():
     graph = trace_graph(lambda x, w: x @ w, [torch.randn(1, 256), torch.randn(256, 4096)])
     compiled = compile_with(graph, num_workers=128)
@@ -211,6 +243,26 @@ def test_fallback_runs_a_secondary_output_op_in_eager():
         out = torch.compile(f, backend="mpk", options={"executor": "cpu", "fallback": "eager"})(x)
     for o, ref in zip(out, f(x)):
         assert relative_error(o, ref) <= 1e-6
+
+
+def test_compile_module_dumps_and_refuses_what_it_cannot_honour(tmp_path):
+    """compile_module (mpk inspect) writes debug_dir's dump, lists every unsupported op without
+    suggesting a fallback it could not run, and refuses fallback='eager' naming it."""
+    compiled = compile_module(nn.Linear(8, 8), (torch.randn(2, 8),), {"debug_dir": str(tmp_path)})
+    assert (tmp_path / "graph.summary.txt").read_text().strip() and (tmp_path / "graph.tables").exists()
+    assert compiled.stats.tasks_per_op
+    with pytest.raises(UnsupportedOpError, match=r"aten::cumsum .*\n.*needs the whole graph lowered") as info:
+        compile_module(_Cumsum(), (torch.randn(3, 8),))
+    assert "fallback" not in str(info.value)
+    with pytest.raises(OptionError, match="fallback='eager': compile_module .* expected 'error'"):
+        compile_module(_Cumsum(), (torch.randn(3, 8),), {"fallback": "eager"})
+
+
+def test_tensor_constant_in_forward_is_explained():
+    f = lambda x: x * torch.tensor([1.0, 2.0, 3.0])  # noqa: E731
+    with pytest.raises(Exception, match="a tensor constant made inside forward .* register it as a buffer"), \
+            torch.no_grad():
+        torch.compile(f, backend="mpk", options={"executor": "cpu"})(torch.randn(2, 3))
 
 
 def test_symbolic_shapes_are_refused_clearly():

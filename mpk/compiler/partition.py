@@ -28,7 +28,7 @@ from mpk.compiler.taskgraph import OpTiles, TaskGraph
 from mpk.errors import CompileError
 from mpk.ir.opgraph import Op, OpGraph
 from mpk.ops import OpSig, get_op
-from mpk.ops.registry import min_tile_elems
+from mpk.ops.registry import REGISTRY, min_tile_elems
 
 PartitionSpec = Sequence[int] | Mapping[int, int]
 
@@ -71,11 +71,14 @@ def _override_grid(op: Op, sig: OpSig, spec: PartitionSpec) -> tuple[int, ...]:
 def decompose(graph: OpGraph, num_workers: int,
               overrides: Mapping[str, PartitionSpec] | None = None) -> TaskGraph:
     overrides = dict(overrides or {})
-    names = {op.name for op in graph.ops} | {op.kind for op in graph.ops}
+    # an op kind may be absent from this graph and present in another of the same model (a graph
+    # break, the eager fallback's pieces); an op name must be this graph's
+    names = {op.name for op in graph.ops} | REGISTRY.keys()
     unknown = sorted(k for k in overrides if k not in names)
     if unknown:
         raise CompileError(f"partition overrides name {unknown}, which match no op name or kind; "
-                           f"ops: {[op.name for op in graph.ops][:20]}")
+                           f"ops: {[op.name for op in graph.ops][:20]} (names are per compiled graph), "
+                           f"kinds: {sorted(REGISTRY)}")
     tiles: list[OpTiles] = []
     task_op: list[int] = []
     task_tile: list[int] = []

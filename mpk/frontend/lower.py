@@ -177,6 +177,10 @@ class Lowering:
             if node.op == "output":
                 self._outputs(node)
                 continue
+            if node.op == "get_attr":
+                self._fail(node, "a tensor constant made inside forward (torch.tensor(...) there, say); mpk reads "
+                                 "tensors from inputs, parameters and buffers: register it as a buffer")
+                continue
             if node.op != "call_function":
                 self._fail(node, f"FX node kind {node.op!r} (only call_function is lowered)")
                 continue

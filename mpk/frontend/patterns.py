@@ -109,8 +109,8 @@ def _match_rope(node: Node):
         if (hi.args[2], min(hi.args[3], d)) != (d // 2, d) or (lo.args[2], min(lo.args[3], d)) != (0, d // 2):
             continue
         direct = _commuted(first, lambda n: n is x)
-        if direct is None:
-            continue
+        if direct is None or not all(isinstance(t, Node) for t in (direct[1], sin)):
+            continue  # cos and sin must be tensors (x·2.0 + rotate_half(x)·sin is plain arithmetic)
         return node, (torch.ops.mpk.rope.default, (x, direct[1], sin))
     return None
 
