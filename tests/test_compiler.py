@@ -189,6 +189,14 @@ def test_unsupported_op_error_names_op_shapes_and_source():
     assert "fallback" in msg
 
 
+def test_unsupported_op_in_a_torch_module_names_the_module():
+    """torch's own modules record no source line: the report names the layer instead."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Hardswish())
+    with pytest.raises(Exception, match=r"aten::hardswish .*source module model\.1 \(Hardswish; no source line"), \
+            torch.no_grad():
+        torch.compile(model, backend="mpk", options={"executor": "cpu"})(torch.randn(2, 4))
+
+
 def test_eager_fallback_runs_the_rest_in_mpk():
     model = _Cumsum().eval()
     x = torch.randn(3, 8)

@@ -9,6 +9,7 @@ moment an op or a graph output consumes it.
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,12 @@ def source_line(node: Node) -> str:
             code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
             where = lines[i][5:].replace('"', "").replace(", line ", ":").split(", in ")[0]
             return f"{where}: {code}" if code else where
+    # torch's own modules (an nn.Sequential's layers) record no trace: name the module instead
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        path, cls = list(stack.values())[-1]
+        path = re.sub(r"^L\['(fn|self)'\]", "model", str(path))
+        return f"module {path} ({getattr(cls, '__name__', cls)}; no source line recorded)"
     return "<unknown source: no stack trace recorded>"
 
 
