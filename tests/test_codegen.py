@@ -533,6 +533,49 @@ def test_concurrent_builds_of_one_source_share_the_cubin(tmp_path, monkeypatch):
 
 
 @needs_nvcc
+def test_damaged_cached_cubin_is_rebuilt_and_a_cache_serves_without_nvcc(tmp_path, monkeypatch, capsys):
+    """A cut cubin in the cache (an interrupted copy) is rebuilt, not handed to the driver; with
+    no nvcc on PATH a cubin of the same source is still found, and its absence is named."""
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
+    src = generate(stamp_graph(random_dag(12, random.Random(random.randrange(1 << 20))), iterations=1))
+    cubin = build.build_cubin(src, progress=False)
+    whole = cubin.read_bytes()
+    cubin.write_bytes(whole[:random.randrange(0, len(whole) // 2)])
+    assert not build._whole_elf(cubin)
+    # (nvcc's output is not byte-identical between runs: compare what matters)
+    assert build.build_cubin(src, progress=True) == cubin and build._whole_elf(cubin) and \
+        abs(len(cubin.read_bytes()) - len(whole)) < 64
+    assert "is damaged (not a whole ELF image); rebuilding it" in capsys.readouterr().err
+    monkeypatch.setattr(build, "nvcc_path", lambda: None)
+    assert build.build_cubin(src) == cubin
+    with pytest.raises(build.BuildError, match="nvcc was not found on PATH.*holds no cubin of this source"):
+        build.build_cubin(src + "\n// another source\n")
+
+
+def test_broken_nvcc_and_unusable_cache_are_build_errors(tmp_path, monkeypatch):
+    """nvcc that fails its --version (a licence or driver problem) and a cache path that is a
+    file are BuildErrors quoting the cause, not raw subprocess / OS errors."""
+    fake = tmp_path / "bin" / "nvcc"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'fake nvcc: licence expired' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(build, "nvcc_path", lambda: str(fake))
+    build.nvcc_version.cache_clear()
+    try:
+        with pytest.raises(build.BuildError, match="--version failed \\(exit 3\\): fake nvcc: licence expired"):
+            build.nvcc_version()
+    finally:
+        build.nvcc_version.cache_clear()
+    monkeypatch.undo()
+    if build.nvcc_path() is None:
+        return
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path / "afile"))
+    with pytest.raises(build.BuildError, match=r"the cubin cache .*afile \(\$MPK_CACHE_DIR.*is not a writable directory"):
+        build.build_cubin("__global__ void k() {}\n")
+
+
+@needs_nvcc
 def test_build_error_names_file_and_nvcc_message(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
     with pytest.raises(build.BuildError) as info:

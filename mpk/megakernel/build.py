@@ -1,8 +1,11 @@
 """nvcc build of generated CUDA, cached by content hash.
 
-The cache key covers the generated source, every header under ``runtime/`` and ``cuda/``, the
-flags, the target architecture and nvcc's version, so a second identical build reads the
-cubin from ``$MPK_CACHE_DIR`` (default ``~/.cache/mpk``) without invoking nvcc.
+A cubin is cached in ``$MPK_CACHE_DIR`` (default ``~/.cache/mpk``) as ``<source key>-<nvcc
+key>.cubin``: the first covers the generated source, every ``.cuh`` header under ``runtime/`` and
+``cuda/``, the flags and the target architecture, the second nvcc's version, so a second
+identical build reads the cubin without compiling, and a machine without nvcc (a driver-only
+deployment given a prebuilt cache) takes a cubin of the same source built by any nvcc. A cached
+file that is not a whole ELF image (an interrupted copy of the cache) is rebuilt, not loaded.
 ``$MPK_NVCC_FLAGS`` (whitespace-separated) adds flags to every build, e.g. the ``-D`` switches
 of the CUDA headers for an experiment (``-DMPK_MAX_SPINS=…``); they are part of the key.
 """
@@ -37,12 +40,37 @@ def nvcc_path() -> str | None:
     return shutil.which("nvcc")
 
 
+_NO_NVCC = "nvcc was not found on PATH; install the CUDA toolkit (nvcc ≥ 12.4 for sm_90a)"
+
+
 @lru_cache(maxsize=1)
 def nvcc_version() -> str:
     nvcc = nvcc_path()
     if nvcc is None:
-        raise BuildError("nvcc was not found on PATH; install the CUDA toolkit (nvcc ≥ 12.4 for sm_90a)")
-    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+        raise BuildError(_NO_NVCC)
+    res = subprocess.run([nvcc, "--version"], capture_output=True, text=True)
+    lines = res.stdout.strip().splitlines()
+    if res.returncode != 0 or not lines:
+        raise BuildError(f"{nvcc} --version failed (exit {res.returncode}): {(res.stderr or res.stdout).strip()[-2000:]}")
+    return lines[-1]
+
+
+def _whole_elf(path: Path) -> bool:
+    """The file is a 64-bit ELF image whose section table lies inside it (a cut copy is not)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    if len(data) < 64 or data[:5] != b"\x7fELF\x02":
+        return False
+    shoff = int.from_bytes(data[0x28:0x30], "little")
+    shentsize, shnum = int.from_bytes(data[0x3A:0x3C], "little"), int.from_bytes(data[0x3C:0x3E], "little")
+    return shoff + shentsize * shnum <= len(data)
+
+
+def _cache_error(out_dir: Path, e: OSError) -> BuildError:
+    return BuildError(f"the cubin cache {out_dir} ($MPK_CACHE_DIR, default ~/.cache/mpk) is not a writable "
+                      f"directory: {e}")
 
 
 def _headers_digest() -> str:
@@ -81,34 +109,52 @@ def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_ker
     flags = nvcc_flags(arch, debug, tile_kernel)
     # nvcc also takes flags from these variables: they are part of what was built
     env_flags = [os.environ.get(v, "") for v in NVCC_ENV_FLAGS]
-    key = hashlib.sha256("\0".join([source, _headers_digest(), " ".join(flags), *env_flags, nvcc_version()])
-                         .encode()).hexdigest()[:32]
+    key = hashlib.sha256("\0".join([source, _headers_digest(), " ".join(flags), *env_flags]).encode()).hexdigest()[:32]
     out_dir = cache_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cubin = out_dir / f"{key}.cubin"
-    if cubin.exists():
+    if nvcc_path() is None:  # no compiler: a cubin of this source from any nvcc, newest first
+        found = sorted(out_dir.glob(f"{key}-*.cubin"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for cubin in found:
+            if _whole_elf(cubin):
+                return cubin
+        raise BuildError(_NO_NVCC + f" (and {out_dir} holds no cubin of this source)")
+    cubin = out_dir / f"{key}-{hashlib.sha256(nvcc_version().encode()).hexdigest()[:8]}.cubin"
+    if _whole_elf(cubin):
         return cubin
-    # names of this build alone: concurrent builders of one key (processes or threads) never
-    # share a file
-    fd, name = tempfile.mkstemp(prefix=f"{key}.", suffix=".cu", dir=out_dir)
-    with os.fdopen(fd, "w") as f:
-        f.write(source)
-    src, tmp = Path(name), Path(name).with_suffix(".tmp")
-    includes = [f"-I{d}" for d in INCLUDE_DIRS]
     say = sys.stderr.isatty() if progress is None else progress
+    if say and cubin.exists():
+        print(f"mpk: {cubin} is damaged (not a whole ELF image); rebuilding it", file=sys.stderr, flush=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        # the source under its final name (the cubin's line info names it; identical content
+        # whoever writes it), the cubin under a name of this build alone, renamed when whole:
+        # concurrent builders of one key never see a partial file
+        fd, name = tempfile.mkstemp(prefix=f"{cubin.stem}.", suffix=".cu", dir=out_dir)
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        os.chmod(name, 0o644)
+        src = cubin.with_suffix(".cu")
+        Path(name).replace(src)
+        fd, tmp_name = tempfile.mkstemp(prefix=f"{cubin.stem}.", suffix=".tmp", dir=out_dir)
+        os.close(fd)
+    except OSError as e:
+        raise _cache_error(out_dir, e) from None
+    tmp = Path(tmp_name)
+    includes = [f"-I{d}" for d in INCLUDE_DIRS]
     if say:
         print(f"mpk: nvcc is building the megakernel for {arch} (once; cached as {cubin}) ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    res = subprocess.run([nvcc_path() or "nvcc", *flags, *includes, "-o", str(tmp), str(src)],
-                         capture_output=True, text=True)
+    cmd = [nvcc_path() or "nvcc", *flags, *includes, "-o", str(tmp), str(src)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
     if say:
         print(f"mpk: nvcc {'finished' if res.returncode == 0 else 'failed'} in {time.perf_counter() - start:.1f} s",
               file=sys.stderr, flush=True)
     if res.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise BuildError(f"nvcc failed (exit {res.returncode}) building {src}:\n{res.stderr.strip()[-6000:]}")
-    tmp.replace(cubin)  # atomic: concurrent builders of one key never see a partial cubin
-    src.replace(out_dir / f"{key}.cu")  # kept beside the cubin for reading
+        extra = os.environ.get("MPK_NVCC_FLAGS", "").strip()
+        raise BuildError(f"nvcc failed (exit {res.returncode}) building {src}:\n{res.stderr.strip()[-6000:]}\n"
+                         f"command: {' '.join(cmd)}" + (f"\n(with $MPK_NVCC_FLAGS={extra!r})" if extra else ""))
+    os.chmod(tmp, 0o644)
+    tmp.replace(cubin)
     return cubin
 
 
