@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer import Shape, copy_bandwidth, floor_ms, kv_bytes, time_peer, time_step, weight_bytes  # noqa: E402
 
 from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
+from mpk.cli import count, json_object, page_size as page_size_arg  # noqa: E402
 from mpk.megakernel.timeline import breakdown as timeline_breakdown  # noqa: E402
 from mpk.megakernel.timeline import timeline_svg  # noqa: E402
 from mpk.models.llm import SHAPES as MODELS  # noqa: E402
@@ -124,10 +125,10 @@ def add_step_args(ap: argparse.ArgumentParser) -> None:
     whose cubins must be these steps')."""
     ap.add_argument("--models", nargs="+", default=["llama3.2-1b", "qwen3-1.7b", "qwen3-8b"],
                     choices=sorted(MODELS))
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
-    ap.add_argument("--position", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--num-splits", type=int, default=0,
+    ap.add_argument("--batches", nargs="+", type=count(1), default=[1, 4, 16])
+    ap.add_argument("--position", type=count(0), default=64)
+    ap.add_argument("--page-size", type=page_size_arg, default=16)
+    ap.add_argument("--num-splits", type=count(0), default=0,
                     help="attention's KV chunks per sequence (0: the compiler's default_splits)")
 
 
@@ -194,14 +195,17 @@ def main(argv=None) -> int:
                     help="the peer's torch.compile mode (max-autotune costs minutes per shape)")
     ap.add_argument("--profile", action="store_true", help="per-task-type breakdown of one mpk step")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--trace-dir", type=Path, default=None, help="write each profiled step's Perfetto trace here")
-    ap.add_argument("--options", nargs="+", type=json.loads, default=[{}],
+    ap.add_argument("--trace-dir", type=Path, default=None,
+                    help="write each profiled step's Perfetto trace here (with --profile)")
+    ap.add_argument("--options", nargs="+", type=json_object, default=[{}],
                     help='extra mpk compile options as JSON, e.g. \'{"fuse_norm_prologue": false}\' or '
                          '\'{"nvcc_flags": "-DMPK_X"}\'; several: an A/B of builds, timed in turn on the same '
                          'model and inputs')
-    ap.add_argument("--rounds", type=int, default=1, help="time every --options build this many times, alternating")
+    ap.add_argument("--rounds", type=count(1), default=1, help="time every --options build this many times, alternating")
     ap.add_argument("--skip-peer", action="store_true", help="mpk alone (for comparing mpk builds; no speedup)")
     args = ap.parse_args(argv)
+    if args.trace_dir and not args.profile:
+        ap.error("--trace-dir writes the profiled steps' traces: add --profile")
     if args.trace_dir:
         args.trace_dir.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name()

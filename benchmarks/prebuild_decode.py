@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_latency import add_step_args, compile_step, max_len  # noqa: E402
 
 from mpk.backend import COMPILED  # noqa: E402
+from mpk.cli import count, json_object  # noqa: E402
 from mpk.errors import ExecutorUnavailableError  # noqa: E402
 from mpk.megakernel import build  # noqa: E402
 from mpk.megakernel.codegen import generate  # noqa: E402
@@ -53,8 +54,8 @@ def decode_source(name: str, batch: int, position: int, page_size: int, num_spli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_step_args(ap)
-    ap.add_argument("--options", nargs="+", type=json.loads, default=[{}], help="one JSON object per build variant")
-    ap.add_argument("--jobs", type=int, default=None)
+    ap.add_argument("--options", nargs="+", type=json_object, default=[{}], help="one JSON object per build variant")
+    ap.add_argument("--jobs", type=count(1), default=None)
     ap.add_argument("--nvcc-flags", action="append", default=None,
                     help="repeatable, e.g. --nvcc-flags=-DMPK_PHASES: build every step once per flag set (as "
                          "$MPK_NVCC_FLAGS; default: the environment's) unless its options name their own "

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer import SHAPES, copy_bandwidth  # noqa: E402
 
 from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
+from mpk.cli import count, json_object  # noqa: E402
 
 
 class Linears(torch.nn.Module):
@@ -204,13 +205,15 @@ def prebuild(models: list[str], batches: list[int], linears: bool, attention: bo
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=["llama3.2-1b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"])
-    ap.add_argument("--batches", nargs="+", type=int, default=[1], help="rows of the linear cases' activations")
+    ap.add_argument("--models", nargs="+", default=["llama3.2-1b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"],
+                    choices=sorted(SHAPES))
+    ap.add_argument("--batches", nargs="+", type=count(1), default=[1], help="rows of the linear cases' activations")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--prebuild", action="store_true", help="build the selected cases' kernels (no GPU needed)")
-    ap.add_argument("--linear-only", action="store_true", help="skip the attention and other task families' cases")
-    ap.add_argument("--attention-only", action="store_true", help="the paged attention cases alone")
-    ap.add_argument("--options", nargs="+", type=json.loads, default=[{}],
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--linear-only", action="store_true", help="skip the attention and other task families' cases")
+    only.add_argument("--attention-only", action="store_true", help="the paged attention cases alone")
+    ap.add_argument("--options", nargs="+", type=json_object, default=[{}],
                     help='mpk compile options of the linear cases, one JSON object per variant, e.g. \'{}\' \'{"fuse_norm_prologue": false}\'')
     args = ap.parse_args(argv)
     if args.prebuild:

@@ -16,13 +16,14 @@ import time
 import torch
 
 from mpk.backend import COMPILED
+from mpk.cli import count
 from mpk.models.toy import QWEN3, Decoder, randomize, rope_tables
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=6)
+    parser.add_argument("--layers", type=count(1), default=2)
+    parser.add_argument("--seq", type=count(1), default=6)
     parser.add_argument("--out", default="mpk-example", help="debug dump directory")
     ns = parser.parse_args()
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from mpk.errors import MpkError
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache, load_pretrained
 
 RANDOM = {
@@ -61,6 +62,17 @@ def main(argv=None) -> int:
         ap.error(f"--steps {args.steps}: expected ≥ 1 tokens to generate")
     if args.page_size < 1 or args.page_size & (args.page_size - 1) or args.page_size > 256:
         ap.error(f"--page-size {args.page_size}: expected a power of two in 1…256")
+    if args.executor == "gpu" and not torch.cuda.is_available():
+        ap.error("--executor gpu: this machine has no CUDA device; use --executor cpu")
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        ap.error(f"--model {args.model}: expected a checkpoint directory holding config.json and *.safetensors")
+    try:
+        return _run(args, ap)
+    except MpkError as e:  # mpk's own errors name what is wrong: no traceback needed
+        raise SystemExit(f"{type(e).__name__}: {e}") from None
+
+
+def _run(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     device = "cuda" if args.executor == "gpu" else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tokenizer, eos = None, set()

@@ -93,7 +93,10 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
     if ns.target in PRESETS:
         model, args = PRESETS[ns.target](ns)
     else:
-        model, args = _load_factory(ns.target)()
+        made = _load_factory(ns.target)()
+        if not (isinstance(made, (tuple, list)) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
+            raise MpkError(f"{ns.target} returned {type(made).__name__}; expected (module, example_args)")
+        model, args = made
     options: dict[str, Any] = {"num_workers": ns.workers}
     if ns.partition:
         options["partition"] = ns.partition
@@ -112,6 +115,9 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
     from mpk.megakernel.timeline import breakdown, load_trace, timeline_svg
 
     out = ns.out or str(Path(ns.trace).with_suffix(".svg"))
+    if Path(out).is_dir():
+        raise MpkError(f"--out {out} is a directory; expected an SVG file path")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     doc = {"traceEvents": load_trace(ns.trace)}  # read once: a full-size step's trace is MBs
     timeline_svg(doc, out, start_us=ns.start_us, end_us=ns.end_us, title=ns.title or Path(ns.trace).stem)
     summary = breakdown(doc)
@@ -126,17 +132,29 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
+def count(least: int = 1) -> Callable[[str], int]:
+    """An argparse type: an integer ≥ ``least`` (shared with the examples and benchmarks)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {least}")
+        return value
+    return parse
+
+
+def page_size(text: str) -> int:
+    """An argparse type: a KV-cache page size, a power of two in 1…256."""
+    value = count(1)(text)
+    if value & (value - 1) or value > 256:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a power of two in 1…256")
     return value
 
 
-def _json_object(text: str) -> dict:
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
@@ -152,12 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("inspect", help="compile a model and report its task graph")
     p.add_argument("target", help=f"preset ({', '.join(PRESETS)}) or FILE.py:FACTORY")
     p.add_argument("--out", default="mpk-inspect", help="directory for tables/DOT/SVG/JSON (default %(default)s)")
-    p.add_argument("--workers", type=_positive_int, default=128, help="worker count partitioning targets (default 128)")
-    p.add_argument("--partition", type=_json_object, help='JSON overrides, e.g. \'{"matmul": {"-1": 64}}\'')
-    p.add_argument("--layers", type=_positive_int, help="presets: number of layers")
-    p.add_argument("--batch", type=_positive_int, default=1, help="presets: batch size (default 1)")
-    p.add_argument("--seq", type=_positive_int, default=8, help="prefill presets: sequence length (default 8)")
-    p.add_argument("--cache-len", type=_positive_int, default=1024, help="decode presets: cache length (default 1024)")
+    p.add_argument("--workers", type=count(1), default=128, help="worker count partitioning targets (default 128)")
+    p.add_argument("--partition", type=json_object, help='JSON overrides, e.g. \'{"matmul": {"-1": 64}}\'')
+    p.add_argument("--layers", type=count(1), help="presets: number of layers")
+    p.add_argument("--batch", type=count(1), default=1, help="presets: batch size (default 1)")
+    p.add_argument("--seq", type=count(1), default=8, help="prefill presets: sequence length (default 8)")
+    p.add_argument("--cache-len", type=count(1), default=1024, help="decode presets: cache length (default 1024)")
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("timeline", help="draw a profiled launch's trace (profile_dir) as an SVG, time per task kind")
     p.add_argument("trace", help="a trace JSON written by GpuExecutor.trace or the profile_dir option")
@@ -167,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--title", help="title line (default: the trace's file name)")
     p.set_defaults(func=cmd_timeline)
     ns = parser.parse_args(argv)
+    out = getattr(ns, "out", None)
+    if ns.command == "inspect" and Path(out).exists() and not Path(out).is_dir():
+        parser.error(f"--out {out} is a file; expected a directory for the dump")
     try:
         return ns.func(ns)
     except MpkError as e:

@@ -67,3 +67,29 @@ def test_inspect_refuses_bad_values_by_name(flag, value, message, capsys):
     with pytest.raises(SystemExit) as info:
         main(["inspect", "qwen3-toy", flag, value])
     assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_inspect_names_a_bad_factory_result_and_a_file_for_out(tmp_path, capsys):
+    src = tmp_path / "f.py"
+    src.write_text("def three():\n    return 3\n")
+    assert main(["inspect", f"{src}:three", "--out", str(tmp_path / "o")]) == 2
+    assert f"{src}:three returned int; expected (module, example_args)" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as info:
+        main(["inspect", "qwen3-toy", "--out", str(tmp_path / "afile")])
+    assert info.value.code == 2
+    assert f"--out {tmp_path / 'afile'} is a file; expected a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("doc,message", [
+    ([], "expected a Chrome trace, a JSON object whose traceEvents is a list of objects"),
+    ({"traceEvents": [1, 2]}, "expected a Chrome trace"),
+    ({"traceEvents": [{"ph": "X", "ts": 0, "tid": 0, "args": {"op": "x"}}]}, "lacks a number among ts, dur and tid"),
+])
+def test_timeline_names_a_malformed_trace(tmp_path, capsys, doc, message):
+    """mpk timeline on JSON that is not one of its traces: a message naming the file, exit 2."""
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    assert main(["timeline", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and message in err

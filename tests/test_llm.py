@@ -607,3 +607,20 @@ def test_paged_ops_refuse_bad_page_tables():
     with pytest.raises(BadInputError, match="decode position -1 of sequence 0 is outside the rope table"):
         torch.ops.mpk.rope_append(qkv, torch.randn(16, 64), torch.tensor([0, 0, 3], dtype=torch.int32), indices, last,
                                   cache, None, None, 0, 4, 2, 1e-6)  # sequence 0 not grown: no pages
+
+
+def test_decode_example_refuses_what_it_cannot_run(tmp_path, capsys, monkeypatch):
+    """No CUDA for --executor gpu, a --model that is not a checkpoint, a checkpoint mpk refuses:
+    each a one-line message naming the problem, no traceback."""
+    module = _decode_example()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, message in ((["--random", "qwen3-tiny", "--executor", "gpu"], "this machine has no CUDA device"),
+                          (["--model", str(tmp_path / "none"), "--executor", "cpu"],
+                           "expected a checkpoint directory holding config.json")):
+        with pytest.raises(SystemExit) as info:
+            module.main(argv)
+        assert info.value.code == 2 and message in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps(small("qwen3").to_hf() | {"hidden_act": "gelu"}))
+    with pytest.raises(SystemExit) as info:
+        module.main(["--model", str(tmp_path), "--executor", "cpu"])
+    assert str(info.value).startswith("ConfigError: ") and "hidden_act 'gelu' is not supported" in str(info.value)

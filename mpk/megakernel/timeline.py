@@ -37,7 +37,13 @@ def load_trace(trace: dict | str | Path) -> list[dict]:
             trace = json.loads(Path(trace).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise MpkError(f"{where}: not a readable JSON trace ({e})") from None
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    raw = trace.get("traceEvents", []) if isinstance(trace, dict) else None
+    if not isinstance(raw, list) or not all(isinstance(e, dict) for e in raw):
+        raise MpkError(f"{where}: expected a Chrome trace, a JSON object whose traceEvents is a list of objects")
+    events = [e for e in raw if e.get("ph") == "X"]
+    bad = next((e for e in events if not all(isinstance(e.get(k), (int, float)) for k in ("ts", "dur", "tid"))), None)
+    if bad is not None:
+        raise MpkError(f"{where}: task span {bad} lacks a number among ts, dur and tid")
     if not events:
         raise MpkError(f"{where} holds no task spans (expected a Chrome trace written by GpuExecutor.trace)")
     return events
