@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from mpk.cli import count, page_size
 from mpk.errors import MpkError
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache, load_pretrained
 
@@ -53,15 +54,11 @@ def main(argv=None) -> int:
     prompt = ap.add_mutually_exclusive_group()
     prompt.add_argument("--prompt-ids", type=int, nargs="+", default=[1, 2, 3, 4])
     prompt.add_argument("--prompt", help="text, tokenized by the checkpoint's tokenizer (needs --model)")
-    ap.add_argument("--steps", type=int, default=16, help="tokens to generate")
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--steps", type=count(1), default=16, help="tokens to generate")
+    ap.add_argument("--page-size", type=page_size, default=16)
     ap.add_argument("--executor", choices=["gpu", "cpu"], default="gpu" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--check", action="store_true", help="compare each step with mpk's eager path")
     args = ap.parse_args(argv)
-    if args.steps < 1:
-        ap.error(f"--steps {args.steps}: expected ≥ 1 tokens to generate")
-    if args.page_size < 1 or args.page_size & (args.page_size - 1) or args.page_size > 256:
-        ap.error(f"--page-size {args.page_size}: expected a power of two in 1…256")
     if args.executor == "gpu" and not torch.cuda.is_available():
         ap.error("--executor gpu: this machine has no CUDA device; use --executor cpu")
     if args.model and not (Path(args.model) / "config.json").is_file():
