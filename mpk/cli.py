@@ -90,6 +90,8 @@ def _load_factory(target: str) -> Callable[[], tuple]:
 def cmd_inspect(ns: argparse.Namespace) -> int:
     from mpk.inspection import compile_module, dump
 
+    if Path(ns.out).exists() and not Path(ns.out).is_dir():
+        raise MpkError(f"--out {ns.out} is a file; expected a directory for the dump")
     if ns.target in PRESETS:
         model, args = PRESETS[ns.target](ns)
     else:
@@ -185,9 +187,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--title", help="title line (default: the trace's file name)")
     p.set_defaults(func=cmd_timeline)
     ns = parser.parse_args(argv)
-    out = getattr(ns, "out", None)
-    if ns.command == "inspect" and Path(out).exists() and not Path(out).is_dir():
-        parser.error(f"--out {out} is a file; expected a directory for the dump")
     try:
         return ns.func(ns)
     except MpkError as e:

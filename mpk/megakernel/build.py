@@ -58,14 +58,15 @@ def nvcc_version() -> str:
 def _whole_elf(path: Path) -> bool:
     """The file is a 64-bit ELF image whose section table lies inside it (a cut copy is not)."""
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            head, size = f.read(64), os.fstat(f.fileno()).st_size
     except OSError:
         return False
-    if len(data) < 64 or data[:5] != b"\x7fELF\x02":
+    if len(head) < 64 or head[:5] != b"\x7fELF\x02":
         return False
-    shoff = int.from_bytes(data[0x28:0x30], "little")
-    shentsize, shnum = int.from_bytes(data[0x3A:0x3C], "little"), int.from_bytes(data[0x3C:0x3E], "little")
-    return shoff + shentsize * shnum <= len(data)
+    shoff = int.from_bytes(head[0x28:0x30], "little")
+    shentsize, shnum = int.from_bytes(head[0x3A:0x3C], "little"), int.from_bytes(head[0x3C:0x3E], "little")
+    return shoff + shentsize * shnum <= size
 
 
 def _cache_error(out_dir: Path, e: OSError) -> BuildError:

@@ -35,7 +35,7 @@ _DEFAULTS = {
 }
 
 
-def _sliding_layers(config: dict[str, Any], defaults: dict[str, Any]) -> list[int]:
+def _sliding_layers(config: dict[str, Any]) -> list[int]:
     """The layers a HF config gives sliding-window attention: ``layer_types``, else Qwen3's
     ``use_sliding_window`` from layer ``max_window_layers`` on, as transformers derives them
     (Llama has no sliding window)."""
@@ -44,8 +44,8 @@ def _sliding_layers(config: dict[str, Any], defaults: dict[str, Any]) -> list[in
         if config.get("model_type") != "qwen3":
             return []
         layers = config["num_hidden_layers"]
-        on = config.get("use_sliding_window") and config.get("sliding_window", defaults["sliding_window"]) is not None
-        first = config.get("max_window_layers", defaults["max_window_layers"])
+        on = config.get("use_sliding_window") and config["sliding_window"] is not None
+        first = config["max_window_layers"]
         types = ["sliding_attention" if on and i >= first else "full_attention" for i in range(layers)]
     return [i for i, t in enumerate(types) if t != "full_attention"]
 
@@ -115,14 +115,13 @@ class LLMConfig:
             method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
             raise ConfigError(f"{where}: quantized checkpoints (quant_method {method!r}) are not supported; "
                               "expected bf16, f16 or f32 weights")
-        defaults = _DEFAULTS[model_type]
+        config = _DEFAULTS[model_type] | config
         for key in _REQUIRED:
             _positive(where, config, key)
-        sliding = _sliding_layers(config, defaults)
+        sliding = _sliding_layers(config)
         if sliding:
             raise ConfigError(f"{where}: layers {_few([str(i) for i in sliding])} use sliding-window attention, "
                               "which is not supported; expected full attention in every layer")
-        config = defaults | config  # (the sliding-window fields were read above; the rest are plain)
         heads = config["num_attention_heads"]
         # null: as many kv heads as query heads, head_dim = hidden_size / heads (as transformers reads it)
         kv_heads = heads if config.get("num_key_value_heads") is None else _positive(where, config, "num_key_value_heads")
