@@ -129,7 +129,7 @@ def add_step_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--position", type=count(0), default=64)
     ap.add_argument("--page-size", type=page_size_arg, default=16)
     ap.add_argument("--num-splits", type=count(0), default=0,
-                    help="attention's KV chunks per sequence (0: the compiler's default_splits)")
+                    help="attention's KV chunks per sequence, at most (0: the compiler's default_splits)")
 
 
 def max_len(position: int) -> int:

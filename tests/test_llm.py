@@ -21,7 +21,7 @@ from mpk.errors import MpkError
 from mpk.frontend.fused_ops import paged_attention
 from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache
 from mpk.models.parity import compare_logits, decode_logits, hf_logits, hf_twin
-from mpk.ops.paged import merge_states
+from mpk.ops.paged import MIN_CHUNK, chunk_bounds, merge_states
 
 pytest.importorskip("transformers")
 
@@ -64,15 +64,49 @@ def test_merge_is_commutative_associative_with_identity():
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_paged_attention_matches_dense(page_size, heads, kv_heads, splits):
     """Lengths 1, odd, one full page and partially filled last pages; pages in a shuffled
-    order; more chunks than positions in a short sequence (empty chunks)."""
+    order; more chunks than a short sequence uses (empty chunks), and a long one in three."""
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
-    lens = [1, 7, page_size, 2 * page_size + 3]
+    lens = [1, 7, page_size, 2 * page_size + 3, 2 * MIN_CHUNK + 45]
     pages, indptr, indices, last, num_pages = random_page_table(lens, page_size, g, spare=3)
     cache = torch.randn(2, 2, num_pages, kv_heads, page_size, 16, generator=g)
     q = torch.randn(len(lens), heads, 16, generator=g)
     out = paged_attention(q, cache, indptr, indices, last, 1, 0.25, splits)
     ref = dense_paged_attention(q, cache, lens, pages, page_size, 1, 0.25)
     assert relative_error(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_chunks_cover_each_position_once_and_none_is_short(rope):
+    """chunk_bounds: the C chunks of a sequence cover its cache positions (all but the token
+    being decoded under rope) in order, each exactly once; only one chunk is ever shorter than
+    MIN_CHUNK positions — one in use, the others empty — and no more than C are used."""
+    for n in [0, 1, 2, 127, 128, 129, 255, 256, 577, 1000, 2049, 5000]:
+        m = max(0, n - rope)
+        for C in [1, 2, 3, 5, 8, 16]:
+            bounds = [chunk_bounds(n, c, C, rope) for c in range(C)]
+            assert [t for b in bounds for t in range(*b)] == list(range(m)), (n, C)
+            used = [t1 - t0 for t0, t1 in bounds if t1 > t0]
+            assert len(used) <= C and (len(used) <= 1 or min(used) >= MIN_CHUNK), (n, C, used)
+            if m >= MIN_CHUNK * C:
+                assert len(used) == C  # a long sequence takes every chunk
+            assert len(used) == (min(C, max(1, m // MIN_CHUNK)) if m else 0), (n, C, used)
+
+
+def test_default_chunk_counts():
+    """default_splits: one chunk (no merge op) for a cache under 2 · MIN_CHUNK positions; a
+    wave of tasks with chunks of 2 · MIN_CHUNK; half a wave with chunks of MIN_CHUNK where
+    that is more and a sequence short of the capacity fills them (the choices session 48
+    measured: 4 chunks at batch 1 for a 640-position cache, 8 and 4 at batches 1 and 4 for
+    2112 positions)."""
+    from mpk.frontend.fused_ops import default_splits
+
+    assert default_splits(1, 8, 64 + 64) == default_splits(16, 2, 2 * MIN_CHUNK) == 1
+    assert default_splits(1, 8, 640) == 4 and default_splits(4, 8, 640) == 2
+    assert default_splits(1, 8, 2112) == 8 and default_splits(4, 8, 2112) == 4
+    assert default_splits(1, 8, 8192) == 16 and default_splits(16, 8, 8192) == 1
+    for batch, kv, cap in [(1, 8, 640), (1, 4, 1000), (2, 8, 5000), (3, 2, 300)]:
+        C = default_splits(batch, kv, cap)
+        assert batch * kv * C <= 128 and (C == 1 or (cap - 1) // C >= MIN_CHUNK), (batch, kv, cap, C)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

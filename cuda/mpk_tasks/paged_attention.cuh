@@ -454,21 +454,28 @@ using AttnStates = std::conditional_t<sizeof(T) == 2 && kG <= 8 && kPer <= 4, Mm
                                       HeadStates<kPer, kG, T>>;
 #endif
 
-// How the warps split a sequence's chunk ch of C: the positions read from the cache end at t1
-// (the last chunk's tile under kRope leaves out the token being decoded), ku per warp step (kU,
-// or fewer when the chunk is short, so all warps get some), base this warp's first position.
-// The task's warp count is a constant (kAttnWarps): divisions by it are shifts, and the
-// combine's loops over the warps unroll.
+// Which positions chunk ch of C reads from the cache, and how the warps split them: the
+// sequence's cache positions (under kRope all but the token being decoded, which the last
+// chunk's tile attends to from shared memory) in as many balanced chunks as make no chunk
+// shorter than kMinChunk positions, at most C — the grid is static, the length is not, and a
+// short sequence in many chunks paid their tasks for nothing (mpk.ops.paged.chunk_bounds is
+// the Python form); chunks past those are empty. t1: the end; ku per warp step (kU, or fewer
+// when the chunk is short, so all warps get some); base this warp's first position. The
+// task's warp count is a constant (kAttnWarps): divisions by it are shifts, and the combine's
+// loops over the warps unroll.
 constexpr int kAttnWarps = kThreadsPerTask / 32;
+constexpr long long kMinChunk = 128;  // mpk.frontend.fused_ops.MIN_CHUNK
 struct ChunkSplit {
   long long t1, base;
   int ku;
 };
-__device__ __forceinline__ ChunkSplit split_chunk(const SeqSpan& s, long long ch, int C, bool fresh, int kU) {
+__device__ __forceinline__ ChunkSplit split_chunk(const SeqSpan& s, long long ch, int C, bool rope, int kU) {
   constexpr int warps = kAttnWarps;
-  const long long t0 = ch * s.len / C;
+  const long long m = max(0LL, s.len - (rope ? 1 : 0));
+  const long long used = min(static_cast<long long>(C), max(1LL, m / kMinChunk));
+  const long long t0 = ch < used ? ch * m / used : m;
   ChunkSplit k;
-  k.t1 = (ch + 1) * s.len / C - (fresh ? 1 : 0);
+  k.t1 = ch < used ? (ch + 1) * m / used : m;
   k.ku = static_cast<int>(min(static_cast<long long>(kU), max(1LL, (k.t1 - t0 + warps - 1) / warps)));
   k.base = t0 + (threadIdx.x >> 5) * k.ku;
   return k;
@@ -554,7 +561,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
       const long long v_at = cache.stride[1];
       for (long long ch = ch0; ch < (kFinal ? 1 : r.hi[2]); ++ch) {
         const bool fresh = kRope && ch == C - 1;  // this tile appends the new token and attends to it
-        const ChunkSplit k = split_chunk(span, ch, C, fresh, kU);
+        const ChunkSplit k = split_chunk(span, ch, C, kRope, kU);
         const long long t1 = k.t1;
         const int ku = k.ku, stride = warps * ku;
         long long base = k.base;
@@ -716,7 +723,7 @@ __device__ __forceinline__ void attn_partial(const OpC& c, const Rect& r, const 
   const long long ch0 = kFinal ? 0 : r.lo[2];
   AttnStart first;
   first.span = seq_span<I>(env, indptr, indices, last, r.lo[0], page_size, c.out_buffer);
-  const ChunkSplit k = split_chunk(first.span, ch0, C, kRope && ch0 == C - 1, kU);
+  const ChunkSplit k = split_chunk(first.span, ch0, C, kRope, kU);
   const long long at = k.base + (threadIdx.x & 31) % k.ku;  // this lane's position of the first step
   first.page = at < k.t1 ? page_of<I>(env, indices, first.span.first_page, at, shift) : 0;
   // warps kG and kG + 1 append k and v in the sequence's last chunk, which may be a later chunk

@@ -12,6 +12,7 @@ import torch
 
 from mpk.ir.regions import full_rect
 from mpk.ops import OpSig, get_op
+from mpk.ops.paged import MIN_CHUNK
 
 
 def _run_whole(kind: str, inputs: list[torch.Tensor], out_dtype: torch.dtype, **attrs) -> torch.Tensor:
@@ -234,16 +235,24 @@ def _(qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache, q_norm, k
     return qkv.new_empty((qkv.shape[0], heads, kv_cache.shape[5]))
 
 
-MIN_CHUNK = 256  # positions: a task's 8 warps attend 64–128 per memory round trip
-
-
 def default_splits(batch: int, kv_heads: int, max_len: int, workers: int = 128) -> int:
-    """KV chunks per sequence: enough (b, kv head, chunk) tasks for one wave over ``workers``,
-    but no chunk shorter than ``MIN_CHUNK`` positions of the longest sequence. Splitting costs a
-    merge op, a stage as long as several of a task's round trips, and with one chunk there is
-    none (H200, position 64: 1 chunk without a merge against 5 with one: llama3.2-1b 1.242 →
-    1.235 ms, qwen3-1.7b 1.990 → 1.935, qwen3-8b 5.187 → 5.155)."""
-    return max(1, min(workers // max(1, batch * kv_heads), max_len // MIN_CHUNK))
+    """KV chunks per sequence, for a cache of ``max_len`` positions per sequence: enough
+    (b, kv head, chunk) tasks for one wave over ``workers`` with chunks of at least
+    2 · ``MIN_CHUNK`` positions of the capacity — or, where that leaves fewer, tasks for half the
+    workers with chunks of at least ``MIN_CHUNK`` that a sequence short of the capacity still
+    fills. At run time a shorter sequence uses fewer chunks (``mpk.ops.paged.chunk_bounds``).
+    Splitting costs a merge op, a stage as long as several of a task's round trips, and with one
+    chunk there is none (H200, position 64: 1 chunk without a merge against 5 with one:
+    llama3.2-1b 1.242 → 1.235 ms, qwen3-1.7b 1.990 → 1.935, qwen3-8b 5.187 → 5.155). Measured
+    on an H100 (session 48): at batch 1 and position 576 (capacity 640) 4 chunks instead of 2
+    made steps 1.5–4.4% faster; half the workers, not all, because shorter chunks on every
+    worker were slower (batch 1: llama3.2-1b +1.9% at position 576 with 16 chunks against 8,
+    +1.7% at 2048), but long chunks were not (batch 4, position 2048: 4 chunks against 2,
+    1.5–4.6% faster)."""
+    pairs = max(1, batch * kv_heads)
+    wave = min(workers // pairs, max_len // (2 * MIN_CHUNK))
+    half = min(workers // (2 * pairs), (max_len - 1) // MIN_CHUNK)
+    return max(1, wave, half)
 
 
 @torch.library.custom_op("mpk::paged_attention", mutates_args=())
@@ -251,7 +260,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Te
                     kv_last_page_len: torch.Tensor, layer: int, scale: float, num_splits: int) -> torch.Tensor:
     """Decode attention of q [B, H, D] (one new token per sequence) over layer ``layer`` of the
     paged cache; GQA when H is a multiple of the cache's kv heads. ``num_splits`` KV chunks per
-    sequence (0: chosen by the compiler) are attended separately and merged with ⊕."""
+    sequence at most (a sequence uses one per ``MIN_CHUNK`` positions; 0: chosen by the compiler)
+    are attended separately and merged with ⊕."""
     B, H, D = q.shape
     page_size, head_dim = check_paged(kv_cache, layer, B, kv_indptr, kv_indices, kv_last_page_len)
     KV = kv_cache.shape[3]

@@ -258,7 +258,8 @@ class DecoderLM(nn.Module):
     ``forward(tokens [B] int64, kv_cache, kv_indptr [B+1] int32, kv_indices [N] int32,
     kv_last_page_len [B] int32) -> logits [B, vocab]``; the page table must already count the
     token being decoded (``PagedKVCache.grow`` does that). ``num_splits``: KV chunks per
-    sequence for attention (0: the compiler picks).
+    sequence for attention, at most (a sequence uses one per 128 positions; 0: the compiler
+    picks).
     """
 
     def __init__(self, cfg: LLMConfig, dtype: torch.dtype = torch.bfloat16, device=None, max_len: int | None = None,

@@ -9,9 +9,10 @@ FlashInfer: sequence b owns pages ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` an
 counted: the caller grows the table before the step, ``rope_append`` writes the token's k/v at
 position ``len − 1`` and attention reads positions ``0 … len − 1``.
 
-Attention is split into KV chunks: tile (b, kv head, chunk c) of ``attn_partial`` covers
-positions ``[c·len/C, (c+1)·len/C)`` (balanced over the runtime length, so the task grid is
-static) for the ``G`` query heads of its kv head, and writes a partial state ``(O, LSE)``;
+Attention is split into KV chunks: tile (b, kv head, chunk c) of ``attn_partial`` covers the
+positions ``chunk_bounds`` gives it — the runtime length in balanced chunks of at least
+``MIN_CHUNK`` positions, at most C of them, the rest empty (the task grid is static, the length
+is not) — for the ``G`` query heads of its kv head, and writes a partial state ``(O, LSE)``;
 ``attn_merge`` combines the C states of each head with ⊕ (in a fixed order, so results are
 deterministic; the CUDA task uses the n-ary form, weights 2^(lse_c − max lse) / Σ, which is
 what folding with ⊕ computes). With one chunk per sequence (``attrs['final']``, chosen when
@@ -191,6 +192,22 @@ register(OpDef(
 # ``final`` (one chunk per sequence) O itself, [B, KV, G, D] in q's dtype: what attn_merge would
 # make of the one state (⊕ with the identity), bit for bit.
 
+MIN_CHUNK = 128  # positions: cuda/mpk_tasks/paged_attention.cuh's kMinChunk
+
+
+def chunk_bounds(n: int, c: int, C: int, rope: bool) -> tuple[int, int]:
+    """Cache positions [t0, t1) that chunk c of C reads from a sequence of length n: its m cache
+    positions (n, or n − 1 for ``rope_attn_partial``, whose last chunk's tile attends to the
+    token being decoded from the rows it rotated) in as many balanced chunks as keep each at
+    least ``MIN_CHUNK`` long, at most C (one when m is shorter); chunks past those are empty.
+    Fewer, longer chunks where a sequence is short: H100, position 576, batch 1, 4 chunks of
+    144 positions instead of 2 of 288: steps 1.5–4.4% faster; 16 of 36: up to 2% slower
+    (session 48)."""
+    m = max(0, n - int(rope))
+    used = min(C, max(1, m // MIN_CHUNK))
+    return (c * m // used, (c + 1) * m // used) if c < used else (m, m)
+
+
 def _chunks(sig: OpSig) -> tuple[bool, int, int]:
     """(final, C, G) of an attn_partial / rope_attn_partial signature."""
     final = bool(sig.attrs.get("final", False))
@@ -210,15 +227,18 @@ def _partial_cpu(sig: OpSig, rect, xs):
     q, cache, indptr, indices, last = xs
     a = sig.attrs
     final, C, G = _chunks(sig)
-    ps = a["page_size"]
+    ps, rope = a["page_size"], bool(a.get("rope", False))
     (b0, b1), (k0, k1) = rect[0], rect[1]
     lens = checked_lens(indptr, indices, last, ps, cache.shape[2])
     out = torch.empty(tuple(h - lo for lo, h in rect), dtype=torch.float32)
     for i, b in enumerate(range(b0, b1)):
         n = int(lens[b])
         for j, c in enumerate(range(1) if final else range(*rect[2])):
-            t0, t1 = c * n // C, (c + 1) * n // C
-            page, slot = token_slots(indptr, indices, b, torch.arange(t0, t1), ps)
+            t0, t1 = chunk_bounds(n, c, C, rope)
+            positions = torch.arange(t0, t1)
+            if rope and c == C - 1 and n > 0:  # the token being decoded: appended by this tile
+                positions = torch.cat([positions, torch.tensor([n - 1])])
+            page, slot = token_slots(indptr, indices, b, positions, ps)
             # the tile's kv heads at once: k, v [kv heads, n, D], q [kv heads, G, D]
             kk = cache[0, 0, page, k0:k1, slot].transpose(0, 1).float()
             vv = cache[0, 1, page, k0:k1, slot].transpose(0, 1).float()
@@ -262,7 +282,8 @@ def _rope_attn_cpu(sig: OpSig, rect, xs):
     last_chunk = final or rect[2][1] == C
     q = _rope_rows(a, xs[0].dtype, (b0, b1), (k0 * G, k1 * G), xs, append=last_chunk)  # q rounds as qkv does
     indptr, indices, last, cache = xs[2:6]
-    psig = OpSig((), sig.out_shape, sig.out_dtype, {"page_size": a["page_size"], "scale": a["scale"], "final": final})
+    psig = OpSig((), sig.out_shape, sig.out_dtype,
+                 {"page_size": a["page_size"], "scale": a["scale"], "final": final, "rope": True})
     return _partial_cpu(psig, rect, [q, cache, indptr, indices, last])
 
 
