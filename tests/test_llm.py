@@ -514,7 +514,10 @@ def test_decode_example_takes_text_through_the_checkpoint_tokenizer(tmp_path, ca
     inner.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", eos_token="</s>")
     cfg = small("llama")
-    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()))
+    # the checkpoint's generation_config.json names the tokenizer's end-of-sequence id (Llama's
+    # default, 2, is a word here: a draw that generated it stopped there, as it should)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**cfg.to_hf(), eos_token_id=vocab["</s>"]))
     hf.save_pretrained(tmp_path, safe_serialization=True)
     tok.save_pretrained(tmp_path)
     module = _decode_example()
