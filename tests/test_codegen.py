@@ -84,6 +84,34 @@ def test_long_attention_chunks_reserve_a_second_slot():
     assert dynamic_smem_bytes(short) < ATTN_SECOND_SLOT_BYTES == dynamic_smem_bytes(long)
 
 
+def test_a_short_sequence_in_few_chunks_counts_its_longest_chunk():
+    """A sequence that uses fewer chunks than its op has (mpk.ops.paged.chunk_bounds) walks one
+    chunk of up to 2 · MIN_CHUNK − 1 positions: attention_steps counts that chunk, not the
+    capacity over the chunks, so a cache of short rows (fp32, d = 128: 4 positions a step)
+    reserves the second K/V slots (the capacity's 4 chunks of ~80 positions would count 3 steps)."""
+    from helpers import random_page_table
+    from mpk.backend import COMPILED
+    from mpk.frontend.fused_ops import paged_attention
+    from mpk.megakernel.codegen import (ATTN_SECOND_SLOT_BYTES, ATTN_SECOND_SLOT_MIN_STEPS, attention_steps,
+                                        dynamic_smem_bytes)
+
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    _, indptr, indices, last, num_pages = random_page_table([300], 16, g, spare=0)
+    cache = torch.randn(1, 2, num_pages, 4, 16, 128, generator=g)
+    q = torch.randn(1, 8, 128, generator=g)
+
+    def attend(q, cache, indptr, indices, last):
+        return paged_attention(q, cache, indptr, indices, last, 0, 0.1, 4)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(attend, backend="mpk", dynamic=False, options={"executor": "cpu"})(q, cache, indptr, indices, last)
+    tables = COMPILED[-1].tables
+    attn = next(i for i in range(len(tables.ops)) if tables.meta["ops"][i]["kind"] == "attn_partial")
+    assert attention_steps(tables, attn) == -(-255 // 32) >= ATTN_SECOND_SLOT_MIN_STEPS
+    assert dynamic_smem_bytes(tables) == ATTN_SECOND_SLOT_BYTES
+
+
 def _compiled_decode_tables(family: str, dtype: torch.dtype = torch.bfloat16, batch: int = 2, hidden: int = 128,
                             inter: int = 256, heads: int = 4, **options):
     """A small DecoderLM decode step through torch.compile (Dynamo, as users compile it:

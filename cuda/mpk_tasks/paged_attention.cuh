@@ -464,7 +464,7 @@ using AttnStates = std::conditional_t<sizeof(T) == 2 && kG <= 8 && kPer <= 4, Mm
 // task's warp count is a constant (kAttnWarps): divisions by it are shifts, and the combine's
 // loops over the warps unroll.
 constexpr int kAttnWarps = kThreadsPerTask / 32;
-constexpr long long kMinChunk = 128;  // mpk.frontend.fused_ops.MIN_CHUNK
+constexpr long long kMinChunk = 128;  // mpk.ops.paged.MIN_CHUNK
 struct ChunkSplit {
   long long t1, base;
   int ku;

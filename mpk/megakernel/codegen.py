@@ -18,6 +18,7 @@ import torch
 from mpk.compiler.tables import DTYPE_CODE, DTYPES, MAX_DIMS, ROLE_INPUT, Tables
 from mpk.errors import CompileError, PerformanceWarning
 from mpk.ops.linalg import NORM_TILE_BYTES, STATS_SMEM_FLOATS
+from mpk.ops.paged import MIN_CHUNK
 from mpk.ops.pointwise import POINTWISE_FNS
 from mpk.ops.rows import LONG_ROW, REDUCE_FNS
 
@@ -213,8 +214,9 @@ ATTN_CACHE_INPUT = {"attn_partial": 1, "rope_attn_partial": 5}  # which input is
 
 def attention_steps(tables: Tables, op: int) -> int:
     """The most K/V steps one warp of paged attention op ``op`` may take in a chunk: its page
-    table's slots per sequence (kv_indices / batch, in positions) split into the op's chunks,
-    over the task's 8 warps of 2 KiB-row steps."""
+    table's slots per sequence (kv_indices / batch, in positions) split into the op's chunks —
+    or, for a sequence that uses fewer (``mpk.ops.paged.chunk_bounds``), one chunk of up to
+    2 · MIN_CHUNK − 1 positions — over the task's 8 warps of 2 KiB-row steps."""
     o, meta = tables.ops[op], tables.meta["ops"][op]
     views = _op_views(tables, op)
     cache, indices = views[ATTN_CACHE_INPUT[meta["kind"]]], views[3]
@@ -224,7 +226,8 @@ def attention_steps(tables: Tables, op: int) -> int:
     step = 2048 // (dim * DTYPES[int(tables.buffers[int(cache["buffer"])]["dtype"])].itemsize)  # kAttnStep
     slots = math.prod(int(n) for n in indices["shape"][: int(indices["ndim"])])
     positions = slots // max(1, int(out[0])) * page_size
-    return -(-positions // (chunks * 8 * step))
+    longest = max(-(-positions // chunks), min(positions, 2 * MIN_CHUNK - 1))
+    return -(-longest // (8 * step))
 
 
 def dynamic_smem_bytes(tables: Tables) -> int:
