@@ -92,6 +92,14 @@ def test_chunks_cover_each_position_once_and_none_is_short(rope):
             assert len(used) == (min(C, max(1, m // MIN_CHUNK)) if m else 0), (n, C, used)
 
 
+def test_cuda_chunks_use_the_python_chunk_length():
+    """split_chunk (CUDA) and chunk_bounds (Python, the interpreter's) split by one minimum
+    chunk length: the header's kMinChunk is MIN_CHUNK."""
+    header = (Path(__file__).resolve().parents[1] / "cuda" / "mpk_tasks" / "paged_attention.cuh").read_text()
+    found = re.findall(r"constexpr long long kMinChunk = (\d+);", header)
+    assert found == [str(MIN_CHUNK)], found
+
+
 def test_default_chunk_counts():
     """default_splits: one chunk (no merge op) for a cache under 2 · MIN_CHUNK positions; a
     wave of tasks with chunks of 2 · MIN_CHUNK; half a wave with chunks of MIN_CHUNK where
