@@ -75,7 +75,7 @@ def compile_fx(gm: GraphModule, opts: CompileOptions, param_flags: list[bool] | 
     fuse_patterns(gm, opts.optional_fusions(), opts.num_workers)
     failures = find_unsupported(gm, opts.fuse_rope_attention)
     if not failures:
-        graph = lower(gm, param_flags, input_names, opts.fuse_rope_attention)
+        graph = lower(gm, param_flags, input_names, opts.fuse_rope_attention, opts.num_workers)
         compiled = compile_graph(graph, opts.num_workers, opts.partition,
                                  {"executor": opts.executor})
         COMPILED.append(compiled)

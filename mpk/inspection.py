@@ -55,7 +55,8 @@ def compile_module(model: torch.nn.Module, args: Sequence[Any],
     failures = find_unsupported(gm, opts.fuse_rope_attention)
     if failures:
         raise UnsupportedOpError(unsupported_report(failures) + "\nmpk inspect needs the whole graph lowered.")
-    compiled = compile_graph(lower(gm, flags, names, opts.fuse_rope_attention), opts.num_workers, opts.partition)
+    compiled = compile_graph(lower(gm, flags, names, opts.fuse_rope_attention, opts.num_workers), opts.num_workers,
+                             opts.partition)
     if opts.debug_dir:
         dump(compiled, opts.debug_dir)
     return compiled

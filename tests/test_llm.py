@@ -117,6 +117,35 @@ def test_default_chunk_counts():
         assert batch * kv * C <= 128 and (C == 1 or (cap - 1) // C >= MIN_CHUNK), (batch, kv, cap, C)
 
 
+@pytest.mark.parametrize("workers", [128, 4, 2])
+def test_default_chunk_count_follows_the_compile_workers(workers):
+    """The chunk count the compiler picks (num_splits 0) is sized to the compile's num_workers
+    (it once assumed 128 whatever the option said): batch 1, 2 kv heads, a 640-position cache
+    gives 4 chunks on 128 workers, 2 on 4, 1 (no merge op) on 2; the step still matches eager."""
+    from mpk.frontend.fused_ops import default_splits
+
+    cfg = small("qwen3", max_position=1024)
+    model = DecoderLM(cfg, torch.float32, num_splits=0).randomize(seed=random.randrange(1 << 30))
+    step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
+                         options={"executor": "cpu", "num_workers": workers})
+    eager_kv, mpk_kv = PagedKVCache(model, 1, 640, 16), PagedKVCache(model, 1, 640, 16)
+    tokens = torch.randint(0, cfg.vocab, (1,))
+    length = 300 + random.randrange(200)  # the chunks a sequence fills: up to (length − 1) // 128
+    with torch.no_grad():
+        eager_kv.cache.copy_(torch.randn_like(eager_kv.cache))  # earlier positions: fresh random K/V
+        mpk_kv.cache.copy_(eager_kv.cache)
+        eager_kv.grow(length)
+        mpk_kv.grow(length)
+        assert relative_error(step(tokens, *mpk_kv.args()), model(tokens, *eager_kv.args())) <= 1e-5
+    expected = {128: 4, 4: 2, 2: 1}[workers]
+    assert default_splits(1, cfg.kv_heads, 640, workers) == expected
+    graph = COMPILED[-1].graph
+    partial = next(op for op in graph.ops if op.kind in ("rope_attn_partial", "attn_partial"))
+    shape = graph.buffers[partial.output].shape
+    assert (shape[2] if len(shape) == 5 else 1) == expected, shape
+    assert sum(op.kind == "attn_merge" for op in graph.ops) == (cfg.layers if expected > 1 else 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_single_chunk_attention_writes_what_the_merge_would(dtype):
     """With one chunk per sequence attn_partial writes O itself ('final', no merge op): equal

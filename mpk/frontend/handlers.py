@@ -489,7 +489,7 @@ def _paged_attention(L, node, q, kv_cache, kv_indptr, kv_indices, kv_last_page_l
         L.appended_q[(rope.inputs[5].buffer, layer)] = q.buffer
     if H % KV or D != head_dim:
         raise Unsupported(f"q {q.shape} over a cache of {KV} kv heads of dim {head_dim}")
-    C = num_splits or default_splits(B, KV, kv_indices.shape[0] * page_size // max(1, B))
+    C = num_splits or default_splits(B, KV, kv_indices.shape[0] * page_size // max(1, B), L.num_workers)
     attrs = dict(layer=layer, scale=float(scale), page_size=page_size)
     # The cache is written in place by rope_append, invisibly to the dependency analysis; what
     # orders attention after the append is reading the q that same rope_append wrote (the tile

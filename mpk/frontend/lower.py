@@ -72,8 +72,10 @@ class Lowering:
     their outputs become opaque inputs, so one pass finds every unsupported node."""
 
     def __init__(self, gm: GraphModule, param_flags: list[bool] | None = None,
-                 input_names: list[str] | None = None, probe: bool = False, fuse_rope_attention: bool = True):
+                 input_names: list[str] | None = None, probe: bool = False, fuse_rope_attention: bool = True,
+                 num_workers: int = 128):
         self.gm, self.probe, self.fuse_rope_attention = gm, probe, fuse_rope_attention
+        self.num_workers = num_workers  # what op choices sized to one wave of tasks count on
         self.param_flags, self.input_names = param_flags, input_names
         self.graph = OpGraph()
         self.env: dict[Node, Any] = {}
@@ -250,11 +252,14 @@ def _flat(args, kwargs) -> list:
 
 
 def lower(gm: GraphModule, param_flags: list[bool] | None = None,
-          input_names: list[str] | None = None, fuse_rope_attention: bool = True) -> OpGraph:
+          input_names: list[str] | None = None, fuse_rope_attention: bool = True,
+          num_workers: int = 128) -> OpGraph:
     """Lower a fully supported FX graph; raises ``UnsupportedOpError`` on the first bad node.
     ``fuse_rope_attention``: a rope_append whose q only paged attention reads becomes part of
-    the attention op (rope_attn_partial)."""
-    return Lowering(gm, param_flags, input_names, fuse_rope_attention=fuse_rope_attention).run()
+    the attention op (rope_attn_partial). ``num_workers``: the workers the graph will run on
+    (paged attention's default KV chunk count is sized to them)."""
+    return Lowering(gm, param_flags, input_names, fuse_rope_attention=fuse_rope_attention,
+                    num_workers=num_workers).run()
 
 
 def find_unsupported(gm: GraphModule, fuse_rope_attention: bool = True) -> list[tuple[Node, str]]:
