@@ -23,6 +23,7 @@ import torch
 
 from mpk.errors import MpkError
 from mpk.models.llm import SHAPES
+from mpk.ops.paged import PAGE_SIZES, is_page_size
 
 
 def _preset_decoder(config_name: str, decode: bool, meta: bool) -> Callable[[argparse.Namespace], tuple]:
@@ -148,10 +149,10 @@ def count(least: int = 1) -> Callable[[str], int]:
 
 
 def page_size(text: str) -> int:
-    """An argparse type: a KV-cache page size, a power of two in 1…256."""
+    """An argparse type: a KV-cache page size (``mpk.ops.paged.PAGE_SIZES``)."""
     value = count(1)(text)
-    if value & (value - 1) or value > 256:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a power of two in 1…256")
+    if not is_page_size(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {PAGE_SIZES}")
     return value
 
 

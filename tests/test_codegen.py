@@ -596,7 +596,7 @@ def test_broken_nvcc_and_unusable_cache_are_build_errors(tmp_path, monkeypatch):
         build.nvcc_version.cache_clear()
     monkeypatch.undo()
     if build.nvcc_path() is None:
-        return
+        pytest.skip("no nvcc: the cache-directory half needs a real compiler")
     (tmp_path / "afile").write_text("")
     monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path / "afile"))
     with pytest.raises(build.BuildError, match=r"the cubin cache .*afile \(\$MPK_CACHE_DIR.*is not a writable directory"):

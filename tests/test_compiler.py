@@ -74,6 +74,19 @@ def test_partition_overrides_by_name_and_kind():
     assert relative_error(out, _chain(*args)) <= 1e-5
 
 
+def test_interpreter_names_a_bad_argument():
+    """An argument of the wrong shape, dtype or type is refused with its index, name, what it
+    is and what the graph expects."""
+    args = _chain_args()
+    interp = Interpreter(compile_with(trace_graph(_chain, args)).tables)
+    x = args[0]
+    bad_shape = torch.randn(x.shape[0] + 1, *x.shape[1:])
+    for bad, got in [(bad_shape, re.escape(f"{tuple(bad_shape.shape)} {x.dtype}")), (x.double(), re.escape(f"{tuple(x.shape)} torch.float64")),
+                     (3, "int")]:
+        with pytest.raises(ValueError, match=rf"argument 0 \(.+\) is {got}.*, expected {re.escape(str(tuple(x.shape)))}"):
+            interp.run([bad, *args[1:]])
+
+
 @pytest.mark.parametrize("partition,message", [
     ({"softmax": [2, 2]}, "dim 1 cannot be split"),
     ({"softmax": [2]}, "has 1 entries; its output"),
@@ -290,7 +303,7 @@ def test_deadlock_is_reported_with_task_and_event_ids():
     t = compiled.tables
     # the end event expects one more arrival than there are triggering tasks: never fires
     t.events["num_triggers"][t.end_event] += 1
-    with pytest.raises(Exception):
+    with pytest.raises(CompileError, match=rf"event {t.end_event} expects \d+ triggers, \d+ tasks trigger it"):
         validate(t)
     interp = Interpreter(t, validate_tables=False)  # exercise the runtime's own report
     with pytest.raises(DeadlockError, match=r"end event \d+ has \d+ of \d+ arrivals"):

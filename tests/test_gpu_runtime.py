@@ -160,6 +160,8 @@ def test_watchdog_reports_a_never_firing_event_and_process_stays_usable():
     assert "did not finish within 2.0 s" in msg
     assert f"waits on event {waited}" in msg and "arrivals" in msg
     assert f"event {waited}: counter" in msg and "stay usable" in msg
+    # every worker accounted for: stuck, idle, or named by its state
+    assert re.search(r"\d+ worker\(s\) idle with no AOT work left; others: (none|\d+ (starting|exited|aborted))", msg)
     # the process and its CUDA context still work
     good = stamp_graph(preds, 2)
     ex2 = _gpu(good)
@@ -267,6 +269,8 @@ def test_rebinding_follows_new_moved_and_strided_arguments():
     check(x, w)
     with pytest.raises(ValueError, match=r"is \(4, 9\)"):
         ex.run([torch.randn(4, 9, device=DEV), w])
+    with pytest.raises(ValueError, match=r"argument 1 \(.*\) is int, expected \(8, 8\)"):  # not a tensor
+        ex.run([x, 3])
 
 
 def test_compiled_step_follows_parameters_moved_or_relaid_between_calls():

@@ -215,8 +215,20 @@ def view_of(flat: torch.Tensor, shape, strides, offset: int) -> torch.Tensor:
     return flat.as_strided(shape, strides, flat.storage_offset() + offset)
 
 
-def dummy_count(tables: Tables) -> int:
-    return int((tables.tasks["op"] == DUMMY).sum())
+def buffer_layouts(tables: Tables) -> tuple[list[tuple[int, ...]], list[torch.dtype]]:
+    """Every buffer's shape and dtype, in buffer order."""
+    return ([tuple(int(s) for s in b["shape"][: b["ndim"]]) for b in tables.buffers],
+            [DTYPES[b["dtype"]] for b in tables.buffers])
+
+
+def check_argument(tables: Tables, buffer: int, arg: object, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Raise ValueError naming the argument bound to input ``buffer`` unless it is a tensor of
+    ``shape`` and ``dtype``."""
+    if isinstance(arg, torch.Tensor) and tuple(arg.shape) == shape and arg.dtype == dtype:
+        return
+    got = f"{tuple(arg.shape)} {arg.dtype}" if isinstance(arg, torch.Tensor) else type(arg).__name__
+    raise ValueError(f"argument {int(tables.buffers[buffer]['input_index'])} "
+                     f"({tables.meta['buffers'][buffer]['name']}) is {got}, expected {shape} {dtype}")
 
 
 def validate(tables: Tables) -> None:
@@ -255,7 +267,8 @@ def validate(tables: Tables) -> None:
             raise CompileError(f"task {t} triggers event {trig}, which launches tasks from "
                                f"{int(events[trig]['first_task'])}: not after the task (order not topological)")
     if int(events[end]["first_task"]) != n:
-        raise CompileError(f"end event {end} must launch nothing at the end of the task list")
+        raise CompileError(f"end event {end} launches from task {int(events[end]['first_task'])}; expected "
+                           f"nothing: its range must start at the end of the task list ({n})")
     firsts = events["first_task"].astype(np.int64)
     if len(firsts) > 1 and (np.diff(firsts) < 0).any():
         e = int(np.nonzero(np.diff(firsts) < 0)[0][0]) + 1

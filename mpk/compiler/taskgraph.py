@@ -64,6 +64,3 @@ class TaskGraph:
     def num_tasks(self) -> int:
         return len(self.task_op)
 
-    @property
-    def num_real_tasks(self) -> int:
-        return sum(t.num_tasks for t in self.tiles)

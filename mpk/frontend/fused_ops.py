@@ -12,7 +12,7 @@ import torch
 
 from mpk.ir.regions import full_rect
 from mpk.ops import OpSig, get_op
-from mpk.ops.paged import MIN_CHUNK
+from mpk.ops.paged import MIN_CHUNK, PAGE_SIZES, is_page_size
 
 
 def _run_whole(kind: str, inputs: list[torch.Tensor], out_dtype: torch.dtype, **attrs) -> torch.Tensor:
@@ -26,18 +26,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
              compute_dtype: torch.dtype, norm_dtype: torch.dtype) -> torch.Tensor:
     """RMSNorm as Llama/Qwen write it: normalise in ``compute_dtype``, cast to ``norm_dtype``, scale."""
     inputs = [x] + ([weight] if weight is not None else [])
-    return _run_whole("rms_norm", inputs, rms_norm_out_dtype(x, weight, norm_dtype), eps=eps,
+    return _run_whole("rms_norm", inputs, rms_norm_out_dtype(weight, norm_dtype), eps=eps,
                       has_weight=weight is not None, compute_dtype=str(compute_dtype)[6:],
                       norm_dtype=str(norm_dtype)[6:])
 
 
-def rms_norm_out_dtype(x: torch.Tensor, weight: torch.Tensor | None, norm_dtype: torch.dtype) -> torch.dtype:
+def rms_norm_out_dtype(weight: torch.Tensor | None, norm_dtype: torch.dtype) -> torch.dtype:
     return norm_dtype if weight is None else torch.promote_types(norm_dtype, weight.dtype)
 
 
 @rms_norm.register_fake
 def _(x, weight, eps, compute_dtype, norm_dtype):
-    return x.new_empty(x.shape, dtype=rms_norm_out_dtype(x, weight, norm_dtype))
+    return x.new_empty(x.shape, dtype=rms_norm_out_dtype(weight, norm_dtype))
 
 
 @torch.library.custom_op("mpk::rms_norm_mm", mutates_args=())
@@ -47,7 +47,7 @@ def rms_norm_mm(x: torch.Tensor, weight: torch.Tensor, eps: float, compute_dtype
     ``mm_silu_mul``): a projection with its RMSNorm fused, with the unfused pair's roundings
     (mpk.ops.linalg's rms_matmul defines it). Each task normalises its rows of x on chip; the
     normalised activations never reach memory."""
-    out_dtype = rms_norm_out_dtype(x, weight, norm_dtype)
+    out_dtype = rms_norm_out_dtype(weight, norm_dtype)
     M, N = x.shape[0], b.shape[1] // 2 if silu else b.shape[1]
     sig = OpSig((tuple(x.shape), tuple(b.shape), tuple(weight.shape)), (M, N), out_dtype,
                 {"eps": eps, "compute_dtype": str(compute_dtype)[6:], "norm_dtype": str(norm_dtype)[6:], "silu": silu})
@@ -57,7 +57,7 @@ def rms_norm_mm(x: torch.Tensor, weight: torch.Tensor, eps: float, compute_dtype
 @rms_norm_mm.register_fake
 def _(x, weight, eps, compute_dtype, norm_dtype, b, silu=False):
     return x.new_empty((x.shape[0], b.shape[1] // 2 if silu else b.shape[1]),
-                       dtype=rms_norm_out_dtype(x, weight, norm_dtype))
+                       dtype=rms_norm_out_dtype(weight, norm_dtype))
 
 
 def _norm_stats_sig(a, b, r, g, group: int) -> OpSig:
@@ -179,8 +179,8 @@ def check_paged(kv_cache, layer: int, batch: int, kv_indptr, kv_indices, kv_last
     a ValueError names the bad one. The table's entries are checked where they are read
     (``mpk.ops.paged.checked_lens``)."""
     page_size, head_dim = _cache_dims(kv_cache)
-    if page_size & (page_size - 1) or not 1 <= page_size <= 256:
-        raise ValueError(f"page_size {page_size}; expected a power of two in 1…256")
+    if not is_page_size(page_size):
+        raise ValueError(f"page_size {page_size}; expected {PAGE_SIZES}")
     if not 0 <= layer < kv_cache.shape[0]:
         raise ValueError(f"layer {layer}; the cache has layers 0…{kv_cache.shape[0] - 1}")
     if kv_cache.shape[2] < 1:  # the tasks read page 0 in place of a page id outside the cache
@@ -206,6 +206,19 @@ def rope_append_attrs(qkv, kv_cache, kv_indptr, kv_indices, kv_last_page_len, q_
         raise ValueError("q_norm and k_norm: expected both (per-head qk-norm) or neither")
     return dict(layer=layer, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
                 eps=eps, qk_norm=q_norm is not None)
+
+
+def paged_attention_dims(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, layer: int,
+                         num_splits: int) -> tuple[int, int, int]:
+    """(page_size, head_dim, kv_heads) of a paged attention, after checking its cache, page
+    table, q [B, H, D] (anything with ``.shape``) and ``num_splits``; a ValueError names the bad one."""
+    page_size, head_dim = check_paged(kv_cache, layer, q.shape[0], kv_indptr, kv_indices, kv_last_page_len)
+    KV = kv_cache.shape[3]
+    if len(q.shape) != 3 or q.shape[1] % KV or q.shape[2] != head_dim:
+        raise ValueError(f"q is {tuple(q.shape)}; expected [B, a multiple of kv_heads {KV}, head_dim {head_dim}]")
+    if num_splits < 0:
+        raise ValueError(f"num_splits {num_splits}; expected ≥ 0 (0: the compiler picks)")
+    return page_size, head_dim, KV
 
 
 @torch.library.custom_op("mpk::rope_append", mutates_args=("kv_cache",))
@@ -262,13 +275,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Te
     paged cache; GQA when H is a multiple of the cache's kv heads. ``num_splits`` KV chunks per
     sequence at most (a sequence uses one per ``MIN_CHUNK`` positions; 0: chosen by the compiler)
     are attended separately and merged with ⊕."""
+    page_size, _, KV = paged_attention_dims(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, layer, num_splits)
     B, H, D = q.shape
-    page_size, head_dim = check_paged(kv_cache, layer, B, kv_indptr, kv_indices, kv_last_page_len)
-    KV = kv_cache.shape[3]
-    if H % KV or D != head_dim:
-        raise ValueError(f"q is {tuple(q.shape)}; expected [B, a multiple of kv_heads {KV}, head_dim {head_dim}]")
-    if num_splits < 0:
-        raise ValueError(f"num_splits {num_splits}; expected ≥ 0 (0: the compiler picks)")
     C = max(1, num_splits)
     attrs = dict(layer=layer, scale=scale, page_size=page_size)
     tables = [t.cpu() for t in (kv_indptr, kv_indices, kv_last_page_len)]

@@ -335,7 +335,7 @@ def _attention(L, q: View, k: View, v: View, mask, dropout, causal, scale):
     if dropout:
         raise Unsupported(f"dropout_p={dropout} (inference only: expected 0)")
     if causal and mask is not None:
-        raise Unsupported("both attn_mask and is_causal")
+        raise Unsupported("both attn_mask and is_causal were given; expected one of them (or neither)")
     k, v = _strip_head_repeat(k), _strip_head_repeat(v)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise Unsupported(f"q/k/v of ranks {q.ndim}/{k.ndim}/{v.ndim}; expected [B, H, S, D] each")
@@ -389,7 +389,9 @@ def _whole_input(L, v: View, what: str) -> View:
     """The identity view of a graph input: ops that write the paged cache in place need the
     caller's tensor itself (a view of it, or an intermediate, would lose the writes)."""
     buf = L.graph.buffers[v.buffer]
-    if buf.role != "input" or v.steps:
+    if buf.role != "input":
+        raise Unsupported(f"{what} must be a graph input passed whole (got {buf.name!r}, computed inside the graph)")
+    if v.steps:
         raise Unsupported(f"{what} must be a graph input passed whole (got a view of {buf.name!r})")
     return v
 
@@ -472,23 +474,19 @@ def _auto_functionalized(L, node, op, **kwargs):
 
 @handles(mpk_ops.paged_attention.default)
 def _paged_attention(L, node, q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, layer, scale, num_splits):
-    from mpk.frontend.fused_ops import check_paged, default_splits
+    from mpk.frontend.fused_ops import default_splits, paged_attention_dims
 
-    B, H, D = q.shape
     try:
-        check_paged(kv_cache, layer, B, kv_indptr, kv_indices, kv_last_page_len)
+        page_size, _, KV = paged_attention_dims(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, layer,
+                                                num_splits)
     except ValueError as exc:
         raise Unsupported(str(exc)) from None
-    if num_splits < 0:
-        raise Unsupported(f"num_splits {num_splits}; expected ≥ 0 (0: the compiler picks)")
-    _, _, _, KV, page_size, head_dim = kv_cache.shape
+    B, H, D = q.shape
     cache = _whole_input(L, kv_cache, "kv_cache")
     if isinstance(q, DeferredRope) and tuple(q.inputs[2:6]) != (kv_indptr, kv_indices, kv_last_page_len, cache):
         rope = q  # other page tables or another cache than the append's: the two stay apart
         q = rope.emit(L)
         L.appended_q[(rope.inputs[5].buffer, layer)] = q.buffer
-    if H % KV or D != head_dim:
-        raise Unsupported(f"q {q.shape} over a cache of {KV} kv heads of dim {head_dim}")
     C = num_splits or default_splits(B, KV, kv_indices.shape[0] * page_size // max(1, B), L.num_workers)
     attrs = dict(layer=layer, scale=float(scale), page_size=page_size)
     # The cache is written in place by rope_append, invisibly to the dependency analysis; what

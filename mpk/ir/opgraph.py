@@ -75,16 +75,6 @@ class OpGraph:
     def inputs(self) -> list[Buffer]:
         return sorted((b for b in self.buffers if b.role == "input"), key=lambda b: b.input_index)
 
-    def producers(self) -> dict[int, Op]:
-        return {op.output: op for op in self.ops}
-
-    def consumers(self) -> dict[int, list[Op]]:
-        out: dict[int, list[Op]] = {}
-        for op in self.ops:
-            for v in op.inputs:
-                out.setdefault(v.buffer, []).append(op)
-        return out
-
     def describe(self) -> str:
         lines = [f"OpGraph: {len(self.buffers)} buffers, {len(self.ops)} ops"]
         for op in self.ops:

@@ -23,21 +23,8 @@ def full_rect(shape: tuple[int, ...]) -> Rect:
     return tuple((0, n) for n in shape)
 
 
-def rect_shape(rect: Rect) -> tuple[int, ...]:
-    return tuple(b - a for a, b in rect)
-
-
 def rect_numel(rect: Rect) -> int:
     return prod(b - a for a, b in rect)
-
-
-def is_empty(rect: Rect) -> bool:
-    return any(b <= a for a, b in rect)
-
-
-def intersect(r1: Rect, r2: Rect) -> Rect | None:
-    out = tuple((max(a1, a2), min(b1, b2)) for (a1, b1), (a2, b2) in zip(r1, r2, strict=True))
-    return None if is_empty(out) else out
 
 
 def bounding_box(rects: RectList) -> Rect:

@@ -149,10 +149,6 @@ class View:
     def ndim(self) -> int:
         return len(self.shape)
 
-    @property
-    def is_identity(self) -> bool:
-        return not self.steps
-
     def then(self, step: Step) -> "View":
         out = _step_out_shape(self.shape, step)
         if step[0] == "reshape" and out == self.shape:

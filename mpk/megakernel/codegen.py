@@ -361,7 +361,7 @@ def _check_contiguous(name: str, what: str, view, vec: int) -> None:
 _INDEX_CTYPES = {DTYPE_CODE[torch.int32]: "int", DTYPE_CODE[torch.int64]: "long long"}
 
 
-def _index_ctype(tables: Tables, op: int, name: str, views: list) -> str:
+def _index_ctype(tables: Tables, name: str, views: list) -> str:
     """The C++ type of a paged op's page table (kv_indptr, kv_indices, kv_last_page_len: one of
     int32 / int64, shared by the three), which its task reads without a per-element dtype switch."""
     codes = {int(tables.buffers[int(v["buffer"])]["dtype"]) for v in views}
@@ -387,7 +387,7 @@ def _paged_task(tables: Tables, op: int) -> str:
         for what, i in (("qkv", 0), ("cos_sin", 1), ("kv_cache", 5), ("q_norm", 6), ("k_norm", 7)):
             if i < len(views):
                 _check_contiguous(name, what, views[i], 1)
-        return f"mpk::rope_append_impl<{D // 32}, {ctype}, {_index_ctype(tables, op, name, views[2:5])}>"
+        return f"mpk::rope_append_impl<{D // 32}, {ctype}, {_index_ctype(tables, name, views[2:5])}>"
     if kind in ("attn_partial", "rope_attn_partial"):
         fused = kind == "rope_attn_partial"
         cache = views[ATTN_CACHE_INPUT[kind]]
@@ -406,7 +406,7 @@ def _paged_task(tables: Tables, op: int) -> str:
         for what, v in zip(("qkv", "cos_sin", "q_norm", "k_norm") if fused else ("q",), rope_views):
             _check_contiguous(name, what, v, 1 if fused else D // 32)
         _check_contiguous(name, "kv_cache", cache, 16 // DTYPE_SIZE[ctype])  # rows are copied in 16-byte pieces
-        index = _index_ctype(tables, op, name, views[2:5])
+        index = _index_ctype(tables, name, views[2:5])
         # the task reads its first sequence's page table before its gate opens (attn_partial in
         # paged_attention.cuh): a table the graph computes could still be in the making
         computed = [what for what, v in zip(("kv_indptr", "kv_indices", "kv_last_page_len"), views[2:5])
@@ -464,9 +464,10 @@ def _check_balanced(tables: Tables, op: int, name: str) -> None:
     for d in range(int(o["ndim"])):
         g, n = int(o["grid"][d]), int(shape[d])
         expect = [(i * n) // g for i in range(g + 1)]
-        if [int(b) for b in tables.bounds[pos: pos + g + 1]] != expect:
-            raise CompileError(f"op {name!r}: tile boundaries of dim {d} are not the balanced split the CUDA "
-                               f"tasks assume")
+        got = [int(b) for b in tables.bounds[pos: pos + g + 1]]
+        if got != expect:
+            raise CompileError(f"op {name!r}: tile boundaries of dim {d} are {got}; the CUDA tasks assume the "
+                               f"balanced split i·{n}//{g}: {expect}")
         pos += g + 1
 
 

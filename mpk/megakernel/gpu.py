@@ -15,13 +15,14 @@ import json
 import operator
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from mpk.compiler.tables import DTYPES, FLAG_JIT, ROLE_INPUT, Tables, validate, view_of
+from mpk.compiler.tables import FLAG_JIT, ROLE_INPUT, Tables, buffer_layouts, check_argument, validate, view_of
 from mpk.errors import BadInputError, ExecutorUnavailableError, MpkError
 from mpk.megakernel import cuda_driver as drv
 from mpk.megakernel.build import build_cubin
@@ -58,7 +59,10 @@ def _release_dropped() -> None:
 _KEYS = (torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.stride, operator.attrgetter("dtype"))
 
 
-STATES = {0: "starting", 1: "waiting for its AOT task", 2: "idle (no AOT work left)", 3: "exited", 4: "aborted"}
+# a worker's status word 0 (WorkerState in runtime/mpk_runtime/types.cuh)
+STATE_WAITING_AOT, STATE_IDLE = 1, 2
+STATES = {0: "starting", STATE_WAITING_AOT: "waiting for its AOT task", STATE_IDLE: "idle (no AOT work left)",
+          3: "exited", 4: "aborted"}
 
 
 class WatchdogTimeout(MpkError):
@@ -248,8 +252,7 @@ class GpuExecutor:
         self.profile_capacity = profile_capacity if profile else 0
         self.d_profile = torch.zeros(W * max(1, self.profile_capacity) * PROFILE_WORDS, **i64) if profile else None
         # buffers: intermediates allocated once; inputs bound per run
-        self.buf_shape = [tuple(int(s) for s in b["shape"][: b["ndim"]]) for b in t.buffers]
-        self.buf_dtype = [DTYPES[b["dtype"]] for b in t.buffers]
+        self.buf_shape, self.buf_dtype = buffer_layouts(t)
         self.buffers: list[torch.Tensor | None] = [
             None if b["role"] == ROLE_INPUT else torch.empty(self.buf_shape[i], dtype=self.buf_dtype[i], device=dev)
             for i, b in enumerate(t.buffers)]
@@ -327,9 +330,7 @@ class GpuExecutor:
         copies, bound = [], {}
         for b, i in self._input_plan:
             a = args[i]
-            if tuple(a.shape) != self.buf_shape[b] or a.dtype != self.buf_dtype[b]:
-                raise ValueError(f"argument {i} ({self.t.meta['buffers'][b]['name']}) is {tuple(a.shape)} {a.dtype}, "
-                                 f"expected {self.buf_shape[b]} {self.buf_dtype[b]}")
+            check_argument(self.t, b, a, self.buf_shape[b], self.buf_dtype[b])
             if a.device != self.device:
                 raise ValueError(f"argument {i} is on {a.device}; the kernel runs on {self.device}")
             c = a if a.is_contiguous() else a.detach().contiguous()
@@ -524,15 +525,17 @@ class GpuExecutor:
         waited: dict[int, list[int]] = {}
         for w in range(self.num_workers):
             st = status[w]
-            if st[0] == 1:  # waiting on an AOT task
+            if st[0] == STATE_WAITING_AOT:
                 task, e = int(st[1]), int(st[2])
                 waited.setdefault(e, []).append(w)
                 lines.append(f"  worker {w}: stuck before task {task} ({self._describe(task)}), AOT position "
                              f"{int(st[5])}, JIT queue head {int(st[6])}; waits on event {e} "
                              f"({int(st[3])}/{int(st[4])} arrivals)")
-        idle = sum(1 for w in range(self.num_workers) if status[w][0] == 2)
-        lines.append(f"  {idle} worker(s) idle with no AOT work left; "
-                     f"{self.num_workers - idle - sum(len(v) for v in waited.values())} other(s)")
+        idle = sum(1 for w in range(self.num_workers) if status[w][0] == STATE_IDLE)
+        others = Counter(STATES.get(int(status[w][0]), f"in unknown state {int(status[w][0])}")
+                         for w in range(self.num_workers) if status[w][0] not in (STATE_WAITING_AOT, STATE_IDLE))
+        lines.append(f"  {idle} worker(s) idle with no AOT work left; others: "
+                     + (", ".join(f"{n} {state}" for state, n in sorted(others.items())) or "none"))
         if counters is not None:
             lines.append("  unfired events with waiting workers (counters read from device memory after abort):")
             for e, ws in sorted(waited.items()):

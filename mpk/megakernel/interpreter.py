@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from mpk.compiler.tables import DTYPES, FLAG_JIT, ROLE_INPUT, Tables, validate, view_of
+from mpk.compiler.tables import FLAG_JIT, ROLE_INPUT, Tables, buffer_layouts, check_argument, validate, view_of
 from mpk.errors import DeadlockError, ExecutorUnavailableError, RaceError, ScheduleError
 from mpk.ir.regions import Rect, tile_rect
 from mpk.ops import OpDef, OpSig, op_by_type_id
@@ -54,8 +54,7 @@ class Interpreter:
             validate(tables)
         self.t, self.num_workers, self.check_races = tables, num_workers, check_races
         meta = tables.meta
-        self.buf_shape = [tuple(int(s) for s in b["shape"][: b["ndim"]]) for b in tables.buffers]
-        self.buf_dtype = [DTYPES[b["dtype"]] for b in tables.buffers]
+        self.buf_shape, self.buf_dtype = buffer_layouts(tables)
         self.views = [(int(v["buffer"]), tuple(int(s) for s in v["shape"][: v["ndim"]]),
                        tuple(int(s) for s in v["strides"][: v["ndim"]]), int(v["offset"])) for v in tables.views]
         self.ops: list[_Op] = []
@@ -82,11 +81,7 @@ class Interpreter:
         for b, rec in enumerate(self.t.buffers):
             if rec["role"] == ROLE_INPUT:
                 arg = args[int(rec["input_index"])]
-                if not isinstance(arg, torch.Tensor) or tuple(arg.shape) != self.buf_shape[b] \
-                        or arg.dtype != self.buf_dtype[b]:
-                    got = f"{tuple(arg.shape)} {arg.dtype}" if isinstance(arg, torch.Tensor) else type(arg).__name__
-                    raise ValueError(f"argument {int(rec['input_index'])} ({self.t.meta['buffers'][b]['name']}) is "
-                                     f"{got}, expected {self.buf_shape[b]} {self.buf_dtype[b]}")
+                check_argument(self.t, b, arg, self.buf_shape[b], self.buf_dtype[b])
                 if arg.device.type != "cpu":
                     raise ExecutorUnavailableError(f"the CPU interpreter got a tensor on {arg.device}; "
                                                    "move inputs to the CPU or use the gpu executor")

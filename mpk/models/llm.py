@@ -22,6 +22,7 @@ from torch import nn
 
 import mpk.frontend.fused_ops  # noqa: F401  (registers torch.ops.mpk.*)
 from mpk.errors import BadInputError, ConfigError, MpkError
+from mpk.ops.paged import PAGE_SIZES, is_page_size
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -465,8 +466,8 @@ class PagedKVCache:
     """
 
     def __init__(self, model: DecoderLM, batch: int, max_len: int, page_size: int):
-        if not _is_count(page_size, 1) or page_size & (page_size - 1) or page_size > 256:
-            raise ValueError(f"page_size {page_size!r}; expected a power of two in 1…256")
+        if not is_page_size(page_size):
+            raise ValueError(f"page_size {page_size!r}; expected {PAGE_SIZES}")
         if not (_is_count(batch, 1) and _is_count(max_len, 1)):
             raise ValueError(f"batch {batch!r}, max_len {max_len!r}; expected both ints ≥ 1")
         positions = model.cos_sin.shape[0]

@@ -35,6 +35,7 @@ import torch
 
 from mpk.errors import BadInputError
 from mpk.ops.registry import OpDef, OpSig, register
+from mpk.ops.rows import rotate_half
 
 LOG2E = 1.4426950408889634
 
@@ -167,11 +168,7 @@ def _rope_rows(a: dict, dtype: torch.dtype, rows, heads, xs, append: bool) -> to
                             "(PagedKVCache.grow(1) before each step) and stay within the model's max_len")
     cs = cos_sin[pos].float()
     cos, sin = torch.cat([cs[:, : D // 2]] * 2, -1)[:, None], torch.cat([cs[:, D // 2:]] * 2, -1)[:, None]
-
-    def rot(t):
-        return t * cos + torch.cat([-t[..., D // 2:], t[..., : D // 2]], -1) * sin
-
-    q, k = rot(q), rot(k)
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     for i, b in enumerate(range(b0, b1) if append else ()):
         page, slot = token_slots(indptr, indices, b, pos[i:i + 1], ps)
         cache[0, 0, page[0], kvs.start:kvs.stop, slot[0]] = k[i].to(cache.dtype)
@@ -193,6 +190,12 @@ register(OpDef(
 # make of the one state (⊕ with the identity), bit for bit.
 
 MIN_CHUNK = 128  # positions: cuda/mpk_tasks/paged_attention.cuh's kMinChunk
+PAGE_SIZES = "a power of two in 1…256"  # the page sizes the paged tasks take, as error messages say it
+
+
+def is_page_size(n: object) -> bool:
+    """Whether ``n`` is a page size the paged tasks take (``PAGE_SIZES``)."""
+    return isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 256 and not n & (n - 1)
 
 
 def chunk_bounds(n: int, c: int, C: int, rope: bool) -> tuple[int, int]:

@@ -91,11 +91,15 @@ register(OpDef(
 ))
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """cat(-x[half:], x[:half]) over the last dim: RoPE's rotation partner of each element."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
 def _rope_cpu(sig: OpSig, rect, xs):
     x, cos, sin = xs
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos + rotated * sin).to(sig.out_dtype)
+    return (x * cos + rotate_half(x) * sin).to(sig.out_dtype)
 
 
 register(OpDef(
