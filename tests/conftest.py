@@ -1,11 +1,45 @@
 import os
+import random
 import sys
 import warnings
+import zlib
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_configure(config):
+    # One base seed per run, in the environment so pytest-xdist's workers share it; each test
+    # seeds Python's and torch's global generators from it and its own id (below), so a failure's
+    # random draws replay with MPK_TEST_SEED=<the seed its report names>, in any order or worker.
+    os.environ.setdefault("MPK_TEST_SEED", str(random.SystemRandom().randrange(1 << 31)))
+
+
+def pytest_report_header(config):
+    return f"mpk test seed: MPK_TEST_SEED={os.environ['MPK_TEST_SEED']}"
+
+
+def _test_seed(nodeid: str) -> int:
+    return zlib.crc32(f"{os.environ['MPK_TEST_SEED']}:{nodeid}".encode())
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    seed = _test_seed(request.node.nodeid)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        report.sections.append(("mpk test seed", f"MPK_TEST_SEED={os.environ['MPK_TEST_SEED']} replays this test's "
+                                                 "random draws"))
 
 
 def pytest_collection_modifyitems(config, items):
