@@ -45,5 +45,24 @@ class BadInputError(MpkError, ValueError):
     at the next launch or wait; that launch's outputs are not valid."""
 
 
+# cuda/mpk_tasks/common.cuh's BadInputCode -> what the value was, what it had to be; the CPU
+# paths word the same faults the same way
+BAD_INPUTS = {1: ("token id", "the embedding table's {limit} rows [0, {limit})"),
+              2: ("decode position (the sequence's length − 1)",
+                  "the rope table's {limit} positions [0, {limit}): the page table must count the token being "
+                  "decoded (PagedKVCache.grow(1) before each step) and stay within the model's max_len"),
+              3: ("kv_indptr entry", "kv_indices' {limit} entries [0, {limit}], or below the entry before it "
+                  "(kv_indptr's offsets must not decrease)"),
+              4: ("kv_last_page_len", "1…{limit} (the page size) for a sequence with pages"),
+              5: ("kv_indices entry (a page id)", "the cache's {limit} pages [0, {limit})")}
+BAD_TOKEN, BAD_POSITION = 1, 2
+
+
+def bad_input_message(code: int, value: int, row: object, limit: int) -> str:
+    """'<what> <value> at row <row> is outside <what it had to be>' for a BadInputCode."""
+    what, expected = BAD_INPUTS.get(code, (f"value (code {code})", "the range its op takes ({limit})"))
+    return f"{what} {value} at row {row} is outside {expected.format(limit=limit)}"
+
+
 class PerformanceWarning(UserWarning):
     """mpk compiled the graph, but part of it runs a slow fallback (the warning says which and why)."""

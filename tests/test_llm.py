@@ -678,7 +678,9 @@ def test_paged_ops_refuse_bad_page_tables():
     with pytest.raises(ValueError, match="heads 6, kv_heads 4; expected kv_heads = the cache's 2"):
         torch.ops.mpk.rope_append(qkv, torch.randn(16, 64), indptr, indices, last, cache, None, None, 0, 6, 4, 1e-6)
     qkv = torch.randn(2, (4 + 2 * 2) * 64, generator=g)
-    with pytest.raises(BadInputError, match="decode position -1 of sequence 0 is outside the rope table"):
+    # worded as the GPU executor reports it (mpk.errors.BAD_INPUTS)
+    with pytest.raises(BadInputError, match=r"rope_append: decode position \(the sequence's length − 1\) -1 at row 0 "
+                                            r"is outside the rope table's 16 positions \[0, 16\)"):
         torch.ops.mpk.rope_append(qkv, torch.randn(16, 64), torch.tensor([0, 0, 3], dtype=torch.int32), indices, last,
                                   cache, None, None, 0, 4, 2, 1e-6)  # sequence 0 not grown: no pages
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from mpk.compiler.tables import FLAG_JIT, ROLE_INPUT, Tables, buffer_layouts, check_argument, validate, view_of
-from mpk.errors import BadInputError, ExecutorUnavailableError, MpkError
+from mpk.errors import BadInputError, ExecutorUnavailableError, MpkError, bad_input_message
 from mpk.megakernel import cuda_driver as drv
 from mpk.megakernel.build import build_cubin
 from mpk.megakernel.codegen import aligned_inputs, dynamic_smem_bytes, generate
@@ -33,15 +33,6 @@ PROFILE_WORDS = 5  # runtime/mpk_runtime/types.cuh: ProfileRecord, in 8-byte wor
 SCHED_WARPS_PER_CTA = 4
 SCHEDULER_CTAS = 4  # scheduler CTAs of a graph with JIT tasks, by default
 STATUS_WORDS = 8  # runtime/mpk_runtime/types.cuh: StatusWord
-# cuda/mpk_tasks/common.cuh: BadInputCode -> what the value was, what it had to be
-BAD_INPUT_CODES = {1: ("token id", "the embedding table's {limit} rows [0, {limit})"),
-                   2: ("decode position (the sequence's length − 1)",
-                       "the rope table's {limit} positions [0, {limit}): the page table must count the token being "
-                       "decoded (PagedKVCache.grow(1) before each step) and stay within the model's max_len"),
-                   3: ("kv_indptr entry", "kv_indices' {limit} entries [0, {limit}], or below the entry before it "
-                       "(kv_indptr's offsets must not decrease)"),
-                   4: ("kv_last_page_len", "1…{limit} (the page size) for a sequence with pages"),
-                   5: ("kv_indices entry (a page id)", "the cache's {limit} pages [0, {limit})")}
 MAX_WORKERS_PER_SCHEDULER = 136  # runtime/mpk_runtime/persistent.cuh: kMaxWorkersPerScheduler
 EVENT_HAS_JIT, EVENT_ALL_JIT, EVENT_LOCAL_JIT = 2, 4, 8
 # What executors dropped while their last launch ran still own (module, mapped status words,
@@ -442,11 +433,10 @@ class GpuExecutor:
         self.checked_epoch = epoch
         code, out_buffer = int(rec[1]), int(rec[2])
         row, value, limit = (int(x) for x in rec.view(np.int64)[2:5])
-        what, expected = BAD_INPUT_CODES.get(code, (f"value (code {code})", "the range its op takes ({limit})"))
         ops = [i for i, o in enumerate(self.t.ops) if int(o["output"]) == out_buffer]
         op = f"op {self.t.meta['ops'][ops[0]]['name']!r} ({self.t.meta['ops'][ops[0]]['kind']})" if ops else "an op"
         latest = "" if epoch == self.epoch else f" (launch {epoch} of {self.epoch} so far)"
-        raise BadInputError(f"{op}{latest}: {what} {value} at row {row} is outside {expected.format(limit=limit)}; "
+        raise BadInputError(f"{op}{latest}: {bad_input_message(code, value, row, limit)}; "
                             f"the launch skipped it, and its outputs are not valid")
 
     def outputs(self) -> list[Any]:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import mpk.frontend.fused_ops  # noqa: F401  (registers torch.ops.mpk.*)
-from mpk.errors import BadInputError, ConfigError, MpkError
+from mpk.errors import BAD_TOKEN, BadInputError, ConfigError, MpkError, bad_input_message
 from mpk.ops.paged import PAGE_SIZES, is_page_size
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -287,8 +287,7 @@ class DecoderLM(nn.Module):
             bad = torch.nonzero((tokens < 0) | (tokens >= self.cfg.vocab)).flatten()
             if len(bad):
                 row = int(bad[0])
-                raise BadInputError(f"token id {int(tokens[row])} at row {row} is outside the embedding table's "
-                                    f"{self.cfg.vocab} rows [0, {self.cfg.vocab})")
+                raise BadInputError(bad_input_message(BAD_TOKEN, int(tokens[row]), row, self.cfg.vocab))
         x = torch.nn.functional.embedding(tokens, self.embed)
         for layer in self.layers:
             x = layer(x, self.cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache, self.num_splits)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mpk.errors import BadInputError
+from mpk.errors import BAD_TOKEN, BadInputError, bad_input_message
 from mpk.ops.registry import OpDef, OpSig, broadcast_region, register
 
 
@@ -136,8 +136,7 @@ def _embedding_cpu(sig: OpSig, rect, xs):
     if len(bad):
         at = tuple(int(i) for i in bad[0])
         row = tuple(lo + i for (lo, _), i in zip(rect[:-1], at))
-        raise BadInputError(f"token id {int(ids[at])} at row {row[0] if len(row) == 1 else row} is outside the "
-                            f"embedding table's {w.shape[0]} rows [0, {w.shape[0]})")
+        raise BadInputError(bad_input_message(BAD_TOKEN, int(ids[at]), row[0] if len(row) == 1 else row, w.shape[0]))
     return F.embedding(ids, w).to(sig.out_dtype)
 
 

@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from mpk.errors import BadInputError
+from mpk.errors import BAD_POSITION, BadInputError, bad_input_message
 from mpk.ops.registry import OpDef, OpSig, register
 from mpk.ops.rows import rotate_half
 
@@ -162,10 +162,8 @@ def _rope_rows(a: dict, dtype: torch.dtype, rows, heads, xs, append: bool) -> to
     pos = checked_lens(indptr, indices, last, ps, cache.shape[2])[b0:b1] - 1
     bad = torch.nonzero((pos < 0) | (pos >= cos_sin.shape[0])).flatten()
     if len(bad):  # the GPU tasks report the same (BadInputCode kBadPosition)
-        b = b0 + int(bad[0])
-        raise BadInputError(f"rope_append: decode position {int(pos[bad[0]])} of sequence {b} is outside the rope "
-                            f"table's {cos_sin.shape[0]} positions: the page table must count the token being decoded "
-                            "(PagedKVCache.grow(1) before each step) and stay within the model's max_len")
+        raise BadInputError("rope_append: " + bad_input_message(BAD_POSITION, int(pos[bad[0]]), b0 + int(bad[0]),
+                                                                cos_sin.shape[0]))
     cs = cos_sin[pos].float()
     cos, sin = torch.cat([cs[:, : D // 2]] * 2, -1)[:, None], torch.cat([cs[:, D // 2:]] * 2, -1)[:, None]
     q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
