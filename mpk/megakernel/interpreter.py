@@ -18,6 +18,7 @@ reads an element no task has written yet in this iteration or writes one already
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -87,12 +88,9 @@ class Interpreter:
                                                    "move inputs to the CPU or use the gpu executor")
                 bufs[b] = arg.detach().contiguous().view(-1)
             else:
-                n = 1
-                for s in self.buf_shape[b]:
-                    n *= s
                 dtype = self.buf_dtype[b]
                 fill = float("nan") if dtype.is_floating_point else -1
-                bufs[b] = torch.full((n,), fill, dtype=dtype)
+                bufs[b] = torch.full((math.prod(self.buf_shape[b]),), fill, dtype=dtype)
         return bufs
 
     def _view(self, bufs, v: int) -> torch.Tensor:
@@ -103,10 +101,7 @@ class Interpreter:
         """Flat buffer index of every element of view ``v`` (for the race detector)."""
         if v not in self._index_cache:
             b, shape, strides, offset = self.views[v]
-            n = 1
-            for s in self.buf_shape[b]:
-                n *= s
-            self._index_cache[v] = torch.arange(n).as_strided(shape, strides, offset)
+            self._index_cache[v] = torch.arange(math.prod(self.buf_shape[b])).as_strided(shape, strides, offset)
         return self._index_cache[v]
 
     def _describe_task(self, tid: int) -> str:
