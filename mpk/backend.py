@@ -36,6 +36,14 @@ RUNNERS: weakref.WeakValueDictionary[int, Callable] = weakref.WeakValueDictionar
 def mpk_backend(gm: GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None):
     """Dynamo backend entry point (``torch.compile(model, backend="mpk", options={...})``)."""
     opts = CompileOptions.parse(options)
+    return trace_inference(gm, example_inputs, lambda fx_gm, flags, names: compile_fx(fx_gm, opts, flags, names))
+
+
+def trace_inference(gm: GraphModule, example_inputs: Sequence[Any],
+                    fw_compiler: Callable[[GraphModule, list[bool] | None, list[str] | None], Callable]) -> Callable:
+    """A Dynamo graph → the functionalized ATen graph mpk compiles: SDPA kept whole, AOTAutograd
+    (parameters lifted, inference only). ``fw_compiler(aten_gm, param_flags, input_names)``
+    compiles it (flags and names are None where AOTAutograd's inputs differ from Dynamo's)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in [*gm.parameters(), *example_inputs]
                                        if isinstance(t, torch.Tensor)):
         # refused here, not by the backward compiler below: AOTAutograd would first trace a
@@ -48,12 +56,12 @@ def mpk_backend(gm: GraphModule, example_inputs: Sequence[Any], options: Mapping
     names = lifted + [pretty_input_name(str(n.target)) for n in dynamo_inputs]
     flags = [True] * len(lifted) + [isinstance(x, torch.nn.Parameter) for x in example_inputs]
 
-    def fw_compiler(fx_gm: GraphModule, fw_inputs):
+    def fw(fx_gm: GraphModule, fw_inputs):
         n_in = sum(1 for n in fx_gm.graph.nodes if n.op == "placeholder")
         same = n_in == len(names)
-        return compile_fx(fx_gm, opts, flags if same else None, names if same else None)
+        return fw_compiler(fx_gm, flags if same else None, names if same else None)
 
-    return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=_no_training)
+    return aot_module_simplified(gm, example_inputs, fw_compiler=fw, bw_compiler=_no_training)
 
 
 def _no_training(gm, example_inputs):
@@ -69,19 +77,28 @@ def unsupported_report(failures) -> str:
     return "\n".join(lines)
 
 
+def compile_tables(gm: GraphModule, opts: CompileOptions, param_flags: list[bool] | None = None,
+                   input_names: list[str] | None = None) -> CompiledGraph | list:
+    """Pattern fusion, lowering and the compiler on one functionalized ATen graph: its
+    CompiledGraph, or the nodes that cannot lower as (node, reason) pairs."""
+    fuse_patterns(gm, opts.optional_fusions(), opts.num_workers)
+    failures = find_unsupported(gm, opts.fuse_rope_attention)
+    if failures:
+        return failures
+    graph = lower(gm, param_flags, input_names, opts.fuse_rope_attention, opts.num_workers)
+    return compile_graph(graph, opts.num_workers, opts.partition, {"executor": opts.executor})
+
+
 def compile_fx(gm: GraphModule, opts: CompileOptions, param_flags: list[bool] | None = None,
                input_names: list[str] | None = None) -> Callable:
     """Compile one functionalized ATen graph into a callable taking the graph's flat inputs."""
-    fuse_patterns(gm, opts.optional_fusions(), opts.num_workers)
-    failures = find_unsupported(gm, opts.fuse_rope_attention)
-    if not failures:
-        graph = lower(gm, param_flags, input_names, opts.fuse_rope_attention, opts.num_workers)
-        compiled = compile_graph(graph, opts.num_workers, opts.partition,
-                                 {"executor": opts.executor})
+    compiled = compile_tables(gm, opts, param_flags, input_names)
+    if isinstance(compiled, CompiledGraph):
         COMPILED.append(compiled)
         if opts.debug_dir:
             dump(compiled, opts.debug_dir, f"graph{len(COMPILED) - 1}")
         return make_runner(compiled, opts)
+    failures = compiled
     if opts.fallback == "error":
         raise UnsupportedOpError(unsupported_report(failures) +
                                  "\nPass options={'fallback': 'eager'} to run these parts in PyTorch.")

@@ -1,8 +1,8 @@
 """Inspection: compile a module without running it, report the task graph, write DOT/SVG/JSON.
 
-``compile_module(model, args)`` traces with ``torch.export`` (works on meta tensors, so
-models larger than host memory can be inspected) and runs the same frontend and compiler as
-the ``torch.compile`` backend.
+``compile_module(model, args)`` traces as the ``torch.compile`` backend does (Dynamo and
+AOTAutograd; works on meta tensors, so models larger than host memory can be inspected) and
+runs the same frontend and compiler on the same graph, without running it.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from mpk.compiler import CompiledGraph, compile_graph
+from mpk.compiler import CompiledGraph
 from mpk.compiler.tables import FLAG_BARRIER, FLAG_JIT
-from mpk.errors import OptionError, UnsupportedOpError
-from mpk.frontend import find_unsupported, fuse_patterns, lower
+from mpk.errors import MpkError, OptionError, UnsupportedOpError
 from mpk.options import CompileOptions
 
 
@@ -30,33 +29,58 @@ def pretty_input_name(name: str) -> str:
     return re.sub(r"_(modules|parameters|buffers)_", ".", name)
 
 
+class _Traced(Exception):
+    """Raised by compile_module's graph instead of running it."""
+
+
 def compile_module(model: torch.nn.Module, args: Sequence[Any],
                    options: Mapping[str, Any] | None = None) -> CompiledGraph:
-    """Trace ``model(*args)`` with torch.export and compile it to tables (nothing is executed).
-    ``options`` as for torch.compile; ``debug_dir`` dumps the graph there (``dump``). The whole
-    graph must lower: an unsupported op is an ``UnsupportedOpError`` listing every one, and
+    """Trace ``model(*args)`` as ``torch.compile(model, backend="mpk", fullgraph=True)`` does
+    and compile it to tables, running nothing: the graph the backend would run. ``options`` as
+    for torch.compile; ``debug_dir`` dumps the graph there (``dump``). The whole graph must
+    lower: an unsupported op is an ``UnsupportedOpError`` listing every one, and
     ``fallback='eager'`` (parts run in PyTorch) has nothing to run here and is refused."""
-    from mpk.backend import unsupported_report  # (backend imports this module)
+    from torch._dynamo.eval_frame import remove_from_cache
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from mpk.backend import compile_tables, trace_inference, unsupported_report  # (backend imports this module)
 
     opts = CompileOptions.parse(dict(options or {}, executor="cpu"))
     if opts.fallback != "error":
         raise OptionError(f"fallback={opts.fallback!r}: compile_module (mpk inspect) builds one graph to inspect "
                           "and runs nothing, so no part of it can fall back to PyTorch; expected 'error'")
-    with torch.no_grad():
-        ep = torch.export.export(model, tuple(args)).run_decompositions({})
-    gm = ep.graph_module
-    for node in list(gm.graph.nodes):  # export's dtype/shape guards: shapes are static here
-        if node.target is torch.ops.aten._assert_tensor_metadata.default:
-            gm.graph.erase_node(node)
-    specs = ep.graph_signature.input_specs
-    flags = [s.kind.name in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR") for s in specs]
-    names = [s.target if s.target else s.arg.name for s in specs]
-    fuse_patterns(gm, opts.optional_fusions(), opts.num_workers)
-    failures = find_unsupported(gm, opts.fuse_rope_attention)
-    if failures:
-        raise UnsupportedOpError(unsupported_report(failures) + "\nmpk inspect needs the whole graph lowered.")
-    compiled = compile_graph(lower(gm, flags, names, opts.fuse_rope_attention, opts.num_workers), opts.num_workers,
-                             opts.partition)
+    found: list[CompiledGraph] = []
+
+    def fw_compiler(gm, flags, names):
+        compiled = compile_tables(gm, opts, flags, names)
+        if not isinstance(compiled, CompiledGraph):
+            raise UnsupportedOpError(unsupported_report(compiled) + "\nmpk inspect needs the whole graph lowered.")
+        found.append(compiled)
+        return gm
+
+    def backend(gm, example_inputs):
+        trace_inference(gm, example_inputs, fw_compiler)
+
+        def stop(*_):
+            raise _Traced
+
+        return stop
+
+    # Dynamo's cache for model.forward is dropped before (a capture is never a cache hit) and
+    # after (nothing of this capture is left to match later calls), as torch._dynamo.export does.
+    remove_from_cache(model)
+    try:
+        with torch.no_grad():
+            torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(*args)
+    except _Traced:
+        pass
+    except BackendCompilerFailed as e:
+        if isinstance(e.inner_exception, MpkError):
+            raise e.inner_exception from None
+        raise
+    finally:
+        remove_from_cache(model)
+    compiled = found[0]
     if opts.debug_dir:
         dump(compiled, opts.debug_dir)
     return compiled

@@ -41,7 +41,7 @@ def test_inspect_paged_decode_preset(tmp_path, capsys):
     """The LLM decode step of a public shape on meta tensors: per layer one fused qkv
     projection, rope + split-KV attention in one op (rope_attn_partial) + merge (1024 positions:
     4 KV chunks per sequence), residual adds folded into the projections (no separate add op),
-    all AOT."""
+    the norms and SiLU·mul fused as the backend fuses them, all AOT."""
     assert main(["inspect", "qwen3-1.7b-paged", "--out", str(tmp_path), "--layers", "2", "--batch", "2",
                  "--cache-len", "1024"]) == 0
     out = capsys.readouterr().out
@@ -51,7 +51,13 @@ def test_inspect_paged_decode_preset(tmp_path, capsys):
     kinds = [op["kind"] for op in tables.meta["ops"]]
     assert kinds.count("rope_attn_partial") == kinds.count("attn_merge") == 2
     assert "rope_append" not in kinds and "attn_partial" not in kinds
-    assert kinds.count("matmul") == 2 * 4 + 1 and "pointwise" not in kinds
+    # batch 2 × hidden 2048: 8 KiB of activations, so every norm after a residual projection
+    # (each o and down projection's) is split between the projections around it
+    # (fuse_norm_stats "auto"), the first one, after the embedding, fused into the qkv
+    # projection; gate·up carries SiLU·mul
+    assert kinds.count("matmul_norm_stats") == kinds.count("norm_stats_matmul") == 2 * 2
+    assert kinds.count("rms_matmul") == 1 and "matmul" not in kinds and "pointwise" not in kinds
+    assert "rms_norm" not in kinds and "silu_mul" not in kinds
 
 
 @pytest.mark.parametrize("flag,value,message", [

@@ -133,9 +133,7 @@ def _compiled_decode_tables(family: str, dtype: torch.dtype = torch.bfloat16, ba
 def test_paged_decode_tasks_are_instantiated_per_graph():
     """Each paged task template is instantiated once for the graph's (head dim, group, dtype),
     rope_append runs inside the attention tasks (rope_attn_partial) unless that fusion is off,
-    and the decode step's SiLU·mul takes the vectorised bf16 variant."""
-    from mpk.megakernel.codegen import silu_mul_variant
-
+    and SiLU·mul is the gate·up projection's epilogue, not an op of its own."""
     tables = _paged_decode_tables()
     src = generate(tables)
     assert src.count("mpk::attn_partial<4, 2, __nv_bfloat16, int, true, true>") == 1  # one chunk: no merge
@@ -148,8 +146,27 @@ def test_paged_decode_tasks_are_instantiated_per_graph():
     for inst in ("mpk::rope_append_impl<4, __nv_bfloat16, int>",
                  "mpk::attn_partial<4, 2, __nv_bfloat16, int, false, true>"):
         assert unfused.count(inst) == 1, inst
-    silu = [i for i, m in enumerate(tables.meta["ops"]) if m["kind"] == "silu_mul"]
-    assert silu and all(silu_mul_variant(tables, i) == 1 for i in silu)
+    kinds = [m["kind"] for m in tables.meta["ops"]]
+    assert "silu_mul" not in kinds and kinds.count("norm_stats_matmul") == 2  # gate·up and the LM head, after split norms
+
+
+class _SiluMul(torch.nn.Module):
+    def forward(self, gate, up):
+        return torch.nn.functional.silu(gate) * up
+
+
+# (3, 1000, 3): tile bounds off 8-element words; float16: not the bf16 kernel
+@pytest.mark.parametrize("rows,n,tiles,dtype,variant", [(1, 8192, 8, torch.bfloat16, 1), (16, 12288, 128, torch.bfloat16, 1),
+                                                       (3, 1000, 3, torch.bfloat16, 0), (2, 512, 2, torch.float16, 0)])
+def test_standalone_silu_mul_variant(rows, n, tiles, dtype, variant):
+    """A SiLU·mul left as an op of its own takes the vectorised bf16 task where its views and
+    tile bounds fall on 16-byte words."""
+    from mpk.megakernel.codegen import silu_mul_variant
+
+    gate, up = (torch.randn(rows, n, dtype=dtype) for _ in range(2))
+    tables = compile_module(_SiluMul(), (gate, up), {"partition": {"silu_mul": [1, tiles]}}).tables
+    assert [m["kind"] for m in tables.meta["ops"]] == ["silu_mul"]
+    assert silu_mul_variant(tables, 0) == variant
 
 
 GATE_UP_DOWN, ALL_FOUR = ["2048×512", "512×1024"], ["2048×512", "512×1024", "512×512", "768×512"]

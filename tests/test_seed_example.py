@@ -29,10 +29,10 @@ def _names(compiled):
 
 
 def _partition(qkv_tiles: dict[str, int]):
-    # linear layers lower to matmuls over [1, 64]: tile N; attention per head; RMSNorm one row
-    return {"linear": [1, 1, qkv_tiles["q"]], "linear_1": [1, 1, qkv_tiles["k"]],
-            "linear_2": [1, 1, qkv_tiles["v"]], "attention": [1, HEADS, 1, 1], "linear_3": [1, 1, 4],
-            "rms_norm": [1, 1, 1]}
+    # linear layers lower to matmuls over [1, 64] (as torch.compile traces them: a view and
+    # an mm): tile N; attention per head; RMSNorm one row
+    return {"mm": [1, qkv_tiles["q"]], "mm_1": [1, qkv_tiles["k"]], "mm_2": [1, qkv_tiles["v"]],
+            "attention": [1, HEADS, 1, 1], "mm_3": [1, 4], "rms_norm": [1, 1, 1]}
 
 
 def test_one_tile_per_head_needs_no_dummies():
@@ -68,7 +68,7 @@ def test_shared_value_tiles_need_dummies():
     dummies = [t for t, op in enumerate(tg.task_op) if op == DUMMY]
     for d in dummies:  # each dummy is launched by a fan-out event with exactly one trigger (a v tile)
         fan = next(e for e in tg.events if d in e.launches)
-        assert len(fan.triggers) == 1 and tg.graph.ops[tg.task_op[fan.triggers[0]]].name == "linear_2"
+        assert len(fan.triggers) == 1 and tg.graph.ops[tg.task_op[fan.triggers[0]]].name == "mm_2"
     with torch.no_grad():
         ref = model(x)
     for seed in range(20):
