@@ -6,8 +6,9 @@
 
 ``--model`` takes a local Hugging Face directory (config.json + *.safetensors, Llama or Qwen3
 family). ``--prompt`` tokenizes text with the checkpoint's own tokenizer (transformers'
-``AutoTokenizer``, local files only), prints the completion as text and stops at the
-tokenizer's end-of-sequence token. The prompt is fed one token per step through the same
+``AutoTokenizer``, local files only) and prints the completion as text. With ``--model``
+generation stops at an end-of-sequence id: those the checkpoint's generation_config.json
+names, and with ``--prompt`` the tokenizer's. The prompt is fed one token per step through the same
 compiled decode step (its logits are ignored until the prompt is consumed), then the arg-max
 token is appended. Prints the generated ids and the mean step time; ``--check`` also runs mpk's
 eager path on the same tokens and reports the largest logit difference.
@@ -33,6 +34,9 @@ RANDOM = {
     "llama-tiny": LLMConfig(family="llama", hidden=256, inter=512, layers=2, heads=8, kv_heads=2, head_dim=64,
                             vocab=1000, tied=True, eps=1e-5, rope_theta=5e5, max_position=4096),
 }
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def _eos_ids(model_dir: str, tokenizer_eos: int | None) -> set[int]:
@@ -80,11 +84,18 @@ def _run(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
             from transformers import AutoTokenizer
         except ImportError:
             ap.error("--prompt needs transformers (pip install transformers) for the checkpoint's tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        if not any((Path(args.model) / f).is_file() for f in TOKENIZER_FILES):
+            ap.error(f"--prompt: {args.model} holds no tokenizer ({', '.join(TOKENIZER_FILES)}); "
+                     "pass token ids with --prompt-ids instead")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        except (OSError, ValueError, ImportError) as e:  # e.g. a sentencepiece model without sentencepiece
+            ap.error(f"--prompt: the tokenizer in {args.model} does not load: {e}")
         args.prompt_ids = tokenizer(args.prompt)["input_ids"]
-        eos = _eos_ids(args.model, tokenizer.eos_token_id)
         if not args.prompt_ids:
             ap.error(f"--prompt {args.prompt!r} tokenizes to no tokens")
+    if args.model:
+        eos = _eos_ids(args.model, tokenizer.eos_token_id if tokenizer is not None else None)
     max_len = len(args.prompt_ids) + args.steps
     if args.model:
         model = load_pretrained(args.model, dtype, device, max_len=max_len)

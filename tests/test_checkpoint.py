@@ -4,6 +4,7 @@ every checkpoint it cannot load faithfully (nothing dropped or guessed)."""
 from __future__ import annotations
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -145,3 +146,57 @@ def test_tied_head_in_the_checkpoint_must_be_the_embedding(tmp_path):
     _rewrite(path, tensors | {"lm_head.weight": other})
     with pytest.raises(MpkError, match="ties the LM head to the embedding .* lm_head.weight differs"):
         load_pretrained(path, torch.float32)
+
+
+def test_weights_past_the_load_dtype_range_are_refused(tmp_path):
+    """A weight that a float16 load turns into inf (the checkpoint holds 2^20 at a random spot)
+    is named with the largest stored magnitude; the same checkpoint loads as bfloat16, whose
+    range holds it. A checkpoint that stores inf or NaN itself is refused in any dtype."""
+    path, tensors = _checkpoint(tmp_path, "qwen3")
+    name = "model.layers.1.mlp.down_proj.weight"
+    big = tensors[name].clone()
+    big[random.randrange(big.shape[0]), random.randrange(big.shape[1])] = 2.0 ** 20
+    _rewrite(path, tensors | {name: big})
+    with pytest.raises(MpkError, match=rf"{name} holds 1 non-finite values as torch.float16 \(the largest stored "
+                                       r"magnitude is 1.049e\+06\); expected finite weights"):
+        load_pretrained(path, torch.float16)
+    assert torch.isfinite(load_pretrained(path, torch.bfloat16).layers[1].down).all()
+    broken = tensors["model.norm.weight"].clone()
+    broken[random.randrange(broken.shape[0])] = float("nan")
+    _rewrite(path, tensors | {"model.norm.weight": broken})
+    with pytest.raises(MpkError, match=r"model.norm.weight holds 1 non-finite values as torch.float32"):
+        load_pretrained(path, torch.float32)
+
+
+def test_float16_weights_loaded_as_bfloat16_warn(tmp_path):
+    path, tensors = _checkpoint(tmp_path, "llama")
+    _rewrite(path, {k: v.half() for k, v in tensors.items()})
+    with pytest.warns(UserWarning, match="stores float16 weights; loading them as bfloat16 drops 3 bits"):
+        load_pretrained(path, torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_pretrained(path, torch.float16)
+        _rewrite(path, tensors)  # float32: bfloat16 is the usual inference copy, no warning
+        load_pretrained(path, torch.bfloat16)
+
+
+def test_unreadable_files_are_named(tmp_path):
+    """No config.json, a shard that is not safetensors, and an index naming a file outside the
+    checkpoint: each an MpkError naming the file (not a bare OSError or SafetensorError)."""
+    import json
+
+    from mpk.errors import ConfigError
+
+    path, tensors = _checkpoint(tmp_path, "qwen3")
+    (path / "model.safetensors").unlink()  # (tensors still maps it: a write in place would fault them)
+    (path / "model.safetensors").write_bytes(b"\x03\x00")
+    with pytest.raises(MpkError, match="model.safetensors is not a readable safetensors file"):
+        load_pretrained(path, torch.float32)
+    _rewrite(path, tensors)
+    shard = next(path.glob("*.safetensors")).name
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": f"../other/{shard}"}}))
+    with pytest.raises(MpkError, match=f"maps tensors to files outside its directory: ../other/{shard}"):
+        load_pretrained(path, torch.float32)
+    (path / "config.json").unlink()
+    with pytest.raises(ConfigError, match=r"config.json cannot be read \(No such file or directory\)"):
+        LLMConfig.from_hf(path)

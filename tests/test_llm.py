@@ -19,7 +19,7 @@ from helpers import against_eager_and_float32, check_arguments_inside_storage, d
 from mpk.backend import COMPILED
 from mpk.errors import MpkError
 from mpk.frontend.fused_ops import paged_attention
-from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache
+from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache, rope_inv_freq
 from mpk.models.parity import compare_logits, decode_logits, hf_logits, hf_twin
 from mpk.ops.paged import MIN_CHUNK, chunk_bounds, merge_states
 
@@ -227,6 +227,17 @@ def test_hf_mha_without_qk_norm_config_roundtrip():
     ({"head_dim": 15}, "head_dim 15 is odd"),
     ({"rms_norm_eps": -1e-6}, "rms_norm_eps -1e-06; expected a positive number"),
     ({"rope_theta": 0.0}, "rope_theta 0.0; expected a positive number"),
+    ({"rope_scaling": "linear"}, "rope_scaling 'linear'; expected a JSON object"),
+    # two sources of the rope that disagree: transformers' pick depends on its version
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+     "rope_parameters.rope_theta 500000.0 and rope_theta 1000000.0 differ; expected one rope_theta"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_scaling": LLAMA3_SCALING},
+     "rope_parameters {'rope_type': 'default', 'rope_theta': 1000000.0} and rope_scaling {'rope_type': 'llama3'"),
+    ({"rope_scaling": LLAMA3_SCALING | {"factor": "8"}}, "rope_scaling: factor '8'; expected a positive number"),
+    ({"rope_scaling": LLAMA3_SCALING | {"factor": 0}}, "rope_scaling: factor 0; expected a positive number"),
+    ({"rope_scaling": LLAMA3_SCALING | {"high_freq_factor": 1.0}},
+     "rope_scaling high_freq_factor 1.0 is not above low_freq_factor 1.0"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings 'false'; expected true or false"),
 ])
 def test_configs_it_would_not_compute_faithfully_are_refused(tmp_path, change, message):
     """Each field that would change what the model computes, if mpk ignored it, is a named
@@ -279,6 +290,97 @@ def test_transformers_own_configs_load():
         ours = small(family, heads=4, kv_heads=2, tied=False)
         hf = transformers.AutoConfig.for_model(**ours.to_hf()).to_dict()
         assert LLMConfig.from_hf(hf) == ours, family
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_theta": 5e5},  # transformers 4
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},  # transformers 5
+    {"rope_scaling": {"rope_type": "default", "rope_theta": 5e5}},  # 5's dict under the older name
+    {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+    {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5} | {k: v for k, v in LLAMA3_SCALING.items() if k != "rope_type"}},
+], ids=["top-level", "rope_parameters", "rope_scaling", "both-equal", "llama3-parameters"])
+def test_rope_is_read_where_transformers_reads_it(rope):
+    """rope_theta and the scaling from each place a config may hold them: the theta transformers
+    builds the model with (a config that gave 5e5 only inside rope_scaling had been read as the
+    default 1e4: logits far off, no error), and the scaling without the theta in it."""
+    import transformers
+
+    base = {k: v for k, v in small("llama").to_hf().items() if k not in ("rope_theta", "rope_scaling")}
+    ours = LLMConfig.from_hf(base | rope)
+    hf = transformers.AutoConfig.for_model(**(base | rope))
+    params = getattr(hf, "rope_parameters", None) or {}
+    assert ours.rope_theta == params.get("rope_theta", getattr(hf, "rope_theta", None)) == 5e5
+    llama3 = "llama3" in str(rope)
+    assert ours.rope_scaling == (LLAMA3_SCALING if llama3 else None)
+    torch.testing.assert_close(rope_inv_freq(ours), _hf_inv_freq(hf), rtol=1e-6, atol=0)
+
+
+def _hf_inv_freq(hf_config) -> torch.Tensor:
+    """transformers' rotary inverse frequencies for a config (its rope-init function)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+        dim = hf_config.head_dim
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu")[0]
+
+
+def test_swish_is_silu():
+    cfg = small("qwen3").to_hf()
+    assert LLMConfig.from_hf(cfg | {"hidden_act": "swish"}) == LLMConfig.from_hf(cfg)
+
+
+def test_a_cache_of_another_dtype_is_refused():
+    """A bfloat16 cache given to a float32 model is named (the appends would round every k and v
+    to bfloat16 without a word), eagerly and when traced."""
+    cfg = small("qwen3")
+    model = DecoderLM(cfg, torch.float32, max_len=32).randomize(seed=random.randrange(1 << 30))
+    kv = PagedKVCache(DecoderLM(cfg, torch.bfloat16, max_len=32), 1, 32, 16)
+    kv.grow(1)
+    message = r"kv_cache is torch.bfloat16; expected the model's dtype torch.float32"
+    with pytest.raises(ValueError, match=message), torch.no_grad():
+        model(torch.tensor([3]), *kv.args())
+    step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "cpu"})
+    with pytest.raises(Exception, match=message), torch.no_grad():
+        step(torch.tensor([3]), *kv.args())
+
+
+def test_one_sequence_restarts_while_the_others_decode_on():
+    """reset(b) empties slot b, its pages back to the free list, and leaves the other sequences
+    alone: slot 1 then decodes a new prompt (on pages that held its old keys and values: page
+    size 4) with the logits of a fresh batch-1 cache, slots 0 and 2 with those of an
+    uninterrupted run — the compiled step (CPU interpreter) against the float32 eager path,
+    within 1e-5."""
+    cfg = small("qwen3")
+    model = DecoderLM(cfg, torch.float32, max_len=32).randomize(seed=random.randrange(1 << 30))
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    toks, new = torch.randint(0, cfg.vocab, (3, 10), generator=g), torch.randint(0, cfg.vocab, (5,), generator=g)
+    kv, ref, solo = PagedKVCache(model, 3, 32, 4), PagedKVCache(model, 3, 32, 4), PagedKVCache(model, 1, 32, 4)
+    step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
+                         options={"executor": "cpu", "check_races": False})
+    free = len(kv.free)
+    with torch.no_grad():
+        for i in range(10):
+            if i == 5:
+                kv.reset(1)
+                assert kv.lens == [5, 0, 5] and len(kv.free) == free - 2 * 2
+            kv.grow(1)
+            ref.grow(1)
+            t = toks[:, i].clone()
+            if i >= 5:
+                solo.grow(1)
+                t[1] = new[i - 5]
+            out, want = step(t, *kv.args()), model(toks[:, i], *ref.args())
+            assert relative_error(out[[0, 2]], want[[0, 2]]) <= 1e-5
+            other = want[1:2] if i < 5 else model(new[i - 5:i - 4], *solo.args())
+            assert relative_error(out[1:2], other) <= 1e-5
+    with pytest.raises(ValueError, match=r"reset\(\[0, 0\]\); expected a sequence index in \[0, 3\)"):
+        kv.reset([0, 0])
+    with pytest.raises(ValueError, match=r"reset\(3\)"):
+        kv.reset(3)
 
 
 def test_bad_page_size_and_lengths_are_named():
@@ -475,6 +577,35 @@ def test_norm_split_between_projections_in_a_decode_step(family, batch, hidden, 
     assert "rms_norm" not in kinds or "rms_matmul" not in kinds
 
 
+@pytest.mark.parametrize("family,batch,options", [("llama", 1, {}), ("qwen3", 5, {}),
+                                                  ("qwen3", 2, {"fuse_norm_stats": True, "num_workers": 12})])
+def test_inspection_compiles_the_graph_the_backend_runs(family, batch, options):
+    """compile_module (``mpk inspect``) traces as ``torch.compile(backend="mpk")`` does: a decode
+    step's op graph and tables are the backend's byte for byte, fused ops included (it had
+    traced with torch.export, whose graph keeps F.linear whole: no RMSNorm fused into a
+    projection, SiLU·mul a stage of its own, so it showed 21 ops for a 2-layer llama3.2-1b
+    step that runs 12), with the model's own parameter names."""
+    from mpk.inspection import compile_module
+
+    cfg = small(family, hidden=1024, inter=2048, head_dim=64)
+    model = DecoderLM(cfg, torch.bfloat16).randomize(seed=random.randrange(1 << 30))
+    cache = PagedKVCache(model, batch, 64, 16)
+    cache.grow([1 + 3 * b for b in range(batch)])
+    args = (torch.randint(0, cfg.vocab, (batch,)), *cache.args())
+    mine = compile_module(model, args, options)
+    with torch.no_grad():
+        torch.compile(model, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "cpu", **options})(*args)
+    ran = COMPILED[-1]
+    assert mine.graph.describe() == ran.graph.describe()
+    assert mine.tables.to_bytes() == ran.tables.to_bytes()
+    kinds = [op.kind for op in mine.graph.ops]
+    prologue, split = norm_fusions(options, batch, cfg.hidden)
+    norm = "rms_matmul" if prologue else "rms_norm"
+    assert kinds.count(norm) == (1 if split else 2 * cfg.layers + 1)
+    assert kinds.count("norm_stats_matmul") == (2 * cfg.layers if split else 0) and "silu_mul" not in kinds
+    assert "layers.1.gate_up" in mine.graph.describe()
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_o_projection_avoids_the_workers_of_a_narrow_attention(batch):
     """With 16 workers, attention over 2 kv heads at batch 4 is 8 tasks (narrow: 4–8), so the
@@ -522,8 +653,9 @@ def _decode_example():
 
 
 def test_decode_example_runs_a_hf_checkpoint(tmp_path, capsys):
-    """examples/decode.py on a transformers-written checkpoint: greedy ids come out and the
-    compiled steps match mpk's eager path."""
+    """examples/decode.py on a transformers-written checkpoint: greedy ids come out, the
+    compiled steps match mpk's eager path, and generation stops at the checkpoint's
+    end-of-sequence id."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**small("qwen3").to_hf()))
@@ -535,6 +667,17 @@ def test_decode_example_runs_a_hf_checkpoint(tmp_path, capsys):
     ids = ast.literal_eval(out.split("generated ids: ")[1].splitlines()[0])
     assert len(ids) == 3 and all(0 <= i < 97 for i in ids)
     assert float(out.split("max |logit|: ")[1].split()[0]) <= 1e-5
+    # token ids stop at an end-of-sequence id generation_config.json names, as text does
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ids[0]}))
+    assert module.main(["--model", str(tmp_path), "--prompt-ids", "5", "9", "--steps", "3", "--executor", "cpu",
+                        "--page-size", "2"]) == 0
+    assert ast.literal_eval(capsys.readouterr().out.split("generated ids: ")[1].splitlines()[0]) == ids[:1]
+    # text needs the checkpoint's tokenizer, which this one lacks: named, no traceback
+    with pytest.raises(SystemExit) as info:
+        module.main(["--model", str(tmp_path), "--prompt", "hello", "--executor", "cpu"])
+    assert info.value.code == 2
+    assert f"--prompt: {tmp_path} holds no tokenizer (tokenizer.json, tokenizer_config.json, tokenizer.model)" \
+        in capsys.readouterr().err
 
 
 def test_decode_example_takes_text_through_the_checkpoint_tokenizer(tmp_path, capsys):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,43 @@ def _positive(where: str, config: dict[str, Any], key: str, kind: type = int) ->
     return kind(v)
 
 
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope_settings(where: str, config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope scaling dict or None) of a HF config. transformers ≥ 5 writes the rope
+    as one ``rope_parameters`` dict (theta inside) and reads ``rope_scaling`` as another name for
+    it; older configs have a top-level ``rope_theta`` and ``rope_scaling`` without it. Where the
+    sources disagree transformers picks one by its version's rules, so a ConfigError names both
+    rather than this decoder guessing."""
+    given = {k: config[k] for k in ("rope_parameters", "rope_scaling") if config.get(k) is not None}
+    for key, value in given.items():
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: {key} {value!r}; expected a JSON object such as "
+                              '{"rope_type": "llama3", "factor": 8.0, ...}')
+    if len(given) == 2 and given["rope_parameters"] != given["rope_scaling"]:
+        raise ConfigError(f"{where}: rope_parameters {given['rope_parameters']} and rope_scaling "
+                          f"{given['rope_scaling']} differ; expected one of them (transformers reads both as the "
+                          "rope's settings)")
+    rope = dict(next(iter(given.values()), {}))
+    thetas = {f"{k}.rope_theta": rope.pop("rope_theta") for k in given if "rope_theta" in rope}
+    if config.get("rope_theta") is not None:
+        thetas["rope_theta"] = config["rope_theta"]
+    if len(set(map(repr, thetas.values()))) > 1:
+        raise ConfigError(f"{where}: " + " and ".join(f"{k} {v!r}" for k, v in thetas.items()) +
+                          " differ; expected one rope_theta")
+    theta = _positive(where, {"rope_theta": next(iter(thetas.values()), 10000.0)}, "rope_theta", float)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "llama3":
+        for key in _LLAMA3_KEYS:
+            if key in rope:
+                _positive(f"{where}: rope_scaling", rope, key, int if key.startswith("original") else float)
+        if all(k in rope for k in _LLAMA3_KEYS[1:3]) and rope["high_freq_factor"] <= rope["low_freq_factor"]:
+            raise ConfigError(f"{where}: rope_scaling high_freq_factor {rope['high_freq_factor']} is not above "
+                              f"low_freq_factor {rope['low_freq_factor']}; Llama 3 scaling interpolates between them")
+    return theta, (rope if kind != "default" else None)
+
+
 @dataclass(frozen=True)
 class LLMConfig:
     """The fields of a HF config that a decode step needs."""
@@ -96,6 +134,9 @@ class LLMConfig:
                 config = json.loads(path.read_text())
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{where} is not valid JSON: {e}") from None
+            except OSError as e:
+                raise ConfigError(f"{where} cannot be read ({e.strerror}); expected a Hugging Face config.json "
+                                  "(or a checkpoint directory holding one)") from None
             if not isinstance(config, dict):
                 raise ConfigError(f"{where} holds a {type(config).__name__}; expected a JSON object")
         model_type = config.get("model_type")
@@ -109,8 +150,11 @@ class LLMConfig:
         if config.get("attention_bias") or config.get("mlp_bias"):
             raise ConfigError(f"{where}: projection biases (attention_bias / mlp_bias) are not supported")
         act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"{where}: hidden_act {act!r} is not supported; expected 'silu'")
+        if act not in ("silu", "swish"):  # transformers' two names of x·sigmoid(x)
+            raise ConfigError(f"{where}: hidden_act {act!r} is not supported; expected 'silu' (or 'swish')")
+        tied = config.get("tie_word_embeddings", False)
+        if not isinstance(tied, bool):
+            raise ConfigError(f"{where}: tie_word_embeddings {tied!r}; expected true or false")
         quant = config.get("quantization_config")
         if quant:
             method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
@@ -140,16 +184,11 @@ class LLMConfig:
             raise ConfigError(f"{where}: head_dim {head_dim} is odd; rotary embeddings rotate pairs of dims")
         eps = _positive(where, config, "rms_norm_eps", float)
         max_position = _positive(where, config, "max_position_embeddings")
-        # transformers ≥ 5 writes rope settings as one `rope_parameters` dict
-        rope = dict(config.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", 10000.0) if config.get("rope_theta") is None else config["rope_theta"]
-        rope.pop("rope_theta", None)
-        theta = _positive(where, {"rope_theta": theta}, "rope_theta", float)
-        scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        theta, scaling = _rope_settings(where, config)
         cfg = cls(family=model_type, hidden=config["hidden_size"], inter=config["intermediate_size"],
                   layers=config["num_hidden_layers"], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                  vocab=config["vocab_size"], tied=bool(config.get("tie_word_embeddings", False)),
-                  eps=eps, rope_theta=theta, rope_scaling=scaling, max_position=max_position)
+                  vocab=config["vocab_size"], tied=tied, eps=eps, rope_theta=theta, rope_scaling=scaling,
+                  max_position=max_position)
         try:
             rope_inv_freq(cfg)  # the rope scaling is one this decoder computes
         except (MpkError, KeyError) as e:
@@ -283,6 +322,9 @@ class DecoderLM(nn.Module):
             raise ValueError(f"tokens {tuple(tokens.shape)}, kv_indptr {tuple(kv_indptr.shape)}, kv_last_page_len "
                              f"{tuple(kv_last_page_len.shape)}; expected [B], [B + 1] and [B]: one token per sequence "
                              "of the page table")
+        if kv_cache.dtype != self.embed.dtype:  # a cast in the append would silently round the cache
+            raise ValueError(f"kv_cache is {kv_cache.dtype}; expected the model's dtype {self.embed.dtype} "
+                             "(PagedKVCache(model, ...) allocates it so)")
         if not torch.compiler.is_compiling():  # eagerly: what the compiled step reports (BadInputError)
             bad = torch.nonzero((tokens < 0) | (tokens >= self.cfg.vocab)).flatten()
             if len(bad):
@@ -343,12 +385,14 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, devic
     Weights are read one fused weight at a time (host memory holds one, not the checkpoint),
     converted to ``dtype`` and moved to ``device``. Raises ``MpkError`` naming the tensors for a
     missing tensor, a shape the config does not imply, a tensor stored as integers, bools or
-    float8, a tensor in two shards, or checkpoint tensors the model would not use (biases the
-    config does not declare, say): nothing is dropped or reinterpreted silently; all of it is
-    checked before any weight is read. ``progress``: a progress bar on stderr (default: when stderr is a
-    terminal).
+    float8, a tensor in two shards, checkpoint tensors the model would not use (biases the
+    config does not declare, say), an unreadable file, or a weight that is not finite once
+    converted (a float16 load of values past 65504): nothing is dropped or reinterpreted
+    silently; all but the last is checked before any weight is read. Loading float16 weights as
+    bfloat16 warns (3 mantissa bits lost). ``progress``: a progress bar on stderr (default: when
+    stderr is a terminal).
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from tqdm import tqdm
 
     _check_model_args(dtype, max_len, num_splits)
@@ -374,7 +418,10 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, devic
     with contextlib.ExitStack() as stack:
         where: dict[str, tuple[Any, str]] = {}  # name -> (open file, its name)
         for f in files:
-            fh = stack.enter_context(safe_open(str(f), framework="pt"))
+            try:
+                fh = stack.enter_context(safe_open(str(f), framework="pt"))
+            except (SafetensorError, OSError) as e:
+                raise MpkError(f"checkpoint {path}: {f.name} is not a readable safetensors file ({e})") from None
             for k in fh.keys():
                 if k in where:
                     raise MpkError(f"checkpoint {path}: tensor {k} is in both {where[k][1]} and {f.name}")
@@ -411,15 +458,33 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, devic
         if tied_head and not torch.equal(read("lm_head.weight"), read("model.embed_tokens.weight")):
             raise MpkError(f"checkpoint {path}: config.json ties the LM head to the embedding "
                            "(tie_word_embeddings), but lm_head.weight differs from model.embed_tokens.weight")
+        stored = {meta(n).get_dtype() for n in wanted}
+        if dtype == torch.bfloat16 and "F16" in stored:
+            warnings.warn(f"checkpoint {path} stores float16 weights; loading them as bfloat16 drops 3 bits of "
+                          "each mantissa (pass dtype=torch.float16 to keep them; mpk's bandwidth-grade decode "
+                          "linear takes bfloat16 only)", stacklevel=2)
         numel = {n: math.prod(meta(n).get_shape()) for n in wanted}
         with tqdm(total=sum(numel.values()), unit="param", unit_scale=True, desc=f"loading {path.name}",
                   disable=None if progress is None else not progress) as bar:
             for owner, attr, names in plan:
-                t = torch.cat([read(n) for n in names], 0)
-                setattr(owner, attr, nn.Parameter(t.to(dtype=dtype, device=device), requires_grad=False))
+                t = torch.cat([read(n) for n in names], 0).to(dtype=dtype, device=device)
+                bad = _count_non_finite(t)
+                if bad:  # a broken checkpoint, or values past dtype's range (float16's 65504)
+                    raise MpkError(f"checkpoint {path}: {'/'.join(names)} holds {bad} non-finite "
+                                   f"values as {dtype} (the largest stored magnitude is "
+                                   f"{max(float(read(n).abs().max()) for n in names):.4g}); expected finite weights "
+                                   f"(float16 holds magnitudes up to 65504: load as torch.bfloat16 or float32)")
+                setattr(owner, attr, nn.Parameter(t, requires_grad=False))
                 bar.update(sum(numel[n] for n in names))
     model.cos_sin = rope_table(cfg, max_len or cfg.max_position, dtype).to(device)
     return model
+
+
+def _count_non_finite(t: torch.Tensor, chunk: int = 1 << 26) -> int:
+    """How many elements of ``t`` are inf or NaN, in chunks (a whole-tensor mask of an LM head
+    would take another ~0.6 GB)."""
+    flat = t.reshape(-1)
+    return sum(int((~torch.isfinite(flat[i:i + chunk])).sum()) for i in range(0, flat.numel(), chunk))
 
 
 def _index_files(index: Path) -> list[str]:
@@ -431,6 +496,10 @@ def _index_files(index: Path) -> list[str]:
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise MpkError(f"{index} has no weight_map of tensor names to shard files; expected "
                        '{"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors", ...}}')
+    outside = sorted(f for f in set(weight_map.values()) if Path(f).name != f or f in (".", ".."))
+    if outside:
+        raise MpkError(f"{index} maps tensors to files outside its directory: {_few(outside)}; expected shard "
+                       "file names beside it")
     return sorted(set(weight_map.values()))
 
 
@@ -483,15 +552,27 @@ class PagedKVCache:
         self.kv_last_page_len = torch.zeros(batch, dtype=torch.int32, device=dev)
         self.reset()
 
-    def reset(self) -> None:
-        """Empty every sequence (all pages back to the free list), keeping the cache tensor and
-        the table tensors (and their addresses): the next prompt needs no second cache."""
-        num_pages = self.batch * self.pages_per_seq
-        # Pages interleaved across sequences, so a sequence's pages are not contiguous (the
-        # kernels must follow the table, not assume an order).
-        self.free = [p for i in range(self.pages_per_seq) for p in range(i, num_pages, self.pages_per_seq)][::-1]
-        self.owned = np.zeros((self.batch, self.pages_per_seq), np.int32)  # row b: sequence b's pages in order
-        self.lens = [0] * self.batch
+    def reset(self, seqs: int | list[int] | None = None) -> None:
+        """Empty sequences ``seqs`` (an index or a list; default: every one), their pages back to
+        the free list, keeping the cache tensor and the table tensors (and their addresses): the
+        next prompt needs no second cache, and a finished sequence's slot can take a new prompt
+        while the others decode on. A step writes one token of every sequence, so ``grow`` the
+        emptied ones before the next step."""
+        if seqs is None:
+            num_pages = self.batch * self.pages_per_seq
+            # Pages interleaved across sequences, so a sequence's pages are not contiguous (the
+            # kernels must follow the table, not assume an order).
+            self.free = [p for i in range(self.pages_per_seq) for p in range(i, num_pages, self.pages_per_seq)][::-1]
+            self.owned = np.zeros((self.batch, self.pages_per_seq), np.int32)  # row b: sequence b's pages in order
+            self.lens = [0] * self.batch
+        else:
+            chosen = [seqs] if _is_count(seqs) else list(seqs) if isinstance(seqs, (list, tuple)) else None
+            if chosen is None or not all(_is_count(b) and b < self.batch for b in chosen) or len(set(chosen)) < len(chosen):
+                raise ValueError(f"reset({seqs!r}); expected a sequence index in [0, {self.batch}), a list of "
+                                 "distinct ones, or None (every sequence)")
+            for b in chosen:
+                self.free.extend(self.owned[b, : -(-self.lens[b] // self.page_size)][::-1].tolist())
+                self.lens[b] = 0
         self._write()
 
     def grow(self, n: int | list[int] = 1) -> None:
