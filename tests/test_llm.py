@@ -348,19 +348,21 @@ def test_a_cache_of_another_dtype_is_refused():
         step(torch.tensor([3]), *kv.args())
 
 
-def test_one_sequence_restarts_while_the_others_decode_on():
+@pytest.mark.parametrize("executor", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_one_sequence_restarts_while_the_others_decode_on(executor):
     """reset(b) empties slot b, its pages back to the free list, and leaves the other sequences
     alone: slot 1 then decodes a new prompt (on pages that held its old keys and values: page
     size 4) with the logits of a fresh batch-1 cache, slots 0 and 2 with those of an
-    uninterrupted run — the compiled step (CPU interpreter) against the float32 eager path,
-    within 1e-5."""
-    cfg = small("qwen3")
-    model = DecoderLM(cfg, torch.float32, max_len=32).randomize(seed=random.randrange(1 << 30))
+    uninterrupted run — the compiled step (CPU interpreter, or the GPU kernel) against the
+    float32 eager path, within 1e-5."""
+    cfg = small("qwen3", head_dim=64)  # (the GPU's paged attention takes head dims 64, 128, 256)
+    device = "cuda" if executor == "gpu" else "cpu"
+    model = DecoderLM(cfg, torch.float32, device, max_len=32).randomize(seed=random.randrange(1 << 30))
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
-    toks, new = torch.randint(0, cfg.vocab, (3, 10), generator=g), torch.randint(0, cfg.vocab, (5,), generator=g)
+    toks, new = (torch.randint(0, cfg.vocab, shape, generator=g).to(device) for shape in ((3, 10), (5,)))
     kv, ref, solo = PagedKVCache(model, 3, 32, 4), PagedKVCache(model, 3, 32, 4), PagedKVCache(model, 1, 32, 4)
     step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
-                         options={"executor": "cpu", "check_races": False})
+                         options={"executor": executor, "check_races": False})
     free = len(kv.free)
     with torch.no_grad():
         for i in range(10):
