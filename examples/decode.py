@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from mpk.cli import count, page_size
 from mpk.errors import MpkError
@@ -45,8 +46,16 @@ def _eos_ids(model_dir: str, tokenizer_eos: int | None) -> set[int]:
     ids = {tokenizer_eos} if tokenizer_eos is not None else set()
     config = Path(model_dir) / "generation_config.json"
     if config.exists():
-        named = json.loads(config.read_text()).get("eos_token_id")
-        ids |= set(named if isinstance(named, list) else [named] if named is not None else [])
+        try:
+            doc = json.loads(config.read_text())
+        except json.JSONDecodeError as e:
+            raise MpkError(f"{config} is not valid JSON: {e}") from None
+        named = doc.get("eos_token_id") if isinstance(doc, dict) else None
+        named = [] if named is None else named if isinstance(named, list) else [named]
+        if not isinstance(doc, dict) or not all(isinstance(i, int) and not isinstance(i, bool) for i in named):
+            raise MpkError(f"{config}: expected a JSON object whose eos_token_id is a token id or a list of them; "
+                           f"got {doc.get('eos_token_id') if isinstance(doc, dict) else doc!r}")
+        ids |= set(named)
     return ids
 
 
@@ -109,7 +118,9 @@ def _run(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     ref_kv = PagedKVCache(model, 1, max_len, args.page_size) if args.check else None
     tokens, generated, times, worst, shown = list(args.prompt_ids), [], [], 0.0, ""
     with torch.no_grad():
-        for i in range(max_len - 1):
+        # a progress bar on a terminal where no text streams (token ids: nothing shows until the end)
+        for i in tqdm(range(max_len - 1), desc="decoding", unit="step", leave=False,
+                      disable=True if tokenizer is not None else None):
             kv.grow(1)
             tok = torch.tensor([tokens[i]], device=device)
             start = time.perf_counter()

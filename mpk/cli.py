@@ -43,6 +43,7 @@ def _preset_decoder(config_name: str, decode: bool, meta: bool) -> Callable[[arg
             cos, sin = torch.ones(s, cfg.head_dim), torch.ones(s, cfg.head_dim)
             past = [torch.ones(ns.batch, cfg.kv_heads, ns.cache_len, cfg.head_dim) for _ in range(2 * cfg.layers)]
         return model, (ids, cos, sin, past) if decode else (ids, cos, sin)
+    build.flags = ("layers", "batch", "cache_len" if decode else "seq")  # type: ignore[attr-defined]
     return build
 
 
@@ -63,7 +64,12 @@ def _preset_paged(shape: str) -> Callable[[argparse.Namespace], tuple]:
             args = (torch.zeros(ns.batch, dtype=torch.long), cache, torch.zeros(ns.batch + 1, dtype=torch.int32),
                     torch.zeros(pages, dtype=torch.int32), torch.zeros(ns.batch, dtype=torch.int32))
         return model, args
+    build.flags = ("layers", "batch", "cache_len")  # type: ignore[attr-defined]
     return build
+
+
+# the size flags of `mpk inspect` and their defaults; each preset takes some of them (build.flags)
+SIZE_FLAGS = {"layers": None, "batch": 1, "seq": 8, "cache_len": 1024}
 
 
 PRESETS: dict[str, Callable[[argparse.Namespace], tuple]] = {
@@ -93,6 +99,17 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
 
     if Path(ns.out).exists() and not Path(ns.out).is_dir():
         raise MpkError(f"--out {ns.out} is a file; expected a directory for the dump")
+    given = [f for f in SIZE_FLAGS if getattr(ns, f) is not None]
+    takes = PRESETS[ns.target].flags if ns.target in PRESETS else ()
+    ignored = [f for f in given if f not in takes]
+    if ignored:
+        flags = ", ".join("--" + f.replace("_", "-") for f in ignored)
+        raise MpkError(f"{flags} {'does' if len(ignored) == 1 else 'do'} not apply to {ns.target}: " + (
+            f"it takes {', '.join('--' + f.replace('_', '-') for f in takes)}" if takes else
+            "a FILE.py:FACTORY target builds its own inputs"))
+    for f, default in SIZE_FLAGS.items():
+        if getattr(ns, f) is None:
+            setattr(ns, f, default)
     if ns.target in PRESETS:
         model, args = PRESETS[ns.target](ns)
     else:
@@ -125,6 +142,8 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
     timeline_svg(doc, out, start_us=ns.start_us, end_us=ns.end_us, title=ns.title or Path(ns.trace).stem)
     summary = breakdown(doc)
     total = summary["profiled_step_us"]
+    if ns.start_us is not None or ns.end_us is not None:
+        print("(the window limits the drawing; the times below are the whole launch's)")
     for kind, us in summary.items():
         if isinstance(us, float) and kind != "profiled_step_us":
             extra = (f"  {summary['tasks'][kind]:5d} tasks, median {summary['median_task_us'][kind]:6.2f} µs"
@@ -176,14 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=count(1), default=128, help="worker count partitioning targets (default 128)")
     p.add_argument("--partition", type=json_object, help='JSON overrides, e.g. \'{"matmul": {"-1": 64}}\'')
     p.add_argument("--layers", type=count(1), help="presets: number of layers")
-    p.add_argument("--batch", type=count(1), default=1, help="presets: batch size (default 1)")
-    p.add_argument("--seq", type=count(1), default=8, help="prefill presets: sequence length (default 8)")
-    p.add_argument("--cache-len", type=count(1), default=1024, help="decode presets: cache length (default 1024)")
+    p.add_argument("--batch", type=count(1), help="presets: batch size (default 1)")
+    p.add_argument("--seq", type=count(1), help="prefill presets (llama-toy, qwen3-toy): sequence length (default 8)")
+    p.add_argument("--cache-len", type=count(1), help="decode presets: cache length (default 1024)")
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("timeline", help="draw a profiled launch's trace (profile_dir) as an SVG, time per task kind")
     p.add_argument("trace", help="a trace JSON written by GpuExecutor.trace or the profile_dir option")
     p.add_argument("--out", help="SVG path (default: the trace's, .svg)")
-    p.add_argument("--start-us", type=float, help="draw from this time on (µs on the trace's clock)")
+    p.add_argument("--start-us", type=float, help="draw from this time on (µs on the trace's clock; the printed "
+                                                  "breakdown stays the whole launch's)")
     p.add_argument("--end-us", type=float, help="draw up to this time")
     p.add_argument("--title", help="title line (default: the trace's file name)")
     p.set_defaults(func=cmd_timeline)

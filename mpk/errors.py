@@ -45,6 +45,11 @@ class BadInputError(MpkError, ValueError):
     at the next launch or wait; that launch's outputs are not valid."""
 
 
+class WatchdogTimeout(MpkError):
+    """A persistent kernel launch did not finish within ``timeout_s``; the message is the
+    watchdog's report of each stuck worker (mpk.megakernel.gpu)."""
+
+
 # cuda/mpk_tasks/common.cuh's BadInputCode -> what the value was, what it had to be; the CPU
 # paths word the same faults the same way
 BAD_INPUTS = {1: ("token id", "the embedding table's {limit} rows [0, {limit})"),

@@ -124,6 +124,8 @@ class CompileOptions:
         for path in ("debug_dir", "profile_dir"):
             if not isinstance(opts.get(path), (str, os.PathLike, type(None))):
                 raise OptionError(f"{path}={opts[path]!r}; expected a directory path (str or os.PathLike) or None")
+            if opts.get(path) is not None and os.path.exists(opts[path]) and not os.path.isdir(opts[path]):
+                raise OptionError(f"{path}={os.fspath(opts[path])!r} is a file; expected a directory (made if absent)")
         stats = opts.get("fuse_norm_stats", "auto")
         if not (isinstance(stats, bool) or stats == "auto"):
             raise OptionError(f"fuse_norm_stats={stats!r}; expected True, False or 'auto'")

@@ -17,8 +17,9 @@ def pytest_configure(config):
     os.environ.setdefault("MPK_TEST_SEED", str(random.SystemRandom().randrange(1 << 31)))
 
 
-def pytest_report_header(config):
-    return f"mpk test seed: MPK_TEST_SEED={os.environ['MPK_TEST_SEED']}"
+def pytest_terminal_summary(terminalreporter):
+    # at the end, where `pytest -q` shows it too (it hides the header)
+    terminalreporter.write_line(f"mpk test seed: MPK_TEST_SEED={os.environ['MPK_TEST_SEED']}")
 
 
 def _test_seed(nodeid: str) -> int:

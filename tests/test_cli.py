@@ -85,10 +85,26 @@ def test_inspect_names_a_bad_factory_result_and_a_file_for_out(tmp_path, capsys)
     assert f"--out {tmp_path / 'afile'} is a file; expected a directory" in capsys.readouterr().err
 
 
+def test_inspect_refuses_size_flags_its_target_would_ignore(tmp_path, capsys):
+    """--seq sizes the prefill presets only, --cache-len the decode ones, and a factory builds
+    its own inputs: a flag the target would ignore is named (it had been dropped silently)."""
+    src = tmp_path / "m.py"
+    src.write_text("import torch\ndef make():\n    return torch.nn.Linear(4, 4), (torch.randn(2, 4),)\n")
+    cases = [([f"{src}:make", "--layers", "3", "--batch", "9"],
+              f"--layers, --batch do not apply to {src}:make: a FILE.py:FACTORY target builds its own inputs"),
+             (["qwen3-1.7b-paged", "--seq", "5"], "--seq does not apply to qwen3-1.7b-paged: it takes --layers, --batch, --cache-len"),
+             (["qwen3-toy", "--cache-len", "64"], "--cache-len does not apply to qwen3-toy: it takes --layers, --batch, --seq")]
+    for argv, message in cases:
+        assert main(["inspect", *argv, "--out", str(tmp_path / "o")]) == 2
+        assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("doc,message", [
     ([], "expected a Chrome trace, a JSON object whose traceEvents is a list of objects"),
     ({"traceEvents": [1, 2]}, "expected a Chrome trace"),
     ({"traceEvents": [{"ph": "X", "ts": 0, "tid": 0, "args": {"op": "x"}}]}, "lacks a number among ts, dur and tid"),
+    ({"traceEvents": [{"ph": "X", "ts": 1, "dur": -5, "tid": 0}]}, "has dur -5; expected a duration ≥ 0 µs"),
+    ({"traceEvents": [{"ph": "X", "ts": 1, "dur": 0, "tid": 0}]}, "its task spans cover no time (all start and end at 1 µs)"),
 ])
 def test_timeline_names_a_malformed_trace(tmp_path, capsys, doc, message):
     """mpk timeline on JSON that is not one of its traces: a message naming the file, exit 2."""

@@ -92,6 +92,7 @@ def test_interpreter_names_a_bad_argument():
     ({"softmax": [2]}, "has 1 entries; its output"),
     ({"softmax": {5: 2}}, "dim 5 out of range"),
     ({"softmax": {0: 7}}, "7 tiles for dim 0 of size 6"),
+    ({"softmax": "x"}, r"partition for op 'softmax' \(softmax\) is 'x'; expected a list of one tile count per dim"),
     ({"no_such_op": [1]}, r"name \['no_such_op'\], which match no op"),
 ])
 def test_bad_partition_overrides_are_named(partition, message):
@@ -153,6 +154,7 @@ def test_default_partition_targets_workers():
     ({"check_races": "no"}, "check_races='no'; expected True or False"),
     ({"seed": "x"}, "seed='x'; expected an int"),
     ({"profile_dir": 5}, "profile_dir=5; expected a directory path"),
+    ({"debug_dir": __file__}, r"debug_dir='.*test_compiler.py' is a file; expected a directory \(made if absent\)"),
 ])
 def test_bad_options_are_named(options, message):
     with pytest.raises(Exception, match=message) as info:

@@ -147,7 +147,7 @@ def test_every_worker_count_runs_to_completion():
 
 
 def test_watchdog_reports_a_never_firing_event_and_process_stays_usable():
-    from mpk.megakernel.gpu import WatchdogTimeout
+    from mpk.errors import WatchdogTimeout
 
     preds = [(), (0,), (1,), (1, 2), (3,)]
     tables = stamp_graph(preds, 1)
@@ -174,7 +174,7 @@ def test_watchdog_stops_only_the_launch_it_waited_on():
     """Two launches of a graph that never finishes, queued at once (sync=False): the watchdog's
     abort of the first does not pass the second off as finished — it runs, hangs in turn and is
     reported too — and a good launch after them runs to completion."""
-    from mpk.megakernel.gpu import WatchdogTimeout
+    from mpk.errors import WatchdogTimeout
 
     preds = [(), (0,), (1,), (1, 2), (3,)]
     tables = stamp_graph(preds, 1)

@@ -156,3 +156,9 @@ def test_mpk_timeline_writes_the_svg_and_prints_the_breakdown(tmp_path, capsys):
         assert re.search(rf"^{kind} +{summary[kind]:.1f} µs .* {summary['tasks'][kind]} tasks", out, re.M), kind
     assert re.search(rf"^launch +{summary['profiled_step_us']:.1f} µs", out, re.M)
     ElementTree.parse(tmp_path / "step.svg")
+    assert "whole launch" not in out
+    t0 = min(e["ts"] for e in trace["traceEvents"])
+    assert main(["timeline", str(path), "--start-us", str(t0 + 1), "--end-us", str(t0 + 3)]) == 0
+    windowed = capsys.readouterr().out  # a window draws less, but the printed times stay the launch's: said so
+    assert "the window limits the drawing; the times below are the whole launch's" in windowed
+    assert re.search(rf"^launch +{summary['profiled_step_us']:.1f} µs", windowed, re.M)

@@ -46,6 +46,9 @@ def split_bounds(extent: int, parts: int) -> tuple[int, ...]:
 def _override_grid(op: Op, sig: OpSig, spec: PartitionSpec) -> tuple[int, ...]:
     ndim = len(sig.out_shape)
     grid = [1] * ndim
+    if not isinstance(spec, (Mapping, list, tuple)):
+        raise CompileError(f"partition for op {op.name!r} ({op.kind}) is {spec!r}; expected a list of one tile "
+                           f"count per dim of its output {sig.out_shape}, or a dict dim -> count")
     items = spec.items() if isinstance(spec, Mapping) else enumerate(spec)
     if not isinstance(spec, Mapping) and len(spec) != ndim:
         raise CompileError(f"partition for op {op.name!r} ({op.kind}) has {len(spec)} entries; its output "

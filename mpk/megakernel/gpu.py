@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from mpk.compiler.tables import FLAG_JIT, ROLE_INPUT, Tables, buffer_layouts, check_argument, validate, view_of
-from mpk.errors import BadInputError, ExecutorUnavailableError, MpkError, bad_input_message
+from mpk.errors import BadInputError, ExecutorUnavailableError, MpkError, WatchdogTimeout, bad_input_message
 from mpk.megakernel import cuda_driver as drv
 from mpk.megakernel.build import build_cubin
 from mpk.megakernel.codegen import aligned_inputs, dynamic_smem_bytes, generate
@@ -54,10 +54,6 @@ _KEYS = (torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.stride, operator
 STATE_WAITING_AOT, STATE_IDLE = 1, 2
 STATES = {0: "starting", STATE_WAITING_AOT: "waiting for its AOT task", STATE_IDLE: "idle (no AOT work left)",
           3: "exited", 4: "aborted"}
-
-
-class WatchdogTimeout(MpkError):
-    """The persistent kernel did not finish in time; the message is the watchdog's report."""
 
 
 class _Args(ctypes.Structure):

@@ -44,8 +44,15 @@ def load_trace(trace: dict | str | Path) -> list[dict]:
     bad = next((e for e in events if not all(isinstance(e.get(k), (int, float)) for k in ("ts", "dur", "tid"))), None)
     if bad is not None:
         raise MpkError(f"{where}: task span {bad} lacks a number among ts, dur and tid")
+    bad = next((e for e in events if e["dur"] < 0), None)
+    if bad is not None:
+        raise MpkError(f"{where}: task span {bad} has dur {bad['dur']}; expected a duration ≥ 0 µs")
     if not events:
         raise MpkError(f"{where} holds no task spans (expected a Chrome trace written by GpuExecutor.trace)")
+    t_lo = min(e["ts"] for e in events)
+    if max(e["ts"] + e["dur"] for e in events) <= t_lo:
+        raise MpkError(f"{where}: its task spans cover no time (all start and end at {t_lo:g} µs); expected a "
+                       "launch's spans")
     return events
 
 
