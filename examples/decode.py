@@ -37,7 +37,9 @@ RANDOM = {
 }
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# files a transformers tokenizer loads from (one suffices: vocab.json + merges.txt alone make a BPE one)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
 
 
 def _eos_ids(model_dir: str, tokenizer_eos: int | None) -> set[int]:

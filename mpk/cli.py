@@ -99,6 +99,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
 
     if Path(ns.out).exists() and not Path(ns.out).is_dir():
         raise MpkError(f"--out {ns.out} is a file; expected a directory for the dump")
+    factory = None if ns.target in PRESETS else _load_factory(ns.target)  # a mistyped target named first
     given = [f for f in SIZE_FLAGS if getattr(ns, f) is not None]
     takes = PRESETS[ns.target].flags if ns.target in PRESETS else ()
     ignored = [f for f in given if f not in takes]
@@ -113,7 +114,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
     if ns.target in PRESETS:
         model, args = PRESETS[ns.target](ns)
     else:
-        made = _load_factory(ns.target)()
+        made = factory()
         if not (isinstance(made, (tuple, list)) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
             raise MpkError(f"{ns.target} returned {type(made).__name__}; expected (module, example_args)")
         model, args = made

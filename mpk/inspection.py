@@ -7,10 +7,12 @@ runs the same frontend and compiler on the same graph, without running it.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
 import subprocess
+import types
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -66,12 +68,24 @@ def compile_module(model: torch.nn.Module, args: Sequence[Any],
 
         return stop
 
-    # Dynamo's cache for model.forward is dropped before (a capture is never a cache hit) and
-    # after (nothing of this capture is left to match later calls), as torch._dynamo.export does.
-    remove_from_cache(model)
+    # Dynamo caches what it compiled on the forward's code object, which every instance of the
+    # class shares: the capture traces a shallow copy of the model whose forward runs the same
+    # code from a fresh code object, so it is never a cache hit and leaves the caller's own
+    # compiled models alone (dropping the class's cache, as torch._dynamo.export does, made
+    # them recompile).
+    fwd = type(model).forward
+    traced = model
+    if isinstance(fwd, types.FunctionType):
+        fresh = types.FunctionType(fwd.__code__.replace(), fwd.__globals__, fwd.__name__, fwd.__defaults__,
+                                   fwd.__closure__)
+        fresh.__kwdefaults__ = fwd.__kwdefaults__
+        traced = copy.copy(model)
+        traced.forward = types.MethodType(fresh, traced)
+    else:
+        remove_from_cache(model)
     try:
         with torch.no_grad():
-            torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(*args)
+            torch.compile(traced, backend=backend, fullgraph=True, dynamic=False)(*args)
     except _Traced:
         pass
     except BackendCompilerFailed as e:
@@ -79,7 +93,10 @@ def compile_module(model: torch.nn.Module, args: Sequence[Any],
             raise e.inner_exception from None
         raise
     finally:
-        remove_from_cache(model)
+        remove_from_cache(traced.forward if traced is not model else model)
+    if not found:  # Dynamo ran the model instead of tracing it (TORCHDYNAMO_DISABLE=1, say)
+        raise MpkError("torch.compile did not trace the model (is Dynamo disabled, e.g. TORCHDYNAMO_DISABLE=1?); "
+                       "compile_module needs its graph")
     compiled = found[0]
     if opts.debug_dir:
         dump(compiled, opts.debug_dir)

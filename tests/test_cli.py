@@ -97,6 +97,8 @@ def test_inspect_refuses_size_flags_its_target_would_ignore(tmp_path, capsys):
     for argv, message in cases:
         assert main(["inspect", *argv, "--out", str(tmp_path / "o")]) == 2
         assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="'qwen3-1.7b-pagd' is neither a preset"):  # a typo is named as one
+        main(["inspect", "qwen3-1.7b-pagd", "--layers", "2", "--out", str(tmp_path / "o")])
 
 
 @pytest.mark.parametrize("doc,message", [

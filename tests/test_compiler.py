@@ -281,6 +281,24 @@ def test_compile_module_dumps_and_refuses_what_it_cannot_honour(tmp_path):
         compile_module(_Cumsum(), (torch.randn(3, 8),), {"fallback": "eager"})
 
 
+def test_compile_module_leaves_the_callers_compiled_models_alone():
+    """compile_module traces a copy of the model with a forward of its own: a step the caller
+    compiled from the same class (here the same instance) runs on without a recompile (it had
+    dropped the class's Dynamo cache, so the step traced and built again), and its tables are
+    the ones that step runs."""
+    from mpk.backend import COMPILED
+
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), torch.randn(2, 8)
+    step = torch.compile(model, backend="mpk", options={"executor": "cpu"})
+    with torch.no_grad():
+        first = step(x)
+        built = len(COMPILED)
+        inspected = compile_module(model, (x,))
+        compile_module(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), (x,))
+        assert torch.equal(step(x), first) and len(COMPILED) == built
+    assert inspected.tables.to_bytes() == COMPILED[-1].tables.to_bytes()
+
+
 def test_tensor_constant_in_forward_is_explained():
     f = lambda x: x * torch.tensor([1.0, 2.0, 3.0])  # noqa: E731
     with pytest.raises(Exception, match="a tensor constant made inside forward .* register it as a buffer"), \

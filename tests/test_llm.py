@@ -5,6 +5,7 @@ teacher-forced decoding), and the compiled decode step against mpk's eager path.
 from __future__ import annotations
 
 import ast
+import copy
 import importlib.util
 import json
 import math
@@ -12,6 +13,7 @@ import random
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -298,7 +300,14 @@ def test_transformers_own_configs_load():
     {"rope_scaling": {"rope_type": "default", "rope_theta": 5e5}},  # 5's dict under the older name
     {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
     {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5} | {k: v for k, v in LLAMA3_SCALING.items() if k != "rope_type"}},
-], ids=["top-level", "rope_parameters", "rope_scaling", "both-equal", "llama3-parameters"])
+    # the same theta as an int and a float, and configs that carry both forms of the rope
+    {"rope_theta": 500000, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+    {"rope_theta": 500000, "rope_scaling": LLAMA3_SCALING, "rope_parameters": LLAMA3_SCALING | {"rope_theta": 5e5}},
+    {"rope_theta": 5e5, "rope_scaling": {"type" if k == "rope_type" else k: v for k, v in LLAMA3_SCALING.items()},
+     "rope_parameters": LLAMA3_SCALING},
+    {"rope_scaling": {}, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+], ids=["top-level", "rope_parameters", "rope_scaling", "both-equal", "llama3-parameters", "int-and-float", "compat",
+        "type-spelling", "empty-scaling"])
 def test_rope_is_read_where_transformers_reads_it(rope):
     """rope_theta and the scaling from each place a config may hold them: the theta transformers
     builds the model with (a config that gave 5e5 only inside rope_scaling had been read as the
@@ -306,8 +315,8 @@ def test_rope_is_read_where_transformers_reads_it(rope):
     import transformers
 
     base = {k: v for k, v in small("llama").to_hf().items() if k not in ("rope_theta", "rope_scaling")}
-    ours = LLMConfig.from_hf(base | rope)
-    hf = transformers.AutoConfig.for_model(**(base | rope))
+    ours = LLMConfig.from_hf(copy.deepcopy(base | rope))
+    hf = transformers.AutoConfig.for_model(**copy.deepcopy(base | rope))  # (it writes theta into the dicts)
     params = getattr(hf, "rope_parameters", None) or {}
     assert ours.rope_theta == params.get("rope_theta", getattr(hf, "rope_theta", None)) == 5e5
     llama3 = "llama3" in str(rope)
@@ -381,8 +390,11 @@ def test_one_sequence_restarts_while_the_others_decode_on(executor):
             assert relative_error(out[1:2], other) <= 1e-5
     with pytest.raises(ValueError, match=r"reset\(\[0, 0\]\); expected a sequence index in \[0, 3\)"):
         kv.reset([0, 0])
-    with pytest.raises(ValueError, match=r"reset\(3\)"):
-        kv.reset(3)
+    for bad in (3, True, "1", [1.0]):
+        with pytest.raises(ValueError, match=re.escape(f"reset({bad!r})")):
+            kv.reset(bad)
+    kv.reset(np.flatnonzero([True, False, True]))  # NumPy indices, as a finished-sequence mask gives them
+    assert kv.lens == [0, 10 - 5, 0]
 
 
 def test_bad_page_size_and_lengths_are_named():
@@ -678,8 +690,8 @@ def test_decode_example_runs_a_hf_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         module.main(["--model", str(tmp_path), "--prompt", "hello", "--executor", "cpu"])
     assert info.value.code == 2
-    assert f"--prompt: {tmp_path} holds no tokenizer (tokenizer.json, tokenizer_config.json, tokenizer.model)" \
-        in capsys.readouterr().err
+    assert f"--prompt: {tmp_path} holds no tokenizer (tokenizer.json, tokenizer_config.json, tokenizer.model, " \
+        "vocab.json, vocab.txt, spiece.model); pass token ids with --prompt-ids instead" in capsys.readouterr().err
 
 
 def test_decode_example_takes_text_through_the_checkpoint_tokenizer(tmp_path, capsys):

@@ -68,33 +68,48 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 def _rope_settings(where: str, config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope scaling dict or None) of a HF config. transformers ≥ 5 writes the rope
     as one ``rope_parameters`` dict (theta inside) and reads ``rope_scaling`` as another name for
-    it; older configs have a top-level ``rope_theta`` and ``rope_scaling`` without it. Where the
-    sources disagree transformers picks one by its version's rules, so a ConfigError names both
-    rather than this decoder guessing."""
-    given = {k: config[k] for k in ("rope_parameters", "rope_scaling") if config.get(k) is not None}
-    for key, value in given.items():
+    it; older configs have a top-level ``rope_theta`` and ``rope_scaling`` without it, and some
+    carry both forms. Sources that agree (500000 and 500000.0, ``type`` for ``rope_type``, an
+    empty dict for none) are one setting; where they disagree transformers picks one by its
+    version's rules, so a ConfigError names both rather than this decoder guessing."""
+    given: dict[str, dict[str, Any]] = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        value = config.get(key)
+        if value is None or value == {}:
+            continue
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: {key} {value!r}; expected a JSON object such as "
                               '{"rope_type": "llama3", "factor": 8.0, ...}')
-    if len(given) == 2 and given["rope_parameters"] != given["rope_scaling"]:
+        given[key] = value
+    thetas: dict[str, Any] = {}
+    settings: dict[str, dict[str, Any]] = {}  # each dict without its theta, "type" read as "rope_type"
+    for key, value in given.items():
+        rest = dict(value)
+        if "rope_theta" in rest:
+            thetas[f"{key}.rope_theta"] = rest.pop("rope_theta")
+        if "type" in rest and "rope_type" not in rest:
+            rest["rope_type"] = rest.pop("type")
+        settings[key] = rest
+    if len(settings) == 2 and settings["rope_parameters"] != settings["rope_scaling"]:
         raise ConfigError(f"{where}: rope_parameters {given['rope_parameters']} and rope_scaling "
                           f"{given['rope_scaling']} differ; expected one of them (transformers reads both as the "
                           "rope's settings)")
-    rope = dict(next(iter(given.values()), {}))
-    thetas = {f"{k}.rope_theta": rope.pop("rope_theta") for k in given if "rope_theta" in rope}
     if config.get("rope_theta") is not None:
         thetas["rope_theta"] = config["rope_theta"]
-    if len(set(map(repr, thetas.values()))) > 1:
+    for name, value in thetas.items():
+        _positive(where, {name: value}, name, float)
+    if len({float(v) for v in thetas.values()}) > 1:
         raise ConfigError(f"{where}: " + " and ".join(f"{k} {v!r}" for k, v in thetas.items()) +
                           " differ; expected one rope_theta")
-    theta = _positive(where, {"rope_theta": next(iter(thetas.values()), 10000.0)}, "rope_theta", float)
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(next(iter(thetas.values()), 10000.0))
+    source, rope = next(iter(settings.items()), ("rope_scaling", {}))
+    kind = rope.get("rope_type", "default")
     if kind == "llama3":
         for key in _LLAMA3_KEYS:
             if key in rope:
-                _positive(f"{where}: rope_scaling", rope, key, int if key.startswith("original") else float)
+                _positive(f"{where}: {source}", rope, key, int if key.startswith("original") else float)
         if all(k in rope for k in _LLAMA3_KEYS[1:3]) and rope["high_freq_factor"] <= rope["low_freq_factor"]:
-            raise ConfigError(f"{where}: rope_scaling high_freq_factor {rope['high_freq_factor']} is not above "
+            raise ConfigError(f"{where}: {source} high_freq_factor {rope['high_freq_factor']} is not above "
                               f"low_freq_factor {rope['low_freq_factor']}; Llama 3 scaling interpolates between them")
     return theta, (rope if kind != "default" else None)
 
@@ -470,10 +485,13 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, devic
                 t = torch.cat([read(n) for n in names], 0).to(dtype=dtype, device=device)
                 bad = _count_non_finite(t)
                 if bad:  # a broken checkpoint, or values past dtype's range (float16's 65504)
-                    raise MpkError(f"checkpoint {path}: {'/'.join(names)} holds {bad} non-finite "
-                                   f"values as {dtype} (the largest stored magnitude is "
-                                   f"{max(float(read(n).abs().max()) for n in names):.4g}); expected finite weights "
-                                   f"(float16 holds magnitudes up to 65504: load as torch.bfloat16 or float32)")
+                    stored = [read(n) for n in names]
+                    overflow = all(_count_non_finite(x) == 0 for x in stored)
+                    raise MpkError(f"checkpoint {path}: {'/'.join(names)} holds {bad} non-finite values as {dtype}" + (
+                        f" (the largest stored magnitude is {max(float(x.abs().max()) for x in stored):.4g}); expected "
+                        f"finite weights ({dtype} holds magnitudes up to {torch.finfo(dtype).max:.6g}: load as "
+                        "torch.bfloat16 or float32)" if overflow else
+                        "; the checkpoint itself stores inf or NaN there: expected finite weights"))
                 setattr(owner, attr, nn.Parameter(t, requires_grad=False))
                 bar.update(sum(numel[n] for n in names))
     model.cos_sin = rope_table(cfg, max_len or cfg.max_position, dtype).to(device)
@@ -501,6 +519,21 @@ def _index_files(index: Path) -> list[str]:
         raise MpkError(f"{index} maps tensors to files outside its directory: {_few(outside)}; expected shard "
                        "file names beside it")
     return sorted(set(weight_map.values()))
+
+
+def _indices(value: Any) -> list[int] | None:
+    """An integer (Python or NumPy, not a bool) or an iterable of them (a list, range or array) as
+    a list of ints; None for anything else."""
+    def one(v: Any) -> int | None:
+        return None if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) else int(v)
+
+    if one(value) is not None:
+        return [one(value)]
+    try:
+        items = [one(v) for v in value]
+    except TypeError:
+        return None
+    return None if None in items else items
 
 
 def _is_count(value: Any, least: int = 0) -> bool:
@@ -566,8 +599,8 @@ class PagedKVCache:
             self.owned = np.zeros((self.batch, self.pages_per_seq), np.int32)  # row b: sequence b's pages in order
             self.lens = [0] * self.batch
         else:
-            chosen = [seqs] if _is_count(seqs) else list(seqs) if isinstance(seqs, (list, tuple)) else None
-            if chosen is None or not all(_is_count(b) and b < self.batch for b in chosen) or len(set(chosen)) < len(chosen):
+            chosen = _indices(seqs)
+            if chosen is None or not all(0 <= b < self.batch for b in chosen) or len(set(chosen)) < len(chosen):
                 raise ValueError(f"reset({seqs!r}); expected a sequence index in [0, {self.batch}), a list of "
                                  "distinct ones, or None (every sequence)")
             for b in chosen:
