@@ -297,12 +297,6 @@ def _addmm(L, node, bias: View, a: View, b: View, *, beta=1, alpha=1):
     return L.emit("matmul", [a, b, bias], {"alpha": alpha, "beta": beta})
 
 
-@handles(aten.linear.default)
-def _linear(L, node, x: View, w: View, bias=None):
-    ins = [x, w.then(("permute", (1, 0)))] + ([bias] if bias is not None else [])
-    return L.emit("matmul", ins)
-
-
 @handles(aten.embedding.default)
 def _embedding(L, node, weight: View, ids: View, *args):
     return L.emit("embedding", [weight, ids])

@@ -157,18 +157,13 @@ def _match_residual_matmul(node: Node):
     task adds the residual in its epilogue, which saves a task, an event hop and a buffer."""
     if not _is(node, aten.add.Tensor) or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
         return None
-    m = _commuted(node, lambda n: (_is(n, aten.mm.default) or (_is(n, aten.linear.default) and len(n.args) == 2))
-                  and len(n.users) == 1)
+    m = _commuted(node, lambda n: _is(n, aten.mm.default) and len(n.users) == 1)
     if m is None or not isinstance(m[1], Node):
         return None
     mm, r = m
     rv, mv = _val(r), _val(mm)
     if rv is None or tuple(rv.shape) != tuple(mv.shape) or rv.dtype != mv.dtype or _val(node).dtype != mv.dtype:
         return None
-    if _is(mm, aten.linear.default):  # (torch.export keeps linear whole) the residual becomes its bias
-        if _val(mm).dim() != 2:
-            return None
-        return node, (aten.linear.default, (mm.args[0], mm.args[1], r))
     return node, (aten.addmm.default, (r, mm.args[0], mm.args[1]))
 
 
