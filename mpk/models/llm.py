@@ -485,12 +485,13 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, devic
                 t = torch.cat([read(n) for n in names], 0).to(dtype=dtype, device=device)
                 bad = _count_non_finite(t)
                 if bad:  # a broken checkpoint, or values past dtype's range (float16's 65504)
-                    stored = [read(n) for n in names]
-                    overflow = all(_count_non_finite(x) == 0 for x in stored)
+                    pieces = [read(n) for n in names]
+                    overflow = all(_count_non_finite(x) == 0 for x in pieces)
+                    wider = "torch.bfloat16 or torch.float32" if dtype == torch.float16 else "torch.float32"
                     raise MpkError(f"checkpoint {path}: {'/'.join(names)} holds {bad} non-finite values as {dtype}" + (
-                        f" (the largest stored magnitude is {max(float(x.abs().max()) for x in stored):.4g}); expected "
+                        f" (the largest stored magnitude is {max(float(x.abs().max()) for x in pieces):.4g}); expected "
                         f"finite weights ({dtype} holds magnitudes up to {torch.finfo(dtype).max:.6g}: load as "
-                        "torch.bfloat16 or float32)" if overflow else
+                        f"{wider})" if overflow else
                         "; the checkpoint itself stores inf or NaN there: expected finite weights"))
                 setattr(owner, attr, nn.Parameter(t, requires_grad=False))
                 bar.update(sum(numel[n] for n in names))
