@@ -407,3 +407,97 @@ def test_scalar_first_pointwise_keeps_the_constant_type():
     x = torch.arange(6).reshape(2, 3)
     out = torch.compile(lambda t: 1.5 - t, backend="mpk", options={"executor": "cpu"})(x)
     assert out.dtype == torch.float32 and torch.equal(out, 1.5 - x)
+
+
+def _cpu(fn):
+    return torch.compile(fn, backend="mpk", dynamic=False, options={"executor": "cpu"})
+
+
+class _Stateful(nn.Module):
+    """Returns its state before the step, then updates it (a buffer mutated in forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("h", torch.randn(4))
+
+    def forward(self, x):
+        old = self.h.clone()
+        self.h.add_(x)
+        return old, x * 2
+
+
+@pytest.mark.parametrize("executor", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_clone_outputs_are_tensors_of_their_own(executor):
+    """A clone the caller receives does not share memory with an input or another output (a
+    clone had been lowered as its source's buffer: a clone of an input changed when the input
+    was mutated after it, and two outputs shared storage); `.contiguous()` is row-major; a view
+    of an input stays one, as in eager."""
+    dev = "cuda" if executor == "gpu" else "cpu"
+
+    def compiled(fn):
+        return torch.compile(fn, backend="mpk", dynamic=False, options={"executor": executor})
+
+    x = torch.randn(3, 4, device=dev)
+    before = x.clone()
+    y = compiled(lambda x: (x.clone(), x.add_(1))[0])(x)
+    assert torch.equal(y, before) and torch.equal(x, before + 1)
+    model, ref = _Stateful().to(dev), _Stateful().to(dev)
+    ref.h.copy_(model.h)
+    step = compiled(model)
+    for _ in range(3):
+        v = torch.randn(4, device=dev)
+        assert torch.equal(step(v)[0], ref(v)[0])
+    a, b = compiled(lambda x: (x + 1, (x + 1).clone()))(x)
+    assert a.data_ptr() != b.data_ptr() and torch.equal(a, b)
+    z = compiled(lambda x: (x + 1).transpose(0, 1).contiguous())(x)
+    assert z.is_contiguous() and torch.equal(z.view(-1), (x + 1).t().reshape(-1))
+    v = compiled(lambda x: x.t())(x)
+    v.mul_(0)
+    assert (x == 0).all()  # the view writes through, as eager's does
+
+
+def test_addmm_with_beta_zero_ignores_the_bias():
+    a, b = torch.randn(2, 3), torch.randn(3, 5)
+    bias = torch.full((2, 5), float("nan"))
+    bias[0, 0] = float("inf")
+    out = _cpu(lambda c, a, b: torch.addmm(c, a, b, beta=0))(bias, a, b)
+    assert relative_error(out, a.double() @ b.double()) <= 1e-6
+
+
+def test_cat_of_empty_tensors_is_empty():
+    x = torch.randn(5)
+    out = _cpu(lambda x: torch.cat([x[:0], x[:0]]) + 1)(x)
+    assert out.shape == (0,)
+
+
+def test_rotate_half_over_an_odd_dim_stays_arithmetic():
+    """q·c + rotate(q)·s with an odd last dim is not the rope op (which rotates pairs and would
+    refuse it): it compiles as the arithmetic it is."""
+    f = lambda q, c, s: q * c + torch.cat((-q[..., 3:], q[..., :3]), -1) * s  # noqa: E731
+    q, c, s = (torch.randn(2, 7) for _ in range(3))
+    assert relative_error(_cpu(f)(q, c, s), f(q.double(), c.double(), s.double())) <= 1e-6
+
+
+@pytest.mark.parametrize("make,hint", [
+    (lambda: (nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval(), (torch.randn(2, 5, 16),)),
+     r"torch.backends.mha.set_fastpath_enabled\(False\)"),
+    (lambda: (lambda x: x + torch.ones(4), (torch.randn(4),)),
+     r"a tensor made inside forward \(torch.ones\): pass it as an input or register it as a buffer"),
+])
+def test_ops_without_a_lowering_say_what_to_do(make, hint):
+    fn, args = make()
+    with pytest.raises(Exception, match=hint), torch.no_grad():
+        _cpu(fn)(*args)
+
+
+def test_transformer_encoder_without_the_fast_path_matches_eager():
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    fast = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.no_grad():
+            out, ref = _cpu(layer)(x), layer(x)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)
+    assert relative_error(out, ref) <= 1e-5

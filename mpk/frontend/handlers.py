@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch.fx import Node
 
 import mpk.frontend.fused_ops  # noqa: F401  (registers torch.ops.mpk.*)
 from mpk.frontend.lower import Unavailable, Unsupported
@@ -27,6 +28,27 @@ HANDLERS: dict[Any, Callable] = {}
 
 def lookup(target) -> Callable | None:
     return HANDLERS.get(target) or HANDLERS.get(getattr(target, "overloadpacket", None))
+
+
+_FASTPATH = ("PyTorch's fused inference path for nn.TransformerEncoderLayer / nn.MultiheadAttention, which mpk "
+             "does not lower; call torch.backends.mha.set_fastpath_enabled(False) before compiling and the layer "
+             "traces as the matmuls, softmax and layer norms mpk runs")
+# What to do about an op with no lowering rule, where there is something to do
+NO_RULE_HINTS = {
+    aten._transformer_encoder_layer_fwd: _FASTPATH,
+    aten._native_multi_head_attention: _FASTPATH,
+    aten.native_dropout: "dropout with p > 0: mpk compiles inference (call model.eval(); "
+                         "scaled_dot_product_attention with dropout_p=0)",
+    **{getattr(aten, name): f"a tensor made inside forward (torch.{name}): pass it as an input or register it as "
+                            "a buffer" for name in ("arange", "full", "ones", "zeros", "empty", "full_like", "ones_like",
+                                                    "zeros_like", "empty_like")},
+}
+
+
+def no_rule_reason(target) -> str:
+    """Why ``target`` cannot be lowered, with what to do where a hint exists."""
+    hint = NO_RULE_HINTS.get(getattr(target, "overloadpacket", target))
+    return "no lowering rule for this ATen op" + (f": {hint}" if hint else "")
 
 
 def handles(*targets):
@@ -123,10 +145,24 @@ def _unbind(L, node, x: View, dim=0):
     return tuple(x.then(("slice", d, i, i + 1, 1)).then(("reshape", shape)) for i in range(x.shape[d]))
 
 
-@handles(aten.alias, aten.detach, aten.lift_fresh_copy, aten.clone, aten.contiguous)
+@handles(aten.alias, aten.detach)
 def _alias(L, node, x: View, *args, **kwargs):
-    # The graph is functional: a clone holds the same values, so it may share the buffer.
     return x
+
+
+def _reaches_output(node: Node) -> bool:
+    """Whether ``node``'s value, or a view of it, is a graph output."""
+    return any(u.op == "output" or (u.op == "call_function" and getattr(u.target, "is_view", False)
+                                    and u.args[0] is node and _reaches_output(u)) for u in node.users)
+
+
+@handles(aten.lift_fresh_copy, aten.clone, aten.contiguous)
+def _clone(L, node, x: View, *args, **kwargs):
+    # The graph is functional, so a clone read inside it may share its source's buffer. One the
+    # caller receives must not: it would alias an input (whose mutation AOTAutograd applies
+    # after the graph, or the caller after the call) or another output, where eager PyTorch
+    # returns a tensor of its own (and `.contiguous()` a row-major one).
+    return L.copy(x) if _reaches_output(node) else x
 
 
 @handles(aten._to_copy, prims.convert_element_type)
@@ -294,7 +330,8 @@ def _mm_silu_mul(L, node, x: View, b: View):
 
 @handles(aten.addmm.default)
 def _addmm(L, node, bias: View, a: View, b: View, *, beta=1, alpha=1):
-    return L.emit("matmul", [a, b, bias], {"alpha": alpha, "beta": beta})
+    # beta = 0 ignores the bias, inf and NaN included (as torch.addmm does): not 0 · bias
+    return L.emit("matmul", [a, b] + ([bias] if beta != 0 else []), {"alpha": alpha, "beta": beta})
 
 
 @handles(aten.embedding.default)
@@ -304,7 +341,8 @@ def _embedding(L, node, weight: View, ids: View, *args):
 
 @handles(aten.cat.default)
 def _cat(L, node, tensors, dim=0):
-    tensors = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)]
+    # empty 1-d pieces join anything (torch.cat's legacy rule); all of them empty: an empty result
+    tensors = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)] or tensors[:1]
     d = _dim(dim, tensors[0].ndim)
     return L.emit("cat", tensors, {"dim": d})
 

@@ -108,15 +108,19 @@ class Lowering:
             return self._materialized[view]
         k = next(i for i in range(1, len(view.steps) + 1)
                  if View(view.buffer, view.base_shape, view.steps[:i], view.shapes[:i]).strided() is None) - 1
-        prefix = View(view.buffer, view.base_shape, view.steps[:k], view.shapes[:k])
-        src = self.graph.buffers[view.buffer]
-        op = self.graph.add_op("copy", (prefix,), view.shapes[k], src.dtype, {}, self._unique(f"{src.name}_copy"),
-                               source_line(self._node) if self._node else "")
-        rest = identity_view(op.output, view.shapes[k])
+        rest = self.copy(View(view.buffer, view.base_shape, view.steps[:k], view.shapes[:k]), view.shapes[k])
         for step in view.steps[k + 1:]:
             rest = rest.then(step)
         self._materialized[view] = self.strided(rest)
         return self._materialized[view]
+
+    def copy(self, view: View, shape: tuple[int, ...] | None = None) -> View:
+        """``view``'s elements copied, row-major, into a fresh buffer of its shape or of
+        ``shape`` (a reshape of it: the copy op materialises ``reshape(view, shape)``)."""
+        src, shape = self.graph.buffers[view.buffer], view.shape if shape is None else tuple(shape)
+        op = self.graph.add_op("copy", (self.strided(view),), shape, src.dtype, {}, self._unique(f"{src.name}_copy"),
+                               source_line(self._node) if self._node else "")
+        return identity_view(op.output, shape)
 
     def emit(self, kind: str, inputs: list[View], attrs: dict[str, Any] | None = None,
              shape=None, dtype: torch.dtype | None = None) -> View:
@@ -172,7 +176,7 @@ class Lowering:
         return Unavailable(name)
 
     def run(self) -> OpGraph:
-        from mpk.frontend.handlers import lookup
+        from mpk.frontend.handlers import lookup, no_rule_reason
 
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         for i, node in enumerate(placeholders):
@@ -187,8 +191,9 @@ class Lowering:
                 self._outputs(node)
                 continue
             if node.op == "get_attr":
-                self._fail(node, "a tensor constant made inside forward (torch.tensor(...) there, say); mpk reads "
-                                 "tensors from inputs, parameters and buffers: register it as a buffer")
+                self._fail(node, "a tensor constant made inside forward (torch.tensor(...) there, or a list index "
+                                 "such as x[:, [i]], which x[:, i:i + 1] replaces); mpk reads tensors from inputs, "
+                                 "parameters and buffers: register it as a buffer")
                 continue
             if node.op != "call_function":
                 self._fail(node, f"FX node kind {node.op!r} (only call_function is lowered)")
@@ -198,7 +203,7 @@ class Lowering:
             handler = lookup(node.target)
             try:
                 if handler is None:
-                    raise Unsupported("no lowering rule for this ATen op")
+                    raise Unsupported(no_rule_reason(node.target))
                 # getitem may pick a computed element out of a tuple holding Unavailable ones
                 if node.target is not operator.getitem and any(isinstance(a, Unavailable) for a in _flat(args, kwargs)):
                     bad = next(a for a in _flat(args, kwargs) if isinstance(a, Unavailable))

@@ -104,6 +104,8 @@ def _match_rope(node: Node):
             continue
         x = hi.args[0]
         d = _val(x).shape[-1]
+        if d % 2:  # the rope op rotates pairs: an odd last dim stays plain arithmetic
+            continue
         if not (_last_dim(x, dim) and _last_dim(x, hi.args[1]) and _last_dim(x, lo.args[1])):
             continue
         if (hi.args[2], min(hi.args[3], d)) != (d // 2, d) or (lo.args[2], min(lo.args[3], d)) != (0, d // 2):

@@ -52,7 +52,10 @@ def _cat_regions(sig: OpSig, rect):
 
 
 def _cat_cpu(sig: OpSig, rect, xs):
-    return torch.cat([x for x in xs if x is not None], dim=sig.attrs["dim"]).to(sig.out_dtype)
+    pieces = [x for x in xs if x is not None]
+    if not pieces:  # an empty tile (a cat of empty tensors): no input region reaches it
+        return torch.empty([hi - lo for lo, hi in rect], dtype=sig.out_dtype)
+    return torch.cat(pieces, dim=sig.attrs["dim"]).to(sig.out_dtype)
 
 
 register(OpDef(
