@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer import Shape, copy_bandwidth, floor_ms, kv_bytes, time_peer, time_step, weight_bytes  # noqa: E402
+from peer import Shape, copy_bandwidth, floor_ms, kv_bytes, require_cuda, time_peer, time_step, weight_bytes  # noqa: E402
 
 from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
 from mpk.cli import count, json_object, page_size as page_size_arg  # noqa: E402
@@ -206,6 +206,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.trace_dir and not args.profile:
         ap.error("--trace-dir writes the profiled steps' traces: add --profile")
+    require_cuda("decode_latency.py", "benchmarks/prebuild_decode.py builds its kernels without one")
     if args.trace_dir:
         args.trace_dir.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name()

@@ -19,6 +19,7 @@ import os
 
 import numpy as np
 import torch
+from peer import require_cuda
 
 from mpk.megakernel import cuda_driver as drv
 from mpk.megakernel.gpu import GpuExecutor
@@ -79,6 +80,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=2000)
     p.add_argument("--clocks", action="store_true", help="split AOT hops by SM cycle counters")
     ns = p.parse_args()
+    require_cuda("hop_breakdown.py")
     if ns.clocks:
         flags = os.environ.get("MPK_NVCC_FLAGS", "")
         if "-DMPK_HOP_CLOCKS" not in flags.split():

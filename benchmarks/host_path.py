@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_latency import add_step_args, compile_step, emit_row, max_len, random_model  # noqa: E402
-from peer import time_step  # noqa: E402
+from peer import require_cuda, time_step  # noqa: E402
 
 from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
 from mpk.megakernel import cuda_driver as drv  # noqa: E402
@@ -140,6 +140,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.calls < 1 or args.rounds < 1:
         ap.error(f"--calls {args.calls} and --rounds {args.rounds} must be at least 1")
+    require_cuda("host_path.py")
     device = torch.cuda.get_device_name()
     rows = []
     for name in args.models:

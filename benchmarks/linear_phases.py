@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_latency import compile_step, max_len, random_model  # noqa: E402
+from peer import require_cuda  # noqa: E402
 
 from mpk.backend import COMPILED, RUNNERS  # noqa: E402
 from mpk.megakernel import cuda_driver as drv  # noqa: E402
@@ -92,8 +93,7 @@ def main(argv=None) -> int:
                          "code and data warm, as 'attention warm' (a diagnostic: the step does the work twice)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("linear_phases needs a CUDA device")
+    require_cuda("linear_phases.py")
     flags = os.environ.get("MPK_NVCC_FLAGS", "")
     for flag in ["-DMPK_PHASES"] + (["-DMPK_ATTN_WARM_RERUN"] if args.warm_rerun else []):
         if flag not in flags.split():

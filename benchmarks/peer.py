@@ -5,7 +5,7 @@ cache updated in place, SDPA with a position mask), timed eager, eager under a C
 torch.compile + CUDA graph; the best of the three is "peer".
 Floor: bytes a decode step must read (weights + KV cache) / measured device copy bandwidth.
 
-    from peer import SHAPES, time_peer, weight_bytes, kv_bytes, copy_bandwidth, floor_ms
+    from peer import SHAPES, time_peer, weight_bytes, kv_bytes, copy_bandwidth, floor_ms, require_cuda
 """
 
 from __future__ import annotations
@@ -19,6 +19,14 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+def require_cuda(script: str, instead: str = "") -> None:
+    """Exit naming the script when there is no CUDA device (its timings need one), rather than
+    a traceback from the first CUDA call; ``instead``: what the script can do without one."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} times kernels on a CUDA device, and this machine has none" +
+                         (f"; {instead}" if instead else ""))
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import json
 import statistics
 
 import torch
+from peer import require_cuda
 
 from mpk.megakernel.gpu import GpuExecutor
 from mpk.megakernel.stress import chain, force_jit, independent, stamp_graph, stamp_inputs
@@ -79,6 +80,7 @@ def main() -> None:
     p.add_argument("--out", help="JSON-lines file to append to")
     p.add_argument("--repeats", type=int, default=20)
     ns = p.parse_args()
+    require_cuda("runtime_overhead.py")
     dev = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
     rows = []

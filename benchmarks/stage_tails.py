@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_latency import add_step_args, compile_step, max_len, random_model  # noqa: E402
+from peer import require_cuda  # noqa: E402
 
 from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
 from mpk.megakernel.gpu import GpuExecutor  # noqa: E402
@@ -154,6 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--options", type=json.loads, default={})
     ap.add_argument("--out-dir", type=Path, default=None)
     args = ap.parse_args(argv)
+    require_cuda("stage_tails.py")
     for name in args.models:
         for batch in args.batches:
             rec, kinds = records(name, batch, args.position, args.page_size, args.steps, args.options)

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer import SHAPES, copy_bandwidth  # noqa: E402
+from peer import SHAPES, copy_bandwidth, require_cuda  # noqa: E402
 
 from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
 from mpk.cli import count, json_object  # noqa: E402
@@ -220,6 +220,7 @@ def main(argv=None) -> int:
         prebuild(args.models, args.batches, not args.attention_only, not args.linear_only,
                  not (args.linear_only or args.attention_only), args.options)
         return 0
+    require_cuda("task_bandwidth.py", "--prebuild builds its kernels without one")
     device, bw = torch.cuda.get_device_name(), copy_bandwidth()
     print(f"device {device}; copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     rows = []

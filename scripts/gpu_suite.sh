@@ -2,11 +2,15 @@
 # Everything GPU-side in one call (for the lent device): install, GPU tests (runtime and
 # decode), the runtime benchmarks, then with DECODE=1 the decode benchmarks (task bandwidth and
 # decode latency against the torch peer: about 10 minutes more), short tables last. Logs and
-# JSON go to $OUT (or ./gpu-out). PARTS picks a subset (default "decode parity runtime bench",
+# JSON go to $OUT (or ./gpu-out); the exit status is non-zero when a test or benchmark failed. PARTS picks a subset (default "decode parity runtime bench",
 # ~9 minutes on an H100 with xdist): the device's 10-minute limit per command fits
 # PARTS="decode parity" and PARTS="runtime bench" as two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+PARTS=" ${PARTS:-decode parity runtime bench} "
+for part in $PARTS; do
+  case $part in decode|parity|runtime|bench) ;; *) echo "PARTS has $part; expected decode, parity, runtime, bench" >&2; exit 2;; esac
+done
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MPK_CACHE_DIR=${MPK_CACHE_DIR:-/tmp/mpk-cache}
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -18,7 +22,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # them side by side stalled for minutes on an H100 machine's 16 cores, where one takes 50 s),
 # and the runtime tests, which time hops and watch for hangs (kernels of several processes
 # time-slice the GPU).
-PARTS=" ${PARTS:-decode parity runtime bench} "
 jobs=${PYTEST_JOBS:-6}
 test_rc=0
 run_tests() {  # pytest arguments; appends to pytest_gpu.log, folds the exit code into test_rc
@@ -33,8 +36,15 @@ python3 -c "import xdist" 2>/dev/null && parallel=(-n "$jobs") threads=$(( threa
 [[ $PARTS == *" runtime "* ]] && run_tests tests --deselect tests/test_gpu_decode.py
 if [[ $PARTS == *" bench "* ]]; then
   python3 examples/compile_module.py --out "$OUT/example" 2>&1 | tee "$OUT/example.log" | tail -4
+  bench_rc=${PIPESTATUS[0]}
   python3 benchmarks/hop_breakdown.py 2>&1 | tee "$OUT/hop_breakdown.txt"
+  bench_rc=$(( bench_rc | PIPESTATUS[0] ))
   python3 benchmarks/runtime_overhead.py --out "$OUT/runtime_overhead.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -8
+  bench_rc=$(( bench_rc | PIPESTATUS[0] ))
 fi
-if [[ ${DECODE:-0} == 1 ]]; then STAGE=bandwidth OUT=$OUT bash scripts/gpu_decode.sh; STAGE=latency OUT=$OUT bash scripts/gpu_decode.sh; fi
-echo "gpu tests exit code: $test_rc"
+if [[ ${DECODE:-0} == 1 ]]; then
+  STAGE=bandwidth OUT=$OUT bash scripts/gpu_decode.sh; bench_rc=$(( ${bench_rc:-0} | $? ))
+  STAGE=latency OUT=$OUT bash scripts/gpu_decode.sh; bench_rc=$(( bench_rc | $? ))
+fi
+echo "gpu tests exit code: $test_rc; benchmarks' exit code: ${bench_rc:-0}"
+exit $(( test_rc | ${bench_rc:-0} ))
