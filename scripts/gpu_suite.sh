@@ -26,7 +26,9 @@ jobs=${PYTEST_JOBS:-6}
 test_rc=0
 run_tests() {  # pytest arguments; appends to pytest_gpu.log, folds the exit code into test_rc
   python3 -m pytest -m gpu -q -p no:cacheprovider "$@" ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/pytest_gpu.log" | tail -15
-  test_rc=$(( test_rc | PIPESTATUS[0] ))
+  local rc=${PIPESTATUS[0]}
+  (( rc == 5 )) && rc=0  # pytest's "no tests collected": a part PYTEST_ARGS narrowed to nothing
+  test_rc=$(( test_rc | rc ))
 }
 # Without xdist the decode part runs serially (~10 minutes on its own).
 parallel=() threads=$(nproc)

@@ -451,6 +451,10 @@ def test_clone_outputs_are_tensors_of_their_own(executor):
     assert a.data_ptr() != b.data_ptr() and torch.equal(a, b)
     z = compiled(lambda x: (x + 1).transpose(0, 1).contiguous())(x)
     assert z.is_contiguous() and torch.equal(z.view(-1), (x + 1).t().reshape(-1))
+    for f in (lambda x: x.clone().split(2)[0], lambda x: x.clone().unbind(0)[1], lambda x: x.to(x.dtype, copy=True)):
+        out = compiled(f)(x)  # a piece of a split clone, a same-dtype copying cast: copies too
+        out.add_(1)
+        assert torch.equal(out, f(x) + 1)
     v = compiled(lambda x: x.t())(x)
     v.mul_(0)
     assert (x == 0).all()  # the view writes through, as eager's does

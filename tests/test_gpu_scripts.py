@@ -35,6 +35,12 @@ def test_a_failure_fails_the_script(tmp_path, script, env):
     assert _run(tmp_path, script, env, python_rc=0).returncode == 0
 
 
+def test_a_part_with_no_tests_selected_passes(tmp_path):
+    """pytest's status 5 (no tests collected: PYTEST_ARGS narrowed a part to nothing) is not a
+    failure."""
+    assert _run(tmp_path, "gpu_suite.sh", {"PARTS": "runtime"}, python_rc=5).returncode == 0
+
+
 @pytest.mark.parametrize("script,env,message", [
     ("gpu_suite.sh", {"PARTS": "runtime decod"}, "PARTS has decod; expected decode, parity, runtime, bench"),
     ("gpu_decode.sh", {"STAGE": "latnecy"}, "STAGE=latnecy; expected tests, bandwidth, latency, phases or all"),

@@ -397,6 +397,28 @@ def test_one_sequence_restarts_while_the_others_decode_on(executor):
     assert kv.lens == [0, 10 - 5, 0]
 
 
+def test_a_copy_of_the_cache_a_step_appends_to_is_refused():
+    """A clone of the KV cache that the step's rope_append then updates in place is refused by
+    name: the dependency analysis does not see the in-place append, so the copy's order
+    against it would be the schedule's (one seed in three copied the appended token)."""
+    model = DecoderLM(small("qwen3"), torch.float32, max_len=32).randomize(seed=random.randrange(1 << 30))
+    kv = PagedKVCache(model, 1, 32, 16)
+    kv.grow(1)
+
+    class Snapshot(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, tokens, cache, *table):
+            snap = cache.clone()
+            return self.m(tokens, cache, *table), snap
+
+    step = torch.compile(Snapshot(), backend="mpk", fullgraph=True, dynamic=False, options={"executor": "cpu"})
+    with pytest.raises(Exception, match="a copy of a tensor the graph updates in place"), torch.no_grad():
+        step(torch.tensor([3]), *kv.args())
+
+
 def test_bad_page_size_and_lengths_are_named():
     model = DecoderLM(small("qwen3"), torch.float32)
     with pytest.raises(ValueError, match="page_size 3"):

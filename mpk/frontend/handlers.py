@@ -151,18 +151,32 @@ def _alias(L, node, x: View, *args, **kwargs):
 
 
 def _reaches_output(node: Node) -> bool:
-    """Whether ``node``'s value, or a view of it, is a graph output."""
-    return any(u.op == "output" or (u.op == "call_function" and getattr(u.target, "is_view", False)
-                                    and u.args[0] is node and _reaches_output(u)) for u in node.users)
+    """Whether ``node``'s value, or a view of it (a piece of a split among them), is a graph
+    output."""
+    return any(u.op == "output" or (u.op == "call_function" and u.args[0] is node
+                                    and (getattr(u.target, "is_view", False) or u.target is operator.getitem)
+                                    and _reaches_output(u)) for u in node.users)
+
+
+def _fresh(L, node: Node, x: View) -> View:
+    """The value of a copying op (clone, a same-dtype cast) whose result equals its source ``x``.
+    The graph is functional, so a copy read inside it may share its source's buffer. One the
+    caller receives must not: it would alias an input (whose mutation AOTAutograd applies after
+    the graph, or the caller after the call) or another output, where eager PyTorch returns a
+    tensor of its own (and `.contiguous()` a row-major one)."""
+    root = node.args[0]
+    while isinstance(root, Node) and root.op == "call_function" and getattr(root.target, "is_view", False):
+        root = root.args[0]
+    if isinstance(root, Node) and any(u.target is torch.ops.higher_order.auto_functionalized_v2 for u in root.users):
+        # an op of the graph updates that buffer in place (a KV cache append), unseen by the
+        # dependency analysis: the copy's order against it would be the schedule's
+        raise Unsupported("a copy of a tensor the graph updates in place (a paged KV cache); copy it outside")
+    return L.copy(x) if _reaches_output(node) else x
 
 
 @handles(aten.lift_fresh_copy, aten.clone, aten.contiguous)
 def _clone(L, node, x: View, *args, **kwargs):
-    # The graph is functional, so a clone read inside it may share its source's buffer. One the
-    # caller receives must not: it would alias an input (whose mutation AOTAutograd applies
-    # after the graph, or the caller after the call) or another output, where eager PyTorch
-    # returns a tensor of its own (and `.contiguous()` a row-major one).
-    return L.copy(x) if _reaches_output(node) else x
+    return _fresh(L, node, x)
 
 
 @handles(aten._to_copy, prims.convert_element_type)
@@ -170,8 +184,8 @@ def _to(L, node, x: View, *args, **kwargs):
     dtype = L.meta().dtype
     if kwargs.get("device") is not None and kwargs["device"] != node.args[0].meta["val"].device:
         raise Unsupported(f"a device transfer to {kwargs['device']} inside the graph")
-    if dtype == L.graph.buffers[x.buffer].dtype:
-        return x
+    if dtype == L.graph.buffers[x.buffer].dtype:  # `.to(dtype, copy=True)` of its own dtype: a copy
+        return _fresh(L, node, x)
     return L.emit("pointwise", [x], {"fn": "cast", "args": [["in", 0]]})
 
 
