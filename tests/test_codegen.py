@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from helpers import compile_with, random_partition, trace_graph
+from test_elementwise_ops import CASES, _inputs, _Zoo
 from mpk.inspection import compile_module
 from mpk.megakernel import build
 from mpk.errors import CompileError
@@ -40,6 +41,8 @@ def _graphs():
     yield "qwen3-1.7b-paged-unfused", _paged_decode_tables(fuse_rope_attention=False)
     yield "qwen3-bf16-fused-norm", _compiled_decode_tables("qwen3", fuse_norm_prologue=True)
     yield "sampling-head", _sampling_head_tables()
+    for dtype in (torch.float32, torch.bfloat16):  # every elementwise function, reduction and softmax form
+        yield f"elementwise-{str(dtype)[6:]}", compile_module(_Zoo(list(CASES)), _inputs(dtype), {"num_workers": 16}).tables
 
 
 class _SamplingHead(torch.nn.Module):

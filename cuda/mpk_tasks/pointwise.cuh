@@ -6,10 +6,25 @@
 namespace mpk {
 
 // Function ids: the order of mpk.ops.pointwise.POINTWISE_FNS.
-enum PointwiseFn : int { kAdd, kSub, kMul, kDiv, kPow, kNeg, kExp, kRsqrt, kSqrt, kSilu, kGelu, kGeluTanh,
-                         kSigmoid, kTanh, kRelu, kCast };
+enum PointwiseFn : int {
+  kAdd, kSub, kMul, kDiv, kPow, kNeg, kExp, kRsqrt, kSqrt, kSilu, kGelu, kGeluTanh, kSigmoid, kTanh, kRelu, kCast,
+  kAbs, kLog, kSin, kCos, kReciprocal, kErf, kLog1p, kExpm1, kFloor, kCeil, kRound, kTrunc, kSign,
+  kMaximum, kMinimum, kClamp, kEq, kNe, kLt, kLe, kGt, kGe, kWhere,
+  kLogicalAnd, kLogicalOr, kLogicalXor, kLogicalNot, kBitwiseAnd, kBitwiseOr, kBitwiseXor, kBitwiseNot,
+  kLeakyRelu, kElu, kSoftplus, kHardsigmoid, kHardswish, kMish, kGlu, kLogSigmoid, kThreshold
+};
 
-__device__ __forceinline__ float apply_pointwise(int fn, float a, float b) {
+// torch.minimum's NaN rule (max_nan in common.cuh is torch.maximum's)
+__device__ __forceinline__ float min_nan(float a, float b) {
+  return (a != a || b != b) ? (a != a ? a : b) : fminf(a, b);
+}
+
+// relu6(x + 3), the ramp of hardsigmoid and hardswish (NaN stays NaN, as in torch)
+__device__ __forceinline__ float relu6_plus3(float a) { return min_nan(max_nan(a + 3.f, 0.f), 6.f); }
+
+// One element of ``fn`` in float32, which is what eager PyTorch computes for float16/bfloat16
+// operands before the store rounds (float64 operands lose their extra precision here).
+__device__ __forceinline__ float apply_pointwise(int fn, float a, float b, float c, float extra) {
   switch (fn) {
     case kAdd: return a + b;
     case kSub: return a - b;
@@ -25,31 +40,119 @@ __device__ __forceinline__ float apply_pointwise(int fn, float a, float b) {
     case kGeluTanh: return 0.5f * a * (1.f + tanhf(0.79788456080286536f * (a + 0.044715f * a * a * a)));
     case kSigmoid: return 1.f / (1.f + expf(-a));
     case kTanh: return tanhf(a);
-    case kRelu: return a > 0.f ? a : 0.f;
+    case kRelu: return a > 0.f ? a : (a != a ? a : 0.f);
+    case kAbs: return fabsf(a);
+    case kLog: return logf(a);
+    case kSin: return sinf(a);
+    case kCos: return cosf(a);
+    case kReciprocal: return 1.f / a;
+    case kErf: return erff(a);
+    case kLog1p: return log1pf(a);
+    case kExpm1: return expm1f(a);
+    case kFloor: return floorf(a);
+    case kCeil: return ceilf(a);
+    case kRound: return rintf(a);  // halves to even, as torch.round
+    case kTrunc: return truncf(a);
+    case kSign: return static_cast<float>((a > 0.f) - (a < 0.f));  // torch: sign(NaN) = 0
+    case kMaximum: return max_nan(a, b);
+    case kMinimum: return min_nan(a, b);
+    case kClamp: return min_nan(max_nan(a, b), c);  // lo > hi gives hi, as torch.clamp
+    case kEq: return a == b;
+    case kNe: return a != b;
+    case kLt: return a < b;
+    case kLe: return a <= b;
+    case kGt: return a > b;
+    case kGe: return a >= b;
+    case kWhere: return a != 0.f ? b : c;
+    case kLogicalAnd: return (a != 0.f) && (b != 0.f);
+    case kLogicalOr: return (a != 0.f) || (b != 0.f);
+    case kLogicalXor: return (a != 0.f) != (b != 0.f);
+    case kLogicalNot: return a == 0.f;
+    case kLeakyRelu: return a > 0.f ? a : a * b;
+    case kElu: return a > 0.f ? a * c : expm1f(a * extra) * (b * c);  // b α, c scale, extra input scale (torch's order)
+    case kSoftplus: return a * b > c ? a : log1pf(expf(a * b)) / b;  // b beta, c threshold
+    case kHardsigmoid: return relu6_plus3(a) / 6.f;
+    case kHardswish: return a * relu6_plus3(a) / 6.f;
+    case kMish: return a * tanhf(log1pf(expf(a)));
+    case kGlu: return a * (1.f / (1.f + expf(-b)));  // a · sigmoid(b)
+    case kLogSigmoid: return fminf(a, 0.f) - log1pf(expf(-fabsf(a)));  // no overflow for large |a|
+    case kThreshold: return a <= b ? c : a;  // NaN stays
     default: return a;  // kCast: the store converts
   }
 }
 
-// operand j: iparam[j] >= 0 names an input, -1 a constant fparam[j]; iparam[7] = arity.
-__device__ void task_pointwise(const OpC& c, const Rect& r, const TaskEnv& env) {
+// The same in 64-bit integers, for integer and bool results of integer operands (torch computes
+// those exactly; through float32 an int64 above 2^24 would round). mpk.ops.pointwise.INT_FNS
+// lists the functions the compiler sends here.
+__device__ __forceinline__ long long apply_pointwise_int(int fn, long long a, long long b, long long c) {
+  switch (fn) {
+    case kAdd: return a + b;
+    case kSub: return a - b;
+    case kMul: return a * b;
+    case kPow: {  // a negative power: 1 / a^|b| truncated, as torch does for integer tensors
+      if (b < 0) return a == 1 ? 1 : a == -1 ? ((b & 1) ? -1 : 1) : 0;
+      long long r = 1;
+      for (; b > 0; b >>= 1, a *= a)
+        if (b & 1) r *= a;
+      return r;
+    }
+    case kNeg: return -a;
+    case kRelu: return a > 0 ? a : 0;
+    case kAbs: return a < 0 ? -a : a;
+    case kSign: return (a > 0) - (a < 0);
+    case kMaximum: return a > b ? a : b;
+    case kMinimum: return a < b ? a : b;
+    case kClamp: return (a > b ? a : b) < c ? (a > b ? a : b) : c;
+    case kEq: return a == b;
+    case kNe: return a != b;
+    case kLt: return a < b;
+    case kLe: return a <= b;
+    case kGt: return a > b;
+    case kGe: return a >= b;
+    case kWhere: return a ? b : c;
+    case kLogicalAnd: return a && b;
+    case kLogicalOr: return a || b;
+    case kLogicalXor: return !a != !b;
+    case kLogicalNot: return !a;
+    case kBitwiseAnd: return a & b;
+    case kBitwiseOr: return a | b;
+    case kBitwiseXor: return a ^ b;
+    case kBitwiseNot: return ~a;
+    default: return a;  // kCast, kFloor, kCeil, kRound, kTrunc: integers are their own rounding
+  }
+}
+
+// Operand j < iparam[3] (the arity, at most 3): iparam[j] >= 0 names an input, -1 a constant —
+// fparam[j] in float, iparam[5 + j] in integers. iparam[4] = 1: the integer form; fparam[3] the
+// function's extra constant.
+template <typename T>
+__device__ __forceinline__ void pointwise_tile(const OpC& c, const Rect& r, const TaskEnv& env) {
   const long long n = rect_numel(r, c.ndim);
   void* out = env.buffers[c.out_buffer];
-  const int arity = static_cast<int>(c.iparam[7]);
+  const int arity = static_cast<int>(c.iparam[3]);
   for (long long k = threadIdx.x; k < n; k += blockDim.x) {
     long long idx[kMaxDims];
     rect_unravel(r, c.ndim, k, idx);
-    float x[2] = {0.f, 0.f};
+    T x[3] = {0, 0, 0};
     for (int j = 0; j < arity; ++j) {
       const int in = static_cast<int>(c.iparam[j]);
-      if (in < 0) {
-        x[j] = c.fparam[j];
+      if constexpr (std::is_same_v<T, float>) {
+        if (in < 0) x[j] = c.fparam[j];
+        else x[j] = load_f(env.buffers[c.in[in].buffer], c.in[in].dtype, view_index(c.in[in], idx, c.ndim));
       } else {
-        const ViewC& v = c.in[in];
-        x[j] = load_f(env.buffers[v.buffer], v.dtype, view_index(v, idx, c.ndim));
+        if (in < 0) x[j] = c.iparam[5 + j];
+        else x[j] = load_i(env.buffers[c.in[in].buffer], c.in[in].dtype, view_index(c.in[in], idx, c.ndim));
       }
     }
-    store_f(out, c.out_dtype, ravel(idx, c.out_shape, c.ndim), apply_pointwise(c.variant, x[0], x[1]));
+    const long long o = ravel(idx, c.out_shape, c.ndim);
+    if constexpr (std::is_same_v<T, float>) store_f(out, c.out_dtype, o, apply_pointwise(c.variant, x[0], x[1], x[2], c.fparam[3]));
+    else store_i(out, c.out_dtype, o, apply_pointwise_int(c.variant, x[0], x[1], x[2]));
   }
+}
+
+__device__ void task_pointwise(const OpC& c, const Rect& r, const TaskEnv& env) {
+  if (c.iparam[4]) pointwise_tile<long long>(c, r, env);
+  else pointwise_tile<float>(c, r, env);
 }
 
 // silu(g)·u with silu rounded to g's dtype first (what F.silu(g) * u does in that dtype).

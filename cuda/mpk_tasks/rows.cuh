@@ -1,11 +1,16 @@
 // Task family: row-wise ops, one warp per output row (the whole last dim): reduce
-// (sum/mean/amax/argmax), softmax, layer_norm, rms_norm, rope.
+// (sum/mean/amax/argmax/amin/argmin), softmax and its log, layer_norm, rms_norm, rope.
 #pragma once
 #include "common.cuh"
 
 namespace mpk {
 
-enum ReduceFn : int { kSum, kMean, kAmax, kArgmax };  // the order of mpk.ops.rows.REDUCE_FNS
+enum ReduceFn : int { kSum, kMean, kAmax, kArgmax, kAmin, kArgmin };  // the order of mpk.ops.rows.REDUCE_FNS
+
+// amin and argmin are amax and argmax of the negated values (exact: negation only flips the
+// sign bit; the first NaN and the first of equal values keep their places).
+__host__ __device__ constexpr int unsigned_fn(int fn) { return fn == kAmin ? kAmax : fn == kArgmin ? kArgmax : fn; }
+__host__ __device__ constexpr bool negated_fn(int fn) { return fn == kAmin || fn == kArgmin; }
 
 // Rows of the tile: the rect over all dims but the last (whose extent is the row length).
 #define MPK_FOR_ROWS(c, r, idx)                                                         \
@@ -45,12 +50,50 @@ __device__ __forceinline__ void warp_argmax(float& acc, long long& arg) {
   }
 }
 
+// reduce of integer or bool rows in 64-bit integers, exact as torch's (a float32 sum would round
+// past 2^24); amin and argmin through ~v, which reverses the order without overflow.
+__device__ __noinline__ void reduce_int(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const ViewC& x = c.in[0];
+  const bool neg = negated_fn(static_cast<int>(c.iparam[1]));
+  const int fn = unsigned_fn(static_cast<int>(c.iparam[1]));
+  const long long len = x.shape[x.ndim - 1];
+  const int out_rows_ndim = c.iparam[0] ? c.ndim - 1 : c.ndim;
+  const int lane = threadIdx.x & 31;
+  const long long nrows = rect_numel(r, out_rows_ndim);
+  for (long long row = threadIdx.x >> 5; row < nrows; row += blockDim.x >> 5) {
+    long long idx[kMaxDims];
+    rect_unravel(r, out_rows_ndim, row, idx);
+    long long acc = 0, arg = len;  // arg = len: no element yet
+    for (long long j = lane; j < len; j += 32) {
+      idx[x.ndim - 1] = j;
+      const long long e = load_i(env.buffers[x.buffer], x.dtype, view_index(x, idx, x.ndim)), v = neg ? ~e : e;
+      if (fn == kSum) acc += v;
+      else if (arg == len || v > acc) acc = v, arg = j;  // the first largest: j rises
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      const long long ov = __shfl_xor_sync(0xffffffffu, acc, o), oa = __shfl_xor_sync(0xffffffffu, arg, o);
+      if (fn == kSum) acc += ov;
+      else if (oa < len && (arg == len || ov > acc || (ov == acc && oa < arg))) acc = ov, arg = oa;
+    }
+    if (lane == 0) {
+      if (c.iparam[0]) idx[c.ndim - 1] = 0;
+      store_i(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, c.ndim),
+              fn == kArgmax ? arg : neg ? ~acc : acc);
+    }
+  }
+}
+
 // reduce: the input has the output's leading dims plus the reduced last dim. iparam[0] keepdim,
-// iparam[1] the function (ReduceFn). One warp per row, any view and dtype; long contiguous rows
-// take reduce_rows below.
+// iparam[1] the function (ReduceFn). One warp per row, any view and dtype (integers and bools:
+// reduce_int); long contiguous rows take reduce_rows below.
 __device__ void task_reduce(const OpC& c, const Rect& r, const TaskEnv& env) {
   const ViewC& x = c.in[0];
-  const int fn = static_cast<int>(c.iparam[1]);
+  if (is_int(x.dtype) || x.dtype == kBool) {
+    reduce_int(c, r, env);
+    return;
+  }
+  const bool neg = negated_fn(static_cast<int>(c.iparam[1]));
+  const int fn = unsigned_fn(static_cast<int>(c.iparam[1]));
   const int lead = x.ndim - 1;
   const long long len = x.shape[x.ndim - 1];
   const int out_rows_ndim = c.iparam[0] ? c.ndim - 1 : c.ndim;  // keepdim leaves a size-1 dim
@@ -63,7 +106,7 @@ __device__ void task_reduce(const OpC& c, const Rect& r, const TaskEnv& env) {
     long long arg = 0;
     for (long long j = lane; j < len; j += 32) {
       idx[lead] = j;
-      const float v = load_f(env.buffers[x.buffer], x.dtype, view_index(x, idx, x.ndim));
+      const float e = load_f(env.buffers[x.buffer], x.dtype, view_index(x, idx, x.ndim)), v = neg ? -e : e;
       if (fn == kArgmax) argmax_add(acc, arg, v, j);
       else if (fn == kAmax) acc = max_nan(acc, v);  // NaN propagates like torch
       else acc += v;
@@ -74,7 +117,7 @@ __device__ void task_reduce(const OpC& c, const Rect& r, const TaskEnv& env) {
       if (c.iparam[0]) idx[c.ndim - 1] = 0;
       const long long o = ravel(idx, c.out_shape, c.ndim);
       if (fn == kArgmax) store_i(env.buffers[c.out_buffer], c.out_dtype, o, arg);
-      else store_f(env.buffers[c.out_buffer], c.out_dtype, o, fn == kMean ? acc / len : acc);
+      else store_f(env.buffers[c.out_buffer], c.out_dtype, o, fn == kMean ? acc / len : neg ? -acc : acc);
     }
   }
 }
@@ -146,8 +189,10 @@ __device__ __forceinline__ void fold_partial(float& acc, long long& arg, float v
 // ~130 steps per round of loads, which kept the next round's loads waiting), adds those in
 // order, the warps reduce with shuffles and thread 0 folds the warps in warp order (sums are
 // deterministic).
-template <typename T, int kFn>
+template <typename T, int kStoredFn>
 __device__ __noinline__ void reduce_rows(const OpC& c, const Rect& r, const TaskEnv& env) {
+  constexpr int kFn = unsigned_fn(kStoredFn);
+  constexpr bool kNeg = negated_fn(kStoredFn);
   constexpr int kE = 16 / static_cast<int>(sizeof(T));
   const ViewC& x = c.in[0];
   const long long len = x.shape[x.ndim - 1];
@@ -169,9 +214,10 @@ __device__ __noinline__ void reduce_rows(const OpC& c, const Rect& r, const Task
     for_row_words<T>(p, len, [&](const float (&e)[kE], long long j) {
 #pragma unroll
       for (int i = 0; i < kE; ++i) {
-        if constexpr (kFn == kArgmax) argmax_add(accs[i], args[i], e[i], j + i);
-        else if constexpr (kFn == kAmax) accs[i] = max_nan(accs[i], e[i]);
-        else accs[i] += e[i];
+        const float v = kNeg ? -e[i] : e[i];
+        if constexpr (kFn == kArgmax) argmax_add(accs[i], args[i], v, j + i);
+        else if constexpr (kFn == kAmax) accs[i] = max_nan(accs[i], v);
+        else accs[i] += v;
       }
     });
     float acc = accs[0];
@@ -192,14 +238,16 @@ __device__ __noinline__ void reduce_rows(const OpC& c, const Rect& r, const Task
       if (c.iparam[0]) idx[c.ndim - 1] = 0;
       const long long o = ravel(idx, c.out_shape, c.ndim);
       if constexpr (kFn == kArgmax) store_i(env.buffers[c.out_buffer], c.out_dtype, o, arg);
-      else store_f(env.buffers[c.out_buffer], c.out_dtype, o, kFn == kMean ? acc / len : acc);
+      else store_f(env.buffers[c.out_buffer], c.out_dtype, o, kFn == kMean ? acc / len : kNeg ? -acc : acc);
     }
     __syncthreads();  // red is rewritten by the next row
   }
 }
 
+// softmax over the last dim; iparam[0] = 1: its log, (x − max) − log Σ e^(x − max).
 __device__ void task_softmax(const OpC& c, const Rect& r, const TaskEnv& env) {
   const long long len = c.out_shape[c.ndim - 1];
+  const bool log = c.iparam[0];
   void* out = env.buffers[c.out_buffer];
   MPK_FOR_ROWS(c, r, idx) {
     float m = -INFINITY;
@@ -208,9 +256,11 @@ __device__ void task_softmax(const OpC& c, const Rect& r, const TaskEnv& env) {
     float s = 0.f;
     for (long long j = lane; j < len; j += 32) { idx[c.ndim - 1] = j; s += expf(ld(c, env, 0, idx) - m); }
     s = warp_sum(s);
+    const float log_s = logf(s);
     for (long long j = lane; j < len; j += 32) {
       idx[c.ndim - 1] = j;
-      store_f(out, c.out_dtype, ravel(idx, c.out_shape, c.ndim), expf(ld(c, env, 0, idx) - m) / s);
+      const float d = ld(c, env, 0, idx) - m;
+      store_f(out, c.out_dtype, ravel(idx, c.out_shape, c.ndim), log ? d - log_s : expf(d) / s);
     }
   }
 }
@@ -271,11 +321,12 @@ __device__ __noinline__ void softmax_rows(const OpC& c, const Rect& r, const Tas
     m = red[0];
     s = red[1];
     for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) softmax_fold(m, s, red[2 * w], red[2 * w + 1]);
-    const float inv = 1.f / s;  // one division per row, not per element
+    const float inv = 1.f / s, log_s = logf(s);  // one division per row, not per element
+    const bool log = c.iparam[0];
     for_row_words<T>(p, len, [&](const float (&e)[kE], long long j) {
       float y[kE];
 #pragma unroll
-      for (int i = 0; i < kE; ++i) y[i] = expf(e[i] - m) * inv;
+      for (int i = 0; i < kE; ++i) y[i] = log ? (e[i] - m) - log_s : expf(e[i] - m) * inv;
       store_vec<kE>(out + j, y);
     });
     __syncthreads();  // red is rewritten by the next row

@@ -16,8 +16,9 @@ import torch
 from torch.fx import Node
 
 import mpk.frontend.fused_ops  # noqa: F401  (registers torch.ops.mpk.*)
-from mpk.frontend.lower import Unavailable, Unsupported
+from mpk.frontend.lower import ScalarConst, Unavailable, Unsupported
 from mpk.ir.views import View
+from mpk.ops.pointwise import INT_FNS
 
 if TYPE_CHECKING:
     from mpk.frontend.lower import Lowering
@@ -186,7 +187,7 @@ def _to(L, node, x: View, *args, **kwargs):
         raise Unsupported(f"a device transfer to {kwargs['device']} inside the graph")
     if dtype == L.graph.buffers[x.buffer].dtype:  # `.to(dtype, copy=True)` of its own dtype: a copy
         return _fresh(L, node, x)
-    return L.emit("pointwise", [x], {"fn": "cast", "args": [["in", 0]]})
+    return _emit_pointwise(L, "cast", [x])
 
 
 @handles(getattr(__import__("operator"), "getitem"))
@@ -196,41 +197,105 @@ def _getitem(L, node, seq, index):
 
 # --- pointwise ---------------------------------------------------------------------------
 
-def _pointwise(fn: str, **extra):
+def _integral(dtype: torch.dtype) -> bool:
+    return not dtype.is_floating_point and not dtype.is_complex
+
+
+def _emit_pointwise(L, fn: str, args, shape=None, dtype: torch.dtype | None = None, extra: float | None = None) -> View:
+    """One ``pointwise`` op of ``fn`` over ``args`` (Views, numbers, ScalarConsts), in the
+    exact integer form where the result and every operand are integers or bools. The result's
+    shape and dtype default to the node's."""
+    inputs: list[View] = []
+    spec: list[list] = []
+    for a in args:
+        if isinstance(a, View):
+            spec.append(["in", len(inputs)])
+            inputs.append(a)
+        elif isinstance(a, ScalarConst):
+            spec.append(["c", a.value])
+        elif isinstance(a, (int, float, bool)):
+            spec.append(["c", a])
+        else:
+            raise Unsupported(f"argument {a!r} of type {type(a).__name__} is not a tensor or number")
+    if not inputs:
+        raise Unsupported("no tensor operand")
+    out_dtype = L.meta().dtype if dtype is None else dtype
+    exact_int = (_integral(out_dtype) and all(_integral(L.graph.buffers[v.buffer].dtype) for v in inputs)
+                 and not any(isinstance(c, float) for kind, c in spec if kind == "c"))
+    if exact_int and fn not in INT_FNS:
+        raise Unsupported(f"{fn} of integer operands with an integer result")
+    if not exact_int and fn.startswith("bitwise_"):
+        raise Unsupported(f"{fn} of floating-point operands")
+    attrs = {"fn": fn, "args": spec, **({"int": True} if exact_int else {}),
+             **({"extra": float(extra)} if extra is not None else {})}
+    return L.emit("pointwise", inputs, attrs, shape=shape, dtype=out_dtype)
+
+
+def _elementwise(fn):
+    """Mark a rule that takes ScalarConst operands (lower.refuse_unavailable)."""
+    fn.takes_scalars = True
+    return fn
+
+
+def _pointwise(fn: str):
+    @_elementwise
     def handler(L, node, *args, **kwargs):
-        inputs: list[View] = []
-        spec: list[list] = []
-        for a in args:
-            if isinstance(a, View):
-                spec.append(["in", len(inputs)])
-                inputs.append(a)
-            elif isinstance(a, (int, float, bool)):
-                spec.append(["c", a])
-            else:
-                raise Unsupported(f"argument {a!r} of type {type(a).__name__} is not a tensor or number")
         alpha = kwargs.get("alpha", 1)
         if alpha != 1:
             raise Unsupported(f"alpha={alpha} (only alpha=1 is lowered)")
         if kwargs.get("rounding_mode"):
             raise Unsupported(f"rounding_mode={kwargs['rounding_mode']!r}")
-        if not inputs:
-            raise Unsupported("no tensor operand")
-        return L.emit("pointwise", inputs, {"fn": fn, "args": spec, **extra})
+        return _emit_pointwise(L, fn, args)
     return handler
+
+
+def _is_bool(L, x) -> bool:
+    return isinstance(x, View) and L.graph.buffers[x.buffer].dtype == torch.bool
 
 
 for _fn, _targets in {
     "add": (aten.add.Tensor, aten.add.Scalar), "sub": (aten.sub.Tensor, aten.sub.Scalar),
     "mul": (aten.mul.Tensor, aten.mul.Scalar), "div": (aten.div.Tensor, aten.div.Scalar),
-    "pow": (aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor), "neg": (aten.neg.default,),
+    "pow": (aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar), "neg": (aten.neg.default,),
     "exp": (aten.exp.default,), "rsqrt": (aten.rsqrt.default,), "sqrt": (aten.sqrt.default,),
     "silu": (aten.silu.default,), "sigmoid": (aten.sigmoid.default,),
-    "tanh": (aten.tanh.default,), "relu": (aten.relu.default,),
+    "tanh": (aten.tanh.default,), "relu": (aten.relu.default,), "abs": (aten.abs.default,),
+    "log": (aten.log.default,), "sin": (aten.sin.default,), "cos": (aten.cos.default,),
+    "reciprocal": (aten.reciprocal.default,), "erf": (aten.erf.default,), "log1p": (aten.log1p.default,),
+    "expm1": (aten.expm1.default,), "floor": (aten.floor.default,), "ceil": (aten.ceil.default,),
+    "round": (aten.round.default,), "trunc": (aten.trunc.default,), "sign": (aten.sign.default,),
+    "maximum": (aten.maximum.default, aten.clamp_min.default, aten.clamp_min.Tensor),
+    "minimum": (aten.minimum.default, aten.clamp_max.default, aten.clamp_max.Tensor),
+    "eq": (aten.eq.Tensor, aten.eq.Scalar), "ne": (aten.ne.Tensor, aten.ne.Scalar),
+    "lt": (aten.lt.Tensor, aten.lt.Scalar), "le": (aten.le.Tensor, aten.le.Scalar),
+    "gt": (aten.gt.Tensor, aten.gt.Scalar), "ge": (aten.ge.Tensor, aten.ge.Scalar),
+    "where": (aten.where.self,), "logical_and": (aten.logical_and.default,),
+    "logical_or": (aten.logical_or.default,), "logical_xor": (aten.logical_xor.default,),
+    "logical_not": (aten.logical_not.default,), "hardsigmoid": (aten.hardsigmoid.default,),
+    "hardswish": (aten.hardswish.default,), "mish": (aten.mish.default,),
 }.items():
     handles(*_targets)(_pointwise(_fn))
 
 
+@handles(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar, aten.bitwise_or.Tensor, aten.bitwise_or.Scalar,
+         aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar, aten.bitwise_not.default)
+@_elementwise
+def _bitwise(L, node, *args):
+    # on bools (masks: `a & b`, `~m`) the logical form, which the float path also has
+    fn = node.target.overloadpacket.__name__
+    if L.meta().dtype == torch.bool:
+        fn = "logical_" + fn.removeprefix("bitwise_")
+    return _emit_pointwise(L, fn, args)
+
+
+@handles(aten.scalar_tensor.default)
+def _scalar_tensor(L, node, value, **kwargs):
+    return ScalarConst(f"a tensor made inside forward from the number {value} (torch.tensor / scalar_tensor): pass "
+                       "it as an input or register it as a buffer", value)
+
+
 @handles(aten.rsub.Scalar, aten.rsub.Tensor)
+@_elementwise
 def _rsub(L, node, x, other, alpha=1):
     return _pointwise("sub")(L, node, other, x, alpha=alpha)
 
@@ -240,44 +305,197 @@ def _gelu(L, node, x: View, approximate="none"):
     fn = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
     if fn is None:
         raise Unsupported(f"approximate={approximate!r}, expected 'none' or 'tanh'")
-    return _pointwise(fn)(L, node, x)
+    return _emit_pointwise(L, fn, [x])
+
+
+@handles(aten.clamp.default, aten.clamp.Tensor, aten.hardtanh.default)
+@_elementwise
+def _clamp(L, node, x, lo=None, hi=None):
+    if node.target is aten.hardtanh.default:
+        lo = -1.0 if lo is None else lo
+        hi = 1.0 if hi is None else hi
+    if lo is None and hi is None:
+        raise Unsupported("clamp with neither min nor max")
+    if lo is None or hi is None:
+        return _emit_pointwise(L, "maximum" if hi is None else "minimum", [x, hi if lo is None else lo])
+    return _emit_pointwise(L, "clamp", [x, lo, hi])
+
+
+@handles(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+@_elementwise
+def _masked_fill(L, node, x, mask, value):
+    return _emit_pointwise(L, "where", [mask, value, x])
+
+
+@handles(aten.leaky_relu.default)
+def _leaky_relu(L, node, x: View, negative_slope=0.01):
+    return _emit_pointwise(L, "leaky_relu", [x, negative_slope])
+
+
+@handles(aten._prelu_kernel.default)
+def _prelu(L, node, x: View, weight: View):
+    return _emit_pointwise(L, "leaky_relu", [x, weight])  # the slope a tensor broadcast over x
+
+
+@handles(aten.elu.default)
+def _elu(L, node, x: View, alpha=1.0, scale=1, input_scale=1):
+    return _emit_pointwise(L, "elu", [x, alpha, scale], extra=input_scale)
+
+
+@handles(aten.celu.default)
+def _celu(L, node, x: View, alpha=1.0):
+    return _emit_pointwise(L, "elu", [x, alpha, 1.0], extra=1.0 / alpha)
+
+
+@handles(aten.threshold.default)
+def _threshold(L, node, x: View, threshold, value):
+    return _emit_pointwise(L, "threshold", [x, threshold, value])
+
+
+@handles(aten.log_sigmoid_forward.default)
+def _log_sigmoid(L, node, x: View):
+    return _emit_pointwise(L, "log_sigmoid", [x]), Unavailable("the buffer output of log_sigmoid_forward")
+
+
+@handles(aten.glu.default)
+def _glu(L, node, x: View, dim=-1):
+    d = _dim(dim, x.ndim)
+    half = x.shape[d] // 2
+    return _emit_pointwise(L, "glu", [_slice_view(x, d, 0, half, 1), _slice_view(x, d, half, 2 * half, 1)])
+
+
+@handles(aten.pixel_shuffle.default)
+def _pixel_shuffle(L, node, x: View, r: int):
+    *lead, c, h, w = x.shape
+    n = len(lead)
+    split = x.then(("reshape", (*lead, c // (r * r), r, r, h, w)))
+    moved = split.then(("permute", (*range(n), n, n + 3, n + 1, n + 4, n + 2)))
+    return moved.then(("reshape", _shape(L)))
+
+
+@handles(aten.softplus.default)
+def _softplus(L, node, x: View, beta=1, threshold=20):
+    return _emit_pointwise(L, "softplus", [x, beta, threshold])
 
 
 # --- reductions and row ops --------------------------------------------------------------
 
-def _last_dim_only(x: View, dims) -> None:
+def _reduced_last(x: View, dims) -> tuple[View, tuple[int, ...]]:
+    """``x`` with the dims ``dims`` (None or empty: all of them) moved to the end and merged into
+    one last dim, and the shape of the dims kept (at least one: a full reduction keeps a dim
+    of 1, which the caller's final reshape removes)."""
     dims = [dims] if isinstance(dims, int) else list(dims or [])
-    if [_dim(d, x.ndim) for d in dims] != [x.ndim - 1]:
-        raise Unsupported(f"reduction over dims {dims} of a {x.ndim}-d tensor; only the last dim is lowered")
+    red = sorted({_dim(d, x.ndim) for d in dims}) if dims else list(range(x.ndim))
+    keep = [d for d in range(x.ndim) if d not in red]
+    if red != list(range(x.ndim - len(red), x.ndim)):
+        x = x.then(("permute", tuple(keep + red)))
+    kept = tuple(x.shape[:len(keep)]) or (1,)
+    if len(red) != 1 or not keep:
+        x = x.then(("reshape", kept + (math.prod(x.shape[len(keep):]),)))
+    return x, kept
+
+
+def _reduce_to(L, fn: str, x: View, dims, dtype: torch.dtype | None = None) -> View:
+    """``fn`` (mpk.ops.rows.REDUCE_FNS) of ``x`` over ``dims``, shaped as the node's result."""
+    row, kept = _reduced_last(x, dims)
+    out = L.emit("reduce", [row], {"fn": fn, "keepdim": False}, shape=kept,
+                 dtype=L.meta().dtype if dtype is None else dtype)
+    return out.then(("reshape", _shape(L)))
+
+
+def _cast_for(L, x: View, dtype) -> View:
+    """sum(dtype=...) / mean(dtype=...) reduce the converted values, as eager PyTorch does."""
+    if dtype is None or dtype == L.graph.buffers[x.buffer].dtype:
+        return x
+    return _emit_pointwise(L, "cast", [x], shape=x.shape, dtype=dtype)
 
 
 def _reduce(fn: str):
     def handler(L, node, x: View, dims=None, keepdim=False, *, dtype=None):
-        _last_dim_only(x, dims)
-        if dtype is not None and dtype != L.graph.buffers[x.buffer].dtype:
-            # sum(dtype=...) / mean(dtype=...) reduce the converted values, as eager PyTorch does
-            x = L.emit("pointwise", [x], {"fn": "cast", "args": [["in", 0]]}, shape=x.shape, dtype=dtype)
-        return L.emit("reduce", [x], {"fn": fn, "keepdim": bool(keepdim)})
+        return _reduce_to(L, fn, _cast_for(L, x, dtype), dims)
     return handler
 
 
 handles(aten.sum.dim_IntList)(_reduce("sum"))
 handles(aten.mean.dim)(_reduce("mean"))
 handles(aten.amax.default)(_reduce("amax"))
+handles(aten.amin.default)(_reduce("amin"))
 
 
-@handles(aten.argmax.default)
-def _argmax(L, node, x: View, dim=None, keepdim=False):
-    if dim is None:
-        raise Unsupported("argmax over all elements (dim=None); pass dim=-1")
-    _last_dim_only(x, dim)
-    return L.emit("reduce", [x], {"fn": "argmax", "keepdim": bool(keepdim)})
+@handles(aten.sum.default, aten.mean.default)
+def _reduce_all(L, node, x: View, *, dtype=None):
+    return _reduce_to(L, node.target.overloadpacket.__name__, _cast_for(L, x, dtype), None)
 
 
-@handles(aten._softmax.default, aten.softmax.int)
+@handles(aten.max.default, aten.min.default)
+def _extreme_all(L, node, x: View):
+    return _reduce_to(L, "a" + node.target.overloadpacket.__name__, x, None)
+
+
+@handles(aten.argmax.default, aten.argmin.default)
+def _arg_extreme(L, node, x: View, dim=None, keepdim=False):
+    # dim=None: the index into the flattened tensor, which the merged row's index is
+    return _reduce_to(L, node.target.overloadpacket.__name__, x, dim)
+
+
+@handles(aten.max.dim, aten.min.dim)
+def _extreme_dim(L, node, x: View, dim, keepdim=False):
+    name = node.target.overloadpacket.__name__
+    values_dtype, index_dtype = (v.dtype for v in node.meta["val"])
+    return (_reduce_to(L, "a" + name, x, dim, values_dtype), _reduce_to(L, "arg" + name, x, dim, index_dtype))
+
+
+@handles(aten.var.correction, aten.std.correction)
+def _var(L, node, x: View, dims=None, *, correction=None, keepdim=False):
+    """Two passes in float32, as eager: the mean, then the sum of squared deviations."""
+    if not L.graph.buffers[x.buffer].dtype.is_floating_point:
+        raise Unsupported("variance of an integer tensor")
+    correction = 1 if correction is None else correction
+    row, kept = _reduced_last(x, dims)
+    f32 = torch.float32
+    mean = L.emit("reduce", [row], {"fn": "mean", "keepdim": True}, shape=kept + (1,), dtype=f32)
+    dev = _emit_pointwise(L, "sub", [row, mean], shape=row.shape, dtype=f32)
+    sq = _emit_pointwise(L, "mul", [dev, dev], shape=row.shape, dtype=f32)
+    total = L.emit("reduce", [sq], {"fn": "sum", "keepdim": False}, shape=kept, dtype=f32)
+    std = node.target is aten.std.correction
+    var = _emit_pointwise(L, "div", [total, max(0, row.shape[-1] - correction)], shape=kept,
+                          dtype=f32 if std else None)
+    return (_emit_pointwise(L, "sqrt", [var], shape=kept) if std else var).then(("reshape", _shape(L)))
+
+
+@handles(aten.linalg_vector_norm.default)
+def _vector_norm(L, node, x: View, ord=2, dim=None, keepdim=False, *, dtype=None):
+    x = _cast_for(L, x, dtype)
+    f32 = torch.float32
+    if ord == 2:
+        sq = _emit_pointwise(L, "mul", [x, x], shape=x.shape, dtype=f32)
+        return _emit_pointwise(L, "sqrt", [_reduce_to(L, "sum", sq, dim, f32)], shape=_shape(L))
+    if ord in (1, math.inf, -math.inf):
+        a = _emit_pointwise(L, "abs", [x], shape=x.shape)
+        return _reduce_to(L, {1: "sum", math.inf: "amax", -math.inf: "amin"}[ord], a, dim)
+    raise Unsupported(f"vector norm of order {ord}; 1, 2, inf and -inf are lowered")
+
+
+def _row_op(L, kind: str, x: View, dim, attrs: dict | None = None) -> View:
+    """A row op (over the last dim) over dim ``dim``: moved last and back (views, no copies)."""
+    d = _dim(dim, x.ndim)
+    if d == x.ndim - 1:
+        return L.emit(kind, [x], attrs)
+    perm = tuple(i for i in range(x.ndim) if i != d) + (d,)
+    inverse = tuple(perm.index(i) for i in range(x.ndim))
+    moved = x.then(("permute", perm))
+    return L.emit(kind, [moved], attrs, shape=moved.shape).then(("permute", inverse))
+
+
+@handles(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
 def _softmax(L, node, x: View, dim, half_to_float=False, **kwargs):
-    _last_dim_only(x, dim)
-    return L.emit("softmax", [x])
+    return _row_op(L, "softmax", x, dim, {"log": "log" in node.target.overloadpacket.__name__})
+
+
+@handles(aten.stack.default)
+def _stack(L, node, tensors, dim=0):
+    d = _dim(dim, tensors[0].ndim + 1)
+    return L.emit("cat", [t.then(("reshape", t.shape[:d] + (1,) + t.shape[d:])) for t in tensors], {"dim": d})
 
 
 @handles(aten.native_layer_norm.default, aten.layer_norm.default)
@@ -290,6 +508,24 @@ def _layer_norm(L, node, x: View, normalized_shape, weight=None, bias=None, eps=
     if node.target is aten.native_layer_norm.default:
         return out, Unavailable("the mean output of layer_norm"), Unavailable("the rstd output of layer_norm")
     return out
+
+
+@handles(aten.native_group_norm.default)
+def _group_norm(L, node, x: View, weight, bias, N, C, HxW, group, eps):
+    """A layer norm over each group's channels and positions, then the per-channel affine; the
+    steps between stay in float32 and the last one rounds, as eager's one kernel does."""
+    f32, out_dtype = torch.float32, L.meta().dtype
+    rows = x.then(("reshape", (N, group, (C // group) * HxW)))
+    y = L.emit("layer_norm", [rows], {"eps": float(eps), "has_weight": False, "has_bias": False},
+               shape=rows.shape, dtype=f32 if weight is not None or bias is not None else out_dtype)
+    y = y.then(("reshape", (N, C, HxW)))
+    if weight is not None:
+        y = _emit_pointwise(L, "mul", [y, weight.then(("reshape", (C, 1)))], shape=y.shape,
+                            dtype=f32 if bias is not None else out_dtype)
+    if bias is not None:
+        y = _emit_pointwise(L, "add", [y, bias.then(("reshape", (C, 1)))], shape=y.shape, dtype=out_dtype)
+    return (y.then(("reshape", x.shape)), Unavailable("the mean output of group_norm"),
+            Unavailable("the rstd output of group_norm"))
 
 
 @handles(mpk_ops.rms_norm.default)

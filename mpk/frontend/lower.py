@@ -37,6 +37,23 @@ class Unavailable:
     what: str
 
 
+@dataclass(frozen=True)
+class ScalarConst(Unavailable):
+    """A 0-d tensor made inside forward from a number (``aten.scalar_tensor``, what
+    ``torch.where(c, x, 0.0)`` traces to): elementwise ops take it as a constant, nothing else
+    does."""
+
+    value: int | float | bool = 0
+
+
+def refuse_unavailable(values, takes_scalars: bool = False) -> None:
+    """Raise ``Unsupported`` for the first value mpk does not compute (a ScalarConst is one
+    unless ``takes_scalars``)."""
+    for v in values:
+        if isinstance(v, Unavailable) and not (takes_scalars and isinstance(v, ScalarConst)):
+            raise Unsupported(f"it consumes {v.what}, which mpk does not compute")
+
+
 def source_line(node: Node) -> str:
     """The innermost user source location recorded for ``node`` ('file:line: code')."""
     trace = node.meta.get("stack_trace") or ""
@@ -204,10 +221,10 @@ class Lowering:
             try:
                 if handler is None:
                     raise Unsupported(no_rule_reason(node.target))
-                # getitem may pick a computed element out of a tuple holding Unavailable ones
-                if node.target is not operator.getitem and any(isinstance(a, Unavailable) for a in _flat(args, kwargs)):
-                    bad = next(a for a in _flat(args, kwargs) if isinstance(a, Unavailable))
-                    raise Unsupported(f"it consumes {bad.what}, which mpk does not compute")
+                # getitem may pick a computed element out of a tuple holding Unavailable ones;
+                # elementwise rules take a ScalarConst as a constant
+                if node.target is not operator.getitem:
+                    refuse_unavailable(_flat(args, kwargs), getattr(handler, "takes_scalars", False))
                 self.env[node] = handler(self, node, *args, **kwargs)
             except Unsupported as exc:
                 self._fail(node, str(exc))

@@ -34,13 +34,20 @@ Params = tuple[int, list[int], list[float]]  # variant, iparam, fparam
 
 
 def _pointwise(a: dict) -> Params:
+    """iparam[0..2]: each operand's input index (-1: a constant), [3] the arity, [4] 1 for the
+    exact integer form, [5..7] the integer constants; fparam[0..2] the float constants, [3] the
+    function's extra constant (attrs['extra']: elu's input scale)."""
     args = a["args"]
-    if len(args) > 2:
-        raise CompileError(f"pointwise {a['fn']} with {len(args)} operands; the CUDA task takes at most 2")
-    ip, fp = [0] * 8, [0.0] * 4
+    if len(args) > 3:
+        raise CompileError(f"pointwise {a['fn']} with {len(args)} operands; the CUDA task takes at most 3")
+    ip, fp = [0] * 8, [0.0, 0.0, 0.0, float(a.get("extra", 0.0))]
     for j, (kind, val) in enumerate(args):
-        ip[j], fp[j] = (val, 0.0) if kind == "in" else (-1, float(val))
-    ip[7] = len(args)
+        if kind == "in":
+            ip[j] = val
+        else:
+            ip[j], fp[j] = -1, float(val)
+            ip[5 + j] = int(val) if a.get("int") else 0
+    ip[3], ip[4] = len(args), int(bool(a.get("int")))
     return _FN_IDS[a["fn"]], ip, fp
 
 
@@ -53,7 +60,7 @@ ENCODERS: dict[str, Callable[[dict], Params]] = {
     "pointwise": _pointwise,
     "silu_mul": lambda a: (0, [], []),
     "reduce": lambda a: (0, [int(a["keepdim"]), _REDUCE_IDS[a["fn"]]], []),
-    "softmax": lambda a: (0, [], []),
+    "softmax": lambda a: (0, [int(a.get("log", False))], []),
     "layer_norm": lambda a: (0, [int(a["has_weight"]), int(a["has_bias"])], [a["eps"]]),
     "rms_norm": lambda a: (0, [int(a["has_weight"]), _dtype_code(a["norm_dtype"])], [a["eps"]]),
     "rope": lambda a: (0, [], []),

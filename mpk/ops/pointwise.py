@@ -7,7 +7,13 @@ import torch.nn.functional as F
 
 from mpk.ops.registry import OpDef, OpSig, broadcast_region, register
 
-# fn name -> (arity, implementation). Constants are passed as Python scalars.
+def _relu6_plus3(x: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(x + 3, 0, 6)
+
+
+# fn name -> (arity, implementation). Constants are passed as Python scalars, and attrs['extra']
+# (a constant of the function, not an operand: elu's input scale) after the operands. The order
+# is the CUDA task's function ids (cuda/mpk_tasks/pointwise.cuh: PointwiseFn).
 POINTWISE_FNS = {
     "add": (2, torch.add),
     "sub": (2, torch.sub),
@@ -25,7 +31,55 @@ POINTWISE_FNS = {
     "tanh": (1, torch.tanh),
     "relu": (1, torch.relu),
     "cast": (1, lambda x: x),  # the output cast does the work
+    "abs": (1, torch.abs),
+    "log": (1, torch.log),
+    "sin": (1, torch.sin),
+    "cos": (1, torch.cos),
+    "reciprocal": (1, torch.reciprocal),
+    "erf": (1, torch.erf),
+    "log1p": (1, torch.log1p),
+    "expm1": (1, torch.expm1),
+    "floor": (1, torch.floor),
+    "ceil": (1, torch.ceil),
+    "round": (1, torch.round),
+    "trunc": (1, torch.trunc),
+    "sign": (1, torch.sign),
+    "maximum": (2, torch.maximum),
+    "minimum": (2, torch.minimum),
+    "clamp": (3, lambda x, lo, hi: torch.minimum(torch.maximum(x, lo), hi)),
+    "eq": (2, torch.eq),
+    "ne": (2, torch.ne),
+    "lt": (2, torch.lt),
+    "le": (2, torch.le),
+    "gt": (2, torch.gt),
+    "ge": (2, torch.ge),
+    "where": (3, torch.where),
+    "logical_and": (2, torch.logical_and),
+    "logical_or": (2, torch.logical_or),
+    "logical_xor": (2, torch.logical_xor),
+    "logical_not": (1, torch.logical_not),
+    "bitwise_and": (2, torch.bitwise_and),
+    "bitwise_or": (2, torch.bitwise_or),
+    "bitwise_xor": (2, torch.bitwise_xor),
+    "bitwise_not": (1, torch.bitwise_not),
+    "leaky_relu": (2, lambda x, slope: torch.where(x > 0, x, x * slope)),  # a tensor slope: prelu
+    "elu": (3, lambda x, alpha, scale, input_scale: torch.ops.aten.elu(x, alpha, scale, input_scale)),
+    "softplus": (3, lambda x, beta, threshold: F.softplus(x, beta, threshold)),
+    "hardsigmoid": (1, lambda x: _relu6_plus3(x) / 6),
+    "hardswish": (1, lambda x: x * _relu6_plus3(x) / 6),
+    "mish": (1, F.mish),
+    "glu": (2, lambda a, b: a * torch.sigmoid(b)),
+    "log_sigmoid": (1, F.logsigmoid),
+    "threshold": (3, F.threshold),
 }
+
+# Functions with an exact 64-bit integer form in the CUDA task (apply_pointwise_int): an op whose
+# result and operands are all integers or bools runs there, as eager PyTorch computes it.
+INT_FNS = frozenset({
+    "add", "sub", "mul", "pow", "neg", "relu", "cast", "abs", "floor", "ceil", "round", "trunc", "sign",
+    "maximum", "minimum", "clamp", "eq", "ne", "lt", "le", "gt", "ge", "where", "logical_and", "logical_or",
+    "logical_xor", "logical_not", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not",
+})
 
 
 def _pointwise_regions(sig: OpSig, rect):
@@ -34,10 +88,16 @@ def _pointwise_regions(sig: OpSig, rect):
 
 def _pointwise_cpu(sig: OpSig, rect, xs):
     operands = [xs[a[1]] if a[0] == "in" else a[1] for a in sig.attrs["args"]]
-    if not isinstance(operands[0], torch.Tensor):  # e.g. rsub: torch functions want a tensor first
-        like = next(o for o in operands if isinstance(o, torch.Tensor))
-        operands[0] = torch.tensor(operands[0], dtype=torch.result_type(operands[0], like))
-    return POINTWISE_FNS[sig.attrs["fn"]][1](*operands).to(sig.out_dtype)
+    fn = sig.attrs["fn"]
+    tensors = [o for j, o in enumerate(operands) if isinstance(o, torch.Tensor) and not (fn == "where" and j == 0)]
+    like = (tensors or [xs[0]])[0]
+    for j, o in enumerate(operands):
+        # torch functions want a tensor first (rsub); these take no numbers (clamp's and where's
+        # would do, but not in a mix with tensors)
+        if not isinstance(o, torch.Tensor) and (j == 0 or fn in ("clamp", "where", "maximum", "minimum")):
+            operands[j] = torch.tensor(o, dtype=torch.result_type(o, like))
+    extra = [sig.attrs["extra"]] if "extra" in sig.attrs else []
+    return POINTWISE_FNS[fn][1](*operands, *extra).to(sig.out_dtype)
 
 
 register(OpDef(

@@ -1,6 +1,7 @@
 """Row-wise op kinds: each output row needs its whole input row (the last dim).
 
-``reduce`` (sum / mean / amax / argmax over the last dim), ``softmax``, ``layer_norm``,
+``reduce`` (sum / mean / amax / argmax / amin / argmin over the last dim), ``softmax`` (or its
+log), ``layer_norm``,
 ``rms_norm`` and ``rope`` (rotate-half rotary embedding). Tiles split rows, never the last dim.
 """
 
@@ -22,6 +23,8 @@ REDUCE_FNS = {
     "mean": lambda x, k: torch.mean(x, dim=-1, keepdim=k),
     "amax": lambda x, k: torch.amax(x, dim=-1, keepdim=k),
     "argmax": lambda x, k: torch.argmax(x, dim=-1, keepdim=k),
+    "amin": lambda x, k: torch.amin(x, dim=-1, keepdim=k),
+    "argmin": lambda x, k: torch.argmin(x, dim=-1, keepdim=k),
 }
 
 
@@ -51,12 +54,13 @@ def _row_regions(sig: OpSig, rect):
 
 
 def _softmax_cpu(sig: OpSig, rect, xs):
-    return torch.softmax(xs[0], dim=-1).to(sig.out_dtype)
+    fn = torch.log_softmax if sig.attrs.get("log") else torch.softmax
+    return fn(xs[0], dim=-1).to(sig.out_dtype)
 
 
 register(OpDef(
     kind="softmax", type_id=11, input_regions=_row_regions, cpu=_softmax_cpu,
-    splittable=all_but_last, min_tile_elems=256, doc="out = softmax(x, dim=-1)",
+    splittable=all_but_last, min_tile_elems=256, doc="out = softmax(x, dim=-1), or its log where attrs['log']",
 ))
 
 

@@ -1,0 +1,156 @@
+"""Elementwise ops, reductions over any dims, (log-)softmax over any dim, norms and shuffles
+through ``torch.compile(backend="mpk")`` against eager PyTorch on the same inputs: float32 within
+1e-5 of the reference's largest |value| (the CPU interpreter computes each tile with PyTorch;
+the CUDA tasks in float32, whose transcendental functions may differ by an ulp), bfloat16
+within 1e-2 (two roundings of 2^-8), integer and bool results exactly — int64 operands beyond
+2^24, where a float32 path would round, included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import relative_error
+from mpk.backend import COMPILED
+
+F32_TOL, BF16_TOL = 1e-5, 1e-2
+
+# name -> f(x, y, i, j, k, v): x, y float [4, 6, 10]; i, j int64 of magnitude up to 2^40; k int32;
+# v float rows long enough for the CTA-per-row tasks [3, 8192]
+CASES = {
+    "abs_log": lambda x, y, *_: x.abs().log(),
+    "sin_cos": lambda x, y, *_: torch.sin(x) + torch.cos(y),
+    "reciprocal": lambda x, y, *_: (x.abs() + 0.5).reciprocal(),
+    "erf_log1p_expm1": lambda x, y, *_: torch.erf(x) + torch.log1p(y.abs()) + torch.expm1(x),
+    "rounding": lambda x, y, *_: (torch.floor(x * 4), torch.ceil(y * 4), torch.round(x * 4), torch.trunc(y * 4)),
+    "sign": lambda x, y, *_: torch.sign(x),
+    "maximum_minimum": lambda x, y, *_: (torch.maximum(x, y), torch.minimum(x, y), x.clamp_min(0.2)),
+    "clamp": lambda x, y, *_: (x.clamp(-0.5, 0.5), x.clamp(min=y), x.clamp(max=0.1), F.hardtanh(x), F.relu6(x * 4)),
+    "comparisons": lambda x, y, *_: (((x > y) & (x < 1)) | (x == y), (x >= 0.5) ^ (y <= -0.5), x != y, ~(x > 0)),
+    "where": lambda x, y, *_: (torch.where(x > 0, x, 0.0), torch.where(x > y, x, y), x.masked_fill(y > 0.5, -3.0)),
+    "masked_softmax": lambda x, y, *_: torch.softmax(x.masked_fill(y > 0.5, float("-inf")), -1),
+    "activations": lambda x, y, *_: (F.leaky_relu(x, 0.1), F.elu(x), F.selu(x), F.celu(x, 0.7), F.softplus(x, 2, 5),
+                                     F.hardsigmoid(x), F.hardswish(x), F.mish(x), F.logsigmoid(x),
+                                     F.threshold(x, 0.1, 2.0), F.glu(x, -1), F.hardshrink(x), F.softsign(y), F.prelu(x, y[0, :, :1].flatten()[:6])),
+    "reductions": lambda x, y, *_: (x.sum(0), x.mean((0, 2)), x.amax(1), x.amin(-1, keepdim=True), x.sum(),
+                                    x.max(), y.min()),
+    "arg_reductions": lambda x, y, *_: (x.argmin(1), x.argmax(), y.argmax(0, keepdim=True), *x.max(dim=1),
+                                        *x.min(dim=0)),
+    "variance_norms": lambda x, y, *_: (x.var(1), x.std(-1, correction=0), torch.linalg.vector_norm(x, dim=-1),
+                                        F.normalize(y, dim=1), torch.linalg.vector_norm(x, 1, dim=(0, 1)),
+                                        torch.linalg.vector_norm(y, float("inf"), dim=0)),
+    "softmax_dims": lambda x, y, *_: (F.softmax(x, 0), F.log_softmax(x, 1), F.log_softmax(y, -1)),
+    "stack": lambda x, y, *_: torch.stack([x, y], 1),
+    "group_norm": lambda x, y, *_: (F.group_norm(x.reshape(2, 12, 10), 3, y.flatten()[:12] + 1, y.flatten()[12:24]),
+                                    F.group_norm(x.reshape(4, 6, 10), 2)),
+    "pixel_shuffle": lambda x, y, *_: F.pixel_shuffle(x.reshape(1, 4, 6, 10), 2) * 2,
+    "long_rows": lambda *a: (a[5].argmin(-1), a[5].amin(-1, keepdim=True), F.log_softmax(a[5], -1),
+                             a[5][:, 1:].argmin(-1)),
+    "int_arithmetic": lambda x, y, i, j, k, _: (i + j, i - 3, i * 3, -i, i.abs(), torch.sign(i), torch.maximum(i, j),
+                                             i.clamp(-2 ** 39, 2 ** 39), k ** 3, torch.relu(i)),
+    "int_logic": lambda x, y, i, j, k, _: (torch.where(i > j, i, j), (i == j) | (i < 0), i & j, i | 7, i ^ j, ~i,
+                                        (k > 0) & (k < 5)),
+    "int_casts": lambda x, y, i, j, k, _: (i.to(torch.int32), k.long() * 2 ** 33, (i > 0).long(), i.bool(), k.float()),
+    "int_reductions": lambda x, y, i, j, k, _: (i.sum(-1), i.amax(0), i.amin(1), i.argmax(-1), i.argmin(0),
+                                             (i > 0).sum(-1), k.sum(1), *i.max(dim=2)),
+}
+
+
+class _Zoo(torch.nn.Module):
+    """Every case's outputs, flattened, in one graph (one build on the GPU)."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names = names
+
+    def forward(self, x, y, i, j, k, v):
+        outs = []
+        for name in self.names:
+            o = CASES[name](x, y, i, j, k, v)
+            outs.extend(o if isinstance(o, tuple) else (o,))
+        return tuple(outs)
+
+
+def _labels(names, args) -> list[str]:
+    labels = []
+    for name in names:
+        o = CASES[name](*args)
+        labels.extend(f"{name}[{n}]" for n in range(len(o) if isinstance(o, tuple) else 1))
+    return labels
+
+
+def _inputs(dtype: torch.dtype, device: str = "cpu"):
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))
+    x, y = (torch.randn(4, 6, 10, generator=g).to(dtype) for _ in range(2))
+    i, j = (torch.randint(-2 ** 40, 2 ** 40, (4, 6, 10), generator=g) for _ in range(2))
+    j[0, 0, :4] = i[0, 0, :4]  # some equal pairs for ==, maximum and where
+    k = torch.randint(-6, 7, (4, 6, 10), generator=g, dtype=torch.int32)
+    v = torch.randn(3, 8192, generator=g).to(dtype)
+    return [t.to(device) for t in (x, y, i, j, k, v)]
+
+
+def _mismatches(out, ref, labels, tol) -> list[str]:
+    bad = []
+    for o, r, label in zip(out, ref, labels):
+        if o.dtype != r.dtype or o.shape != r.shape:
+            bad.append(f"{label}: {o.dtype} {tuple(o.shape)}, expected {r.dtype} {tuple(r.shape)}")
+        elif r.is_floating_point():
+            err = relative_error(o.cpu().nan_to_num(), r.cpu().nan_to_num())
+            if err > tol or not torch.equal(o.isnan().cpu(), r.isnan().cpu()):
+                bad.append(f"{label}: relative error {err:.2e} (tolerance {tol:.0e})")
+        elif not torch.equal(o.cpu(), r.cpu()):
+            bad.append(f"{label}: {int((o != r).sum())} of {r.numel()} elements differ")
+    return bad
+
+
+def check_zoo(dtype: torch.dtype, executor: str, names=tuple(CASES)) -> None:
+    """Compile the cases ``names`` as one graph for ``executor`` and compare each output."""
+    device = "cuda" if executor == "gpu" else "cpu"
+    args = _inputs(dtype, device)
+    model = _Zoo(list(names))
+    with torch.no_grad():
+        ref = model(*args)
+        out = torch.compile(model, backend="mpk", dynamic=False, options={"executor": executor})(*args)
+    bad = _mismatches(out, ref, _labels(names, args), F32_TOL if dtype == torch.float32 else BF16_TOL)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_case_matches_eager_on_the_cpu_interpreter(name, dtype):
+    torch._dynamo.reset()
+    check_zoo(dtype, "cpu", (name,))
+    kinds = {op.kind for op in COMPILED[-1].graph.ops}
+    assert kinds, "the case compiled to no op"
+
+
+def test_integer_results_take_the_exact_integer_form():
+    """Integer and bool results of integer or bool operands are marked for the CUDA task's
+    64-bit form; comparisons of floats and casts to float are not."""
+    torch._dynamo.reset()
+    check_zoo(torch.float32, "cpu", ("int_arithmetic", "int_casts", "comparisons"))
+    forms = {(op.attrs["fn"], bool(op.attrs.get("int"))) for op in COMPILED[-1].graph.ops if op.kind == "pointwise"}
+    assert {("add", True), ("mul", True), ("cast", True), ("gt", False), ("logical_and", True)} <= forms
+    assert ("cast", False) in forms  # k.float(): an int32 → float32 conversion
+
+
+def test_reductions_over_leading_dims_read_views_without_copies():
+    """A reduction over one dim other than the last permutes its view (no copy op), and a
+    softmax over dim 0 writes through the inverse permutation."""
+    torch._dynamo.reset()
+    x = torch.randn(5, 7, 3)
+    f = lambda t: (t.sum(0), t.amax(1, keepdim=True), F.softmax(t, 0), F.log_softmax(t, 1))  # noqa: E731
+    with torch.no_grad():
+        out = torch.compile(f, backend="mpk", options={"executor": "cpu"})(x)
+    for o, r in zip(out, f(x)):
+        assert o.shape == r.shape and relative_error(o, r) <= F32_TOL
+    assert [op.kind for op in COMPILED[-1].graph.ops] == ["reduce", "reduce", "softmax", "softmax"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_every_case_matches_eager_on_the_gpu(dtype):
+    torch._dynamo.reset()
+    check_zoo(dtype, "gpu")
