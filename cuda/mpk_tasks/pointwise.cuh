@@ -11,7 +11,7 @@ enum PointwiseFn : int {
   kAbs, kLog, kSin, kCos, kReciprocal, kErf, kLog1p, kExpm1, kFloor, kCeil, kRound, kTrunc, kSign,
   kMaximum, kMinimum, kClamp, kEq, kNe, kLt, kLe, kGt, kGe, kWhere,
   kLogicalAnd, kLogicalOr, kLogicalXor, kLogicalNot, kBitwiseAnd, kBitwiseOr, kBitwiseXor, kBitwiseNot,
-  kLeakyRelu, kElu, kSoftplus, kHardsigmoid, kHardswish, kMish, kGlu, kLogSigmoid, kThreshold
+  kLeakyRelu, kElu, kSoftplus, kHardsigmoid, kHardswish, kMish, kGlu, kLogSigmoid, kThreshold, kArange
 };
 
 // torch.minimum's NaN rule (max_nan in common.cuh is torch.maximum's)
@@ -77,7 +77,7 @@ __device__ __forceinline__ float apply_pointwise(int fn, float a, float b, float
     case kGlu: return a * (1.f / (1.f + expf(-b)));  // a · sigmoid(b)
     case kLogSigmoid: return fminf(a, 0.f) - log1pf(expf(-fabsf(a)));  // no overflow for large |a|
     case kThreshold: return a <= b ? c : a;  // NaN stays
-    default: return a;  // kCast: the store converts
+    default: return a;  // kCast (and kArange, already counted): the store converts
   }
 }
 
@@ -118,7 +118,7 @@ __device__ __forceinline__ long long apply_pointwise_int(int fn, long long a, lo
     case kBitwiseOr: return a | b;
     case kBitwiseXor: return a ^ b;
     case kBitwiseNot: return ~a;
-    default: return a;  // kCast, kFloor, kCeil, kRound, kTrunc: integers are their own rounding
+    default: return a;  // kCast, kArange, kFloor, kCeil, kRound, kTrunc: integers are their own rounding
   }
 }
 
@@ -145,6 +145,7 @@ __device__ __forceinline__ void pointwise_tile(const OpC& c, const Rect& r, cons
       }
     }
     const long long o = ravel(idx, c.out_shape, c.ndim);
+    if (c.variant == kArange) x[0] += x[1] * static_cast<T>(idx[0]);  // start + step · i (1-d), then kCast's store
     if constexpr (std::is_same_v<T, float>) store_f(out, c.out_dtype, o, apply_pointwise(c.variant, x[0], x[1], x[2], c.fparam[3]));
     else store_i(out, c.out_dtype, o, apply_pointwise_int(c.variant, x[0], x[1], x[2]));
   }

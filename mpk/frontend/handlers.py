@@ -40,9 +40,6 @@ NO_RULE_HINTS = {
     aten._native_multi_head_attention: _FASTPATH,
     aten.native_dropout: "dropout with p > 0: mpk compiles inference (call model.eval(); "
                          "scaled_dot_product_attention with dropout_p=0)",
-    **{getattr(aten, name): f"a tensor made inside forward (torch.{name}): pass it as an input or register it as "
-                            "a buffer" for name in ("arange", "full", "ones", "zeros", "empty", "full_like", "ones_like",
-                                                    "zeros_like", "empty_like")},
 }
 
 
@@ -217,7 +214,7 @@ def _emit_pointwise(L, fn: str, args, shape=None, dtype: torch.dtype | None = No
             spec.append(["c", a])
         else:
             raise Unsupported(f"argument {a!r} of type {type(a).__name__} is not a tensor or number")
-    if not inputs:
+    if not inputs and fn not in ("cast", "arange"):
         raise Unsupported("no tensor operand")
     out_dtype = L.meta().dtype if dtype is None else dtype
     exact_int = (_integral(out_dtype) and all(_integral(L.graph.buffers[v.buffer].dtype) for v in inputs)
@@ -292,6 +289,33 @@ def _bitwise(L, node, *args):
 def _scalar_tensor(L, node, value, **kwargs):
     return ScalarConst(f"a tensor made inside forward from the number {value} (torch.tensor / scalar_tensor): pass "
                        "it as an input or register it as a buffer", value)
+
+
+# --- tensors made inside forward: a fill or a count, computed by the kernel -----------------------
+
+@handles(aten.full.default, aten.full_like.default)
+def _full(L, node, size_or_like, fill_value, **kwargs):
+    return _emit_pointwise(L, "cast", [fill_value])
+
+
+@handles(aten.zeros.default, aten.ones.default, aten.zeros_like.default, aten.ones_like.default,
+         aten.empty.memory_format, aten.empty_like.default)
+def _zeros_ones(L, node, size_or_like, *args, **kwargs):
+    # an empty tensor's elements are whatever: zeros (functionalization has turned the in-place
+    # ops that fill it into ops that read it)
+    return _emit_pointwise(L, "cast", [int(node.target.overloadpacket.__name__.startswith("ones"))])
+
+
+@handles(aten.fill.Scalar, aten.fill.Tensor)
+@_elementwise
+def _fill(L, node, x: View, value):
+    return _emit_pointwise(L, "cast", [value])
+
+
+@handles(aten.arange.default, aten.arange.start, aten.arange.start_step)
+def _arange(L, node, *args, **kwargs):
+    start, _, step = (0, *args, 1) if len(args) == 1 else (*args, 1)[:3]
+    return _emit_pointwise(L, "arange", [start, step])
 
 
 @handles(aten.rsub.Scalar, aten.rsub.Tensor)

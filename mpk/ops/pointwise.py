@@ -71,6 +71,7 @@ POINTWISE_FNS = {
     "glu": (2, lambda a, b: a * torch.sigmoid(b)),
     "log_sigmoid": (1, F.logsigmoid),
     "threshold": (3, F.threshold),
+    "arange": (2, None),  # start + step · i along the 1-d output (torch.arange): _pointwise_cpu
 }
 
 # Functions with an exact 64-bit integer form in the CUDA task (apply_pointwise_int): an op whose
@@ -78,7 +79,7 @@ POINTWISE_FNS = {
 INT_FNS = frozenset({
     "add", "sub", "mul", "pow", "neg", "relu", "cast", "abs", "floor", "ceil", "round", "trunc", "sign",
     "maximum", "minimum", "clamp", "eq", "ne", "lt", "le", "gt", "ge", "where", "logical_and", "logical_or",
-    "logical_xor", "logical_not", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not",
+    "logical_xor", "logical_not", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "arange",
 })
 
 
@@ -89,6 +90,14 @@ def _pointwise_regions(sig: OpSig, rect):
 def _pointwise_cpu(sig: OpSig, rect, xs):
     operands = [xs[a[1]] if a[0] == "in" else a[1] for a in sig.attrs["args"]]
     fn = sig.attrs["fn"]
+    shape = tuple(hi - lo for lo, hi in rect)
+    if fn == "arange":
+        start, step = operands
+        (lo, hi), = rect
+        return (start + step * torch.arange(lo, hi, dtype=torch.float64 if sig.out_dtype.is_floating_point
+                                            else torch.int64)).to(sig.out_dtype)
+    if not xs:  # a constant (torch.full / zeros / ones)
+        return torch.full(shape, operands[0], dtype=sig.out_dtype)
     tensors = [o for j, o in enumerate(operands) if isinstance(o, torch.Tensor) and not (fn == "where" and j == 0)]
     like = (tensors or [xs[0]])[0]
     for j, o in enumerate(operands):
@@ -102,7 +111,8 @@ def _pointwise_cpu(sig: OpSig, rect, xs):
 
 register(OpDef(
     kind="pointwise", type_id=1, input_regions=_pointwise_regions, cpu=_pointwise_cpu,
-    doc="out = fn(args…); args are ['in', i] (tensor input i, broadcast) or ['c', value]",
+    doc="out = fn(args…); args are ['in', i] (tensor input i, broadcast) or ['c', value]; with no tensor "
+        "operand, 'cast' of a constant fills the output and 'arange' counts",
 ))
 
 
