@@ -7,6 +7,7 @@ instruction cache pays for fetching it; this lists where the code is. Usage:
 
 from __future__ import annotations
 
+import argparse
 import re
 import shutil
 import subprocess
@@ -42,8 +43,16 @@ def demangle(names: list[str]) -> list[str]:
     return out if len(out) == len(names) else names
 
 
-def main(argv: list[str]) -> int:
-    cubins = [Path(a) for a in argv] or sorted(cache_dir().glob("*.cubin"), key=lambda p: p.stat().st_mtime)[-1:]
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("cubins", nargs="*", type=Path, metavar="CUBIN",
+                    help="built kernels (default: the newest cubin in $MPK_CACHE_DIR)")
+    args = ap.parse_args(argv)
+    cubins = args.cubins or sorted(cache_dir().glob("*.cubin"), key=lambda p: p.stat().st_mtime)[-1:]
+    if not cubins:
+        ap.error(f"no cubin given and none in {cache_dir()} ($MPK_CACHE_DIR): build a kernel first")
+    for missing in (c for c in cubins if not c.is_file()):
+        ap.error(f"{missing}: no such file")
     for cubin in cubins:
         sizes = function_bytes(cubin)
         print(f"{cubin}: {sum(sizes.values()) / 1024:.1f} KiB of instructions")
@@ -54,4 +63,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

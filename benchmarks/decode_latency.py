@@ -32,6 +32,8 @@ from peer import Shape, copy_bandwidth, floor_ms, kv_bytes, require_cuda, time_p
 
 from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
 from mpk.cli import count, json_object, page_size as page_size_arg  # noqa: E402
+from mpk.errors import OptionError  # noqa: E402
+from mpk.options import CompileOptions  # noqa: E402
 from mpk.megakernel.timeline import breakdown as timeline_breakdown  # noqa: E402
 from mpk.megakernel.timeline import timeline_svg  # noqa: E402
 from mpk.models.llm import SHAPES as MODELS  # noqa: E402
@@ -120,14 +122,29 @@ def stages(trace: list[dict], t, first: int = 10, count: int = 12) -> list[dict]
 _ENV_FLAGS = os.environ.get("MPK_NVCC_FLAGS", "")
 
 
+def build_options(text: str) -> dict:
+    """An argparse type: a JSON object of mpk compile options plus an optional ``"nvcc_flags"``
+    string, checked when the command line is read (not after minutes of tracing)."""
+    options = json_object(text)
+    flags = options.get("nvcc_flags", "")
+    if not isinstance(flags, str):
+        raise argparse.ArgumentTypeError(f"{text!r}: \"nvcc_flags\" is {flags!r}; expected one string of flags, "
+                                         'e.g. "-DMPK_PHASES -lineinfo"')
+    try:
+        CompileOptions.parse({"executor": "gpu", **{k: v for k, v in options.items() if k != "nvcc_flags"}})
+    except OptionError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return options
+
+
 def add_step_args(ap: argparse.ArgumentParser) -> None:
     """The arguments that pick the benchmarked decode steps (shared with prebuild_decode.py,
     whose cubins must be these steps')."""
     ap.add_argument("--models", nargs="+", default=["llama3.2-1b", "qwen3-1.7b", "qwen3-8b"],
-                    choices=sorted(MODELS))
-    ap.add_argument("--batches", nargs="+", type=count(1), default=[1, 4, 16])
-    ap.add_argument("--position", type=count(0), default=64)
-    ap.add_argument("--page-size", type=page_size_arg, default=16)
+                    choices=sorted(MODELS), metavar="MODEL", help=f"any of {', '.join(sorted(MODELS))}")
+    ap.add_argument("--batches", nargs="+", type=count(1), default=[1, 4, 16], help="batch sizes")
+    ap.add_argument("--position", type=count(0), default=64, help="tokens already in each sequence's cache")
+    ap.add_argument("--page-size", type=page_size_arg, default=16, help="KV-cache page size")
     ap.add_argument("--num-splits", type=count(0), default=0,
                     help="attention's KV chunks per sequence, at most (0: the compiler's default_splits)")
 
@@ -189,15 +206,16 @@ def bench_mpk(model: DecoderLM, batch: int, position: int, page_size: int, profi
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_step_args(ap)
     ap.add_argument("--compile-mode", default="default",
                     help="the peer's torch.compile mode (max-autotune costs minutes per shape)")
     ap.add_argument("--profile", action="store_true", help="per-task-type breakdown of one mpk step")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="append the rows as JSON lines to this file")
     ap.add_argument("--trace-dir", type=Path, default=None,
                     help="write each profiled step's Perfetto trace here (with --profile)")
-    ap.add_argument("--options", nargs="+", type=json_object, default=[{}],
+    ap.add_argument("--options", nargs="+", type=build_options, default=[{}],
                     help='extra mpk compile options as JSON, e.g. \'{"fuse_norm_prologue": false}\' or '
                          '\'{"nvcc_flags": "-DMPK_X"}\'; several: an A/B of builds, timed in turn on the same '
                          'model and inputs')

@@ -242,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from decode_latency import add_step_args
 
+    from mpk.cli import count
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="profile decode steps under ncu (on the GPU machine)")
@@ -249,10 +251,16 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", type=Path, required=True)
     p = sub.add_parser("report", help="samples by function, source line and instruction (no GPU needed)")
     p.add_argument("prefix", type=Path, help="DIR/<model>-b<batch>, as `run` wrote it")
-    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--top", type=count(1), default=25, help="rows per table (default 25)")
     args = ap.parse_args(argv)
     if args.cmd == "report":
-        print(report(Path(f"{args.prefix}-sass.csv"), Path(f"{args.prefix}-cubin"), args.top))
+        sass, cubin = Path(f"{args.prefix}-sass.csv"), Path(f"{args.prefix}-cubin")
+        missing = [str(f) for f in (sass, cubin) if not f.is_file()]
+        if missing:
+            found = sorted(f.name.removesuffix("-sass.csv") for f in args.prefix.parent.glob("*-sass.csv"))
+            ap.error(f"report {args.prefix}: no {' or '.join(missing)} (written by `ncu_stalls.py run --out "
+                     f"{args.prefix.parent}`); runs there: {', '.join(found) or 'none'}")
+        print(report(sass, cubin, args.top))
         return 0
     return run(args)
 

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_latency import add_step_args, compile_step, max_len  # noqa: E402
+from decode_latency import add_step_args, build_options, compile_step, max_len  # noqa: E402
 
 from mpk.backend import COMPILED  # noqa: E402
-from mpk.cli import count, json_object  # noqa: E402
+from mpk.cli import count  # noqa: E402
 from mpk.errors import ExecutorUnavailableError  # noqa: E402
 from mpk.megakernel import build  # noqa: E402
 from mpk.megakernel.codegen import generate  # noqa: E402
@@ -52,10 +52,12 @@ def decode_source(name: str, batch: int, position: int, page_size: int, num_spli
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_step_args(ap)
-    ap.add_argument("--options", nargs="+", type=json_object, default=[{}], help="one JSON object per build variant")
-    ap.add_argument("--jobs", type=count(1), default=None)
+    ap.add_argument("--options", nargs="+", type=build_options, default=[{}],
+                    help="one JSON object per build variant (decode_latency.py's --options)")
+    ap.add_argument("--jobs", type=count(1), default=None, help="parallel nvcc processes (None: one per core)")
     ap.add_argument("--nvcc-flags", action="append", default=None,
                     help="repeatable, e.g. --nvcc-flags=-DMPK_PHASES: build every step once per flag set (as "
                          "$MPK_NVCC_FLAGS; default: the environment's) unless its options name their own "
