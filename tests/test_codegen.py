@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import re
+import signal
 import subprocess
 import warnings
 
@@ -577,13 +578,14 @@ def test_concurrent_builds_of_one_source_share_the_cubin(tmp_path, monkeypatch):
     with ThreadPoolExecutor(3) as pool:
         cubins = list(pool.map(lambda _: build.build_cubin(src, progress=False), range(3)))
     assert len(set(cubins)) == 1 and cubins[0].read_bytes()[:4] == b"\x7fELF"
-    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".cu", ".cubin"]
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".cu", ".cubin", ".sha256"]
 
 
 @needs_nvcc
 def test_damaged_cached_cubin_is_rebuilt_and_a_cache_serves_without_nvcc(tmp_path, monkeypatch, capsys):
-    """A cut cubin in the cache (an interrupted copy) is rebuilt, not handed to the driver; with
-    no nvcc on PATH a cubin of the same source is still found, and its absence is named."""
+    """A cut cubin in the cache (an interrupted copy) and one whose bytes changed in place (its
+    size and ELF headers intact) are rebuilt, not handed to the driver; with no nvcc on PATH a
+    cubin of the same source is still found, and its absence is named."""
     monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
     src = generate(stamp_graph(random_dag(12, random.Random(random.randrange(1 << 20))), iterations=1))
     cubin = build.build_cubin(src, progress=False)
@@ -593,11 +595,34 @@ def test_damaged_cached_cubin_is_rebuilt_and_a_cache_serves_without_nvcc(tmp_pat
     # (nvcc's output is not byte-identical between runs: compare what matters)
     assert build.build_cubin(src, progress=True) == cubin and build._whole_elf(cubin) and \
         abs(len(cubin.read_bytes()) - len(whole)) < 64
-    assert "is damaged (not a whole ELF image); rebuilding it" in capsys.readouterr().err
+    assert "is damaged (cut short, or not the bytes that were built); rebuilding it" in capsys.readouterr().err
+    flipped = bytearray(cubin.read_bytes())
+    at = random.randrange(64, len(flipped))
+    flipped[at] ^= 0xFF
+    cubin.write_bytes(bytes(flipped))
+    assert build._whole_elf(cubin) and not build._intact(cubin)
+    assert build.build_cubin(src, progress=True) == cubin and build._intact(cubin)
+    assert "is damaged" in capsys.readouterr().err
     monkeypatch.setattr(build, "nvcc_path", lambda: None)
     assert build.build_cubin(src) == cubin
     with pytest.raises(build.BuildError, match="nvcc was not found on PATH.*holds no cubin of this source"):
         build.build_cubin(src + "\n// another source\n")
+
+
+def test_nvcc_killed_by_a_signal_is_named_and_ctrl_c_stays_an_interrupt(tmp_path, monkeypatch):
+    """nvcc ended by SIGKILL (the OOM killer) is a BuildError naming the signal; by SIGINT (Ctrl-C
+    in the terminal reaches nvcc too) the caller's KeyboardInterrupt, not a build error."""
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "nvcc_version", lambda: "fake nvcc")
+    for sig, expected in ((signal.SIGKILL, build.BuildError), (signal.SIGINT, KeyboardInterrupt)):
+        fake = tmp_path / f"nvcc-{sig.name}"
+        fake.write_text(f"#!/bin/sh\nkill -{sig.name.removeprefix('SIG')} $$\n")
+        fake.chmod(0o755)
+        monkeypatch.setattr(build, "nvcc_path", lambda fake=fake: str(fake))
+        with pytest.raises(expected) as info:
+            build.build_cubin(f"// {sig.name}\n", progress=False)
+        if expected is build.BuildError:
+            assert "nvcc was killed by SIGKILL" in str(info.value)
 
 
 def test_broken_nvcc_and_unusable_cache_are_build_errors(tmp_path, monkeypatch):

@@ -4,8 +4,9 @@ A cubin is cached in ``$MPK_CACHE_DIR`` (default ``~/.cache/mpk``) as ``<source 
 key>.cubin``: the first covers the generated source, every ``.cuh`` header under ``runtime/`` and
 ``cuda/``, the flags and the target architecture, the second nvcc's version, so a second
 identical build reads the cubin without compiling, and a machine without nvcc (a driver-only
-deployment given a prebuilt cache) takes a cubin of the same source built by any nvcc. A cached
-file that is not a whole ELF image (an interrupted copy of the cache) is rebuilt, not loaded.
+deployment given a prebuilt cache) takes a cubin of the same source built by any nvcc. Beside each
+cubin its SHA-256 (``.sha256``); a cached file that is not a whole ELF image or whose bytes differ
+from that digest (an interrupted or damaged copy of the cache) is rebuilt, not loaded.
 ``$MPK_NVCC_FLAGS`` (whitespace-separated) adds flags to every build, e.g. the ``-D`` switches
 of the CUDA headers for an experiment (``-DMPK_MAX_SPINS=…``); they are part of the key.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -69,6 +71,20 @@ def _whole_elf(path: Path) -> bool:
     return shoff + shentsize * shnum <= size
 
 
+def _intact(cubin: Path) -> bool:
+    """A whole ELF image whose bytes match the digest written beside it when it was built (a
+    cubin of a cache written before digests is taken on the ELF check alone)."""
+    if not _whole_elf(cubin):
+        return False
+    try:
+        want = cubin.with_suffix(".sha256").read_text().strip()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return hashlib.sha256(cubin.read_bytes()).hexdigest() == want
+
+
 def _cache_error(out_dir: Path, e: OSError) -> BuildError:
     return BuildError(f"the cubin cache {out_dir} ($MPK_CACHE_DIR, default ~/.cache/mpk) is not a writable "
                       f"directory: {e}")
@@ -115,15 +131,16 @@ def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_ker
     if nvcc_path() is None:  # no compiler: a cubin of this source from any nvcc, newest first
         found = sorted(out_dir.glob(f"{key}-*.cubin"), key=lambda p: p.stat().st_mtime, reverse=True)
         for cubin in found:
-            if _whole_elf(cubin):
+            if _intact(cubin):
                 return cubin
         raise BuildError(_NO_NVCC + f" (and {out_dir} holds no cubin of this source)")
     cubin = out_dir / f"{key}-{hashlib.sha256(nvcc_version().encode()).hexdigest()[:8]}.cubin"
-    if _whole_elf(cubin):
+    if _intact(cubin):
         return cubin
     say = sys.stderr.isatty() if progress is None else progress
     if say and cubin.exists():
-        print(f"mpk: {cubin} is damaged (not a whole ELF image); rebuilding it", file=sys.stderr, flush=True)
+        print(f"mpk: {cubin} is damaged (cut short, or not the bytes that were built); rebuilding it",
+              file=sys.stderr, flush=True)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         # the source under its final name (the cubin's line info names it; identical content
@@ -151,10 +168,20 @@ def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_ker
               file=sys.stderr, flush=True)
     if res.returncode != 0:
         tmp.unlink(missing_ok=True)
+        if res.returncode == -signal.SIGINT:  # Ctrl-C reached nvcc too: the user's interrupt, not a build error
+            raise KeyboardInterrupt
+        if res.returncode < 0:
+            raise BuildError(f"nvcc was killed by {signal.Signals(-res.returncode).name} building {src} (out of "
+                             f"memory? each full-size decode step needs a few GB; prebuild with fewer --jobs)")
         extra = os.environ.get("MPK_NVCC_FLAGS", "").strip()
         raise BuildError(f"nvcc failed (exit {res.returncode}) building {src}:\n{res.stderr.strip()[-6000:]}\n"
                          f"command: {' '.join(cmd)}" + (f"\n(with $MPK_NVCC_FLAGS={extra!r})" if extra else ""))
     os.chmod(tmp, 0o644)
+    # the digest first: a reader between the two renames sees a mismatch and rebuilds, never a
+    # damaged cubin taken for whole
+    digest = Path(f"{tmp}.sha256")
+    digest.write_text(hashlib.sha256(tmp.read_bytes()).hexdigest() + "\n")
+    digest.replace(cubin.with_suffix(".sha256"))
     tmp.replace(cubin)
     return cubin
 
