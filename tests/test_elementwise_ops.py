@@ -16,6 +16,23 @@ from mpk.backend import COMPILED
 
 F32_TOL, BF16_TOL = 1e-5, 1e-2
 
+def _narrow_ints(x, y, i, j, k, v):
+    """uint8 and int16 results wrap as torch's do (not through float32), numbers meet int32 in
+    its width (2**33 wraps to 0)."""
+    u, s = k.to(torch.uint8), i.to(torch.int16)
+    return (~u, u - 1, -u, s * s, (s.long() * 2 ** 24 + 1).to(torch.int16), k < 2 ** 33, u == 259, u.amin(-1),
+            s.sum(-1), s.argmax(0))
+
+
+def _fills_and_scalars(x, y, i, j, k, v):
+    """Fill values converted to the tensor's dtype, integer aranges from fractional bounds, a fill
+    from a 0-d tensor, bool min / max with indices, reductions of a 0-d tensor."""
+    d = x.device
+    return (i.masked_fill(i < 0, 0.7), torch.arange(0, 5, 1.5, dtype=torch.int64, device=d),
+            torch.arange(-2.5, 2, dtype=torch.int64, device=d), torch.empty_like(x).fill_(x[0, 0, 0]),
+            *(x > 0).min(0), *(x > 0).max(-1), x[0, 0, 0].sum(0), x[0, 0, 0].argmax(0), torch.softmax(x[0, 0, 0], 0))
+
+
 # name -> f(x, y, i, j, k, v): x, y float [4, 6, 10]; i, j int64 of magnitude up to 2^40; k int32;
 # v float rows long enough for the CTA-per-row tasks [3, 8192]
 CASES = {
@@ -59,6 +76,8 @@ CASES = {
     "int_logic": lambda x, y, i, j, k, _: (torch.where(i > j, i, j), (i == j) | (i < 0), i & j, i | 7, i ^ j, ~i,
                                         (k > 0) & (k < 5)),
     "int_casts": lambda x, y, i, j, k, _: (i.to(torch.int32), k.long() * 2 ** 33, (i > 0).long(), i.bool(), k.float()),
+    "narrow_ints": _narrow_ints,
+    "fills_and_scalars": _fills_and_scalars,
     "int_reductions": lambda x, y, i, j, k, _: (i.sum(-1), i.amax(0), i.amin(1), i.argmax(-1), i.argmin(0),
                                              (i > 0).sum(-1), k.sum(1), *i.max(dim=2)),
 }
@@ -140,6 +159,19 @@ def test_integer_results_take_the_exact_integer_form():
     forms = {(op.attrs["fn"], bool(op.attrs.get("int"))) for op in COMPILED[-1].graph.ops if op.kind == "pointwise"}
     assert {("add", True), ("mul", True), ("cast", True), ("gt", False), ("logical_and", True)} <= forms
     assert ("cast", False) in forms  # k.float(): an int32 → float32 conversion
+
+
+def test_numbers_take_the_integer_operands_dtype():
+    """The CUDA task computes integers in 64 bits, so the compiler converts a number to what
+    torch would: 2**33 against int32 is 0, a fill value 0.7 into int64 is 0 (exact form kept)."""
+    torch._dynamo.reset()
+    check_zoo(torch.float32, "cpu", ("narrow_ints", "fills_and_scalars"))
+    ops = {(op.attrs["fn"], tuple(tuple(a) for a in op.attrs["args"]), bool(op.attrs.get("int")))
+           for op in COMPILED[-1].graph.ops if op.kind == "pointwise"}
+    assert ("lt", (("in", 0), ("c", 0)), True) in ops  # k < 2**33
+    assert ("eq", (("in", 0), ("c", 3)), True) in ops  # uint8 == 259
+    assert ("where", (("in", 0), ("c", 0), ("in", 1)), True) in ops  # masked_fill(i < 0, 0.7)
+    assert ("arange", (("c", -2), ("c", 1)), True) in ops  # arange(-2.5, 2, dtype=int64)
 
 
 def test_reductions_over_leading_dims_read_views_without_copies():

@@ -91,10 +91,17 @@ __device__ __forceinline__ void store_f(void* base, int dtype, long long i, floa
   }
 }
 
+// An integer into any dtype: integer types keep its low bits (torch's wrap-around), exactly.
 __device__ __forceinline__ void store_i(void* base, int dtype, long long i, long long v) {
-  if (dtype == kI64) static_cast<long long*>(base)[i] = v;
-  else if (dtype == kI32) static_cast<int*>(base)[i] = static_cast<int>(v);
-  else store_f(base, dtype, i, static_cast<float>(v));
+  switch (dtype) {
+    case kI64: static_cast<long long*>(base)[i] = v; break;
+    case kI32: static_cast<int*>(base)[i] = static_cast<int>(v); break;
+    case kI16: static_cast<short*>(base)[i] = static_cast<short>(v); break;
+    case kI8: static_cast<signed char*>(base)[i] = static_cast<signed char>(v); break;
+    case kU8: static_cast<unsigned char*>(base)[i] = static_cast<unsigned char>(v); break;
+    case kBool: static_cast<bool*>(base)[i] = v != 0; break;
+    default: store_f(base, dtype, i, static_cast<float>(v));
+  }
 }
 
 __device__ __forceinline__ bool is_int(int dtype) { return dtype >= kI64 && dtype <= kU8; }

@@ -40,7 +40,7 @@ __device__ __forceinline__ float apply_pointwise(int fn, float a, float b, float
     case kGeluTanh: return 0.5f * a * (1.f + tanhf(0.79788456080286536f * (a + 0.044715f * a * a * a)));
     case kSigmoid: return 1.f / (1.f + expf(-a));
     case kTanh: return tanhf(a);
-    case kRelu: return a > 0.f ? a : (a != a ? a : 0.f);
+    case kRelu: return a < 0.f ? 0.f : a;  // NaN and -0 stay, as torch's clamp_min(x, 0)
     case kAbs: return fabsf(a);
     case kLog: return logf(a);
     case kSin: return sinf(a);

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass
@@ -217,8 +218,18 @@ def _emit_pointwise(L, fn: str, args, shape=None, dtype: torch.dtype | None = No
     if not inputs and fn not in ("cast", "arange"):
         raise Unsupported("no tensor operand")
     out_dtype = L.meta().dtype if dtype is None else dtype
+    if _integral(out_dtype) and fn in ("cast", "where"):
+        # a fill value (full, fill_, masked_fill) is converted to the tensor's integer dtype first
+        spec = [["c", _converted(c, out_dtype)] if kind == "c" else [kind, c] for kind, c in spec]
     exact_int = (_integral(out_dtype) and all(_integral(L.graph.buffers[v.buffer].dtype) for v in inputs)
                  and not any(isinstance(c, float) for kind, c in spec if kind == "c"))
+    if exact_int:
+        # a number meets integer tensors in their dtype (torch wraps it there: int32 < 2**33
+        # compares with 0); where's condition does not count
+        values = [v for (kind, c), v in zip([a for a in spec if a[0] == "in"], inputs) if not (fn == "where" and c == 0)]
+        common = functools.reduce(torch.promote_types, [L.graph.buffers[v.buffer].dtype for v in values], out_dtype
+                                  if not values else L.graph.buffers[values[0].buffer].dtype)
+        spec = [["c", _converted(c, common)] if kind == "c" else [kind, c] for kind, c in spec]
     if exact_int and fn not in INT_FNS:
         raise Unsupported(f"{fn} of integer operands with an integer result")
     if not exact_int and fn.startswith("bitwise_"):
@@ -226,6 +237,15 @@ def _emit_pointwise(L, fn: str, args, shape=None, dtype: torch.dtype | None = No
     attrs = {"fn": fn, "args": spec, **({"int": True} if exact_int else {}),
              **({"extra": float(extra)} if extra is not None else {})}
     return L.emit("pointwise", inputs, attrs, shape=shape, dtype=out_dtype)
+
+
+def _converted(value, dtype: torch.dtype):
+    """A Python number as a tensor of integer or bool ``dtype`` holds it (truncated toward zero,
+    wrapped to the type's width), as torch converts a fill value or a scalar operand."""
+    try:
+        return torch.tensor(value).to(dtype).item()
+    except (RuntimeError, OverflowError, ValueError) as e:
+        raise Unsupported(f"the number {value!r} as {str(dtype)[6:]}: {e}") from None
 
 
 def _elementwise(fn):
@@ -315,6 +335,8 @@ def _fill(L, node, x: View, value):
 @handles(aten.arange.default, aten.arange.start, aten.arange.start_step)
 def _arange(L, node, *args, **kwargs):
     start, _, step = (0, *args, 1) if len(args) == 1 else (*args, 1)[:3]
+    if _integral(L.meta().dtype):  # torch counts from the truncated start by the truncated step
+        start, step = int(start), int(step)
     return _emit_pointwise(L, "arange", [start, step])
 
 
@@ -408,6 +430,8 @@ def _reduced_last(x: View, dims) -> tuple[View, tuple[int, ...]]:
     """``x`` with the dims ``dims`` (None or empty: all of them) moved to the end and merged into
     one last dim, and the shape of the dims kept (at least one: a full reduction keeps a dim
     of 1, which the caller's final reshape removes)."""
+    if x.ndim == 0:  # a scalar's dim 0 / -1 (or all of its none): one row of one
+        return x.then(("reshape", (1, 1))), (1,)
     dims = [dims] if isinstance(dims, int) else list(dims or [])
     red = sorted({_dim(d, x.ndim) for d in dims}) if dims else list(range(x.ndim))
     keep = [d for d in range(x.ndim) if d not in red]
@@ -502,6 +526,8 @@ def _vector_norm(L, node, x: View, ord=2, dim=None, keepdim=False, *, dtype=None
 
 def _row_op(L, kind: str, x: View, dim, attrs: dict | None = None) -> View:
     """A row op (over the last dim) over dim ``dim``: moved last and back (views, no copies)."""
+    if x.ndim == 0:  # a scalar's dim 0 / -1: a row of one
+        return L.emit(kind, [x.then(("reshape", (1,)))], attrs, shape=(1,)).then(("reshape", ()))
     d = _dim(dim, x.ndim)
     if d == x.ndim - 1:
         return L.emit(kind, [x], attrs)

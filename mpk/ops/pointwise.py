@@ -106,7 +106,8 @@ def _pointwise_cpu(sig: OpSig, rect, xs):
         if not isinstance(o, torch.Tensor) and (j == 0 or fn in ("clamp", "where", "maximum", "minimum")):
             operands[j] = torch.tensor(o, dtype=torch.result_type(o, like))
     extra = [sig.attrs["extra"]] if "extra" in sig.attrs else []
-    return POINTWISE_FNS[fn][1](*operands, *extra).to(sig.out_dtype)
+    # inputs all broadcast (a fill from a 0-d tensor) give less than the tile
+    return POINTWISE_FNS[fn][1](*operands, *extra).to(sig.out_dtype).expand(shape)
 
 
 register(OpDef(

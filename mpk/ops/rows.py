@@ -35,7 +35,10 @@ def _reduce_regions(sig: OpSig, rect):
 
 
 def _reduce_cpu(sig: OpSig, rect, xs):
-    return REDUCE_FNS[sig.attrs["fn"]](xs[0], sig.attrs["keepdim"]).to(sig.out_dtype)
+    x, fn = xs[0], sig.attrs["fn"]
+    if x.dtype == torch.bool and fn.startswith("arg"):  # torch.max/min(bool, dim) give indices; argmax refuses bool
+        x = x.to(torch.uint8)
+    return REDUCE_FNS[fn](x, sig.attrs["keepdim"]).to(sig.out_dtype)
 
 
 def _reduce_min_tile(sig: OpSig) -> int:
