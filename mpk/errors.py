@@ -59,8 +59,11 @@ BAD_INPUTS = {1: ("token id", "the embedding table's {limit} rows [0, {limit})")
               3: ("kv_indptr entry", "kv_indices' {limit} entries [0, {limit}], or below the entry before it "
                   "(kv_indptr's offsets must not decrease)"),
               4: ("kv_last_page_len", "1…{limit} (the page size) for a sequence with pages"),
-              5: ("kv_indices entry (a page id)", "the cache's {limit} pages [0, {limit})")}
-BAD_TOKEN, BAD_POSITION = 1, 2
+              5: ("kv_indices entry (a page id)", "the cache's {limit} pages [0, {limit})"),
+              6: ("index (gather / index_select / x[idx])",
+                  "the {limit} entries of the dim it indexes, [0, {limit}) (x[idx] also takes [-{limit}, 0)); "
+                  "the row is the element's row-major position in the result")}
+BAD_TOKEN, BAD_POSITION, BAD_INDEX = 1, 2, 6
 
 
 def bad_input_message(code: int, value: int, row: object, limit: int) -> str:

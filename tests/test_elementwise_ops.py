@@ -33,6 +33,14 @@ def _fills_and_scalars(x, y, i, j, k, v):
             *(x > 0).min(0), *(x > 0).max(-1), x[0, 0, 0].sum(0), x[0, 0, 0].argmax(0), torch.softmax(x[0, 0, 0], 0))
 
 
+def _indexing(x, y, i, j, k, v):
+    """gather, index_select, x[idx] (negative entries from the end) and constant padding."""
+    rows = k.abs().clamp(max=5).long()
+    return (torch.gather(x, 1, rows), torch.index_select(x, 2, k[0, 0, :5].abs()), x[:, k[0, 0, :4].clamp(-6, 5)],
+            x[k[0, :2, :3].clamp(-4, 3)], i[..., rows[0, 0, :3]], F.pad(x, (1, 2)),
+            F.pad(y, (0, 0, -1, 3), value=-2.0), F.pad(i, (2, 1), value=7), F.pad(x, (0, 0)))
+
+
 # name -> f(x, y, i, j, k, v): x, y float [4, 6, 10]; i, j int64 of magnitude up to 2^40; k int32;
 # v float rows long enough for the CTA-per-row tasks [3, 8192]
 CASES = {
@@ -78,6 +86,7 @@ CASES = {
     "int_casts": lambda x, y, i, j, k, _: (i.to(torch.int32), k.long() * 2 ** 33, (i > 0).long(), i.bool(), k.float()),
     "narrow_ints": _narrow_ints,
     "fills_and_scalars": _fills_and_scalars,
+    "indexing": _indexing,
     "int_reductions": lambda x, y, i, j, k, _: (i.sum(-1), i.amax(0), i.amin(1), i.argmax(-1), i.argmin(0),
                                              (i > 0).sum(-1), k.sum(1), *i.max(dim=2)),
 }
@@ -193,3 +202,24 @@ def test_reductions_over_leading_dims_read_views_without_copies():
 def test_every_case_matches_eager_on_the_gpu(dtype):
     torch._dynamo.reset()
     check_zoo(dtype, "gpu")
+
+
+@pytest.mark.parametrize("executor", ["cpu", pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("fn,index,bad", [
+    (lambda x, idx: x[:, idx] * 2, [0, 7, -5], 7),  # x[idx] takes [-5, 5)
+    (lambda x, idx: x[:, idx] * 2, [0, -6, 4], -6),
+    (lambda x, idx: torch.gather(x, 1, idx.expand(3, 3)), [0, -1, 4], -1),  # gather takes [0, 5) only
+], ids=["past_end", "before_start", "gather_negative"])
+def test_an_index_outside_its_dim_is_named_not_read(executor, fn, index, bad):
+    """The CPU interpreter and the CUDA task both refuse it (BadInputError, the value and the
+    dim's size named); the CUDA task writes 0 instead of reading outside x."""
+    from mpk.errors import BadInputError
+
+    torch._dynamo.reset()
+    device = "cuda" if executor == "gpu" else "cpu"
+    x, idx = torch.randn(3, 5, device=device), torch.tensor(index, device=device)
+    compiled = torch.compile(fn, backend="mpk", dynamic=False, options={"executor": executor})
+    with torch.no_grad(), pytest.raises(BadInputError, match=rf"index \(gather / index_select / x\[idx\]\) {bad} at "
+                                                           r"row \d+ is outside the 5 entries of the dim it indexes"):
+        compiled(x, idx)

@@ -517,7 +517,8 @@ __device__ bool wait_gate(InputGate* gate);  // block-wide; false: the wait was 
 // of bounds, and reports it. The first report of a launch lands in a host-mapped record that
 // the executor raises as BadInputError after the launch (mpk/megakernel/gpu.py:
 // BAD_INPUT_CODES); its epoch names the launch.
-enum BadInputCode : int { kBadTokenId = 1, kBadPosition = 2, kBadPageSpan = 3, kBadLastPageLen = 4, kBadPage = 5 };
+enum BadInputCode : int { kBadTokenId = 1, kBadPosition = 2, kBadPageSpan = 3, kBadLastPageLen = 4, kBadPage = 5,
+                          kBadIndex = 6 };
 struct BadInputRecord {
   int epoch, code, out_buffer, unused;
   long long row, value, limit;

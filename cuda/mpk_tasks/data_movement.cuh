@@ -1,5 +1,6 @@
 // Task family: data movement. ``copy`` (out = reshape(view, out_shape): the i-th element in
-// row-major order of the output is the i-th of the input view) and ``cat`` along a dim.
+// row-major order of the output is the i-th of the input view), ``cat`` along a dim and
+// ``gather`` (torch.gather; index_select and x[idx] lower to it).
 #pragma once
 #include "common.cuh"
 
@@ -36,6 +37,29 @@ __device__ void task_cat(const OpC& c, const Rect& r, const TaskEnv& env) {
     while (pos >= c.in[i].shape[dim]) pos -= c.in[i++].shape[dim];
     idx[dim] = pos;
     const ViewC& x = c.in[i];
+    move_elem(env.buffers[x.buffer], x.dtype, view_index(x, idx, c.ndim), env.buffers[c.out_buffer], c.out_dtype, o);
+  }
+}
+
+// out[idx] = x[idx with dim replaced by index[idx]]; iparam[0] the dim, iparam[1] = 1: negative
+// indices count from the end. An index outside the dim is reported (kBadIndex) and its element
+// written as 0: a bad index never reads outside x.
+__device__ void task_gather(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const ViewC &x = c.in[0], &index = c.in[1];
+  const int dim = static_cast<int>(c.iparam[0]);
+  const long long n = x.shape[dim], count = rect_numel(r, c.ndim);
+  for (long long e = threadIdx.x; e < count; e += blockDim.x) {
+    long long idx[kMaxDims];
+    rect_unravel(r, c.ndim, e, idx);
+    const long long o = ravel(idx, c.out_shape, c.ndim);
+    const long long given = load_i(env.buffers[index.buffer], index.dtype, view_index(index, idx, c.ndim));
+    const long long t = c.iparam[1] && given < 0 ? given + n : given;
+    if (t < 0 || t >= n) {
+      report_bad_input(kBadIndex, c.out_buffer, o, given, n);
+      store_i(env.buffers[c.out_buffer], c.out_dtype, o, 0);
+      continue;
+    }
+    idx[dim] = t;
     move_elem(env.buffers[x.buffer], x.dtype, view_index(x, idx, c.ndim), env.buffers[c.out_buffer], c.out_dtype, o);
   }
 }

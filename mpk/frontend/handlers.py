@@ -647,6 +647,65 @@ def _cat(L, node, tensors, dim=0):
     return L.emit("cat", tensors, {"dim": d})
 
 
+@handles(aten.gather.default)
+def _gather(L, node, x: View, dim, index: View, sparse_grad=False):
+    return L.emit("gather", [x, index], {"dim": _dim(dim, x.ndim), "wrap": False})
+
+
+def _select_rows(L, x: View, d: int, index: View, wrap: bool) -> View:
+    """x's entries index[k] along dim d (index 1-d): a gather whose index is the 1-d index
+    broadcast over the other dims (a view)."""
+    k = index.shape[0]
+    shape = x.shape[:d] + (k,) + x.shape[d + 1:]
+    spread = index.then(("reshape", (1,) * d + (k,) + (1,) * (x.ndim - d - 1))).then(("expand", shape))
+    return L.emit("gather", [x, spread], {"dim": d, "wrap": wrap}, shape=shape, dtype=L.meta().dtype)
+
+
+@handles(aten.index_select.default)
+def _index_select(L, node, x: View, dim, index: View):
+    if x.ndim == 0:
+        return L.emit("gather", [x.then(("reshape", (1,))), index.then(("reshape", (1,)))], {"dim": 0, "wrap": False},
+                      shape=(1,)).then(("reshape", ()))
+    return _select_rows(L, x, _dim(dim, x.ndim), index.then(("reshape", (index.shape[0] if index.ndim else 1,))),
+                        False)
+
+
+@handles(aten.index.Tensor)
+def _index(L, node, x: View, indices):
+    """x[..., idx, ...] with one integer index tensor (the others ':'): negative entries count
+    from the end, the result's dims are x's with that dim replaced by idx's."""
+    given = [(d, t) for d, t in enumerate(indices) if t is not None]
+    if len(given) != 1:
+        raise Unsupported(f"advanced indexing with {len(given)} index tensors; one (x[..., idx, ...]) is lowered")
+    (d, idx), = given
+    if not _integral(L.graph.buffers[idx.buffer].dtype) or L.graph.buffers[idx.buffer].dtype == torch.bool:
+        raise Unsupported("indexing by a bool mask (its result's size depends on the data)")
+    flat = idx.then(("reshape", (math.prod(idx.shape),)))
+    return _select_rows(L, x, d, flat, True).then(("reshape", _shape(L)))
+
+
+@handles(aten.constant_pad_nd.default)
+def _constant_pad(L, node, x: View, pad, value=0):
+    """Negative pads slice; positive ones cat blocks of the value, one dim at a time from the
+    last (pad holds (left, right) pairs from the last dim backwards)."""
+    padded = False
+    for i in range(len(pad) // 2):
+        d = x.ndim - 1 - i
+        lo, hi = pad[2 * i], pad[2 * i + 1]
+        x = _slice_view(x, d, max(0, -lo), x.shape[d] - max(0, -hi), 1)
+        pieces = []
+        for width in (max(0, lo), None, max(0, hi)):
+            if width is None:
+                pieces.append(x)
+            elif width:
+                fill_shape = x.shape[:d] + (width,) + x.shape[d + 1:]
+                pieces.append(_emit_pointwise(L, "cast", [value], shape=fill_shape))
+        if len(pieces) > 1:
+            shape = x.shape[:d] + (sum(p.shape[d] for p in pieces),) + x.shape[d + 1:]
+            x, padded = L.emit("cat", pieces, {"dim": d}, shape=shape, dtype=L.meta().dtype), True
+    return x if padded else _fresh(L, node, x)  # nothing padded: a view, copied where the caller receives it
+
+
 # --- attention ---------------------------------------------------------------------------
 
 def _strip_head_repeat(v: View) -> View:

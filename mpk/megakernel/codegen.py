@@ -79,6 +79,7 @@ ENCODERS: dict[str, Callable[[dict], Params]] = {
     "attn_merge": lambda a: (0, [], []),
     "copy": lambda a: (0, [], []),
     "cat": lambda a: (0, [a["dim"]], []),
+    "gather": lambda a: (0, [a["dim"], int(a["wrap"])], []),
     "stamp": lambda a: (0, [int(a["busy_ns"]), int(a["record"])], []),
 }
 

@@ -1,11 +1,12 @@
-"""``copy`` (materialise a view that has no strided form, reshaping it) and ``cat``."""
+"""``copy`` (materialise a view that has no strided form, reshaping it), ``cat`` and ``gather``."""
 
 from __future__ import annotations
 
+import torch
+
+from mpk.errors import BAD_INDEX, BadInputError, bad_input_message
 from mpk.ir.views import reshape_groups
 from mpk.ops.registry import OpDef, OpSig, register
-
-import torch
 
 
 def _copy_groups(sig: OpSig):
@@ -61,4 +62,31 @@ def _cat_cpu(sig: OpSig, rect, xs):
 register(OpDef(
     kind="cat", type_id=41, input_regions=_cat_regions, cpu=_cat_cpu,
     doc="out = cat(inputs, dim)",
+))
+
+
+def _gather_regions(sig: OpSig, rect):
+    dim = sig.attrs["dim"]
+    return [rect[:dim] + ((0, sig.in_shapes[0][dim]),) + rect[dim + 1:], rect]
+
+
+def _gather_cpu(sig: OpSig, rect, xs):
+    x, index = xs
+    n, dim = x.shape[sig.attrs["dim"]], sig.attrs["dim"]
+    index = torch.where(index < 0, index + n, index) if sig.attrs["wrap"] else index
+    bad = ((index < 0) | (index >= n)).nonzero()
+    if len(bad):
+        at = tuple(int(i) for i in bad[0])
+        flat, stride = 0, 1
+        for d in reversed(range(len(sig.out_shape))):  # the element's row-major position in the result
+            flat += (rect[d][0] + at[d]) * stride
+            stride *= sig.out_shape[d]
+        raise BadInputError(bad_input_message(BAD_INDEX, int(xs[1][at]), flat, n))
+    return torch.gather(x, dim, index.long()).to(sig.out_dtype)
+
+
+register(OpDef(
+    kind="gather", type_id=42, input_regions=_gather_regions, cpu=_gather_cpu,
+    doc="out[i…] = x[i… with dim replaced by index[i…]] (torch.gather); attrs['wrap']: negative indices count "
+        "from the end (x[idx]); an index outside the dim is reported (BAD_INDEX), its element written as 0",
 ))
