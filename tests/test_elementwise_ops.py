@@ -67,6 +67,8 @@ CASES = {
                                         torch.linalg.vector_norm(y, float("inf"), dim=0)),
     "softmax_dims": lambda x, y, *_: (F.softmax(x, 0), F.log_softmax(x, 1), F.log_softmax(y, -1)),
     "stack": lambda x, y, *_: torch.stack([x, y], 1),
+    "cumsum": lambda x, y, i, j, k, v: (x.cumsum(-1), y.cumsum(0), (x > 0).cumsum(1), k.cumsum(-1),
+                                        i.cumsum(2), x.cumsum(1, dtype=torch.float64).float(), v.cumsum(-1)),
     "group_norm": lambda x, y, *_: (F.group_norm(x.reshape(2, 12, 10), 3, y.flatten()[:12] + 1, y.flatten()[12:24]),
                                     F.group_norm(x.reshape(4, 6, 10), 2)),
     "pixel_shuffle": lambda x, y, *_: F.pixel_shuffle(x.reshape(1, 4, 6, 10), 2) * 2,

@@ -265,6 +265,45 @@ __device__ void task_softmax(const OpC& c, const Rect& r, const TaskEnv& env) {
   }
 }
 
+// cumsum over the last dim: a warp per row walks it 32 elements at a time, an inclusive warp
+// scan of each chunk plus the carry of the chunks before — in float32 for floats (torch's
+// accumulation type for float, half and bfloat16) and 64-bit integers for integer results.
+template <typename T>
+__device__ __forceinline__ void cumsum_rows(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const long long len = c.out_shape[c.ndim - 1];
+  const ViewC& x = c.in[0];
+  void* out = env.buffers[c.out_buffer];
+  MPK_FOR_ROWS(c, r, idx) {
+    T carry = 0;
+    for (long long j0 = 0; j0 < len; j0 += 32) {
+      const long long j = j0 + lane;
+      T v = 0;
+      if (j < len) {
+        idx[c.ndim - 1] = j;
+        const long long at = view_index(x, idx, c.ndim);
+        if constexpr (std::is_same_v<T, float>) v = load_f(env.buffers[x.buffer], x.dtype, at);
+        else v = load_i(env.buffers[x.buffer], x.dtype, at);
+      }
+      for (int o = 1; o < 32; o <<= 1) {
+        const T u = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += u;
+      }
+      v += carry;
+      if (j < len) {
+        const long long o = ravel(idx, c.out_shape, c.ndim);
+        if constexpr (std::is_same_v<T, float>) store_f(out, c.out_dtype, o, v);
+        else store_i(out, c.out_dtype, o, v);
+      }
+      carry = __shfl_sync(0xffffffffu, v, 31);
+    }
+  }
+}
+
+__device__ void task_cumsum(const OpC& c, const Rect& r, const TaskEnv& env) {
+  if (is_int(c.out_dtype)) cumsum_rows<long long>(c, r, env);
+  else cumsum_rows<float>(c, r, env);
+}
+
 // (m, s) ⊕ (om, os) for softmax's running (max, Σ e^(x − max)); an empty side has m = −inf,
 // s = 0; a NaN sum stays (torch: a NaN anywhere in the row makes the whole row NaN).
 __device__ __forceinline__ void softmax_fold(float& m, float& s, float om, float os) {

@@ -542,6 +542,11 @@ def _softmax(L, node, x: View, dim, half_to_float=False, **kwargs):
     return _row_op(L, "softmax", x, dim, {"log": "log" in node.target.overloadpacket.__name__})
 
 
+@handles(aten.cumsum.default)
+def _cumsum(L, node, x: View, dim, *, dtype=None):
+    return _row_op(L, "cumsum", _cast_for(L, x, dtype), dim)
+
+
 @handles(aten.stack.default)
 def _stack(L, node, tensors, dim=0):
     d = _dim(dim, tensors[0].ndim + 1)

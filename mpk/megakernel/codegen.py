@@ -61,6 +61,7 @@ ENCODERS: dict[str, Callable[[dict], Params]] = {
     "silu_mul": lambda a: (0, [], []),
     "reduce": lambda a: (0, [int(a["keepdim"]), _REDUCE_IDS[a["fn"]]], []),
     "softmax": lambda a: (0, [int(a.get("log", False))], []),
+    "cumsum": lambda a: (0, [], []),
     "layer_norm": lambda a: (0, [int(a["has_weight"]), int(a["has_bias"])], [a["eps"]]),
     "rms_norm": lambda a: (0, [int(a["has_weight"]), _dtype_code(a["norm_dtype"])], [a["eps"]]),
     "rope": lambda a: (0, [], []),

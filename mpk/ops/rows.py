@@ -1,7 +1,7 @@
 """Row-wise op kinds: each output row needs its whole input row (the last dim).
 
 ``reduce`` (sum / mean / amax / argmax / amin / argmin over the last dim), ``softmax`` (or its
-log), ``layer_norm``,
+log), ``cumsum``, ``layer_norm``,
 ``rms_norm`` and ``rope`` (rotate-half rotary embedding). Tiles split rows, never the last dim.
 """
 
@@ -64,6 +64,16 @@ def _softmax_cpu(sig: OpSig, rect, xs):
 register(OpDef(
     kind="softmax", type_id=11, input_regions=_row_regions, cpu=_softmax_cpu,
     splittable=all_but_last, min_tile_elems=256, doc="out = softmax(x, dim=-1), or its log where attrs['log']",
+))
+
+
+def _cumsum_cpu(sig: OpSig, rect, xs):
+    return torch.cumsum(xs[0], dim=-1).to(sig.out_dtype)
+
+
+register(OpDef(
+    kind="cumsum", type_id=16, input_regions=_row_regions, cpu=_cumsum_cpu,
+    splittable=all_but_last, min_tile_elems=256, doc="out = cumsum(x, dim=-1) (integers exactly, in 64 bits)",
 ))
 
 
