@@ -7,6 +7,7 @@ import random
 import re
 import signal
 import subprocess
+import sys
 import warnings
 
 import pytest
@@ -616,7 +617,9 @@ def test_nvcc_killed_by_a_signal_is_named_and_ctrl_c_stays_an_interrupt(tmp_path
     monkeypatch.setattr(build, "nvcc_version", lambda: "fake nvcc")
     for sig, expected in ((signal.SIGKILL, build.BuildError), (signal.SIGINT, KeyboardInterrupt)):
         fake = tmp_path / f"nvcc-{sig.name}"
-        fake.write_text(f"#!/bin/sh\nkill -{sig.name.removeprefix('SIG')} $$\n")
+        # (Python, not sh: a shell started in the background ignores SIGINT and cannot undo it)
+        fake.write_text(f"#!{sys.executable}\nimport os, signal\nsignal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+                        f"os.kill(os.getpid(), signal.{sig.name})\n")
         fake.chmod(0o755)
         monkeypatch.setattr(build, "nvcc_path", lambda fake=fake: str(fake))
         with pytest.raises(expected) as info:
