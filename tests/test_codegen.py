@@ -3,6 +3,7 @@ cache skips nvcc the second time, and build errors name the file and nvcc's mess
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import signal
@@ -579,7 +580,7 @@ def test_concurrent_builds_of_one_source_share_the_cubin(tmp_path, monkeypatch):
     with ThreadPoolExecutor(3) as pool:
         cubins = list(pool.map(lambda _: build.build_cubin(src, progress=False), range(3)))
     assert len(set(cubins)) == 1 and cubins[0].read_bytes()[:4] == b"\x7fELF"
-    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".cu", ".cubin", ".sha256"]
+    assert sorted(p.suffix or p.name for p in tmp_path.iterdir()) == [".cu", ".cubin", ".lock", ".sha256"]
 
 
 @needs_nvcc
@@ -675,3 +676,29 @@ def test_page_table_the_graph_computes_is_refused():
     tables = compile_module(Attend(), args, {"num_workers": 8}).tables
     with pytest.raises(CompileError, match=r"paged attention reads kv_last_page_len before its inputs are ready"):
         generate(tables)
+
+
+def test_racing_builders_leave_one_builds_cubin_and_digest(tmp_path, monkeypatch):
+    """nvcc's bytes differ between runs: when several builders of one source finish, the cache
+    keeps the first one's cubin and digest together (a later one's output is dropped), so the
+    pair always matches; the digest is readable by others like the cubin, and no temporary
+    file stays behind."""
+    fake = tmp_path / "nvcc"  # writes 200 random bytes after an ELF header that passes _whole_elf
+    fake.write_text(f"#!{sys.executable}\nimport os, sys, time\nout = sys.argv[sys.argv.index('-o') + 1]\n"
+                    "head = bytearray(64); head[:5] = b'\\x7fELF\\x02'\n"
+                    "time.sleep(0.2)\nopen(out, 'wb').write(bytes(head) + os.urandom(200))\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(build, "nvcc_path", lambda: str(fake))
+    monkeypatch.setattr(build, "nvcc_version", lambda: "fake nvcc")
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path / "cache"))
+    from concurrent.futures import ThreadPoolExecutor
+
+    old = os.umask(0o077)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            cubins = set(pool.map(lambda _: build.build_cubin("// racing\n", progress=False), range(4)))
+    finally:
+        os.umask(old)
+    (cubin,) = cubins
+    assert build._intact(cubin) and cubin.with_suffix(".sha256").stat().st_mode & 0o444 == 0o444
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.endswith((".tmp", ".tmp.sha256"))]

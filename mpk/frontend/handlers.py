@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
 
 import mpk.frontend.fused_ops  # noqa: F401  (registers torch.ops.mpk.*)
@@ -220,16 +221,18 @@ def _emit_pointwise(L, fn: str, args, shape=None, dtype: torch.dtype | None = No
     out_dtype = L.meta().dtype if dtype is None else dtype
     if _integral(out_dtype) and fn in ("cast", "where"):
         # a fill value (full, fill_, masked_fill) is converted to the tensor's integer dtype first
-        spec = [["c", _converted(c, out_dtype)] if kind == "c" else [kind, c] for kind, c in spec]
+        spec = [["c", _converted(c, out_dtype, True)] if kind == "c" else [kind, c] for kind, c in spec]
     exact_int = (_integral(out_dtype) and all(_integral(L.graph.buffers[v.buffer].dtype) for v in inputs)
                  and not any(isinstance(c, float) for kind, c in spec if kind == "c"))
     if exact_int:
-        # a number meets integer tensors in their dtype (torch wraps it there: int32 < 2**33
-        # compares with 0); where's condition does not count
+        # a number meets integer tensors in the dtype they and it promote to (int32 < 2**33
+        # compares with 2**33 wrapped to 0; a bool mask times 2 counts in int64); where's
+        # condition does not count
         values = [v for (kind, c), v in zip([a for a in spec if a[0] == "in"], inputs) if not (fn == "where" and c == 0)]
         common = functools.reduce(torch.promote_types, [L.graph.buffers[v.buffer].dtype for v in values], out_dtype
                                   if not values else L.graph.buffers[values[0].buffer].dtype)
-        spec = [["c", _converted(c, common)] if kind == "c" else [kind, c] for kind, c in spec]
+        spec = [["c", _converted(c, torch.result_type(torch.empty(1, dtype=common), c), fn in _CHECKED_NUMBERS)]
+                if kind == "c" else [kind, c] for kind, c in spec]
     if exact_int and fn not in INT_FNS:
         raise Unsupported(f"{fn} of integer operands with an integer result")
     if not exact_int and fn.startswith("bitwise_"):
@@ -239,11 +242,18 @@ def _emit_pointwise(L, fn: str, args, shape=None, dtype: torch.dtype | None = No
     return L.emit("pointwise", inputs, attrs, shape=shape, dtype=out_dtype)
 
 
-def _converted(value, dtype: torch.dtype):
-    """A Python number as a tensor of integer or bool ``dtype`` holds it (truncated toward zero,
-    wrapped to the type's width), as torch converts a fill value or a scalar operand."""
+# functions whose number operand torch converts with a range check (a fill value, a bound):
+# one that does not fit the integer dtype is an error there, not wrapped
+_CHECKED_NUMBERS = ("cast", "where", "clamp", "maximum", "minimum")
+
+
+def _converted(value, dtype: torch.dtype, checked: bool):
+    """A Python number as a tensor of integer or bool ``dtype`` holds it — truncated toward zero
+    and wrapped to the type's width, as torch converts a scalar operand, or (``checked``) refused
+    where it does not fit, as torch refuses such a fill value or bound."""
     try:
-        return torch.tensor(value).to(dtype).item()
+        with unset_fake_temporarily():  # lowering may run under the tracer's fake tensors
+            return (torch.full((), value, dtype=dtype) if checked else torch.tensor(value).to(dtype)).item()
     except (RuntimeError, OverflowError, ValueError) as e:
         raise Unsupported(f"the number {value!r} as {str(dtype)[6:]}: {e}") from None
 
@@ -654,6 +664,9 @@ def _cat(L, node, tensors, dim=0):
 
 @handles(aten.gather.default)
 def _gather(L, node, x: View, dim, index: View, sparse_grad=False):
+    if x.ndim == 0:  # a scalar's dim 0: one entry
+        return L.emit("gather", [x.then(("reshape", (1,))), index.then(("reshape", (1,)))], {"dim": 0, "wrap": False},
+                      shape=(1,)).then(("reshape", ()))
     return L.emit("gather", [x, index], {"dim": _dim(dim, x.ndim), "wrap": False})
 
 
@@ -662,6 +675,8 @@ def _select_rows(L, x: View, d: int, index: View, wrap: bool) -> View:
     broadcast over the other dims (a view)."""
     k = index.shape[0]
     shape = x.shape[:d] + (k,) + x.shape[d + 1:]
+    if k == 0:  # nothing selected: an empty result
+        return _emit_pointwise(L, "cast", [0], shape=shape)
     spread = index.then(("reshape", (1,) * d + (k,) + (1,) * (x.ndim - d - 1))).then(("expand", shape))
     return L.emit("gather", [x, spread], {"dim": d, "wrap": wrap}, shape=shape, dtype=L.meta().dtype)
 
@@ -697,6 +712,8 @@ def _constant_pad(L, node, x: View, pad, value=0):
     for i in range(len(pad) // 2):
         d = x.ndim - 1 - i
         lo, hi = pad[2 * i], pad[2 * i + 1]
+        if max(0, -lo) + max(0, -hi) > x.shape[d]:
+            raise Unsupported(f"pad {list(pad)} cuts {max(0, -lo) + max(0, -hi)} of dim {d}'s {x.shape[d]} entries")
         x = _slice_view(x, d, max(0, -lo), x.shape[d] - max(0, -hi), 1)
         pieces = []
         for width in (max(0, lo), None, max(0, hi)):

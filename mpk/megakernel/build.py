@@ -13,6 +13,7 @@ of the CUDA headers for an experiment (``-DMPK_MAX_SPINS=…``); they are part o
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -157,32 +158,39 @@ def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_ker
     except OSError as e:
         raise _cache_error(out_dir, e) from None
     tmp = Path(tmp_name)
+    tmp_digest = Path(f"{tmp}.sha256")
     includes = [f"-I{d}" for d in INCLUDE_DIRS]
     if say:
         print(f"mpk: nvcc is building the megakernel for {arch} (once; cached as {cubin}) ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     cmd = [nvcc_path() or "nvcc", *flags, *includes, "-o", str(tmp), str(src)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if say:
-        print(f"mpk: nvcc {'finished' if res.returncode == 0 else 'failed'} in {time.perf_counter() - start:.1f} s",
-              file=sys.stderr, flush=True)
-    if res.returncode != 0:
-        tmp.unlink(missing_ok=True)
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if say:
+            print(f"mpk: nvcc {'finished' if res.returncode == 0 else 'failed'} in {time.perf_counter() - start:.1f} s",
+                  file=sys.stderr, flush=True)
         if res.returncode == -signal.SIGINT:  # Ctrl-C reached nvcc too: the user's interrupt, not a build error
             raise KeyboardInterrupt
         if res.returncode < 0:
             raise BuildError(f"nvcc was killed by {signal.Signals(-res.returncode).name} building {src} (out of "
                              f"memory? each full-size decode step needs a few GB; prebuild with fewer --jobs)")
-        extra = os.environ.get("MPK_NVCC_FLAGS", "").strip()
-        raise BuildError(f"nvcc failed (exit {res.returncode}) building {src}:\n{res.stderr.strip()[-6000:]}\n"
-                         f"command: {' '.join(cmd)}" + (f"\n(with $MPK_NVCC_FLAGS={extra!r})" if extra else ""))
-    os.chmod(tmp, 0o644)
-    # the digest first: a reader between the two renames sees a mismatch and rebuilds, never a
-    # damaged cubin taken for whole
-    digest = Path(f"{tmp}.sha256")
-    digest.write_text(hashlib.sha256(tmp.read_bytes()).hexdigest() + "\n")
-    digest.replace(cubin.with_suffix(".sha256"))
-    tmp.replace(cubin)
+        if res.returncode != 0:
+            extra = os.environ.get("MPK_NVCC_FLAGS", "").strip()
+            raise BuildError(f"nvcc failed (exit {res.returncode}) building {src}:\n{res.stderr.strip()[-6000:]}\n"
+                             f"command: {' '.join(cmd)}" + (f"\n(with $MPK_NVCC_FLAGS={extra!r})" if extra else ""))
+        tmp_digest.write_text(hashlib.sha256(tmp.read_bytes()).hexdigest() + "\n")
+        for f in (tmp, tmp_digest):
+            os.chmod(f, 0o644)
+        # nvcc's bytes differ from run to run: of concurrent builders of one key the first to
+        # finish keeps its cubin and digest, the others drop theirs (the pair never mixes)
+        with (out_dir / ".lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not _intact(cubin):
+                tmp_digest.replace(cubin.with_suffix(".sha256"))
+                tmp.replace(cubin)
+    finally:
+        tmp.unlink(missing_ok=True)
+        tmp_digest.unlink(missing_ok=True)
     return cubin
 
 

@@ -102,8 +102,9 @@ def _pointwise_cpu(sig: OpSig, rect, xs):
     like = (tensors or [xs[0]])[0]
     for j, o in enumerate(operands):
         # torch functions want a tensor first (rsub); these take no numbers (clamp's and where's
-        # would do, but not in a mix with tensors)
-        if not isinstance(o, torch.Tensor) and (j == 0 or fn in ("clamp", "where", "maximum", "minimum")):
+        # would do, but not in a mix with tensors; logical_and not at all)
+        if not isinstance(o, torch.Tensor) and (j == 0 or fn in ("clamp", "where", "maximum", "minimum")
+                                                or fn.startswith("logical_")):
             operands[j] = torch.tensor(o, dtype=torch.result_type(o, like))
     extra = [sig.attrs["extra"]] if "extra" in sig.attrs else []
     # inputs all broadcast (a fill from a 0-d tensor) give less than the tile
