@@ -22,103 +22,97 @@ __device__ __forceinline__ float min_nan(float a, float b) {
 // relu6(x + 3), the ramp of hardsigmoid and hardswish (NaN stays NaN, as in torch)
 __device__ __forceinline__ float relu6_plus3(float a) { return min_nan(max_nan(a + 3.f, 0.f), 6.f); }
 
-// One element of ``fn`` in float32, which is what eager PyTorch computes for float16/bfloat16
-// operands before the store rounds (float64 operands lose their extra precision here).
-__device__ __forceinline__ float apply_pointwise(int fn, float a, float b, float c, float extra) {
+// The functions whose form is the same for both element types of apply_pointwise.
+template <typename T>
+__device__ __forceinline__ bool apply_common(int fn, T a, T b, T c, T& out) {
   switch (fn) {
-    case kAdd: return a + b;
-    case kSub: return a - b;
-    case kMul: return a * b;
-    case kDiv: return a / b;
-    case kPow: return b == 2.f ? a * a : powf(a, b);
-    case kNeg: return -a;
-    case kExp: return expf(a);
-    case kRsqrt: return rsqrtf(a);
-    case kSqrt: return sqrtf(a);
-    case kSilu: return a / (1.f + expf(-a));
-    case kGelu: return 0.5f * a * (1.f + erff(a * 0.70710678118654752f));
-    case kGeluTanh: return 0.5f * a * (1.f + tanhf(0.79788456080286536f * (a + 0.044715f * a * a * a)));
-    case kSigmoid: return 1.f / (1.f + expf(-a));
-    case kTanh: return tanhf(a);
-    case kRelu: return a < 0.f ? 0.f : a;  // NaN and -0 stay, as torch's clamp_min(x, 0)
-    case kAbs: return fabsf(a);
-    case kLog: return logf(a);
-    case kSin: return sinf(a);
-    case kCos: return cosf(a);
-    case kReciprocal: return 1.f / a;
-    case kErf: return erff(a);
-    case kLog1p: return log1pf(a);
-    case kExpm1: return expm1f(a);
-    case kFloor: return floorf(a);
-    case kCeil: return ceilf(a);
-    case kRound: return rintf(a);  // halves to even, as torch.round
-    case kTrunc: return truncf(a);
-    case kSign: return static_cast<float>((a > 0.f) - (a < 0.f));  // torch: sign(NaN) = 0
-    case kMaximum: return max_nan(a, b);
-    case kMinimum: return min_nan(a, b);
-    case kClamp: return min_nan(max_nan(a, b), c);  // lo > hi gives hi, as torch.clamp
-    case kEq: return a == b;
-    case kNe: return a != b;
-    case kLt: return a < b;
-    case kLe: return a <= b;
-    case kGt: return a > b;
-    case kGe: return a >= b;
-    case kWhere: return a != 0.f ? b : c;
-    case kLogicalAnd: return (a != 0.f) && (b != 0.f);
-    case kLogicalOr: return (a != 0.f) || (b != 0.f);
-    case kLogicalXor: return (a != 0.f) != (b != 0.f);
-    case kLogicalNot: return a == 0.f;
-    case kLeakyRelu: return a > 0.f ? a : a * b;
-    case kElu: return a > 0.f ? a * c : expm1f(a * extra) * (b * c);  // b α, c scale, extra input scale (torch's order)
-    case kSoftplus: return a * b > c ? a : log1pf(expf(a * b)) / b;  // b beta, c threshold
-    case kHardsigmoid: return relu6_plus3(a) / 6.f;
-    case kHardswish: return a * relu6_plus3(a) / 6.f;
-    case kMish: return a * tanhf(log1pf(expf(a)));
-    case kGlu: return a * (1.f / (1.f + expf(-b)));  // a · sigmoid(b)
-    case kLogSigmoid: return fminf(a, 0.f) - log1pf(expf(-fabsf(a)));  // no overflow for large |a|
-    case kThreshold: return a <= b ? c : a;  // NaN stays
-    default: return a;  // kCast (and kArange, already counted): the store converts
+    case kAdd: out = a + b; return true;
+    case kSub: out = a - b; return true;
+    case kMul: out = a * b; return true;
+    case kNeg: out = -a; return true;
+    case kSign: out = static_cast<T>((a > T(0)) - (a < T(0))); return true;  // torch: sign(NaN) = 0
+    case kEq: out = a == b; return true;
+    case kNe: out = a != b; return true;
+    case kLt: out = a < b; return true;
+    case kLe: out = a <= b; return true;
+    case kGt: out = a > b; return true;
+    case kGe: out = a >= b; return true;
+    case kWhere: out = a != T(0) ? b : c; return true;
+    case kLogicalAnd: out = (a != T(0)) && (b != T(0)); return true;
+    case kLogicalOr: out = (a != T(0)) || (b != T(0)); return true;
+    case kLogicalXor: out = (a != T(0)) != (b != T(0)); return true;
+    case kLogicalNot: out = a == T(0); return true;
+    default: return false;
   }
 }
 
-// The same in 64-bit integers, for integer and bool results of integer operands (torch computes
-// those exactly; through float32 an int64 above 2^24 would round). mpk.ops.pointwise.INT_FNS
-// lists the functions the compiler sends here.
-__device__ __forceinline__ long long apply_pointwise_int(int fn, long long a, long long b, long long c) {
-  switch (fn) {
-    case kAdd: return a + b;
-    case kSub: return a - b;
-    case kMul: return a * b;
-    case kPow: {  // a negative power: 1 / a^|b| truncated, as torch does for integer tensors
-      if (b < 0) return a == 1 ? 1 : a == -1 ? ((b & 1) ? -1 : 1) : 0;
-      long long r = 1;
-      for (; b > 0; b >>= 1, a *= a)
-        if (b & 1) r *= a;
-      return r;
+// One element of ``fn``. T = float: what eager PyTorch computes for float32/16 and bfloat16
+// operands before the store rounds (float64 operands lose their extra precision here). T = long
+// long: integer and bool results of integer operands, exact as torch's (through float32 an int64
+// above 2^24 would round); mpk.ops.pointwise.INT_FNS lists the functions the compiler sends here.
+template <typename T>
+__device__ __forceinline__ T apply_pointwise(int fn, T a, T b, T c, float extra) {
+  T out;
+  if (apply_common(fn, a, b, c, out)) return out;
+  if constexpr (std::is_same_v<T, long long>) {
+    switch (fn) {
+      case kPow: {  // a negative power: 1 / a^|b| truncated, as torch does for integer tensors
+        if (b < 0) return a == 1 ? 1 : a == -1 ? ((b & 1) ? -1 : 1) : 0;
+        long long r = 1;
+        for (; b > 0; b >>= 1, a *= a)
+          if (b & 1) r *= a;
+        return r;
+      }
+      case kRelu: return a > 0 ? a : 0;
+      case kAbs: return a < 0 ? -a : a;
+      case kMaximum: return a > b ? a : b;
+      case kMinimum: return a < b ? a : b;
+      case kClamp: return (a > b ? a : b) < c ? (a > b ? a : b) : c;
+      case kBitwiseAnd: return a & b;
+      case kBitwiseOr: return a | b;
+      case kBitwiseXor: return a ^ b;
+      case kBitwiseNot: return ~a;
+      default: return a;  // kCast, kArange, kFloor, kCeil, kRound, kTrunc: integers are their own rounding
     }
-    case kNeg: return -a;
-    case kRelu: return a > 0 ? a : 0;
-    case kAbs: return a < 0 ? -a : a;
-    case kSign: return (a > 0) - (a < 0);
-    case kMaximum: return a > b ? a : b;
-    case kMinimum: return a < b ? a : b;
-    case kClamp: return (a > b ? a : b) < c ? (a > b ? a : b) : c;
-    case kEq: return a == b;
-    case kNe: return a != b;
-    case kLt: return a < b;
-    case kLe: return a <= b;
-    case kGt: return a > b;
-    case kGe: return a >= b;
-    case kWhere: return a ? b : c;
-    case kLogicalAnd: return a && b;
-    case kLogicalOr: return a || b;
-    case kLogicalXor: return !a != !b;
-    case kLogicalNot: return !a;
-    case kBitwiseAnd: return a & b;
-    case kBitwiseOr: return a | b;
-    case kBitwiseXor: return a ^ b;
-    case kBitwiseNot: return ~a;
-    default: return a;  // kCast, kArange, kFloor, kCeil, kRound, kTrunc: integers are their own rounding
+  } else {
+    switch (fn) {
+      case kDiv: return a / b;
+      case kPow: return b == 2.f ? a * a : powf(a, b);
+      case kExp: return expf(a);
+      case kRsqrt: return rsqrtf(a);
+      case kSqrt: return sqrtf(a);
+      case kSilu: return a / (1.f + expf(-a));
+      case kGelu: return 0.5f * a * (1.f + erff(a * 0.70710678118654752f));
+      case kGeluTanh: return 0.5f * a * (1.f + tanhf(0.79788456080286536f * (a + 0.044715f * a * a * a)));
+      case kSigmoid: return 1.f / (1.f + expf(-a));
+      case kTanh: return tanhf(a);
+      case kRelu: return a < 0.f ? 0.f : a;  // NaN and -0 stay, as torch's clamp_min(x, 0)
+      case kAbs: return fabsf(a);
+      case kLog: return logf(a);
+      case kSin: return sinf(a);
+      case kCos: return cosf(a);
+      case kReciprocal: return 1.f / a;
+      case kErf: return erff(a);
+      case kLog1p: return log1pf(a);
+      case kExpm1: return expm1f(a);
+      case kFloor: return floorf(a);
+      case kCeil: return ceilf(a);
+      case kRound: return rintf(a);  // halves to even, as torch.round
+      case kTrunc: return truncf(a);
+      case kMaximum: return max_nan(a, b);
+      case kMinimum: return min_nan(a, b);
+      case kClamp: return min_nan(max_nan(a, b), c);  // lo > hi gives hi, as torch.clamp
+      case kLeakyRelu: return a > 0.f ? a : a * b;
+      case kElu: return a > 0.f ? a * c : expm1f(a * extra) * (b * c);  // b α, c scale, extra input scale (torch's order)
+      case kSoftplus: return a * b > c ? a : log1pf(expf(a * b)) / b;  // b beta, c threshold
+      case kHardsigmoid: return relu6_plus3(a) / 6.f;
+      case kHardswish: return a * relu6_plus3(a) / 6.f;
+      case kMish: return a * tanhf(log1pf(expf(a)));
+      case kGlu: return a * (1.f / (1.f + expf(-b)));  // a · sigmoid(b)
+      case kLogSigmoid: return fminf(a, 0.f) - log1pf(expf(-fabsf(a)));  // no overflow for large |a|
+      case kThreshold: return a <= b ? c : a;  // NaN stays
+      default: return a;  // kCast (and kArange, already counted): the store converts
+    }
   }
 }
 
@@ -146,8 +140,9 @@ __device__ __forceinline__ void pointwise_tile(const OpC& c, const Rect& r, cons
     }
     const long long o = ravel(idx, c.out_shape, c.ndim);
     if (c.variant == kArange) x[0] += x[1] * static_cast<T>(idx[0]);  // start + step · i (1-d), then kCast's store
-    if constexpr (std::is_same_v<T, float>) store_f(out, c.out_dtype, o, apply_pointwise(c.variant, x[0], x[1], x[2], c.fparam[3]));
-    else store_i(out, c.out_dtype, o, apply_pointwise_int(c.variant, x[0], x[1], x[2]));
+    const T y = apply_pointwise<T>(c.variant, x[0], x[1], x[2], c.fparam[3]);
+    if constexpr (std::is_same_v<T, float>) store_f(out, c.out_dtype, o, y);
+    else store_i(out, c.out_dtype, o, y);
   }
 }
 
