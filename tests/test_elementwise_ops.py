@@ -36,12 +36,16 @@ def _fills_and_scalars(x, y, i, j, k, v):
 
 
 def _indexing(x, y, i, j, k, v):
-    """gather, index_select, x[idx] (negative entries from the end) and constant padding."""
+    """gather, index_select, x[i], x[i, j] (negative entries from the end; index tensors that
+    broadcast, adjacent or apart) and constant padding."""
     rows = k.abs().clamp(max=5).long()
     return (torch.gather(x, 1, rows), torch.index_select(x, 2, k[0, 0, :5].abs()), x[:, k[0, 0, :4].clamp(-6, 5)],
             x[k[0, :2, :3].clamp(-4, 3)], i[..., rows[0, 0, :3]], F.pad(x, (1, 2)),
             F.pad(y, (0, 0, -1, 3), value=-2.0), F.pad(i, (2, 1), value=7), F.pad(x, (0, 0)), x[:, k[0, 0, :0]],
-            torch.gather(x[0, 0, 0], 0, k[0, 0, 0].clamp(0, 0).long()))
+            torch.gather(x[0, 0, 0], 0, k[0, 0, 0].clamp(0, 0).long()),
+            x[k[:, :1, :1].clamp(-4, 3), k[:1, :, :1].clamp(-6, 5)],  # two index tensors, broadcast
+            x[k[0, 0, :3].clamp(0, 3), :, k[1, 1, :3].clamp(-10, 9)],  # apart: their shape comes first
+            x[:, k[0, :2, :2].clamp(0, 5), k[1, :2, :1].clamp(-10, 9)], x.new_ones(2, 3) + x.new_zeros(3).sum())
 
 
 # name -> f(x, y, i, j, k, v): x, y float [4, 6, 10]; i, j int64 of magnitude up to 2^40; k int32;
@@ -247,3 +251,42 @@ def test_an_index_outside_its_dim_is_named_not_read(executor, fn, index, bad):
     with torch.no_grad(), pytest.raises(BadInputError, match=rf"index \(gather / index_select / x\[idx\]\) {bad} at "
                                                            r"row \d+ is outside the 5 entries of the dim it indexes"):
         compiled(x, idx)
+
+
+def _tiny_hf_model(name: str) -> torch.nn.Module:
+    import transformers as T
+
+    common = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=100)
+    if name == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=64,
+                                              bos_token_id=0, eos_token_id=0))
+    if name == "bert":
+        return T.BertModel(T.BertConfig(num_hidden_layers=2, **common))
+    if name == "t5":
+        return T.T5EncoderModel(T.T5Config(num_layers=2, d_model=64, num_heads=4, d_ff=128, vocab_size=100, d_kv=16))
+    config = dict(num_hidden_layers=2, num_key_value_heads=2, **common)
+    return (T.LlamaForCausalLM(T.LlamaConfig(**config)) if name == "llama"
+            else T.Qwen3ForCausalLM(T.Qwen3Config(head_dim=16, **config)))
+
+
+@pytest.mark.parametrize("executor", ["cpu", pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3", "bert", "t5"])
+def test_hugging_face_models_compile_whole(name, executor):
+    """transformers' own GPT-2, Llama, Qwen3 (a prefill: their masks built in forward from
+    aranges, comparisons and two-tensor indexing), BERT and T5 encoders, 2 random float32
+    layers: one mpk graph each (no fallback), within 1e-5 of eager's largest |value|."""
+    torch._dynamo.reset()
+    torch.manual_seed(int(torch.randint(0, 2 ** 31, ())))
+    device = "cuda" if executor == "gpu" else "cpu"
+    model = _tiny_hf_model(name).eval().to(device)
+    kwargs = {"input_ids": torch.randint(0, 100, (2, 7), device=device)}
+    if name in ("gpt2", "llama", "qwen3"):
+        kwargs["use_cache"] = False
+    before = len(COMPILED)
+    with torch.no_grad():
+        ref = model(**kwargs)
+        out = torch.compile(model, backend="mpk", dynamic=False, options={"executor": executor})(**kwargs)
+    field = "logits" if hasattr(ref, "logits") else "last_hidden_state"
+    assert relative_error(getattr(out, field).cpu(), getattr(ref, field).cpu()) <= F32_TOL
+    assert len(COMPILED) - before == 1

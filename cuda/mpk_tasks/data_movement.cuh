@@ -41,26 +41,38 @@ __device__ void task_cat(const OpC& c, const Rect& r, const TaskEnv& env) {
   }
 }
 
-// out[idx] = x[idx with dim replaced by index[idx]]; iparam[0] the dim, iparam[1] = 1: negative
-// indices count from the end. An index outside the dim is reported (kBadIndex) and its element
+// out[a…, b…, c…] = x[a…, index_0[a…, b…, c…], …, index_{k-1}[…], c…]: the k index inputs
+// (views of the output's shape) pick x's dims d0 … d0+k-1, their common shape filling the
+// output's dims d0 … d0+nb-1 (torch.gather: k = nb = 1). iparam[0] d0, iparam[1] = 1: negative
+// indices count from the end. An index outside its dim is reported (kBadIndex) and its element
 // written as 0: a bad index never reads outside x.
 __device__ void task_gather(const OpC& c, const Rect& r, const TaskEnv& env) {
-  const ViewC &x = c.in[0], &index = c.in[1];
-  const int dim = static_cast<int>(c.iparam[0]);
-  const long long n = x.shape[dim], count = rect_numel(r, c.ndim);
+  const ViewC& x = c.in[0];
+  const int d0 = static_cast<int>(c.iparam[0]), k = c.num_inputs - 1, nb = c.ndim - (x.ndim - k);
+  const long long count = rect_numel(r, c.ndim);
   for (long long e = threadIdx.x; e < count; e += blockDim.x) {
-    long long idx[kMaxDims];
+    long long idx[kMaxDims], src[kMaxDims];
     rect_unravel(r, c.ndim, e, idx);
     const long long o = ravel(idx, c.out_shape, c.ndim);
-    const long long given = load_i(env.buffers[index.buffer], index.dtype, view_index(index, idx, c.ndim));
-    const long long t = c.iparam[1] && given < 0 ? given + n : given;
-    if (t < 0 || t >= n) {
-      report_bad_input(kBadIndex, c.out_buffer, o, given, n);
+    bool ok = true;
+    for (int d = 0; d < d0; ++d) src[d] = idx[d];
+    for (int j = 0; j < k && ok; ++j) {
+      const ViewC& index = c.in[1 + j];
+      const long long n = x.shape[d0 + j];
+      const long long given = load_i(env.buffers[index.buffer], index.dtype, view_index(index, idx, c.ndim));
+      const long long t = c.iparam[1] && given < 0 ? given + n : given;
+      if (t < 0 || t >= n) {
+        report_bad_input(kBadIndex, c.out_buffer, o, given, n);
+        ok = false;
+      }
+      src[d0 + j] = t;
+    }
+    if (!ok) {
       store_i(env.buffers[c.out_buffer], c.out_dtype, o, 0);
       continue;
     }
-    idx[dim] = t;
-    move_elem(env.buffers[x.buffer], x.dtype, view_index(x, idx, c.ndim), env.buffers[c.out_buffer], c.out_dtype, o);
+    for (int d = d0 + k; d < x.ndim; ++d) src[d] = idx[d - k + nb];
+    move_elem(env.buffers[x.buffer], x.dtype, view_index(x, src, x.ndim), env.buffers[c.out_buffer], c.out_dtype, o);
   }
 }
 

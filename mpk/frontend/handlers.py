@@ -336,6 +336,16 @@ def _zeros_ones(L, node, size_or_like, *args, **kwargs):
     return _emit_pointwise(L, "cast", [int(node.target.overloadpacket.__name__.startswith("ones"))])
 
 
+@handles(aten.new_ones.default, aten.new_zeros.default, aten.new_empty.default)
+def _new_filled(L, node, x: View, size, *args, **kwargs):
+    return _emit_pointwise(L, "cast", [int(node.target is aten.new_ones.default)])
+
+
+@handles(aten.new_full.default)
+def _new_full(L, node, x: View, size, fill_value, **kwargs):
+    return _emit_pointwise(L, "cast", [fill_value])
+
+
 @handles(aten.fill.Scalar, aten.fill.Tensor)
 @_elementwise
 def _fill(L, node, x: View, value):
@@ -662,6 +672,9 @@ def _cat(L, node, tensors, dim=0):
     return L.emit("cat", tensors, {"dim": d})
 
 
+MAX_INDEX_TENSORS = 7  # codegen.MAX_INPUTS, less x
+
+
 @handles(aten.gather.default)
 def _gather(L, node, x: View, dim, index: View, sparse_grad=False):
     if x.ndim == 0:  # a scalar's dim 0: one entry
@@ -670,38 +683,49 @@ def _gather(L, node, x: View, dim, index: View, sparse_grad=False):
     return L.emit("gather", [x, index], {"dim": _dim(dim, x.ndim), "wrap": False})
 
 
-def _select_rows(L, x: View, d: int, index: View, wrap: bool) -> View:
-    """x's entries index[k] along dim d (index 1-d): a gather whose index is the 1-d index
-    broadcast over the other dims (a view)."""
-    k = index.shape[0]
-    shape = x.shape[:d] + (k,) + x.shape[d + 1:]
-    if k == 0:  # nothing selected: an empty result
-        return _emit_pointwise(L, "cast", [0], shape=shape)
-    spread = index.then(("reshape", (1,) * d + (k,) + (1,) * (x.ndim - d - 1))).then(("expand", shape))
-    return L.emit("gather", [x, spread], {"dim": d, "wrap": wrap}, shape=shape, dtype=L.meta().dtype)
+def _pick(L, x: View, d0: int, indices: list[View], wrap: bool, dtype: torch.dtype) -> View:
+    """x with its dims d0 … d0+k-1 picked by the k integer ``indices``, which broadcast
+    together: the result's dims are x's before d0, the indices' common shape, x's after."""
+    common = tuple(torch.broadcast_shapes(*(i.shape for i in indices)))
+    trail = x.shape[d0 + len(indices):]
+    shape = x.shape[:d0] + common + trail
+    if math.prod(shape) == 0:  # nothing picked: an empty result
+        return _emit_pointwise(L, "cast", [0], shape=shape, dtype=dtype)
+    spread = [i.then(("reshape", (1,) * (d0 + len(common) - i.ndim) + i.shape + (1,) * len(trail)))
+              .then(("expand", shape)) for i in indices]
+    return L.emit("gather", [x, *spread], {"dim": d0, "wrap": wrap}, shape=shape, dtype=dtype)
 
 
 @handles(aten.index_select.default)
 def _index_select(L, node, x: View, dim, index: View):
     if x.ndim == 0:
-        return L.emit("gather", [x.then(("reshape", (1,))), index.then(("reshape", (1,)))], {"dim": 0, "wrap": False},
-                      shape=(1,)).then(("reshape", ()))
-    return _select_rows(L, x, _dim(dim, x.ndim), index.then(("reshape", (index.shape[0] if index.ndim else 1,))),
-                        False)
+        x, index = x.then(("reshape", (1,))), index.then(("reshape", (1,)))
+        return _pick(L, x, 0, [index], False, L.meta().dtype).then(("reshape", ()))
+    return _pick(L, x, _dim(dim, x.ndim), [index.then(("reshape", (math.prod(index.shape),)))], False, L.meta().dtype)
 
 
 @handles(aten.index.Tensor)
 def _index(L, node, x: View, indices):
-    """x[..., idx, ...] with one integer index tensor (the others ':'): negative entries count
-    from the end, the result's dims are x's with that dim replaced by idx's."""
-    given = [(d, t) for d, t in enumerate(indices) if t is not None]
-    if len(given) != 1:
-        raise Unsupported(f"advanced indexing with {len(given)} index tensors; one (x[..., idx, ...]) is lowered")
-    (d, idx), = given
-    if not _integral(L.graph.buffers[idx.buffer].dtype) or L.graph.buffers[idx.buffer].dtype == torch.bool:
-        raise Unsupported("indexing by a bool mask (its result's size depends on the data)")
-    flat = idx.then(("reshape", (math.prod(idx.shape),)))
-    return _select_rows(L, x, d, flat, True).then(("reshape", _shape(L)))
+    """x[..., i, j, ...] with integer index tensors, which broadcast together; negative entries
+    count from the end. Adjacent indexed dims keep their place in the result; indexed dims apart
+    put the indices' shape first (torch's rule), here by moving those dims to the front."""
+    given = [d for d, t in enumerate(indices) if t is not None]
+    if not given:
+        return _fresh(L, node, x)
+    for d in given:
+        dt = L.graph.buffers[indices[d].buffer].dtype
+        if not _integral(dt) or dt == torch.bool:
+            raise Unsupported("indexing by a bool mask (its result's size depends on the data)")
+    if len(given) > MAX_INDEX_TENSORS:
+        raise Unsupported(f"advanced indexing with {len(given)} index tensors; at most {MAX_INDEX_TENSORS}")
+    d0 = given[0]
+    if given != list(range(d0, d0 + len(given))):  # apart: the indexed dims to the front
+        x = x.then(("permute", tuple(given) + tuple(d for d in range(x.ndim) if d not in given)))
+        d0 = 0
+    out = _pick(L, x, d0, [indices[d] for d in given], True, L.meta().dtype)
+    if out.shape != _shape(L):
+        raise Unsupported(f"advanced indexing gave {out.shape}, expected {_shape(L)}")
+    return out
 
 
 @handles(aten.constant_pad_nd.default)

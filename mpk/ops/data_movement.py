@@ -65,28 +65,49 @@ register(OpDef(
 ))
 
 
+def _gather_layout(sig: OpSig) -> tuple[int, int, int]:
+    """(d0, k, nb): x's dims d0 … d0+k-1 are indexed, by the k index inputs, whose common shape
+    fills the output's dims d0 … d0+nb-1; the dims before and after are x's."""
+    d0, k = sig.attrs["dim"], len(sig.in_shapes) - 1
+    return d0, k, len(sig.out_shape) - (len(sig.in_shapes[0]) - k)
+
+
 def _gather_regions(sig: OpSig, rect):
-    dim = sig.attrs["dim"]
-    return [rect[:dim] + ((0, sig.in_shapes[0][dim]),) + rect[dim + 1:], rect]
+    d0, k, nb = _gather_layout(sig)
+    x_shape = sig.in_shapes[0]
+    x_region = rect[:d0] + tuple((0, x_shape[d0 + j]) for j in range(k)) + rect[d0 + nb:]
+    return [x_region] + [rect] * k
 
 
 def _gather_cpu(sig: OpSig, rect, xs):
-    x, index = xs
-    n, dim = x.shape[sig.attrs["dim"]], sig.attrs["dim"]
-    index = torch.where(index < 0, index + n, index) if sig.attrs["wrap"] else index
-    bad = ((index < 0) | (index >= n)).nonzero()
-    if len(bad):
-        at = tuple(int(i) for i in bad[0])
-        flat, stride = 0, 1
-        for d in reversed(range(len(sig.out_shape))):  # the element's row-major position in the result
-            flat += (rect[d][0] + at[d]) * stride
-            stride *= sig.out_shape[d]
-        raise BadInputError(bad_input_message(BAD_INDEX, int(xs[1][at]), flat, n))
-    return torch.gather(x, dim, index.long()).to(sig.out_dtype)
+    x, *indices = xs
+    d0, k, nb = _gather_layout(sig)
+    tile = tuple(hi - lo for lo, hi in rect)
+    picks = []
+    for j, index in enumerate(indices):
+        n = x.shape[d0 + j]
+        index = torch.where(index < 0, index + n, index) if sig.attrs["wrap"] else index
+        bad = ((index < 0) | (index >= n)).nonzero()
+        if len(bad):
+            at = tuple(int(i) for i in bad[0])
+            flat, stride = 0, 1
+            for d in reversed(range(len(sig.out_shape))):  # the element's row-major position in the result
+                flat += (rect[d][0] + at[d]) * stride
+                stride *= sig.out_shape[d]
+            raise BadInputError(bad_input_message(BAD_INDEX, int(indices[j][at]), flat, n))
+        picks.append(index.long())
+
+    def along(d):  # the tile's positions along output dim d, broadcast over the tile
+        return torch.arange(tile[d]).reshape([-1 if e == d else 1 for e in range(len(tile))])
+
+    where = [along(d) for d in range(d0)] + picks + [along(d) for d in range(d0 + nb, len(tile))]
+    return x[tuple(where)].expand(tile).to(sig.out_dtype)
 
 
 register(OpDef(
     kind="gather", type_id=42, input_regions=_gather_regions, cpu=_gather_cpu,
-    doc="out[i…] = x[i… with dim replaced by index[i…]] (torch.gather); attrs['wrap']: negative indices count "
-        "from the end (x[idx]); an index outside the dim is reported (BAD_INDEX), its element written as 0",
+    doc="out[a…, b…, c…] = x[a…, index_0[a…, b…, c…], …, index_{k-1}[…], c…]: x's dims dim … dim+k-1 picked by "
+        "the k index inputs (views of the output's shape; torch.gather has k = 1 and b one dim); attrs['wrap']: "
+        "negative indices count from the end (x[idx]); an index outside its dim is reported (BAD_INDEX), its "
+        "element written as 0",
 ))
