@@ -276,10 +276,6 @@ def _pointwise(fn: str):
     return handler
 
 
-def _is_bool(L, x) -> bool:
-    return isinstance(x, View) and L.graph.buffers[x.buffer].dtype == torch.bool
-
-
 for _fn, _targets in {
     "add": (aten.add.Tensor, aten.add.Scalar), "sub": (aten.sub.Tensor, aten.sub.Scalar),
     "mul": (aten.mul.Tensor, aten.mul.Scalar), "div": (aten.div.Tensor, aten.div.Scalar),
@@ -323,33 +319,19 @@ def _scalar_tensor(L, node, value, **kwargs):
 
 # --- tensors made inside forward: a fill or a count, computed by the kernel -----------------------
 
-@handles(aten.full.default, aten.full_like.default)
-def _full(L, node, size_or_like, fill_value, **kwargs):
-    return _emit_pointwise(L, "cast", [fill_value])
+@handles(aten.full.default, aten.full_like.default, aten.new_full.default, aten.fill.Scalar, aten.fill.Tensor)
+@_elementwise
+def _fill(L, node, *args, **kwargs):
+    return _emit_pointwise(L, "cast", [args[-1]])  # the fill value comes last (after a size or a tensor)
 
 
 @handles(aten.zeros.default, aten.ones.default, aten.zeros_like.default, aten.ones_like.default,
-         aten.empty.memory_format, aten.empty_like.default)
-def _zeros_ones(L, node, size_or_like, *args, **kwargs):
+         aten.empty.memory_format, aten.empty_like.default, aten.new_zeros.default, aten.new_ones.default,
+         aten.new_empty.default)
+def _zeros_ones(L, node, *args, **kwargs):
     # an empty tensor's elements are whatever: zeros (functionalization has turned the in-place
     # ops that fill it into ops that read it)
-    return _emit_pointwise(L, "cast", [int(node.target.overloadpacket.__name__.startswith("ones"))])
-
-
-@handles(aten.new_ones.default, aten.new_zeros.default, aten.new_empty.default)
-def _new_filled(L, node, x: View, size, *args, **kwargs):
-    return _emit_pointwise(L, "cast", [int(node.target is aten.new_ones.default)])
-
-
-@handles(aten.new_full.default)
-def _new_full(L, node, x: View, size, fill_value, **kwargs):
-    return _emit_pointwise(L, "cast", [fill_value])
-
-
-@handles(aten.fill.Scalar, aten.fill.Tensor)
-@_elementwise
-def _fill(L, node, x: View, value):
-    return _emit_pointwise(L, "cast", [value])
+    return _emit_pointwise(L, "cast", [int("ones" in node.target.overloadpacket.__name__)])
 
 
 @handles(aten.arange.default, aten.arange.start, aten.arange.start_step)
@@ -484,20 +466,11 @@ def _reduce(fn: str):
     return handler
 
 
-handles(aten.sum.dim_IntList)(_reduce("sum"))
-handles(aten.mean.dim)(_reduce("mean"))
-handles(aten.amax.default)(_reduce("amax"))
-handles(aten.amin.default)(_reduce("amin"))
-
-
-@handles(aten.sum.default, aten.mean.default)
-def _reduce_all(L, node, x: View, *, dtype=None):
-    return _reduce_to(L, node.target.overloadpacket.__name__, _cast_for(L, x, dtype), None)
-
-
-@handles(aten.max.default, aten.min.default)
-def _extreme_all(L, node, x: View):
-    return _reduce_to(L, "a" + node.target.overloadpacket.__name__, x, None)
+# (the .default forms take no dims: all of them)
+handles(aten.sum.dim_IntList, aten.sum.default)(_reduce("sum"))
+handles(aten.mean.dim, aten.mean.default)(_reduce("mean"))
+handles(aten.amax.default, aten.max.default)(_reduce("amax"))
+handles(aten.amin.default, aten.min.default)(_reduce("amin"))
 
 
 @handles(aten.argmax.default, aten.argmin.default)
