@@ -74,3 +74,8 @@ def bad_input_message(code: int, value: int, row: object, limit: int) -> str:
 
 class PerformanceWarning(UserWarning):
     """mpk compiled the graph, but part of it runs a slow fallback (the warning says which and why)."""
+
+
+class PrecisionWarning(UserWarning):
+    """mpk compiled the graph, but part of it computes with less precision than eager PyTorch
+    (the warning says which ops)."""

@@ -44,7 +44,7 @@ def _graphs():
     yield "qwen3-1.7b-paged-unfused", _paged_decode_tables(fuse_rope_attention=False)
     yield "qwen3-bf16-fused-norm", _compiled_decode_tables("qwen3", fuse_norm_prologue=True)
     yield "sampling-head", _sampling_head_tables()
-    for dtype in (torch.float32, torch.bfloat16):  # every elementwise function, reduction and softmax form
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):  # every elementwise function, reduction, softmax form
         yield f"elementwise-{str(dtype)[6:]}", compile_module(_Zoo(list(CASES)), _inputs(dtype), {"num_workers": 16}).tables
 
 

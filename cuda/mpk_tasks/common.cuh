@@ -106,9 +106,26 @@ __device__ __forceinline__ void store_i(void* base, int dtype, long long i, long
 
 __device__ __forceinline__ bool is_int(int dtype) { return dtype >= kI64 && dtype <= kU8; }
 
-// Copy one element between dtypes; integer to integer stays exact (no float round trip).
+// float64 elements and what meets them, in double: float64 tensors keep their precision, and
+// int64 values up to 2^53 convert exactly (through float32 both round at 2^24).
+__device__ __forceinline__ double load_d(const void* base, int dtype, long long i) {
+  if (dtype == kF64) return static_cast<const double*>(base)[i];
+  if (is_int(dtype) || dtype == kBool) return static_cast<double>(load_i(base, dtype, i));
+  return load_f(base, dtype, i);
+}
+
+__device__ __forceinline__ void store_d(void* base, int dtype, long long i, double v) {
+  if (dtype == kF64) static_cast<double*>(base)[i] = v;
+  else if (dtype == kBool) static_cast<bool*>(base)[i] = v != 0.0;
+  else if (is_int(dtype)) store_i(base, dtype, i, static_cast<long long>(v));
+  else store_f(base, dtype, i, static_cast<float>(v));  // one rounding, as torch's cast
+}
+
+// Copy one element between dtypes; integer to integer stays exact (no float round trip), and
+// float64 on either side goes through double.
 __device__ __forceinline__ void move_elem(const void* src, int sdt, long long si, void* dst, int ddt, long long di) {
   if (is_int(sdt) && is_int(ddt)) store_i(dst, ddt, di, load_i(src, sdt, si));
+  else if (sdt == kF64 || ddt == kF64) store_d(dst, ddt, di, load_d(src, sdt, si));
   else store_f(dst, ddt, di, load_f(src, sdt, si));
 }
 
@@ -283,9 +300,10 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// max that propagates NaN, as torch.amax does
-__device__ __forceinline__ float max_nan(float a, float b) {
-  return (a != a || b != b) ? (a != a ? a : b) : fmaxf(a, b);
+// max that propagates NaN, as torch.amax does (T = float or double)
+template <typename T>
+__device__ __forceinline__ T max_nan(T a, T b) {
+  return (a != a || b != b) ? (a != a ? a : b) : fmax(a, b);
 }
 
 __device__ __forceinline__ float warp_max_nan(float v) {

@@ -632,9 +632,11 @@ __device__ void task_embedding(const OpC& c, const Rect& r, const TaskEnv& env) 
     rect_unravel(r, c.ndim, e, idx);
     const long long tok = load_i(env.buffers[ids.buffer], ids.dtype, view_index(ids, idx, c.ndim - 1));
     long long widx[2] = {tok, idx[c.ndim - 1]};
-    const float v = token_in_table(c, tok, ravel(idx, c.out_shape, c.ndim - 1))
-                        ? load_f(env.buffers[w.buffer], w.dtype, view_index(w, widx, 2)) : 0.f;
-    store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, c.ndim), v);
+    const long long o = ravel(idx, c.out_shape, c.ndim);
+    if (token_in_table(c, tok, ravel(idx, c.out_shape, c.ndim - 1)))
+      move_elem(env.buffers[w.buffer], w.dtype, view_index(w, widx, 2), env.buffers[c.out_buffer], c.out_dtype, o);
+    else
+      store_i(env.buffers[c.out_buffer], c.out_dtype, o, 0);
   }
 }
 

@@ -15,14 +15,16 @@ enum PointwiseFn : int {
 };
 
 // torch.minimum's NaN rule (max_nan in common.cuh is torch.maximum's)
-__device__ __forceinline__ float min_nan(float a, float b) {
-  return (a != a || b != b) ? (a != a ? a : b) : fminf(a, b);
+template <typename T>
+__device__ __forceinline__ T min_nan(T a, T b) {
+  return (a != a || b != b) ? (a != a ? a : b) : fmin(a, b);
 }
 
 // relu6(x + 3), the ramp of hardsigmoid and hardswish (NaN stays NaN, as in torch)
-__device__ __forceinline__ float relu6_plus3(float a) { return min_nan(max_nan(a + 3.f, 0.f), 6.f); }
+template <typename T>
+__device__ __forceinline__ T relu6_plus3(T a) { return min_nan(max_nan(a + T(3), T(0)), T(6)); }
 
-// The functions whose form is the same for both element types of apply_pointwise.
+// The functions whose form is the same for every element type of apply_pointwise.
 template <typename T>
 __device__ __forceinline__ bool apply_common(int fn, T a, T b, T c, T& out) {
   switch (fn) {
@@ -47,11 +49,12 @@ __device__ __forceinline__ bool apply_common(int fn, T a, T b, T c, T& out) {
 }
 
 // One element of ``fn``. T = float: what eager PyTorch computes for float32/16 and bfloat16
-// operands before the store rounds (float64 operands lose their extra precision here). T = long
-// long: integer and bool results of integer operands, exact as torch's (through float32 an int64
-// above 2^24 would round); mpk.ops.pointwise.INT_FNS lists the functions the compiler sends here.
+// operands before the store rounds; T = double: float64 results and operands, in double as
+// torch computes them (the math functions' overloads pick expf or exp by T); T = long long:
+// integer and bool results of integer operands, exact as torch's (through float32 an int64
+// above 2^24 would round). mpk.ops.pointwise.INT_FNS lists the functions the integer form takes.
 template <typename T>
-__device__ __forceinline__ T apply_pointwise(int fn, T a, T b, T c, float extra) {
+__device__ __forceinline__ T apply_pointwise(int fn, T a, T b, T c, T extra) {
   T out;
   if (apply_common(fn, a, b, c, out)) return out;
   if constexpr (std::is_same_v<T, long long>) {
@@ -75,80 +78,87 @@ __device__ __forceinline__ T apply_pointwise(int fn, T a, T b, T c, float extra)
       default: return a;  // kCast, kArange, kFloor, kCeil, kRound, kTrunc: integers are their own rounding
     }
   } else {
+    const T one(1), zero(0);
     switch (fn) {
       case kDiv: return a / b;
-      case kPow: return b == 2.f ? a * a : powf(a, b);
-      case kExp: return expf(a);
-      case kRsqrt: return rsqrtf(a);
-      case kSqrt: return sqrtf(a);
-      case kSilu: return a / (1.f + expf(-a));
-      case kGelu: return 0.5f * a * (1.f + erff(a * 0.70710678118654752f));
-      case kGeluTanh: return 0.5f * a * (1.f + tanhf(0.79788456080286536f * (a + 0.044715f * a * a * a)));
-      case kSigmoid: return 1.f / (1.f + expf(-a));
-      case kTanh: return tanhf(a);
-      case kRelu: return a < 0.f ? 0.f : a;  // NaN and -0 stay, as torch's clamp_min(x, 0)
-      case kAbs: return fabsf(a);
-      case kLog: return logf(a);
-      case kSin: return sinf(a);
-      case kCos: return cosf(a);
-      case kReciprocal: return 1.f / a;
-      case kErf: return erff(a);
-      case kLog1p: return log1pf(a);
-      case kExpm1: return expm1f(a);
-      case kFloor: return floorf(a);
-      case kCeil: return ceilf(a);
-      case kRound: return rintf(a);  // halves to even, as torch.round
-      case kTrunc: return truncf(a);
+      case kPow: return b == T(2) ? a * a : pow(a, b);
+      case kExp: return exp(a);
+      case kRsqrt: return rsqrt(a);
+      case kSqrt: return sqrt(a);
+      case kSilu: return a / (one + exp(-a));
+      case kGelu: return T(0.5) * a * (one + erf(a * T(0.70710678118654752)));
+      case kGeluTanh: return T(0.5) * a * (one + tanh(T(0.79788456080286536) * (a + T(0.044715) * a * a * a)));
+      case kSigmoid: return one / (one + exp(-a));
+      case kTanh: return tanh(a);
+      case kRelu: return a < zero ? zero : a;  // NaN and -0 stay, as torch's clamp_min(x, 0)
+      case kAbs: return fabs(a);
+      case kLog: return log(a);
+      case kSin: return sin(a);
+      case kCos: return cos(a);
+      case kReciprocal: return one / a;
+      case kErf: return erf(a);
+      case kLog1p: return log1p(a);
+      case kExpm1: return expm1(a);
+      case kFloor: return floor(a);
+      case kCeil: return ceil(a);
+      case kRound: return rint(a);  // halves to even, as torch.round
+      case kTrunc: return trunc(a);
       case kMaximum: return max_nan(a, b);
       case kMinimum: return min_nan(a, b);
       case kClamp: return min_nan(max_nan(a, b), c);  // lo > hi gives hi, as torch.clamp
-      case kLeakyRelu: return a > 0.f ? a : a * b;
-      case kElu: return a > 0.f ? a * c : expm1f(a * extra) * (b * c);  // b α, c scale, extra input scale (torch's order)
-      case kSoftplus: return a * b > c ? a : log1pf(expf(a * b)) / b;  // b beta, c threshold
-      case kHardsigmoid: return relu6_plus3(a) / 6.f;
-      case kHardswish: return a * relu6_plus3(a) / 6.f;
-      case kMish: return a * tanhf(log1pf(expf(a)));
-      case kGlu: return a * (1.f / (1.f + expf(-b)));  // a · sigmoid(b)
-      case kLogSigmoid: return fminf(a, 0.f) - log1pf(expf(-fabsf(a)));  // no overflow for large |a|
+      case kLeakyRelu: return a > zero ? a : a * b;
+      case kElu: return a > zero ? a * c : expm1(a * extra) * (b * c);  // b α, c scale, extra input scale (torch's order)
+      case kSoftplus: return a * b > c ? a : log1p(exp(a * b)) / b;  // b beta, c threshold
+      case kHardsigmoid: return relu6_plus3(a) / T(6);
+      case kHardswish: return a * relu6_plus3(a) / T(6);
+      case kMish: return a * tanh(log1p(exp(a)));
+      case kGlu: return a * (one / (one + exp(-b)));  // a · sigmoid(b)
+      case kLogSigmoid: return fmin(a, zero) - log1p(exp(-fabs(a)));  // no overflow for large |a|
       case kThreshold: return a <= b ? c : a;  // NaN stays
       default: return a;  // kCast (and kArange, already counted): the store converts
     }
   }
 }
 
-// Operand j < iparam[3] (the arity, at most 3): iparam[j] >= 0 names an input, -1 a constant —
-// fparam[j] in float, iparam[5 + j] in integers. iparam[4] = 1: the integer form; fparam[3] the
+// The pointwise task, instantiated per element type T (codegen: _pointwise_task — a graph
+// compiles only the forms its ops use). iparam[4] the function (PointwiseFn). Operand j <
+// iparam[3] (the arity, at most 3): iparam[j] >= 0 names an input, -1 a constant — fparam[j]
+// for float, iparam[5 + j] for long long (the value) and double (its IEEE bits); fparam[3] the
 // function's extra constant.
 template <typename T>
-__device__ __forceinline__ void pointwise_tile(const OpC& c, const Rect& r, const TaskEnv& env) {
+__device__ void pointwise_tile(const OpC& c, const Rect& r, const TaskEnv& env) {
   const long long n = rect_numel(r, c.ndim);
   void* out = env.buffers[c.out_buffer];
-  const int arity = static_cast<int>(c.iparam[3]);
-  for (long long k = threadIdx.x; k < n; k += blockDim.x) {
+  const int arity = static_cast<int>(c.iparam[3]), fn = static_cast<int>(c.iparam[4]);
+  T k[3];
+  for (int j = 0; j < 3; ++j) {
+    if constexpr (std::is_same_v<T, float>) k[j] = c.fparam[j];
+    else if constexpr (std::is_same_v<T, double>) k[j] = __longlong_as_double(c.iparam[5 + j]);
+    else k[j] = c.iparam[5 + j];
+  }
+  for (long long e = threadIdx.x; e < n; e += blockDim.x) {
     long long idx[kMaxDims];
-    rect_unravel(r, c.ndim, k, idx);
+    rect_unravel(r, c.ndim, e, idx);
     T x[3] = {0, 0, 0};
     for (int j = 0; j < arity; ++j) {
       const int in = static_cast<int>(c.iparam[j]);
-      if constexpr (std::is_same_v<T, float>) {
-        if (in < 0) x[j] = c.fparam[j];
-        else x[j] = load_f(env.buffers[c.in[in].buffer], c.in[in].dtype, view_index(c.in[in], idx, c.ndim));
-      } else {
-        if (in < 0) x[j] = c.iparam[5 + j];
-        else x[j] = load_i(env.buffers[c.in[in].buffer], c.in[in].dtype, view_index(c.in[in], idx, c.ndim));
+      if (in < 0) {
+        x[j] = k[j];
+        continue;
       }
+      const ViewC& v = c.in[in];
+      const long long at = view_index(v, idx, c.ndim);
+      if constexpr (std::is_same_v<T, float>) x[j] = load_f(env.buffers[v.buffer], v.dtype, at);
+      else if constexpr (std::is_same_v<T, double>) x[j] = load_d(env.buffers[v.buffer], v.dtype, at);
+      else x[j] = load_i(env.buffers[v.buffer], v.dtype, at);
     }
     const long long o = ravel(idx, c.out_shape, c.ndim);
-    if (c.variant == kArange) x[0] += x[1] * static_cast<T>(idx[0]);  // start + step · i (1-d), then kCast's store
-    const T y = apply_pointwise<T>(c.variant, x[0], x[1], x[2], c.fparam[3]);
+    if (fn == kArange) x[0] += x[1] * static_cast<T>(idx[0]);  // start + step · i (1-d), then kCast's store
+    const T y = apply_pointwise<T>(fn, x[0], x[1], x[2], static_cast<T>(c.fparam[3]));
     if constexpr (std::is_same_v<T, float>) store_f(out, c.out_dtype, o, y);
+    else if constexpr (std::is_same_v<T, double>) store_d(out, c.out_dtype, o, y);
     else store_i(out, c.out_dtype, o, y);
   }
-}
-
-__device__ void task_pointwise(const OpC& c, const Rect& r, const TaskEnv& env) {
-  if (c.iparam[4]) pointwise_tile<long long>(c, r, env);
-  else pointwise_tile<float>(c, r, env);
 }
 
 // silu(g)·u with silu rounded to g's dtype first (what F.silu(g) * u does in that dtype).

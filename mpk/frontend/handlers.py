@@ -202,8 +202,9 @@ def _integral(dtype: torch.dtype) -> bool:
 
 def _emit_pointwise(L, fn: str, args, shape=None, dtype: torch.dtype | None = None, extra: float | None = None) -> View:
     """One ``pointwise`` op of ``fn`` over ``args`` (Views, numbers, ScalarConsts), in the
-    exact integer form where the result and every operand are integers or bools. The result's
-    shape and dtype default to the node's."""
+    exact integer form where the result and every operand are integers or bools, in the float64
+    form where the result or an operand is float64. The result's shape and dtype default to the
+    node's."""
     inputs: list[View] = []
     spec: list[list] = []
     for a in args:
@@ -237,7 +238,9 @@ def _emit_pointwise(L, fn: str, args, shape=None, dtype: torch.dtype | None = No
         raise Unsupported(f"{fn} of integer operands with an integer result")
     if not exact_int and fn.startswith("bitwise_"):
         raise Unsupported(f"{fn} of floating-point operands")
-    attrs = {"fn": fn, "args": spec, **({"int": True} if exact_int else {}),
+    f64 = torch.float64 in (out_dtype, *(L.graph.buffers[v.buffer].dtype for v in inputs))
+    form = "int" if exact_int else "f64" if f64 else None
+    attrs = {"fn": fn, "args": spec, **({"form": form} if form else {}),
              **({"extra": float(extra)} if extra is not None else {})}
     return L.emit("pointwise", inputs, attrs, shape=shape, dtype=out_dtype)
 

@@ -10,13 +10,14 @@ buffers and queues stay runtime data, so one build serves every launch of the gr
 from __future__ import annotations
 
 import math
+import struct
 import warnings
 from typing import Callable
 
 import torch
 
 from mpk.compiler.tables import DTYPE_CODE, DTYPES, MAX_DIMS, ROLE_INPUT, Tables
-from mpk.errors import CompileError, PerformanceWarning
+from mpk.errors import CompileError, PerformanceWarning, PrecisionWarning
 from mpk.ops.linalg import NORM_TILE_BYTES, STATS_SMEM_FLOATS
 from mpk.ops.paged import MIN_CHUNK
 from mpk.ops.pointwise import POINTWISE_FNS
@@ -34,21 +35,26 @@ Params = tuple[int, list[int], list[float]]  # variant, iparam, fparam
 
 
 def _pointwise(a: dict) -> Params:
-    """iparam[0..2]: each operand's input index (-1: a constant), [3] the arity, [4] 1 for the
-    exact integer form, [5..7] the integer constants; fparam[0..2] the float constants, [3] the
-    function's extra constant (attrs['extra']: elu's input scale)."""
+    """iparam[0..2]: each operand's input index (-1: a constant), [3] the arity, [4] the function,
+    [5..7] the constants of the integer form (their values) and of the float64 form (their IEEE
+    bits); fparam[0..2] the float form's constants, [3] the function's extra constant
+    (attrs['extra']: elu's input scale). The form is the instantiation (_pointwise_task)."""
     args = a["args"]
     if len(args) > 3:
         raise CompileError(f"pointwise {a['fn']} with {len(args)} operands; the CUDA task takes at most 3")
     ip, fp = [0] * 8, [0.0, 0.0, 0.0, float(a.get("extra", 0.0))]
+    form = a.get("form")
     for j, (kind, val) in enumerate(args):
         if kind == "in":
             ip[j] = val
         else:
             ip[j], fp[j] = -1, float(val)
-            ip[5 + j] = int(val) if a.get("int") else 0
-    ip[3], ip[4] = len(args), int(bool(a.get("int")))
-    return _FN_IDS[a["fn"]], ip, fp
+            if form == "int":
+                ip[5 + j] = int(val)
+            elif form == "f64":
+                ip[5 + j] = struct.unpack("<q", struct.pack("<d", float(val)))[0]
+    ip[3], ip[4] = len(args), _FN_IDS[a["fn"]]
+    return 0, ip, fp
 
 
 def _dtype_code(name: str) -> int:
@@ -200,6 +206,26 @@ def slow_linears(tables: Tables) -> list[str]:
         if why:
             out_in = "×".join(map(str, shape[:-2] + shape[:-3:-1]))  # as nn.Linear holds it: out × in
             lines.append(f"{meta['name']!r} ({meta['kind']}, weight {out_in}): {'; '.join(why)}")
+    return lines
+
+
+# Kinds whose CUDA task keeps float64 exact (pointwise: its double form; the others move
+# elements through double); every other kind computes in float32.
+FLOAT64_EXACT = frozenset({"pointwise", "copy", "cat", "gather", "embedding", "stamp"})
+
+
+def float32_computed(tables: Tables) -> list[str]:
+    """One line per op that reads or writes float64 but whose CUDA task computes in float32."""
+    f64 = DTYPE_CODE[torch.float64]
+    lines = []
+    for i, o in enumerate(tables.ops):
+        meta = tables.meta["ops"][i]
+        if meta["kind"] in FLOAT64_EXACT:
+            continue
+        views = tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]
+        bufs = [int(o["output"])] + [int(tables.views[int(v)]["buffer"]) for v in views]
+        if any(int(tables.buffers[b]["dtype"]) == f64 for b in bufs):
+            lines.append(f"{meta['name']!r} ({meta['kind']})")
     return lines
 
 
@@ -432,6 +458,13 @@ def _paged_task(tables: Tables, op: int) -> str:
     return f"mpk::attn_merge_impl<{D // 32}, {_one_ctype(tables, op, name, [], True)}>"
 
 
+_POINTWISE_FORMS = {None: "float", "int": "long long", "f64": "double"}  # attrs['form'] -> the element type
+
+
+def _pointwise_task(tables: Tables, op: int) -> str:
+    return f"mpk::pointwise_tile<{_POINTWISE_FORMS[tables.meta['ops'][op]['attrs'].get('form')]}>"
+
+
 ROW_KINDS = ("reduce", "softmax")  # row_vector_ctype's kinds
 
 
@@ -451,7 +484,7 @@ def _row_task(tables: Tables, op: int) -> str:
 # only the combinations a graph uses are compiled.
 SPECIALIZED: dict[str, Callable[[Tables, int], str]] = {
     "rope_append": _paged_task, "attn_partial": _paged_task, "rope_attn_partial": _paged_task,
-    "attn_merge": _paged_task, "reduce": _row_task, "softmax": _row_task,
+    "attn_merge": _paged_task, "reduce": _row_task, "softmax": _row_task, "pointwise": _pointwise_task,
 }
 
 
@@ -503,13 +536,21 @@ def buffer_table(n: int) -> str:
 
 def generate(tables: Tables) -> str:
     """CUDA source for ``tables`` (deterministic: equal tables, equal source). Warns
-    (``PerformanceWarning``) when a model-sized projection runs the general matmul task."""
+    (``PerformanceWarning``) when a model-sized projection runs the general matmul task, and
+    (``PrecisionWarning``) when an op computes float64 tensors in float32."""
+    def listed(lines: list[str]) -> str:
+        return "\n  ".join(lines[:6]) + (f"\n  … and {len(lines) - 6} more" if len(lines) > 6 else "")
+
     slow = slow_linears(tables)
     if slow:
         warnings.warn(f"mpk: {len(slow)} projection(s) run the general CUDA matmul task (one thread per output, "
-                      "far from memory bandwidth), not the decode linear (bf16, ≤ 16 rows a tile):\n  "
-                      + "\n  ".join(slow[:6]) + (f"\n  … and {len(slow) - 6} more" if len(slow) > 6 else ""),
+                      f"far from memory bandwidth), not the decode linear (bf16, ≤ 16 rows a tile):\n  {listed(slow)}",
                       PerformanceWarning, stacklevel=2)
+    coarse = float32_computed(tables)
+    if coarse:
+        warnings.warn(f"mpk: {len(coarse)} op(s) on float64 tensors compute in float32 on the GPU (elementwise "
+                      "ops, copies and indexing keep float64; eager and the CPU executor compute these in "
+                      f"float64):\n  {listed(coarse)}", PrecisionWarning, stacklevel=2)
     ops: list[str] = []
     kinds: dict[int, str] = {}
     instances: dict[int, list[str]] = {}  # type id -> the template instantiations, by variant

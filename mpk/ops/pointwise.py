@@ -74,8 +74,8 @@ POINTWISE_FNS = {
     "arange": (2, None),  # start + step · i along the 1-d output (torch.arange): _pointwise_cpu
 }
 
-# Functions with an exact 64-bit integer form in the CUDA task (apply_pointwise_int): an op whose
-# result and operands are all integers or bools runs there, as eager PyTorch computes it.
+# Functions with an exact 64-bit integer form in the CUDA task (apply_pointwise<long long>): an op
+# whose result and operands are all integers or bools runs there, as eager PyTorch computes it.
 INT_FNS = frozenset({
     "add", "sub", "mul", "pow", "neg", "relu", "cast", "abs", "floor", "ceil", "round", "trunc", "sign",
     "maximum", "minimum", "clamp", "eq", "ne", "lt", "le", "gt", "ge", "where", "logical_and", "logical_or",
