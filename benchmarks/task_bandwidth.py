@@ -8,14 +8,14 @@ four model shapes of shared/BENCHMARKS.md at batch 1 (``--batches``: also others
 model holding its qkv, o, gate_up, down and LM-head weights (target at batch 1: ≥ 0.85 of copy
 bandwidth), paged decode attention over long caches (beside it, ``torch_ms``: PyTorch's SDPA over the
 same K/V laid out contiguously, a static cache), and the step's other task families at
-qwen3-8b's batch-16 shapes (RMSNorm, qk-norm + RoPE + KV append, SiLU·mul, embedding, argmax
-and softmax over the vocabulary): a few hundred KiB to a few MiB each, so their time is mostly
+qwen3-8b's batch-16 shapes (RMSNorm, qk-norm + RoPE + KV append, SiLU·mul, embedding, argmax,
+softmax and topk over the vocabulary, topk over 128 experts' scores): a few hundred KiB to a few MiB each, so their time is mostly
 the task's latency and the event hop, which the bandwidth figure then shows; beside those
 PyTorch runs as its own kernels, the same op in eager PyTorch (``torch_ms``, timed over
 back-to-back calls).
 
 ``--prebuild`` (a machine with nvcc and no GPU): trace the cases the other flags select (all,
-``--linear-only`` or ``--attention-only``) on the CPU and build their kernels into
+``--linear-only``, ``--attention-only`` or ``--families-only``) on the CPU and build their kernels into
 ``$MPK_CACHE_DIR``, for carrying to the device (as prebuild_decode.py).
 ``--options`` takes one JSON object of mpk compile options per variant of the linear cases
 (an A/B in one run: the variants alternate per model).
@@ -100,6 +100,7 @@ def family_cases(batch: int = 16, shape: str = "qwen3-8b",
     gate, up = torch.randn(batch, s.inter, **bf16), torch.randn(batch, s.inter, **bf16)
     table, ids = torch.randn(s.vocab, d, **bf16), torch.randint(0, s.vocab, (batch,), device=device)
     logits, logits1 = torch.randn(batch, s.vocab, **bf16), torch.randn(1, s.vocab, **bf16)
+    experts = torch.randn(batch, 128, **bf16)
     page, length = 16, 1000  # every sequence appends its token at position 999 of a shuffled page table
     pages = batch * -(-length // page)
     cache = torch.randn(1, 2, pages, kvh, page, hd, **bf16)
@@ -127,6 +128,12 @@ def family_cases(batch: int = 16, shape: str = "qwen3-8b",
     def probs(logits):
         return torch.softmax(logits, -1)
 
+    def top50(logits):  # top-k sampling's candidates
+        return torch.topk(logits, 50)
+
+    def route(scores):  # a mixture of experts' routing
+        return torch.topk(scores, 8)
+
     def rope_append(qkv, cos_sin, indptr, indices, last, cache, qn, kn):
         return torch.ops.mpk.rope_append(qkv, cos_sin, indptr, indices, last, cache, qn, kn, 0, heads, kvh, eps)
 
@@ -137,6 +144,9 @@ def family_cases(batch: int = 16, shape: str = "qwen3-8b",
         (f"argmax B={batch} vocab={s.vocab}", greedy, (logits,), 2 * logits.numel(), True),
         (f"argmax B=1 vocab={s.vocab}", greedy, (logits1,), 2 * logits1.numel(), True),
         (f"softmax B={batch} vocab={s.vocab}", probs, (logits,), 2 * 2 * logits.numel(), True),
+        (f"topk k=50 B={batch} vocab={s.vocab}", top50, (logits,), 2 * logits.numel(), True),
+        (f"topk k=50 B=1 vocab={s.vocab}", top50, (logits1,), 2 * logits1.numel(), True),
+        (f"topk k=8 B={batch} of 128 experts", route, (experts,), 2 * experts.numel(), True),
         (f"rope_append B={batch} {heads}/{kvh} heads d={hd} (qk-norm)", rope_append,
          (qkv, cos_sin, indptr, indices, last, cache, qn, kn), 2 * batch * ((2 * heads + 4 * kvh) * hd + hd), False),
     ]
@@ -213,12 +223,13 @@ def main(argv=None) -> int:
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--linear-only", action="store_true", help="skip the attention and other task families' cases")
     only.add_argument("--attention-only", action="store_true", help="the paged attention cases alone")
+    only.add_argument("--families-only", action="store_true", help="the other task families' cases alone")
     ap.add_argument("--options", nargs="+", type=json_object, default=[{}],
                     help='mpk compile options of the linear cases, one JSON object per variant, e.g. \'{}\' \'{"fuse_norm_prologue": false}\'')
     args = ap.parse_args(argv)
     if args.prebuild:
-        prebuild(args.models, args.batches, not args.attention_only, not args.linear_only,
-                 not (args.linear_only or args.attention_only), args.options)
+        prebuild(args.models, args.batches, not (args.attention_only or args.families_only),
+                 not (args.linear_only or args.families_only), not (args.linear_only or args.attention_only), args.options)
         return 0
     require_cuda("task_bandwidth.py", "--prebuild builds its kernels without one")
     device, bw = torch.cuda.get_device_name(), copy_bandwidth()
@@ -235,7 +246,7 @@ def main(argv=None) -> int:
                 fh.write(json.dumps(row) + "\n")
 
     opts = {"executor": "gpu"}
-    for name in [] if args.attention_only else args.models:
+    for name in [] if args.attention_only or args.families_only else args.models:
         shapes = list(linear_cases(name).values())
         model = Linears(shapes)
         for batch in args.batches:
@@ -248,7 +259,7 @@ def main(argv=None) -> int:
                         "GBps": nbytes / ms / 1e6, "of_copy": nbytes / ms / 1e6 / (bw / 1e9)}
                        | ({"options": options} if len(args.options) > 1 else {}))
                 torch._dynamo.reset()
-    for batch, length, heads, kv_heads, dim in [] if args.linear_only else ATTENTION_CASES:
+    for batch, length, heads, kv_heads, dim in [] if args.linear_only or args.families_only else ATTENTION_CASES:
         page = 16
         attend, (q, cache, indptr, indices, last) = attention_case(batch, length, heads, kv_heads, dim, page, "cuda")
         fn = torch.compile(attend, backend="mpk", fullgraph=True, dynamic=False, options=opts)

@@ -49,10 +49,25 @@ def _indexing(x, y, i, j, k, v):
             x[:, k[0, :2, :2].clamp(0, 5), k[1, :2, :1].clamp(-10, 9)], x.new_ones(2, 3) + x.new_zeros(3).sum())
 
 
+def _sorting(x, y, i, j, k, v):
+    """Stable sorts and argsorts over any dim, both orders: int32 entries of -6…6 and bfloat16
+    values tie, NaN sorts as the largest value, -0 equals 0, int64 beyond 2^32, bool, a row of
+    2048 (the longest sorted whole), a 0-d tensor. (topk: test_topk_matches_a_stable_sort.)"""
+    zeros = torch.zeros_like(x)
+    z = torch.where(y > 1.2, float("nan"), torch.where(y < -0.8, -zeros, torch.where(y > 0.6, zeros, x)))
+    return (*torch.sort(x, dim=-1, stable=True), *torch.sort(x, dim=1, descending=True, stable=True),
+            torch.argsort(k, dim=-1, stable=True), *torch.sort(k, dim=0, descending=True, stable=True),
+            *torch.sort(i, dim=-1, stable=True), *torch.sort(z, dim=2, stable=True), *torch.sort(z, dim=0, descending=True, stable=True),
+            torch.argsort(x > 0, dim=-1, stable=True), *torch.sort(v[:, :2048], dim=-1, descending=True, stable=True),
+            *torch.sort(x[0, 0, 0], stable=True))
+
+
 def _float64_precision(x, y, i, j, k, v):
     """What float32 would lose (run with float64 x and y): a small step beside x, int64 beyond
-    2^24 into float64 and back, copies, indexing and a float64 embedding table."""
+    2^24 into float64 and back, copies, indexing and a float64 embedding table; and what float64
+    must not gain: a 0-d float64 tensor with float32 ones computes in float32, as in torch."""
     return ((x + 1e-9) - x, i.double() + 0.5, (i.double() * 0.5).long(), x.transpose(1, 2).contiguous(),
+            x.float() == x[0, 0, 0], x.float() * y[0, 0, 0],  # a 0-d float64 meets float32 in float32
             torch.cat([x, y], 2)[:, k[0, 0, :3].clamp(-6, 5)], F.embedding(k.abs().long(), y.reshape(24, 10)),
             x.to(torch.float32), torch.where(x > 0, x * (1 + 2 ** -40), y))
 
@@ -68,7 +83,9 @@ CASES = {
     "sign": lambda x, y, *_: torch.sign(x),
     "maximum_minimum": lambda x, y, *_: (torch.maximum(x, y), torch.minimum(x, y), x.clamp_min(0.2)),
     "clamp": lambda x, y, *_: (x.clamp(-0.5, 0.5), x.clamp(min=y), x.clamp(max=0.1), F.hardtanh(x), F.relu6(x * 4)),
-    "comparisons": lambda x, y, *_: (((x > y) & (x < 1)) | (x == y), (x >= 0.5) ^ (y <= -0.5), x != y, ~(x > 0)),
+    "comparisons": lambda x, y, *_: (((x > y) & (x < 1)) | (x == y), (x >= 0.5) ^ (y <= -0.5), x != y, ~(x > 0),
+                                     # a number meets a 16-bit float tensor rounded to its dtype
+                                     x.clamp(0.3, 0.3) == 0.3, x.clamp(-0.8, -0.8) < -0.8),
     "where": lambda x, y, *_: (torch.where(x > 0, x, 0.0), torch.where(x > y, x, y), x.masked_fill(y > 0.5, -3.0)),
     "masked_softmax": lambda x, y, *_: torch.softmax(x.masked_fill(y > 0.5, float("-inf")), -1),
     "activations": lambda x, y, *_: (F.leaky_relu(x, 0.1), F.elu(x), F.selu(x), F.celu(x, 0.7), F.softplus(x, 2, 5),
@@ -105,6 +122,7 @@ CASES = {
     "narrow_ints": _narrow_ints,
     "fills_and_scalars": _fills_and_scalars,
     "indexing": _indexing,
+    "sorting": _sorting,
     "float64_precision": _float64_precision,
     "int_reductions": lambda x, y, i, j, k, _: (i.sum(-1), i.amax(0), i.amin(1), i.argmax(-1), i.argmin(0),
                                              (i > 0).sum(-1), k.sum(1), *i.max(dim=2)),
@@ -156,7 +174,7 @@ def _mismatches(out, ref, labels, tol) -> list[str]:
             if err > tol or not torch.equal(o.isnan().cpu(), r.isnan().cpu()):
                 bad.append(f"{label}: relative error {err:.2e} (tolerance {tol:.0e})")
         elif not torch.equal(o.cpu(), r.cpu()):
-            bad.append(f"{label}: {int((o != r).sum())} of {r.numel()} elements differ")
+            bad.append(f"{label}: {int((o.cpu() != r.cpu()).sum())} of {r.numel()} elements differ")
     return bad
 
 
@@ -242,10 +260,68 @@ def test_every_case_matches_eager_on_the_gpu(dtype):
     check_zoo(dtype, "gpu")
 
 
+def _topk_rows() -> list[tuple[torch.Tensor, int, int, bool]]:
+    """(rows, k, dim, largest): ties in bfloat16 and int32 rows, NaNs, rows short and long (8192
+    and more: the radix select), float64 and int64 (64-bit keys), k from 1 to 2048, and rows of
+    0s and 1s, whose ~3000 equal entries at the k-th are more than shared memory takes at once."""
+    b = torch.randn(3, 8192).bfloat16()
+    b[0, ::97] = float("nan")
+    ints = torch.randint(-6, 7, (5, 3000), dtype=torch.int32)
+    bits = torch.randint(0, 2, (2, 6000), dtype=torch.int32)
+    wide = torch.randint(-2 ** 40, 2 ** 40, (4, 2500))
+    return [(b, 50, -1, True), (b, 7, -1, False), (b, 2048, 1, True), (ints, 300, 1, True), (ints, 5, -1, False),
+            (torch.randn(2, 5000, dtype=torch.float64), 9, -1, True), (wide, 64, 1, False), (wide, 1, 1, True),
+            (torch.randn(100, 6), 3, 0, True), (torch.randn(6, 100), 100, -1, False), (bits, 10, -1, True),
+            (bits, 2000, -1, False)]
+
+
+@pytest.mark.parametrize("executor", ["cpu", pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_topk_matches_a_stable_sort(executor):
+    """topk gives the first k of a stable sort, values and indices: equal entries (torch leaves
+    their order open) by the lower index, NaN the largest value."""
+    device = "cuda" if executor == "gpu" else "cpu"
+    cases = _topk_rows()
+    rows = [t.to(device) for t, *_ in cases]
+
+    def f(*ts):
+        return tuple(torch.topk(t, k, dim, largest) for t, (_, k, dim, largest) in zip(ts, cases))
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(f, backend="mpk", dynamic=False, options={"executor": executor})(*rows)
+    for (values, indices), (t, k, dim, largest) in zip(out, cases):
+        ref = torch.sort(t, dim=dim, descending=largest, stable=True)
+        label = f"topk({str(t.dtype)[6:]} {tuple(t.shape)}, k={k}, dim={dim}, largest={largest})"
+        assert torch.equal(indices.cpu(), ref.indices.narrow(dim, 0, k)), label
+        assert torch.equal(values.cpu().nan_to_num(), ref.values.narrow(dim, 0, k).nan_to_num()), label
+
+
+def test_sorting_more_than_shared_memory_holds_is_refused_by_name():
+    """A row longer than SORT_MAX gives at most SORT_MAX results: a whole sort of a vocabulary
+    is refused, naming the sizes, where it would otherwise not fit the GPU task."""
+    from mpk.errors import UnsupportedOpError
+    from mpk.inspection import compile_module
+
+    class Sort(torch.nn.Module):
+        def forward(self, t):
+            return torch.sort(t, -1)
+
+    class Topk(torch.nn.Module):
+        def forward(self, t):
+            return torch.topk(t, 2049)
+
+    with pytest.raises(UnsupportedOpError, match=r"the first 5000 of 5000 entries in order: a row longer than 2048"):
+        compile_module(Sort(), (torch.randn(2, 5000),))
+    with pytest.raises(UnsupportedOpError, match=r"the first 2049 of 3000"):
+        compile_module(Topk(), (torch.randn(3000),))
+    compile_module(Sort(), (torch.randn(4, 2048),))  # a row of 2048 sorts whole
+
+
 # Cases whose every op keeps float64 on the GPU (codegen.FLOAT64_EXACT: elementwise functions in
 # double, copies and indexing through double); reductions, softmax and scans compute in float32
 F64_CASES = ("abs_log", "sin_cos", "reciprocal", "erf_log1p_expm1", "rounding", "sign", "maximum_minimum", "clamp",
-             "comparisons", "where", "activations", "stack", "pixel_shuffle", "made_in_forward",
+             "comparisons", "where", "activations", "stack", "pixel_shuffle", "made_in_forward", "sorting",
              "float64_precision")
 
 

@@ -7,3 +7,4 @@
 #include "paged_attention.cuh"
 #include "pointwise.cuh"
 #include "rows.cuh"
+#include "sort.cuh"

@@ -76,18 +76,22 @@ __device__ __forceinline__ long long load_i(const void* base, int dtype, long lo
   }
 }
 
-__device__ __forceinline__ void store_f(void* base, int dtype, long long i, float v) {
+// A float or double value into any dtype, as a C++ cast does on the GPU (what torch's CUDA casts
+// do): integer types truncate (saturating at their range), 16-bit floats round from float.
+template <typename V>
+__device__ __forceinline__ void store_f(void* base, int dtype, long long i, V v) {
+  static_assert(std::is_floating_point_v<V>, "store_f takes float or double");
   switch (dtype) {
-    case kF32: static_cast<float*>(base)[i] = v; break;
-    case kF16: static_cast<__half*>(base)[i] = __float2half(v); break;
-    case kBF16: static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16(v); break;
+    case kF32: static_cast<float*>(base)[i] = static_cast<float>(v); break;
+    case kF16: static_cast<__half*>(base)[i] = __float2half(static_cast<float>(v)); break;
+    case kBF16: static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16(static_cast<float>(v)); break;
     case kF64: static_cast<double*>(base)[i] = v; break;
     case kI64: static_cast<long long*>(base)[i] = static_cast<long long>(v); break;
     case kI32: static_cast<int*>(base)[i] = static_cast<int>(v); break;
     case kI16: static_cast<short*>(base)[i] = static_cast<short>(v); break;
     case kI8: static_cast<signed char*>(base)[i] = static_cast<signed char>(v); break;
     case kU8: static_cast<unsigned char*>(base)[i] = static_cast<unsigned char>(v); break;
-    default: static_cast<bool*>(base)[i] = v != 0.f; break;
+    default: static_cast<bool*>(base)[i] = v != V(0); break;
   }
 }
 
@@ -100,32 +104,27 @@ __device__ __forceinline__ void store_i(void* base, int dtype, long long i, long
     case kI8: static_cast<signed char*>(base)[i] = static_cast<signed char>(v); break;
     case kU8: static_cast<unsigned char*>(base)[i] = static_cast<unsigned char>(v); break;
     case kBool: static_cast<bool*>(base)[i] = v != 0; break;
+    case kF64: store_f(base, dtype, i, static_cast<double>(v)); break;
     default: store_f(base, dtype, i, static_cast<float>(v));
   }
 }
 
 __device__ __forceinline__ bool is_int(int dtype) { return dtype >= kI64 && dtype <= kU8; }
 
-// float64 elements and what meets them, in double: float64 tensors keep their precision, and
-// int64 values up to 2^53 convert exactly (through float32 both round at 2^24).
+// float64 elements and what meets them, in double (store_f takes the double back): float64
+// tensors keep their precision, and int64 values up to 2^53 convert exactly (through float32
+// both round at 2^24).
 __device__ __forceinline__ double load_d(const void* base, int dtype, long long i) {
   if (dtype == kF64) return static_cast<const double*>(base)[i];
   if (is_int(dtype) || dtype == kBool) return static_cast<double>(load_i(base, dtype, i));
   return load_f(base, dtype, i);
 }
 
-__device__ __forceinline__ void store_d(void* base, int dtype, long long i, double v) {
-  if (dtype == kF64) static_cast<double*>(base)[i] = v;
-  else if (dtype == kBool) static_cast<bool*>(base)[i] = v != 0.0;
-  else if (is_int(dtype)) store_i(base, dtype, i, static_cast<long long>(v));
-  else store_f(base, dtype, i, static_cast<float>(v));  // one rounding, as torch's cast
-}
-
 // Copy one element between dtypes; integer to integer stays exact (no float round trip), and
 // float64 on either side goes through double.
 __device__ __forceinline__ void move_elem(const void* src, int sdt, long long si, void* dst, int ddt, long long di) {
   if (is_int(sdt) && is_int(ddt)) store_i(dst, ddt, di, load_i(src, sdt, si));
-  else if (sdt == kF64 || ddt == kF64) store_d(dst, ddt, di, load_d(src, sdt, si));
+  else if (sdt == kF64 || ddt == kF64) store_f(dst, ddt, di, load_d(src, sdt, si));
   else store_f(dst, ddt, di, load_f(src, sdt, si));
 }
 

@@ -109,8 +109,9 @@ __device__ __forceinline__ T apply_pointwise(int fn, T a, T b, T c, T extra) {
       case kLeakyRelu: return a > zero ? a : a * b;
       case kElu: return a > zero ? a * c : expm1(a * extra) * (b * c);  // b α, c scale, extra input scale (torch's order)
       case kSoftplus: return a * b > c ? a : log1p(exp(a * b)) / b;  // b beta, c threshold
-      case kHardsigmoid: return relu6_plus3(a) / T(6);
-      case kHardswish: return a * relu6_plus3(a) / T(6);
+      // times float(1/6), as torch (whose float64 form keeps that float constant too)
+      case kHardsigmoid: return relu6_plus3(a) * T(1.f / 6.f);
+      case kHardswish: return a * relu6_plus3(a) * T(1.f / 6.f);
       case kMish: return a * tanh(log1p(exp(a)));
       case kGlu: return a * (one / (one + exp(-b)));  // a · sigmoid(b)
       case kLogSigmoid: return fmin(a, zero) - log1p(exp(-fabs(a)));  // no overflow for large |a|
@@ -121,15 +122,16 @@ __device__ __forceinline__ T apply_pointwise(int fn, T a, T b, T c, T extra) {
 }
 
 // The pointwise task, instantiated per element type T (codegen: _pointwise_task — a graph
-// compiles only the forms its ops use). iparam[4] the function (PointwiseFn). Operand j <
-// iparam[3] (the arity, at most 3): iparam[j] >= 0 names an input, -1 a constant — fparam[j]
-// for float, iparam[5 + j] for long long (the value) and double (its IEEE bits); fparam[3] the
-// function's extra constant.
+// compiles only the forms its ops use). iparam[3] = arity | function << 8 (PointwiseFn), iparam[4]
+// the function's extra constant (its float64 bits). Operand j < arity (at most 3): iparam[j] >= 0
+// names an input, -1 a constant — fparam[j] for float, iparam[5 + j] for long long (the value)
+// and double (its IEEE bits).
 template <typename T>
 __device__ void pointwise_tile(const OpC& c, const Rect& r, const TaskEnv& env) {
   const long long n = rect_numel(r, c.ndim);
   void* out = env.buffers[c.out_buffer];
-  const int arity = static_cast<int>(c.iparam[3]), fn = static_cast<int>(c.iparam[4]);
+  const int arity = static_cast<int>(c.iparam[3] & 0xff), fn = static_cast<int>(c.iparam[3] >> 8);
+  const T extra = static_cast<T>(__longlong_as_double(c.iparam[4]));
   T k[3];
   for (int j = 0; j < 3; ++j) {
     if constexpr (std::is_same_v<T, float>) k[j] = c.fparam[j];
@@ -154,10 +156,9 @@ __device__ void pointwise_tile(const OpC& c, const Rect& r, const TaskEnv& env) 
     }
     const long long o = ravel(idx, c.out_shape, c.ndim);
     if (fn == kArange) x[0] += x[1] * static_cast<T>(idx[0]);  // start + step · i (1-d), then kCast's store
-    const T y = apply_pointwise<T>(fn, x[0], x[1], x[2], static_cast<T>(c.fparam[3]));
-    if constexpr (std::is_same_v<T, float>) store_f(out, c.out_dtype, o, y);
-    else if constexpr (std::is_same_v<T, double>) store_d(out, c.out_dtype, o, y);
-    else store_i(out, c.out_dtype, o, y);
+    const T y = apply_pointwise<T>(fn, x[0], x[1], x[2], extra);
+    if constexpr (std::is_same_v<T, long long>) store_i(out, c.out_dtype, o, y);
+    else store_f(out, c.out_dtype, o, y);
   }
 }
 

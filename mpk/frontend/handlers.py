@@ -21,6 +21,7 @@ import mpk.frontend.fused_ops  # noqa: F401  (registers torch.ops.mpk.*)
 from mpk.frontend.lower import ScalarConst, Unavailable, Unsupported
 from mpk.ir.views import View
 from mpk.ops.pointwise import INT_FNS
+from mpk.ops.rows import SORT_MAX
 
 if TYPE_CHECKING:
     from mpk.frontend.lower import Lowering
@@ -238,12 +239,43 @@ def _emit_pointwise(L, fn: str, args, shape=None, dtype: torch.dtype | None = No
         raise Unsupported(f"{fn} of integer operands with an integer result")
     if not exact_int and fn.startswith("bitwise_"):
         raise Unsupported(f"{fn} of floating-point operands")
-    f64 = torch.float64 in (out_dtype, *(L.graph.buffers[v.buffer].dtype for v in inputs))
+    compute = _compute_dtype(L, fn, spec, inputs)
+    if fn in _COMPARISONS and compute in (torch.float16, torch.bfloat16):
+        # torch compares a 16-bit float tensor with a number rounded to its dtype (x == 0.3 holds
+        # for bfloat16's 0.30078125); arithmetic takes the number as it is
+        with unset_fake_temporarily():
+            spec = [["c", torch.tensor(c, dtype=compute).item()] if kind == "c" else [kind, c] for kind, c in spec]
+    # float64 results, and integer or bool ones (comparisons, casts) of operands promoted to float64
+    f64 = out_dtype == torch.float64 or (not out_dtype.is_floating_point and compute == torch.float64)
     form = "int" if exact_int else "f64" if f64 else None
     attrs = {"fn": fn, "args": spec, **({"form": form} if form else {}),
              **({"extra": float(extra)} if extra is not None else {})}
     return L.emit("pointwise", inputs, attrs, shape=shape, dtype=out_dtype)
 
+
+def _compute_dtype(L, fn: str, spec: list[list], inputs: list[View]) -> torch.dtype | None:
+    """The dtype torch promotes an elementwise op's operands to (where's condition aside), by its
+    rule that 0-d tensors and numbers defer to dimensioned tensors of their kind (float32 > a 0-d
+    float64 compares in float32); None without operands."""
+    acc = None
+    with unset_fake_temporarily():
+        for j, (kind, c) in enumerate(spec):
+            if fn == "where" and j == 0:
+                continue
+            if kind == "in":
+                v = inputs[c]
+                t = torch.empty((1,) if v.ndim else (), dtype=L.graph.buffers[v.buffer].dtype)
+            else:
+                t = torch.tensor(c) if acc is None else c  # a lone number: as torch.tensor would hold it
+            if acc is None:
+                acc = t
+            else:
+                dimensioned = any(isinstance(x, torch.Tensor) and x.ndim for x in (acc, t))
+                acc = torch.empty((1,) if dimensioned else (), dtype=torch.result_type(acc, t))
+    return None if acc is None else acc.dtype
+
+
+_COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
 
 # functions whose number operand torch converts with a range check (a fill value, a bound):
 # one that does not fit the integer dtype is an error there, not wrapped
@@ -541,6 +573,45 @@ def _softmax(L, node, x: View, dim, half_to_float=False, **kwargs):
 @handles(aten.cumsum.default)
 def _cumsum(L, node, x: View, dim, *, dtype=None):
     return _row_op(L, "cumsum", _cast_for(L, x, dtype), dim)
+
+
+def _sorted(L, x: View, dim, k: int, descending: bool) -> tuple[View, View]:
+    """x's first k entries along ``dim`` in sorted order and their indices along it: a stable
+    sort (equal values keep their order), NaN the largest value, as torch sorts. The indices are
+    a ``sort`` op over rows (dim moved last, a view), the values a gather of them."""
+    if x.ndim == 0:  # a scalar sorts as a row of one, and gives itself (torch: for k = 0 too)
+        values, indices = _sorted(L, x.then(("reshape", (1,))), 0, 1, descending)
+        return values.then(("reshape", ())), indices.then(("reshape", ()))
+    d = _dim(dim, x.ndim)
+    n = x.shape[d]
+    if not 0 <= k <= n:
+        raise Unsupported(f"k={k} of a dim of {n} entries; expected 0 ≤ k ≤ {n}")
+    if n > SORT_MAX and k > SORT_MAX:
+        raise Unsupported(f"the first {k} of {n} entries in order: a row longer than {SORT_MAX} gives at most "
+                          f"{SORT_MAX} (topk with k ≤ {SORT_MAX}; the GPU task keeps them in shared memory)")
+    if n >= 2 ** 31:
+        raise Unsupported(f"a sort over {n} entries; the GPU task counts positions in 32 bits")
+    dtype = L.graph.buffers[x.buffer].dtype
+    perm = tuple(i for i in range(x.ndim) if i != d) + (d,)
+    inverse = tuple(perm.index(i) for i in range(x.ndim))
+    moved = x.then(("permute", perm))
+    shape = moved.shape[:-1] + (k,)
+    if math.prod(shape) == 0:  # nothing to sort: empty results
+        empty = [_emit_pointwise(L, "cast", [0], shape=shape, dtype=t) for t in (dtype, torch.int64)]
+        return empty[0].then(("permute", inverse)), empty[1].then(("permute", inverse))
+    indices = L.emit("sort", [moved], {"descending": bool(descending)}, shape=shape, dtype=torch.int64)
+    values = L.emit("gather", [moved, indices], {"dim": x.ndim - 1, "wrap": False}, shape=shape, dtype=dtype)
+    return values.then(("permute", inverse)), indices.then(("permute", inverse))
+
+
+@handles(aten.sort.default, aten.sort.stable)
+def _sort(L, node, x: View, dim=-1, descending=False, *, stable=None):
+    return _sorted(L, x, dim, x.shape[_dim(dim, x.ndim)] if x.ndim else 1, descending)
+
+
+@handles(aten.topk.default)
+def _topk(L, node, x: View, k, dim=-1, largest=True, sorted=True):  # noqa: A002 (aten's name)
+    return _sorted(L, x, dim, int(k), largest)  # in order whether or not asked: torch allows it
 
 
 @handles(aten.stack.default)

@@ -34,26 +34,34 @@ _REDUCE_IDS = {name: i for i, name in enumerate(REDUCE_FNS)}
 Params = tuple[int, list[int], list[float]]  # variant, iparam, fparam
 
 
+def _bits(v: float) -> int:
+    """A number's float64 bits, as the CUDA side reads them back (__longlong_as_double)."""
+    return struct.unpack("<q", struct.pack("<d", float(v)))[0]
+
+
 def _pointwise(a: dict) -> Params:
-    """iparam[0..2]: each operand's input index (-1: a constant), [3] the arity, [4] the function,
-    [5..7] the constants of the integer form (their values) and of the float64 form (their IEEE
-    bits); fparam[0..2] the float form's constants, [3] the function's extra constant
-    (attrs['extra']: elu's input scale). The form is the instantiation (_pointwise_task)."""
+    """iparam[0..2]: each operand's input index (-1: a constant), [3] the arity | the function
+    << 8, [4] the function's extra constant's float64 bits (attrs['extra']: elu's input scale),
+    [5..7] the constants of the integer form (their values) and of the float64 form (their
+    bits); fparam[0..2] the float form's constants. The form is the instantiation
+    (_pointwise_task)."""
     args = a["args"]
     if len(args) > 3:
         raise CompileError(f"pointwise {a['fn']} with {len(args)} operands; the CUDA task takes at most 3")
-    ip, fp = [0] * 8, [0.0, 0.0, 0.0, float(a.get("extra", 0.0))]
+    ip, fp = [0] * 8, [0.0] * 4
     form = a.get("form")
     for j, (kind, val) in enumerate(args):
         if kind == "in":
             ip[j] = val
         else:
-            ip[j], fp[j] = -1, float(val)
+            ip[j] = -1
             if form == "int":
                 ip[5 + j] = int(val)
             elif form == "f64":
-                ip[5 + j] = struct.unpack("<q", struct.pack("<d", float(val)))[0]
-    ip[3], ip[4] = len(args), _FN_IDS[a["fn"]]
+                ip[5 + j] = _bits(val)
+            else:
+                fp[j] = float(val)
+    ip[3], ip[4] = len(args) | _FN_IDS[a["fn"]] << 8, _bits(a.get("extra", 0.0))
     return 0, ip, fp
 
 
@@ -68,6 +76,7 @@ ENCODERS: dict[str, Callable[[dict], Params]] = {
     "reduce": lambda a: (0, [int(a["keepdim"]), _REDUCE_IDS[a["fn"]]], []),
     "softmax": lambda a: (0, [int(a.get("log", False))], []),
     "cumsum": lambda a: (0, [], []),
+    "sort": lambda a: (0, [int(a["descending"])], []),
     "layer_norm": lambda a: (0, [int(a["has_weight"]), int(a["has_bias"])], [a["eps"]]),
     "rms_norm": lambda a: (0, [int(a["has_weight"]), _dtype_code(a["norm_dtype"])], [a["eps"]]),
     "rope": lambda a: (0, [], []),
@@ -94,6 +103,11 @@ ENCODERS: dict[str, Callable[[dict], Params]] = {
 def _arr(values, n: int, fmt=str) -> str:
     vals = list(values) + [0] * (n - len(values))
     return "{" + ",".join(fmt(v) for v in vals) + "}"
+
+
+def _int(v: int) -> str:
+    # -2^63 has no literal (9223372036854775808 does not fit a long long): a float64 -0.0's bits
+    return "(-9223372036854775807LL - 1)" if v == -2 ** 63 else str(v)
 
 
 def _hex(v: int) -> str:
@@ -209,9 +223,9 @@ def slow_linears(tables: Tables) -> list[str]:
     return lines
 
 
-# Kinds whose CUDA task keeps float64 exact (pointwise: its double form; the others move
-# elements through double); every other kind computes in float32.
-FLOAT64_EXACT = frozenset({"pointwise", "copy", "cat", "gather", "embedding", "stamp"})
+# Kinds whose CUDA task keeps float64 exact (pointwise: its double form; sort: 64-bit keys; the
+# others move elements through double); every other kind computes in float32.
+FLOAT64_EXACT = frozenset({"pointwise", "copy", "cat", "gather", "embedding", "sort", "stamp"})
 
 
 def float32_computed(tables: Tables) -> list[str]:
@@ -465,6 +479,18 @@ def _pointwise_task(tables: Tables, op: int) -> str:
     return f"mpk::pointwise_tile<{_POINTWISE_FORMS[tables.meta['ops'][op]['attrs'].get('form')]}>"
 
 
+# every dtype's C type (common.cuh's load_f / load_i switch over the same codes)
+ELEMENT_CTYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16",
+                  torch.float64: "double", torch.int64: "long long", torch.int32: "int", torch.int16: "short",
+                  torch.int8: "signed char", torch.uint8: "unsigned char", torch.bool: "bool"}
+
+
+def _sort_task(tables: Tables, op: int) -> str:
+    """sort_rows over the input's element type (typed loads, no per-entry dtype switch)."""
+    x = tables.views[int(tables.op_inputs[int(tables.ops[op]["first_input"])])]
+    return f"mpk::sort_rows<{ELEMENT_CTYPES[DTYPES[int(tables.buffers[int(x['buffer'])]['dtype'])]]}>"
+
+
 ROW_KINDS = ("reduce", "softmax")  # row_vector_ctype's kinds
 
 
@@ -485,6 +511,7 @@ def _row_task(tables: Tables, op: int) -> str:
 SPECIALIZED: dict[str, Callable[[Tables, int], str]] = {
     "rope_append": _paged_task, "attn_partial": _paged_task, "rope_attn_partial": _paged_task,
     "attn_merge": _paged_task, "reduce": _row_task, "softmax": _row_task, "pointwise": _pointwise_task,
+    "sort": _sort_task,
 }
 
 
@@ -591,7 +618,7 @@ def generate(tables: Tables) -> str:
             f"{_arr([int(s) for s in buf['shape'][:nd]], MAX_DIMS)},{_arr(grid, MAX_DIMS)},"
             f"{_arr([m for m, _ in divisors], MAX_DIMS, _hex)},{_arr([s for _, s in divisors], MAX_DIMS)},"
             f"{int(o['num_inputs'])},{{{','.join(views) or '{}'}}},"
-            f"{_arr([int(x) for x in ip], 8)},{_arr(fp, 4, _float)}}}")
+            f"{_arr([int(x) for x in ip], 8, _int)},{_arr(fp, 4, _float)}}}")
         kinds[int(o["type_id"])] = kind
     in_constant = len(ops) * OPC_BYTES <= CONSTANT_BUDGET
     space = "__constant__" if in_constant else "__device__"

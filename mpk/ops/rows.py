@@ -1,7 +1,7 @@
 """Row-wise op kinds: each output row needs its whole input row (the last dim).
 
 ``reduce`` (sum / mean / amax / argmax / amin / argmin over the last dim), ``softmax`` (or its
-log), ``cumsum``, ``layer_norm``,
+log), ``cumsum``, ``sort`` (the indices of a row's first k entries in order), ``layer_norm``,
 ``rms_norm`` and ``rope`` (rotate-half rotary embedding). Tiles split rows, never the last dim.
 """
 
@@ -74,6 +74,24 @@ def _cumsum_cpu(sig: OpSig, rect, xs):
 register(OpDef(
     kind="cumsum", type_id=16, input_regions=_row_regions, cpu=_cumsum_cpu,
     splittable=all_but_last, min_tile_elems=256, doc="out = cumsum(x, dim=-1) (integers exactly, in 64 bits)",
+))
+
+
+# Results a sort row keeps in shared memory (cuda/mpk_tasks/sort.cuh: kSortMax): a row of at most
+# this many entries is sorted whole; a longer one gives at most this many (topk), selected first.
+SORT_MAX = 2048
+
+
+def _sort_cpu(sig: OpSig, rect, xs):
+    order = torch.sort(xs[0], dim=-1, descending=sig.attrs["descending"], stable=True).indices
+    return order[..., : sig.out_shape[-1]].to(sig.out_dtype)
+
+
+register(OpDef(
+    kind="sort", type_id=17, input_regions=_row_regions, cpu=_sort_cpu,
+    splittable=all_but_last, min_tile_elems=1,
+    doc="out = the indices of x's first k entries (k = out.shape[-1]) in a stable sort of each row, "
+        "descending where attrs['descending']; NaN sorts as the largest value",
 ))
 
 
