@@ -11,6 +11,7 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -702,3 +703,13 @@ def test_racing_builders_leave_one_builds_cubin_and_digest(tmp_path, monkeypatch
     (cubin,) = cubins
     assert build._intact(cubin) and cubin.with_suffix(".sha256").stat().st_mode & 0o444 == 0o444
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.endswith((".tmp", ".tmp.sha256"))]
+
+
+def test_float_constants_round_once_as_torch_rounds_them():
+    """A float constant is the float32 torch makes of the double (one rounding): the decimal of
+    1 + 2^-24 parsed as a float would round up to 1 + 2^-23 at the tie instead."""
+    from mpk.megakernel.codegen import _float
+
+    assert _float(1 + 2 ** -24) == "1.0f" and _float(1 + 3 * 2 ** -24) == f"{1 + 2 ** -22!r}f"
+    assert _float(1e39) == "INFINITY" and _float(-1e39) == "-INFINITY" and _float(float("nan")) == "NAN"
+    assert _float(0.1) == f"{float(np.float32(0.1))!r}f"

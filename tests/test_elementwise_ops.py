@@ -85,7 +85,9 @@ CASES = {
     "clamp": lambda x, y, *_: (x.clamp(-0.5, 0.5), x.clamp(min=y), x.clamp(max=0.1), F.hardtanh(x), F.relu6(x * 4)),
     "comparisons": lambda x, y, *_: (((x > y) & (x < 1)) | (x == y), (x >= 0.5) ^ (y <= -0.5), x != y, ~(x > 0),
                                      # a number meets a 16-bit float tensor rounded to its dtype
-                                     x.clamp(0.3, 0.3) == 0.3, x.clamp(-0.8, -0.8) < -0.8),
+                                     x.clamp(0.3, 0.3) == 0.3, x.clamp(-0.8, -0.8) < -0.8,
+                                     x.clamp(0.3, 0.3) == torch.full((), 0.3, device=x.device),
+                                     x.clamp(2048, 2048) == x.new_full((1,), 2049, dtype=torch.int32)),
     "where": lambda x, y, *_: (torch.where(x > 0, x, 0.0), torch.where(x > y, x, y), x.masked_fill(y > 0.5, -3.0)),
     "masked_softmax": lambda x, y, *_: torch.softmax(x.masked_fill(y > 0.5, float("-inf")), -1),
     "activations": lambda x, y, *_: (F.leaky_relu(x, 0.1), F.elu(x), F.selu(x), F.celu(x, 0.7), F.softplus(x, 2, 5),

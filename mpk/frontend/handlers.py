@@ -241,10 +241,13 @@ def _emit_pointwise(L, fn: str, args, shape=None, dtype: torch.dtype | None = No
         raise Unsupported(f"{fn} of floating-point operands")
     compute = _compute_dtype(L, fn, spec, inputs)
     if fn in _COMPARISONS and compute in (torch.float16, torch.bfloat16):
-        # torch compares a 16-bit float tensor with a number rounded to its dtype (x == 0.3 holds
-        # for bfloat16's 0.30078125); arithmetic takes the number as it is
+        # torch compares in a 16-bit float dtype with every operand rounded to it (x == 0.3 holds
+        # for bfloat16's 0.30078125, numbers and 0-d float32 tensors alike); arithmetic takes a
+        # number as it is
         with unset_fake_temporarily():
             spec = [["c", torch.tensor(c, dtype=compute).item()] if kind == "c" else [kind, c] for kind, c in spec]
+        inputs = [v if L.graph.buffers[v.buffer].dtype == compute
+                  else _emit_pointwise(L, "cast", [v], shape=v.shape, dtype=compute) for v in inputs]
     # float64 results, and integer or bool ones (comparisons, casts) of operands promoted to float64
     f64 = out_dtype == torch.float64 or (not out_dtype.is_floating_point and compute == torch.float64)
     form = "int" if exact_int else "f64" if f64 else None
@@ -256,7 +259,9 @@ def _emit_pointwise(L, fn: str, args, shape=None, dtype: torch.dtype | None = No
 def _compute_dtype(L, fn: str, spec: list[list], inputs: list[View]) -> torch.dtype | None:
     """The dtype torch promotes an elementwise op's operands to (where's condition aside), by its
     rule that 0-d tensors and numbers defer to dimensioned tensors of their kind (float32 > a 0-d
-    float64 compares in float32); None without operands."""
+    float64 compares in float32); None without operands. Pairwise, so exact for the one- and
+    two-operand ops whose form it decides (casts, comparisons, logical ops), not for every mix of
+    three."""
     acc = None
     with unset_fake_temporarily():
         for j, (kind, c) in enumerate(spec):

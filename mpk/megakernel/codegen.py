@@ -14,6 +14,7 @@ import struct
 import warnings
 from typing import Callable
 
+import numpy as np
 import torch
 
 from mpk.compiler.tables import DTYPE_CODE, DTYPES, MAX_DIMS, ROLE_INPUT, Tables
@@ -115,11 +116,15 @@ def _hex(v: int) -> str:
 
 
 def _float(v: float) -> str:
+    """A float literal of v rounded to float32 as torch rounds a double (once: the decimal of
+    the double itself, parsed as a float, could round the other way at a tie)."""
+    with np.errstate(over="ignore"):
+        v = float(np.float32(v))
     if v != v:
         return "NAN"
     if v in (float("inf"), float("-inf")):
         return "INFINITY" if v > 0 else "-INFINITY"
-    return repr(float(v)) + "f"
+    return repr(v) + "f"
 
 
 def _view(tables: Tables, view_id: int) -> str:
