@@ -204,8 +204,8 @@ def _integral(dtype: torch.dtype) -> bool:
 def _emit_pointwise(L, fn: str, args, shape=None, dtype: torch.dtype | None = None, extra: float | None = None) -> View:
     """One ``pointwise`` op of ``fn`` over ``args`` (Views, numbers, ScalarConsts), in the
     exact integer form where the result and every operand are integers or bools, in the float64
-    form where the result or an operand is float64. The result's shape and dtype default to the
-    node's."""
+    form where torch computes in float64 (_compute_dtype). The result's shape and dtype default
+    to the node's."""
     inputs: list[View] = []
     spec: list[list] = []
     for a in args:
@@ -564,10 +564,14 @@ def _row_op(L, kind: str, x: View, dim, attrs: dict | None = None) -> View:
     d = _dim(dim, x.ndim)
     if d == x.ndim - 1:
         return L.emit(kind, [x], attrs)
-    perm = tuple(i for i in range(x.ndim) if i != d) + (d,)
-    inverse = tuple(perm.index(i) for i in range(x.ndim))
-    moved = x.then(("permute", perm))
+    moved, inverse = _moved_last(x, d)
     return L.emit(kind, [moved], attrs, shape=moved.shape).then(("permute", inverse))
+
+
+def _moved_last(x: View, d: int) -> tuple[View, tuple[int, ...]]:
+    """x with dim d moved last (a view), and the permutation that moves it back."""
+    perm = tuple(i for i in range(x.ndim) if i != d) + (d,)
+    return x.then(("permute", perm)), tuple(perm.index(i) for i in range(x.ndim))
 
 
 @handles(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
@@ -597,9 +601,7 @@ def _sorted(L, x: View, dim, k: int, descending: bool) -> tuple[View, View]:
     if n >= 2 ** 31:
         raise Unsupported(f"a sort over {n} entries; the GPU task counts positions in 32 bits")
     dtype = L.graph.buffers[x.buffer].dtype
-    perm = tuple(i for i in range(x.ndim) if i != d) + (d,)
-    inverse = tuple(perm.index(i) for i in range(x.ndim))
-    moved = x.then(("permute", perm))
+    moved, inverse = _moved_last(x, d)
     shape = moved.shape[:-1] + (k,)
     if math.prod(shape) == 0:  # nothing to sort: empty results
         empty = [_emit_pointwise(L, "cast", [0], shape=shape, dtype=t) for t in (dtype, torch.int64)]
