@@ -120,6 +120,21 @@ __device__ __forceinline__ double load_d(const void* base, int dtype, long long 
   return load_f(base, dtype, i);
 }
 
+// An element as T, for tasks templated on their arithmetic: float (load_f), double (load_d) or
+// long long (load_i: integers exactly); store_as writes T back into any dtype.
+template <typename T>
+__device__ __forceinline__ T load_as(const void* base, int dtype, long long i) {
+  if constexpr (std::is_same_v<T, long long>) return load_i(base, dtype, i);
+  else if constexpr (std::is_same_v<T, double>) return load_d(base, dtype, i);
+  else return load_f(base, dtype, i);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_as(void* base, int dtype, long long i, T v) {
+  if constexpr (std::is_same_v<T, long long>) store_i(base, dtype, i, v);
+  else store_f(base, dtype, i, v);
+}
+
 // Copy one element between dtypes; integer to integer stays exact (no float round trip), and
 // float64 on either side goes through double.
 __device__ __forceinline__ void move_elem(const void* src, int sdt, long long si, void* dst, int ddt, long long di) {

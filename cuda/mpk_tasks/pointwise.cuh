@@ -149,16 +149,12 @@ __device__ void pointwise_tile(const OpC& c, const Rect& r, const TaskEnv& env) 
         continue;
       }
       const ViewC& v = c.in[in];
-      const long long at = view_index(v, idx, c.ndim);
-      if constexpr (std::is_same_v<T, float>) x[j] = load_f(env.buffers[v.buffer], v.dtype, at);
-      else if constexpr (std::is_same_v<T, double>) x[j] = load_d(env.buffers[v.buffer], v.dtype, at);
-      else x[j] = load_i(env.buffers[v.buffer], v.dtype, at);
+      x[j] = load_as<T>(env.buffers[v.buffer], v.dtype, view_index(v, idx, c.ndim));
     }
     const long long o = ravel(idx, c.out_shape, c.ndim);
     if (fn == kArange) x[0] += x[1] * static_cast<T>(idx[0]);  // start + step · i (1-d), then kCast's store
     const T y = apply_pointwise<T>(fn, x[0], x[1], x[2], extra);
-    if constexpr (std::is_same_v<T, long long>) store_i(out, c.out_dtype, o, y);
-    else store_f(out, c.out_dtype, o, y);
+    store_as(out, c.out_dtype, o, y);
   }
 }
 

@@ -280,20 +280,14 @@ __device__ __forceinline__ void cumsum_rows(const OpC& c, const Rect& r, const T
       T v = 0;
       if (j < len) {
         idx[c.ndim - 1] = j;
-        const long long at = view_index(x, idx, c.ndim);
-        if constexpr (std::is_same_v<T, float>) v = load_f(env.buffers[x.buffer], x.dtype, at);
-        else v = load_i(env.buffers[x.buffer], x.dtype, at);
+        v = load_as<T>(env.buffers[x.buffer], x.dtype, view_index(x, idx, c.ndim));
       }
       for (int o = 1; o < 32; o <<= 1) {
         const T u = __shfl_up_sync(0xffffffffu, v, o);
         if (lane >= o) v += u;
       }
       v += carry;
-      if (j < len) {
-        const long long o = ravel(idx, c.out_shape, c.ndim);
-        if constexpr (std::is_same_v<T, float>) store_f(out, c.out_dtype, o, v);
-        else store_i(out, c.out_dtype, o, v);
-      }
+      if (j < len) store_as(out, c.out_dtype, ravel(idx, c.out_shape, c.ndim), v);
       carry = __shfl_sync(0xffffffffu, v, 31);
     }
   }
