@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mpk.megakernel.build import cache_dir
+from mpk.executors.build import cache_dir
 
 
 def function_bytes(cubin: Path) -> dict[str, int]:

@@ -34,10 +34,10 @@ from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
 from mpk.cli import count, json_object, page_size as page_size_arg  # noqa: E402
 from mpk.errors import OptionError  # noqa: E402
 from mpk.options import CompileOptions  # noqa: E402
-from mpk.megakernel.timeline import breakdown as timeline_breakdown  # noqa: E402
-from mpk.megakernel.timeline import timeline_svg  # noqa: E402
-from mpk.models.llm import SHAPES as MODELS  # noqa: E402
-from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache  # noqa: E402
+from mpk.executors.timeline import breakdown as timeline_breakdown  # noqa: E402
+from mpk.executors.timeline import timeline_svg  # noqa: E402
+from mpk.llm import SHAPES as MODELS  # noqa: E402
+from mpk.llm import DecoderLM, LLMConfig, PagedKVCache  # noqa: E402
 
 
 def random_model(cfg: LLMConfig, max_len: int, seed: int = 0, num_splits: int = 0) -> DecoderLM:
@@ -51,7 +51,7 @@ def random_model(cfg: LLMConfig, max_len: int, seed: int = 0, num_splits: int = 
 
 
 def peer_shape(name: str) -> Shape:
-    """The peer's shape of the model ``name`` (any of ``mpk.models.llm.SHAPES``)."""
+    """The peer's shape of the model ``name`` (any of ``mpk.llm.SHAPES``)."""
     c = MODELS[name]
     return Shape(name, c.hidden, c.inter, c.layers, c.heads, c.kv_heads, c.head_dim, c.vocab, c.tied, c.qk_norm,
                  c.rope_theta, c.eps)
@@ -59,10 +59,10 @@ def peer_shape(name: str) -> Shape:
 
 def breakdown(compiled, trace_path: Path | None = None) -> dict:
     """Per op kind: summed spans of its ops in one profiled step (µs), plus the rest; the
-    median task duration per kind (``mpk.megakernel.timeline.breakdown``) and one layer's
+    median task duration per kind (``mpk.executors.timeline.breakdown``) and one layer's
     stages. ``trace_path``: also write the Perfetto trace there and its timeline beside it
     (``.svg``)."""
-    from mpk.megakernel.gpu import GpuExecutor
+    from mpk.executors.gpu import GpuExecutor
 
     runner = RUNNERS[id(compiled)]
     ex = GpuExecutor(compiled.tables, profile=True, profile_capacity=4096)

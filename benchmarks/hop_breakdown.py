@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from peer import require_cuda
 
-from mpk.megakernel import cuda_driver as drv
-from mpk.megakernel.gpu import GpuExecutor
-from mpk.megakernel.stress import chain, force_jit, stamp_graph, stamp_inputs
+from mpk.executors import cuda_driver as drv
+from mpk.executors.gpu import GpuExecutor
+from mpk.testing.random_graphs import chain, force_jit, stamp_graph, stamp_inputs
 
 
 def breakdown(n: int, jit: bool, workers: int | None, local_jit: bool = True) -> dict:

@@ -43,9 +43,9 @@ from decode_latency import add_step_args, compile_step, emit_row, max_len, rando
 from peer import require_cuda, time_step  # noqa: E402
 
 from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
-from mpk.megakernel import cuda_driver as drv  # noqa: E402
-from mpk.megakernel.gpu import THREADS  # noqa: E402
-from mpk.models.llm import SHAPES as MODELS  # noqa: E402
+from mpk.executors import cuda_driver as drv  # noqa: E402
+from mpk.executors.gpu import THREADS  # noqa: E402
+from mpk.llm import SHAPES as MODELS  # noqa: E402
 
 
 def host_us(fn: Callable[[], object], calls: int, rounds: int) -> float:

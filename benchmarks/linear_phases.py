@@ -32,8 +32,8 @@ from decode_latency import compile_step, max_len, random_model  # noqa: E402
 from peer import require_cuda  # noqa: E402
 
 from mpk.backend import COMPILED, RUNNERS  # noqa: E402
-from mpk.megakernel import cuda_driver as drv  # noqa: E402
-from mpk.models.llm import SHAPES  # noqa: E402
+from mpk.executors import cuda_driver as drv  # noqa: E402
+from mpk.llm import SHAPES  # noqa: E402
 
 # linalg.cuh: linear_phase_slot (slot = index here · len(BLOCKS) + block index)
 FORMS = ("plain", "norm prologue", "silu epilogue", "norm prologue + silu", "norm stats out", "norm stats in",

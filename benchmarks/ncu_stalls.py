@@ -48,9 +48,9 @@ def child(model_name: str, batch: int, position: int, page_size: int, cubin_out:
     from decode_latency import compile_step, max_len, random_model
 
     from mpk.backend import COMPILED
-    from mpk.megakernel import build
-    from mpk.megakernel.codegen import generate
-    from mpk.models.llm import SHAPES
+    from mpk.executors import build
+    from mpk.executors.codegen import generate
+    from mpk.llm import SHAPES
 
     model = random_model(SHAPES[model_name], max_len(position))
     step, kv = compile_step(model, batch, position, page_size)

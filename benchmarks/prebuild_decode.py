@@ -27,9 +27,9 @@ from decode_latency import add_step_args, build_options, compile_step, max_len  
 from mpk.backend import COMPILED  # noqa: E402
 from mpk.cli import count  # noqa: E402
 from mpk.errors import ExecutorUnavailableError  # noqa: E402
-from mpk.megakernel import build  # noqa: E402
-from mpk.megakernel.codegen import generate  # noqa: E402
-from mpk.models.llm import SHAPES, DecoderLM  # noqa: E402
+from mpk.executors import build  # noqa: E402
+from mpk.executors.codegen import generate  # noqa: E402
+from mpk.llm import SHAPES, DecoderLM  # noqa: E402
 
 
 def decode_source(name: str, batch: int, position: int, page_size: int, num_splits: int, options: dict,

@@ -19,8 +19,8 @@ import statistics
 import torch
 from peer import require_cuda
 
-from mpk.megakernel.gpu import GpuExecutor
-from mpk.megakernel.stress import chain, force_jit, independent, stamp_graph, stamp_inputs
+from mpk.executors.gpu import GpuExecutor
+from mpk.testing.random_graphs import chain, force_jit, independent, stamp_graph, stamp_inputs
 
 
 def time_launch(ex: GpuExecutor, inputs, repeats: int) -> float:

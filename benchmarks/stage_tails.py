@@ -32,8 +32,8 @@ from decode_latency import add_step_args, compile_step, max_len, random_model  #
 from peer import require_cuda  # noqa: E402
 
 from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
-from mpk.megakernel.gpu import GpuExecutor  # noqa: E402
-from mpk.models.llm import SHAPES  # noqa: E402
+from mpk.executors.gpu import GpuExecutor  # noqa: E402
+from mpk.llm import SHAPES  # noqa: E402
 
 FIELDS = ("step", "worker", "sm", "op", "task", "start", "end", "ready", "gate")  # ns; ready, gate: −1 unstamped
 

@@ -185,8 +185,8 @@ def prebuild(models: list[str], batches: list[int], linears: bool, attention: bo
     """Trace the chosen cases on the CPU — each model's linear case, the paged attention cases,
     the other task families' cases — and build their kernels into the cubin cache."""
     from mpk.errors import ExecutorUnavailableError
-    from mpk.megakernel import build
-    from mpk.megakernel.codegen import generate
+    from mpk.executors import build
+    from mpk.executors.codegen import generate
 
     sources = []
 

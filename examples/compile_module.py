@@ -17,7 +17,7 @@ import torch
 
 from mpk.backend import COMPILED
 from mpk.cli import count
-from mpk.models.toy import QWEN3, Decoder, randomize, rope_tables
+from mpk.testing.toy_models import QWEN3, Decoder, randomize, rope_tables
 
 
 def main() -> None:
@@ -55,7 +55,7 @@ def main() -> None:
           f"({'OK' if err <= 1e-5 else 'MISMATCH'}); compile + first run {elapsed:.2f} s")
     print(f"dump: {ns.out}/graph0.{{summary.txt,opgraph.txt,tables,json,dot}} (+ .svg with graphviz)")
     if gpu:
-        from mpk.megakernel.timeline import timeline_svg
+        from mpk.executors.timeline import timeline_svg
 
         timeline_svg(f"{ns.out}/trace0.json", f"{ns.out}/trace0.svg", title="compile_module.py: one launch")
         print(f"profiler trace (open in ui.perfetto.dev or chrome://tracing): {ns.out}/trace0.json, "

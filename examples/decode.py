@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from mpk.cli import count, page_size
 from mpk.errors import MpkError
-from mpk.models.llm import DecoderLM, LLMConfig, PagedKVCache, load_pretrained
+from mpk.llm import DecoderLM, LLMConfig, PagedKVCache, load_pretrained
 
 RANDOM = {
     "qwen3-tiny": LLMConfig(family="qwen3", hidden=256, inter=512, layers=2, heads=8, kv_heads=2, head_dim=64,

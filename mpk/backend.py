@@ -151,7 +151,7 @@ def last_args(runner: Callable) -> list[Any]:
 
 def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
     if opts.executor == "gpu":
-        from mpk.megakernel.gpu import GpuExecutor
+        from mpk.executors.gpu import GpuExecutor
 
         state: dict[str, GpuExecutor] = {}
 
@@ -172,7 +172,7 @@ def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
                 state["ex"].trace(Path(opts.profile_dir) / f"trace{COMPILED.index(compiled)}.json")
             return out
     else:
-        from mpk.megakernel import Interpreter
+        from mpk.executors import Interpreter
 
         interp = Interpreter(compiled.tables, num_workers=opts.num_workers, check_races=opts.check_races)
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from mpk.errors import MpkError
-from mpk.models.llm import SHAPES
+from mpk.llm import SHAPES
 from mpk.ops.paged import PAGE_SIZES, is_page_size
 
 
@@ -30,7 +30,7 @@ def _preset_decoder(config_name: str, decode: bool, meta: bool) -> Callable[[arg
     def build(ns: argparse.Namespace):
         from dataclasses import replace
 
-        from mpk.models import toy
+        from mpk.testing import toy_models as toy
 
         cfg = getattr(toy, config_name)
         if ns.layers:
@@ -48,12 +48,12 @@ def _preset_decoder(config_name: str, decode: bool, meta: bool) -> Callable[[arg
 
 
 def _preset_paged(shape: str) -> Callable[[argparse.Namespace], tuple]:
-    """The decode step of ``mpk.models.llm.DecoderLM`` for a public model shape, on meta
+    """The decode step of ``mpk.llm.DecoderLM`` for a public model shape, on meta
     tensors: paged cache of --cache-len positions per sequence, page size 16."""
     def build(ns: argparse.Namespace):
         from dataclasses import replace
 
-        from mpk.models.llm import DecoderLM
+        from mpk.llm import DecoderLM
 
         cfg = SHAPES[shape] if not ns.layers else replace(SHAPES[shape], layers=ns.layers)
         page = 16
@@ -133,7 +133,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
 
 
 def cmd_timeline(ns: argparse.Namespace) -> int:
-    from mpk.megakernel.timeline import breakdown, load_trace, timeline_svg
+    from mpk.executors.timeline import breakdown, load_trace, timeline_svg
 
     out = ns.out or str(Path(ns.trace).with_suffix(".svg"))
     if Path(out).is_dir():

@@ -47,7 +47,7 @@ class BadInputError(MpkError, ValueError):
 
 class WatchdogTimeout(MpkError):
     """A persistent kernel launch did not finish within ``timeout_s``; the message is the
-    watchdog's report of each stuck worker (mpk.megakernel.gpu)."""
+    watchdog's report of each stuck worker (mpk.executors.gpu)."""
 
 
 # cuda/mpk_tasks/common.cuh's BadInputCode -> what the value was, what it had to be; the CPU

@@ -14,7 +14,7 @@ rc=0  # any stage's failure, folded in (PIPESTATUS[0]: the python command, not t
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || echo "pip install failed (see install.log)"
 python3 -c "import transformers, safetensors" 2>/dev/null || echo "transformers/safetensors missing on the device"
 if [[ $STAGE == tests || $STAGE == all ]]; then
-  python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_decode.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_decode.log" | grep -E "vs transformers|passed|failed|Error|assert" | tail -30
+  python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/gpu/test_gpu_decode.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_decode.log" | grep -E "vs transformers|passed|failed|Error|assert" | tail -30
   rc=$(( rc | PIPESTATUS[0] ))
 fi
 if [[ $STAGE == bandwidth || $STAGE == all ]]; then

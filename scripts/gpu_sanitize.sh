@@ -63,7 +63,7 @@ for tool in $tools; do
   k_var="${tool}_k"
   start=$SECONDS
   timeout -k 30 "${TOOL_TIMEOUT:-540}" "$san" "${opts[@]}" --log-file "$log" python3 -m pytest -m gpu -q -p no:cacheprovider "${parallel[@]}" \
-    ${PYTEST_ARGS:-} -k "${!k_var}" tests/test_gpu_decode.py tests/test_gpu_runtime.py > "$OUT/pytest-$tool.log" 2>&1
+    ${PYTEST_ARGS:-} -k "${!k_var}" tests/gpu/test_gpu_decode.py tests/gpu/test_gpu_runtime.py > "$OUT/pytest-$tool.log" 2>&1
   rc=$?
   errors=$(count "$log")
   tests=$(grep -E "[0-9]+ (passed|failed|skipped|deselected|errors?)\b" "$OUT/pytest-$tool.log" | tail -1)

@@ -33,9 +33,9 @@ run_tests() {  # pytest arguments; appends to pytest_gpu.log, folds the exit cod
 # Without xdist the decode part runs serially (~10 minutes on its own).
 parallel=() threads=$(nproc)
 python3 -c "import xdist" 2>/dev/null && parallel=(-n "$jobs") threads=$(( threads / jobs > 0 ? threads / jobs : 1 ))
-[[ $PARTS == *" decode "* ]] && OMP_NUM_THREADS=$threads run_tests "${parallel[@]}" -k "not qwen3-1.7b" tests/test_gpu_decode.py
-[[ $PARTS == *" parity "* ]] && run_tests -k "qwen3-1.7b" tests/test_gpu_decode.py
-[[ $PARTS == *" runtime "* ]] && run_tests tests --deselect tests/test_gpu_decode.py
+[[ $PARTS == *" decode "* ]] && OMP_NUM_THREADS=$threads run_tests "${parallel[@]}" -k "not qwen3-1.7b" tests/gpu/test_gpu_decode.py
+[[ $PARTS == *" parity "* ]] && run_tests -k "qwen3-1.7b" tests/gpu/test_gpu_decode.py
+[[ $PARTS == *" runtime "* ]] && run_tests tests --deselect tests/gpu/test_gpu_decode.py
 if [[ $PARTS == *" bench "* ]]; then
   python3 examples/compile_module.py --out "$OUT/example" 2>&1 | tee "$OUT/example.log" | tail -4
   bench_rc=${PIPESTATUS[0]}

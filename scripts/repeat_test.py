@@ -1,7 +1,7 @@
 """Run one parametrised test case many times in one process (reseeding Python's and
 torch's generators before each) and report every failure with its seed: for chasing intermittent GPU failures.
 
-    python3 scripts/repeat_test.py tests/test_gpu_decode.py test_compiled_decode_matches_eager \
+    python3 scripts/repeat_test.py tests/gpu/test_gpu_decode.py test_compiled_decode_matches_eager \
         '["qwen3", 16, 1, {}, {}, 0]' --times 30
 """
 import argparse

@@ -19,8 +19,8 @@ import sys
 os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
 import torch  # noqa: E402
 
-from mpk.megakernel.build import build_cubin  # noqa: E402
-from mpk.megakernel.cuda_driver import Module, launch  # noqa: E402
+from mpk.executors.build import build_cubin  # noqa: E402
+from mpk.executors.cuda_driver import Module, launch  # noqa: E402
 
 SOURCE = r"""
 extern "C" __global__ void planted_memcheck(float* p, int n) { p[n + threadIdx.x] = 1.0f; }

@@ -1,13 +1,11 @@
 import os
 import random
-import sys
 import warnings
 import zlib
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 def pytest_configure(config):

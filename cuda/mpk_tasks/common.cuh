@@ -25,7 +25,7 @@ struct ViewC {
   long long stride[kMaxDims];
 };
 
-// One op's constants (tables: OP_DTYPE + attrs), emitted by mpk/megakernel/codegen.py.
+// One op's constants (tables: OP_DTYPE + attrs), emitted by mpk/executors/codegen.py.
 struct alignas(16) OpC {
   int type;      // registry type_id
   int variant;   // kind-specific (pointwise fn, reduce fn, …)
@@ -251,7 +251,7 @@ __device__ __noinline__ long long split_point64(unsigned long long i, unsigned l
   return static_cast<long long>(i * n / g);
 }
 
-// x / g for any 32-bit x, by g's magic multiplier m and shift s (mpk.megakernel.codegen.
+// x / g for any 32-bit x, by g's magic multiplier m and shift s (mpk.executors.codegen.
 // fast_divisor: m = ⌊2³²·(2ˢ − g) / g⌋ + 1 with s = ⌈log2 g⌉, Granlund and Montgomery's
 // round-up method): a multiply-high, an add and a shift. (Host code too, for its CPU test.)
 __host__ __device__ __forceinline__ unsigned fast_div(unsigned x, unsigned m, int s) {
@@ -489,7 +489,7 @@ __device__ __forceinline__ float* scratch() {
 }
 
 // The launch's dynamic shared memory, sized per graph by the host
-// (mpk.megakernel.codegen.dynamic_smem_bytes; none when no task uses it): rms_matmul's tile of
+// (mpk.executors.codegen.dynamic_smem_bytes; none when no task uses it): rms_matmul's tile of
 // normalised activations, and paged attention's second K/V slot per warp.
 __device__ __forceinline__ uint4* norm_tile() {
   extern __shared__ __align__(16) uint4 mpk_dynamic_smem[];
@@ -547,7 +547,7 @@ __device__ bool wait_gate(InputGate* gate);  // block-wide; false: the wait was 
 // page table whose sequence does not count the token being decoded, or whose entries lie outside
 // kv_indices, a page or the cache): the task skips that work, so nothing is read or written out
 // of bounds, and reports it. The first report of a launch lands in a host-mapped record that
-// the executor raises as BadInputError after the launch (mpk/megakernel/gpu.py:
+// the executor raises as BadInputError after the launch (mpk/executors/gpu.py:
 // BAD_INPUT_CODES); its epoch names the launch.
 enum BadInputCode : int { kBadTokenId = 1, kBadPosition = 2, kBadPageSpan = 3, kBadLastPageLen = 4, kBadPage = 5,
                           kBadIndex = 6 };

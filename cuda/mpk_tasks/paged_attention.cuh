@@ -10,7 +10,7 @@
 // The tasks are templates over the head dim (kPer = D / 32 elements per lane), the group size
 // G, the element type T of q, the cache and the rope inputs, and the page table's integer type
 // I; codegen instantiates only the
-// combinations of its graph (mpk.megakernel.codegen.SPECIALIZED). Straight-line typed code
+// combinations of its graph (mpk.executors.codegen.SPECIALIZED). Straight-line typed code
 // keeps each task's instructions few: the persistent kernel holds every task family, and a
 // task whose code is not in the instruction cache pays for fetching it.
 #pragma once

@@ -1,6 +1,6 @@
 """FX (functionalized ATen, parameters lifted) → OpGraph.
 
-Nodes are visited in order; a handler from ``handlers.HANDLERS`` turns each ATen call into
+Nodes are visited in order; a rule from ``rules.HANDLERS`` turns each ATen call into
 either a new ``View`` of an existing buffer (view ops: no data moves) or an op of the registry
 writing a fresh buffer. A view that has no strided form is materialised by a ``copy`` op the
 moment an op or a graph output consumes it.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import operator
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,40 +17,17 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from mpk.errors import UnsupportedOpError
+from mpk.frontend.rules import lookup, no_rule_reason
+from mpk.frontend.values import (
+    Unavailable,
+    Unsupported,
+    refuse_unavailable,
+)
 from mpk.ir.opgraph import GraphOutput, OpGraph
 from mpk.ir.views import View, identity_view
 
-
 NAMED_BY_KIND = ("attention", "rms_norm", "rope", "silu_mul", "layer_norm", "softmax", "rope_append", "attn_partial",
                  "attn_merge")
-
-
-class Unsupported(Exception):
-    """Raised by a handler: this node (with these arguments) cannot be lowered; says why."""
-
-
-@dataclass(frozen=True)
-class Unavailable:
-    """A secondary output mpk does not compute (e.g. the mean of ``native_layer_norm``)."""
-
-    what: str
-
-
-@dataclass(frozen=True)
-class ScalarConst(Unavailable):
-    """A 0-d tensor made inside forward from a number (``aten.scalar_tensor``, what
-    ``torch.where(c, x, 0.0)`` traces to): elementwise ops take it as a constant, nothing else
-    does."""
-
-    value: int | float | bool = 0
-
-
-def refuse_unavailable(values, takes_scalars: bool = False) -> None:
-    """Raise ``Unsupported`` for the first value mpk does not compute (a ScalarConst is one
-    unless ``takes_scalars``)."""
-    for v in values:
-        if isinstance(v, Unavailable) and not (takes_scalars and isinstance(v, ScalarConst)):
-            raise Unsupported(f"it consumes {v.what}, which mpk does not compute")
 
 
 def source_line(node: Node) -> str:
@@ -193,7 +169,6 @@ class Lowering:
         return Unavailable(name)
 
     def run(self) -> OpGraph:
-        from mpk.frontend.handlers import lookup, no_rule_reason
 
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         for i, node in enumerate(placeholders):

@@ -1,5 +1,5 @@
 // Device-side mirror of the tables (mpk/compiler/tables.py, version 1) and the runtime state
-// one launch works on. Layouts here and in mpk/megakernel/gpu.py (ctypes) must agree.
+// one launch works on. Layouts here and in mpk/executors/gpu.py (ctypes) must agree.
 #pragma once
 #include <stdint.h>
 

@@ -1,0 +1,130 @@
+"""Rules for matmuls (mm / bmm / addmm / linear) and their fused forms, embedding, cat,
+gather and indexing by tensors, and padding."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+import mpk.frontend.fused_ops  # noqa: F401  (registers torch.ops.mpk.*)
+from mpk.frontend.rules.pointwise import emit_pointwise, is_integral
+from mpk.frontend.rules.registry import handles, node_shape, norm_dim, slice_view
+from mpk.frontend.rules.views import fresh
+from mpk.frontend.values import Unsupported
+from mpk.ir.views import View
+
+if TYPE_CHECKING:
+    pass
+
+aten, prims, mpk_ops = torch.ops.aten, torch.ops.prims, torch.ops.mpk
+
+
+@handles(aten.mm.default, aten.bmm.default)
+def _mm(L, node, a: View, b: View):
+    return L.emit("matmul", [a, b])
+
+
+@handles(mpk_ops.mm_silu_mul.default)
+def _mm_silu_mul(L, node, x: View, b: View):
+    return L.emit("matmul_silu", [x, b])
+
+
+@handles(aten.addmm.default)
+def _addmm(L, node, bias: View, a: View, b: View, *, beta=1, alpha=1):
+    # beta = 0 ignores the bias, inf and NaN included (as torch.addmm does): not 0 · bias
+    return L.emit("matmul", [a, b] + ([bias] if beta != 0 else []), {"alpha": alpha, "beta": beta})
+
+
+@handles(aten.embedding.default)
+def _embedding(L, node, weight: View, ids: View, *args):
+    return L.emit("embedding", [weight, ids])
+
+
+@handles(aten.cat.default)
+def _cat(L, node, tensors, dim=0):
+    # empty 1-d pieces join anything (torch.cat's legacy rule); all of them empty: an empty result
+    tensors = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)] or tensors[:1]
+    d = norm_dim(dim, tensors[0].ndim)
+    return L.emit("cat", tensors, {"dim": d})
+
+
+MAX_INDEX_TENSORS = 7  # codegen.MAX_INPUTS, less x
+
+
+@handles(aten.gather.default)
+def _gather(L, node, x: View, dim, index: View, sparse_grad=False):
+    if x.ndim == 0:  # a scalar's dim 0: one entry
+        return L.emit("gather", [x.then(("reshape", (1,))), index.then(("reshape", (1,)))], {"dim": 0, "wrap": False},
+                      shape=(1,)).then(("reshape", ()))
+    return L.emit("gather", [x, index], {"dim": norm_dim(dim, x.ndim), "wrap": False})
+
+
+def _pick(L, x: View, d0: int, indices: list[View], wrap: bool, dtype: torch.dtype) -> View:
+    """x with its dims d0 … d0+k-1 picked by the k integer ``indices``, which broadcast
+    together: the result's dims are x's before d0, the indices' common shape, x's after."""
+    common = tuple(torch.broadcast_shapes(*(i.shape for i in indices)))
+    trail = x.shape[d0 + len(indices):]
+    shape = x.shape[:d0] + common + trail
+    if math.prod(shape) == 0:  # nothing picked: an empty result
+        return emit_pointwise(L, "cast", [0], shape=shape, dtype=dtype)
+    spread = [i.then(("reshape", (1,) * (d0 + len(common) - i.ndim) + i.shape + (1,) * len(trail)))
+              .then(("expand", shape)) for i in indices]
+    return L.emit("gather", [x, *spread], {"dim": d0, "wrap": wrap}, shape=shape, dtype=dtype)
+
+
+@handles(aten.index_select.default)
+def _index_select(L, node, x: View, dim, index: View):
+    if x.ndim == 0:
+        x, index = x.then(("reshape", (1,))), index.then(("reshape", (1,)))
+        return _pick(L, x, 0, [index], False, L.meta().dtype).then(("reshape", ()))
+    return _pick(L, x, norm_dim(dim, x.ndim), [index.then(("reshape", (math.prod(index.shape),)))], False, L.meta().dtype)
+
+
+@handles(aten.index.Tensor)
+def _index(L, node, x: View, indices):
+    """x[..., i, j, ...] with integer index tensors, which broadcast together; negative entries
+    count from the end. Adjacent indexed dims keep their place in the result; indexed dims apart
+    put the indices' shape first (torch's rule), here by moving those dims to the front."""
+    given = [d for d, t in enumerate(indices) if t is not None]
+    if not given:
+        return fresh(L, node, x)
+    for d in given:
+        dt = L.graph.buffers[indices[d].buffer].dtype
+        if not is_integral(dt) or dt == torch.bool:
+            raise Unsupported("indexing by a bool mask (its result's size depends on the data)")
+    if len(given) > MAX_INDEX_TENSORS:
+        raise Unsupported(f"advanced indexing with {len(given)} index tensors; at most {MAX_INDEX_TENSORS}")
+    d0 = given[0]
+    if given != list(range(d0, d0 + len(given))):  # apart: the indexed dims to the front
+        x = x.then(("permute", tuple(given) + tuple(d for d in range(x.ndim) if d not in given)))
+        d0 = 0
+    out = _pick(L, x, d0, [indices[d] for d in given], True, L.meta().dtype)
+    if out.shape != node_shape(L):
+        raise Unsupported(f"advanced indexing gave {out.shape}, expected {node_shape(L)}")
+    return out
+
+
+@handles(aten.constant_pad_nd.default)
+def _constant_pad(L, node, x: View, pad, value=0):
+    """Negative pads slice; positive ones cat blocks of the value, one dim at a time from the
+    last (pad holds (left, right) pairs from the last dim backwards)."""
+    padded = False
+    for i in range(len(pad) // 2):
+        d = x.ndim - 1 - i
+        lo, hi = pad[2 * i], pad[2 * i + 1]
+        if max(0, -lo) + max(0, -hi) > x.shape[d]:
+            raise Unsupported(f"pad {list(pad)} cuts {max(0, -lo) + max(0, -hi)} of dim {d}'s {x.shape[d]} entries")
+        x = slice_view(x, d, max(0, -lo), x.shape[d] - max(0, -hi), 1)
+        pieces = []
+        for width in (max(0, lo), None, max(0, hi)):
+            if width is None:
+                pieces.append(x)
+            elif width:
+                fill_shape = x.shape[:d] + (width,) + x.shape[d + 1:]
+                pieces.append(emit_pointwise(L, "cast", [value], shape=fill_shape))
+        if len(pieces) > 1:
+            shape = x.shape[:d] + (sum(p.shape[d] for p in pieces),) + x.shape[d + 1:]
+            x, padded = L.emit("cat", pieces, {"dim": d}, shape=shape, dtype=L.meta().dtype), True
+    return x if padded else fresh(L, node, x)  # nothing padded: a view, copied where the caller receives it

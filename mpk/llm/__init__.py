@@ -1,0 +1,10 @@
+"""Llama and Qwen3 decoders written to be traced: the config, the model, checkpoint loading and
+the paged KV cache's page table."""
+
+from mpk.llm.checkpoint import load_pretrained
+from mpk.llm.config import FAMILIES, SHAPES, LLMConfig, rope_inv_freq, rope_table
+from mpk.llm.kv_cache import PagedKVCache
+from mpk.llm.model import DecoderLM
+
+__all__ = ["FAMILIES", "SHAPES", "LLMConfig", "DecoderLM", "PagedKVCache", "load_pretrained", "rope_inv_freq",
+           "rope_table"]

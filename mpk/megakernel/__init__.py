@@ -1,5 +1,0 @@
-"""Executors of the tables: the CPU reference interpreter and (``gpu.GpuExecutor``) the persistent GPU kernel."""
-
-from mpk.megakernel.interpreter import Interpreter
-
-__all__ = ["Interpreter"]

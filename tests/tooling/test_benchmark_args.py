@@ -1,0 +1,52 @@
+"""The benchmark scripts' command lines refuse bad arguments when they are read, naming the value
+and what was expected (not after minutes of tracing, nor as a traceback)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _run(script: str, *args: str, env_cache: Path | None = None) -> subprocess.CompletedProcess:
+    env = os.environ | {"MPK_CACHE_DIR": str(env_cache)} if env_cache is not None else None
+    return subprocess.run([sys.executable, str(_BENCH / script), *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+@pytest.mark.parametrize("script", ["prebuild_decode.py", "decode_latency.py"])
+@pytest.mark.parametrize("options,message", [
+    ('{"nvcc_flags": ["-DX"]}', "\"nvcc_flags\" is ['-DX']; expected one string of flags"),
+    ('{"fuse_norm": true}', "unknown mpk option(s) ['fuse_norm']"),
+    ('{"num_workers": 0}', "num_workers=0; expected a positive int"),
+    ("[1]", "expected a JSON object"),
+])
+def test_bad_build_options_are_refused_before_any_work(script, options, message):
+    res = _run(script, "--options", "{}", options)
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_prebuild_help_shows_the_defaults():
+    res = _run("prebuild_decode.py", "--help")
+    assert res.returncode == 0
+    text = " ".join(res.stdout.split())
+    assert "(default: [1, 4, 16])" in text and "(default: 64)" in text and "(default: 16)" in text
+
+
+def test_code_size_names_a_missing_cubin_and_an_empty_cache(tmp_path):
+    res = _run("code_size.py", str(tmp_path / "nope.cubin"))
+    assert res.returncode == 2 and "nope.cubin: no such file" in res.stderr
+    res = _run("code_size.py", env_cache=tmp_path)
+    assert res.returncode == 2 and f"no cubin given and none in {tmp_path}" in res.stderr
+
+
+def test_ncu_report_names_a_missing_run_and_the_runs_there(tmp_path):
+    (tmp_path / "qwen3-1.7b-b4-sass.csv").write_text("")
+    res = _run("ncu_stalls.py", "report", str(tmp_path / "llama3.2-1b-b1"))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "llama3.2-1b-b1-sass.csv" in res.stderr and "runs there: qwen3-1.7b-b4" in res.stderr
