@@ -7,7 +7,6 @@ import pytest
 import torch
 
 
-
 def pytest_configure(config):
     # One base seed per run, in the environment so pytest-xdist's workers share it; each test
     # seeds Python's and torch's global generators from it and its own id (below), so a failure's

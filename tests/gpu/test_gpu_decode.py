@@ -11,15 +11,21 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mpk.testing.graphs import relative_error
-from mpk.testing.decode import against_eager_and_float32, check_arguments_inside_storage, dense_paged_attention, norm_fusions, random_page_table
 from mpk.backend import COMPILED
 from mpk.executors.codegen import linear_variant, row_vector_ctype
 from mpk.llm import SHAPES, DecoderLM, LLMConfig, PagedKVCache
-from mpk.testing.parity import compare_logits, decode_logits, hf_logits, hf_twin
 from mpk.ops.linalg import stats_group
 from mpk.ops.rows import LONG_ROW
 from mpk.options import default_num_workers
+from mpk.testing.decode import (
+    against_eager_and_float32,
+    check_arguments_inside_storage,
+    dense_paged_attention,
+    norm_fusions,
+    random_page_table,
+)
+from mpk.testing.graphs import relative_error
+from mpk.testing.parity import compare_logits, decode_logits, hf_logits, hf_twin
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -471,8 +477,12 @@ def test_long_cache_attention_takes_two_slots(dim, dtype):
     """A page table long enough for many steps per warp makes the launch reserve attention's
     second K/V slots (the warps then copy one step while attending to the other): the output
     still matches float64, over sequences of odd lengths and a shuffled page table."""
-    from mpk.executors.codegen import (ATTN_SECOND_SLOT_BYTES, ATTN_SECOND_SLOT_MIN_STEPS, attention_steps,
-                                        dynamic_smem_bytes)
+    from mpk.executors.codegen import (
+        ATTN_SECOND_SLOT_BYTES,
+        ATTN_SECOND_SLOT_MIN_STEPS,
+        attention_steps,
+        dynamic_smem_bytes,
+    )
 
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
     page_size, heads, kv_heads = 16, 8, 2

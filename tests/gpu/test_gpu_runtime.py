@@ -22,14 +22,19 @@ import numpy as np
 import pytest
 import torch
 
-from mpk.testing.graphs import compile_with, random_partition, relative_error, trace_graph
-from mpk.testing.decode import random_decode_step, random_decoder
 from mpk.errors import MpkError
 from mpk.executors import Interpreter
-from mpk.testing.random_graphs import force_jit, random_dag, stamp_graph, stamp_inputs
 from mpk.executors.timeline import breakdown, timeline_svg
+from mpk.testing.decode import random_decode_step, random_decoder
+from mpk.testing.graphs import (
+    compile_with,
+    random_partition,
+    random_program,
+    relative_error,
+    trace_graph,
+)
+from mpk.testing.random_graphs import force_jit, random_dag, stamp_graph, stamp_inputs
 from mpk.testing.toy_models import LLAMA, QWEN3, Config, GeluMLPBlock, randomize
-from test_property import build_program
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-5  # fp32, relative to the reference's largest |value|
@@ -48,7 +53,7 @@ def _cuda(args):
 @pytest.mark.parametrize("seed", range(12))
 def test_random_programs_match_eager_and_interpreter(seed):
     rng = random.Random(seed)
-    fn, args = build_program(rng)
+    fn, args = random_program(rng)
     graph = trace_graph(fn, args)
     tables = compile_with(graph, partition=random_partition(graph, rng), num_workers=8).tables
     expected = fn(*args)

@@ -17,14 +17,20 @@ import numpy as np
 import pytest
 import torch
 
-from mpk.testing.graphs import relative_error
-from mpk.testing.decode import against_eager_and_float32, check_arguments_inside_storage, dense_paged_attention, norm_fusions, random_page_table
 from mpk.backend import COMPILED
 from mpk.errors import MpkError
 from mpk.frontend.fused_ops import paged_attention
 from mpk.llm import DecoderLM, LLMConfig, PagedKVCache, rope_inv_freq
-from mpk.testing.parity import compare_logits, decode_logits, hf_logits, hf_twin
 from mpk.ops.paged import MIN_CHUNK, chunk_bounds, merge_states
+from mpk.testing.decode import (
+    against_eager_and_float32,
+    check_arguments_inside_storage,
+    dense_paged_attention,
+    norm_fusions,
+    random_page_table,
+)
+from mpk.testing.graphs import relative_error
+from mpk.testing.parity import compare_logits, decode_logits, hf_logits, hf_twin
 
 pytest.importorskip("transformers")
 

@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
-from mpk.testing.graphs import relative_error
-from mpk.testing.decode import random_decode_step, random_decoder
-from mpk.testing.toy_models import LLAMA, QWEN3, Config, GeluMLPBlock, randomize
 from mpk.backend import COMPILED
+from mpk.testing.decode import random_decode_step, random_decoder
+from mpk.testing.graphs import relative_error
+from mpk.testing.toy_models import LLAMA, QWEN3, Config, GeluMLPBlock, randomize
 
 TOL = 1e-5
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from mpk.compiler.taskgraph import DUMMY
+from mpk.executors import Interpreter
+from mpk.inspection import compile_module
 from mpk.testing.graphs import relative_error
 from mpk.testing.toy_models import SeedExample, randomize
-from mpk.compiler.taskgraph import DUMMY
-from mpk.inspection import compile_module
-from mpk.executors import Interpreter
 
 HIDDEN, HEADS = 64, 4
 

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from mpk.testing.graphs import compile_with, random_partition, trace_graph
-from test_elementwise_ops import CASES, _inputs, _Zoo
-from mpk.inspection import compile_module
-from mpk.executors import build
 from mpk.errors import CompileError
+from mpk.executors import build
 from mpk.executors.codegen import fast_divisor, generate
+from mpk.inspection import compile_module
+from mpk.testing.graphs import compile_with, random_partition, trace_graph
+from mpk.testing.op_zoo import CASES, Zoo, zoo_inputs
 from mpk.testing.random_graphs import random_dag, stamp_graph
 from mpk.testing.toy_models import QWEN3, Decoder, GeluMLPBlock, randomize, rope_tables
 
@@ -46,7 +46,7 @@ def _graphs():
     yield "qwen3-bf16-fused-norm", _compiled_decode_tables("qwen3", fuse_norm_prologue=True)
     yield "sampling-head", _sampling_head_tables()
     for dtype in (torch.float32, torch.bfloat16, torch.float64):  # every elementwise function, reduction, softmax form
-        yield f"elementwise-{str(dtype)[6:]}", compile_module(_Zoo(list(CASES)), _inputs(dtype), {"num_workers": 16}).tables
+        yield f"elementwise-{str(dtype)[6:]}", compile_module(Zoo(list(CASES)), zoo_inputs(dtype), {"num_workers": 16}).tables
 
 
 class _SamplingHead(torch.nn.Module):
@@ -79,8 +79,12 @@ def test_long_attention_chunks_reserve_a_second_slot():
     """Paged attention's second K/V slot per warp is reserved (dynamic shared memory) only where
     a warp's share of a chunk runs to many steps: not for a short cache (its launch reserves less
     than the slots' bytes), and for a long one with its chunks of 512+ positions."""
-    from mpk.executors.codegen import (ATTN_SECOND_SLOT_BYTES, ATTN_SECOND_SLOT_MIN_STEPS, attention_steps,
-                                        dynamic_smem_bytes)
+    from mpk.executors.codegen import (
+        ATTN_SECOND_SLOT_BYTES,
+        ATTN_SECOND_SLOT_MIN_STEPS,
+        attention_steps,
+        dynamic_smem_bytes,
+    )
 
     def steps(tables):
         return max(attention_steps(tables, i) for i in range(len(tables.ops))
@@ -96,11 +100,15 @@ def test_a_short_sequence_in_few_chunks_counts_its_longest_chunk():
     chunk of up to 2 · MIN_CHUNK − 1 positions: attention_steps counts that chunk, not the
     capacity over the chunks, so a cache of short rows (fp32, d = 128: 4 positions a step)
     reserves the second K/V slots (the capacity's 4 chunks of ~80 positions would count 3 steps)."""
-    from mpk.testing.decode import random_page_table
     from mpk.backend import COMPILED
+    from mpk.executors.codegen import (
+        ATTN_SECOND_SLOT_BYTES,
+        ATTN_SECOND_SLOT_MIN_STEPS,
+        attention_steps,
+        dynamic_smem_bytes,
+    )
     from mpk.frontend.fused_ops import paged_attention
-    from mpk.executors.codegen import (ATTN_SECOND_SLOT_BYTES, ATTN_SECOND_SLOT_MIN_STEPS, attention_steps,
-                                        dynamic_smem_bytes)
+    from mpk.testing.decode import random_page_table
 
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
     _, indptr, indices, last, num_pages = random_page_table([300], 16, g, spare=0)

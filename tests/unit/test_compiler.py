@@ -12,14 +12,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mpk.testing.graphs import check_dependencies, compile_with, relative_error, trace_graph
-from mpk.testing.decode import random_decoder
 from mpk import CompileError, DeadlockError, OptionError, RaceError, UnsupportedOpError
-from mpk.errors import ScheduleError
 from mpk.compiler.tables import Tables, validate
-from mpk.errors import ExecutorUnavailableError
-from mpk.inspection import compile_module
+from mpk.errors import ExecutorUnavailableError, ScheduleError
 from mpk.executors import Interpreter
+from mpk.inspection import compile_module
+from mpk.testing.decode import random_decoder
+from mpk.testing.graphs import (
+    check_dependencies,
+    compile_with,
+    relative_error,
+    trace_graph,
+)
 from mpk.testing.toy_models import QWEN3
 
 

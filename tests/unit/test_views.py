@@ -17,7 +17,8 @@ import torch
 from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
-from mpk.ir import regions, views as views_mod
+from mpk.ir import regions
+from mpk.ir import views as views_mod
 from mpk.ir.views import _MAX_STEP_PIECES, View
 
 SETTINGS = settings(max_examples=200, deadline=None)
