@@ -1,5 +1,5 @@
 """Decode-step latency: mpk's megakernel against the torch peer and the bandwidth floor, in one
-run on one device (shared/BENCHMARKS.md).
+run on one device (the numbers of docs/performance.md).
 
 For each model shape and batch size: ``DecoderLM`` with random bf16 weights compiled with
 ``torch.compile(backend="mpk")`` (one persistent-kernel launch per step), timed at position 64

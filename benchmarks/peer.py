@@ -1,4 +1,4 @@
-"""The peer and the floor of shared/BENCHMARKS.md, for the decode-latency benchmark.
+"""The peer and the floor the decode-latency benchmark compares mpk with.
 
 Peer: a gpt-fast-style decode step in plain PyTorch (fused QKV and gate-up weights, static KV
 cache updated in place, SDPA with a position mask), timed eager, eager under a CUDA graph, and
@@ -159,7 +159,8 @@ class PeerDecoder(nn.Module):
     [B, vocab]``. Static KV cache [B, kv_heads, max_len, D] per layer (buffers ``k_cache`` /
     ``v_cache``), written at ``input_pos``; attention sees positions ≤ input_pos.
 
-    Weights are random normal × 0.02, norm weights 1 + 0.02·randn (never zeros: BENCHMARKS.md).
+    Weights are random normal × 0.02, norm weights 1 + 0.02·randn (never zeros, which would
+    make the norms' outputs and everything after them trivially zero).
     On the meta device nothing is filled (useful for counting parameters)."""
 
     def __init__(self, shape: Shape, batch: int, max_len: int, device: torch.device | str,
@@ -343,8 +344,8 @@ def time_peer(shape: Shape | str, batch: int, position: int = 64, max_len: int |
     position + 1 rounded up to 16; use kv_bytes(shape, batch, result["max_len"]) for the floor.
     compile + graph: torch.compile(``compile_mode``, fullgraph) captured by hand in a CUDA graph;
     if that fails (or for "reduce-overhead" / "max-autotune"), Inductor's own CUDA graphs.
-    "default" is the default: on an H200 it matched reduce-overhead, and max-autotune's picks
-    varied run to run (qwen3-8b b1: 4.5 and 5.8 ms against default's 4.95 ms) for minutes more.
+    "default" is the default: it is as fast as reduce-overhead here, and max-autotune's picks
+    vary from run to run while costing minutes more of compilation.
     ``max_rel_diff`` compares each graph mode's logits with eager's (a broken capture shows)."""
     shape = SHAPES[shape] if isinstance(shape, str) else shape
     if max_len is None:

@@ -1,4 +1,4 @@
-"""Runtime overhead of the persistent kernel (issue targets: AOT hop ≤ 1 µs, JIT hop ≤ 2 µs,
+"""Runtime overhead of the persistent kernel (targets: AOT hop ≤ 1 µs, JIT hop ≤ 2 µs,
 10^5 independent empty tasks ≤ 1 ms), with the peer measured in the same run: a CUDA graph of
 dependent empty kernels (what a kernel-per-op executor pays per op).
 

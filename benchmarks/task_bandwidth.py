@@ -4,7 +4,7 @@ Each case is a small graph compiled with ``torch.compile(backend="mpk")``; its e
 ``k`` dependent iterations in one launch, and ``(t(k) − t(1)) / (k − 1)`` is the time of one
 iteration (the op's tasks plus one event hop). Reported: bytes the op must read / that time,
 and its share of the copy bandwidth measured in the same run. Cases: the linear layers of the
-four model shapes of shared/BENCHMARKS.md at batch 1 (``--batches``: also others), one graph per
+four decode-benchmark model shapes at batch 1 (``--batches``: also others), one graph per
 model holding its qkv, o, gate_up, down and LM-head weights (target at batch 1: ≥ 0.85 of copy
 bandwidth), paged decode attention over long caches (beside it, ``torch_ms``: PyTorch's SDPA over the
 same K/V laid out contiguously, a static cache), and the step's other task families at

@@ -1,4 +1,4 @@
-"""Typed errors (and the one warning). Every message names the bad value and what was expected."""
+"""Typed errors and warnings. Every error message names the bad value and what was expected."""
 
 from __future__ import annotations
 

@@ -25,21 +25,21 @@ done
 san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 [[ -x ${san:-} ]] || { echo "compute-sanitizer not found (it ships with the CUDA toolkit)"; exit 2; }
 "$san" --version | tail -1
-# Installed, not merely importable from here: the 'mpk' dynamo backend is an entry point, and the
-# control runs from scripts/ (a bare `import mpk` check passed in the checkout while every
-# test failed with "Invalid backend: 'mpk'" and the control could not import mpk).
+# Installed, not merely importable from here: the 'mpk' dynamo backend is an entry point (without
+# it every test fails with "Invalid backend: 'mpk'"), and the control runs from scripts/, where a
+# checkout that is not installed cannot be imported.
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
   || echo "pip install failed (see install.log)"
 parallel=(); python3 -c "import xdist" 2>/dev/null && parallel=(-n "${JOBS:-8}")
 # Out: the full-size parity tests (minutes each even without a sanitizer), the public shapes'
-# two-layer steps (up to 2 GB of weights each: 8 of them side by side under memcheck ran the
-# H100 out of memory in session 48, and every test then running failed with them; their tasks
+# two-layer steps (up to 2 GB of weights each: 8 of them side by side under memcheck run an
+# H100 out of memory, and every test then running fails with them; their tasks
 # are the small decode tests' code at larger sizes), the stress tests (10^5 tasks, and 20k
 # through the schedulers), the launch count (torch.profiler's CUPTI cannot attach beside the
 # tool), the dropped-cache test (it reads the caching allocator's statistics, which are off
 # here) and the dropped-executor test (it needs its launch still running when the executor is
-# dropped; under memcheck, twice in session 48, nothing was held — the launch had ended by then
-# or the executor was not yet freed — with no error reported).
+# dropped; under memcheck the launch has often ended by then, or the executor is not yet freed,
+# so the test checks nothing there).
 # synccheck and racecheck (the slowest tool), whose findings depend on a task family's code
 # rather than on its shapes, take each family's tests and one compiled decode step.
 memcheck_k=${MEMCHECK_K:-"not qwen3-1.7b and not public_model_shapes and not stress and not one_kernel_launch and not dropped_cache_alive and not dropped_while_its_launch"}

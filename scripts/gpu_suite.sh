@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # The decode tests are numerics, each mostly an nvcc build: with pytest-xdist importable (carried
 # as a wheel) they run in $PYTEST_JOBS processes, each with its share of the CPU threads. Then,
 # alone: the full-size parity tests, whose eager reference runs its paged ops on the CPU (two of
-# them side by side stalled for minutes on an H100 machine's 16 cores, where one takes 50 s),
+# them side by side stall for minutes on a 16-core machine, where one takes 50 s),
 # and the runtime tests, which time hops and watch for hangs (kernels of several processes
 # time-slice the GPU).
 jobs=${PYTEST_JOBS:-6}

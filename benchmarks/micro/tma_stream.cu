@@ -1,7 +1,8 @@
 // Micro-benchmark: can a 4-warp CTA stream a decode linear's weights at HBM speed when the SM
-// holds a second such CTA (two worker CTAs per SM, README session 23)? Every SM streams weight
-// tiles (64 rows × K bf16, rows K·2 bytes apart, as a linear task's pass), three ways:
-//   registers — the committed linear's loop (16 loads of 16 bytes in flight per lane, the warps
+// holds a second such CTA (two worker CTAs per SM, so that one can start the next stage while
+// the other finishes)? Every SM streams weight tiles (64 rows × K bf16, rows K·2 bytes apart,
+// as a linear task's pass), three ways:
+//   registers — the decode linear's loop (16 loads of 16 bytes in flight per lane, the warps
 //     splitting K), one CTA of 8 warps per SM, or 4-warp CTAs two to an SM;
 //   ring — a shared-memory ring of slots (64 row pieces each) filled by 1-D bulk copies (the
 //     copy engine: no registers, no L1), one copy per row piece, completion on an mbarrier per
@@ -236,7 +237,7 @@ __global__ void __launch_bounds__(128, 2) tensor_linear(const __grid_constant__ 
   }
 }
 
-// Register streaming as the committed linear: each lane keeps 16 16-byte loads in flight, the
+// Register streaming as the decode linear: each lane keeps 16 16-byte loads in flight, the
 // warps split K; threads = 256 (one CTA per SM) or 128 (two).
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads, 256 / kThreads) reg_stream(const char* w, int tiles, int streamers,

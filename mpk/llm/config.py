@@ -218,8 +218,8 @@ class LLMConfig:
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 8192}
 
-# Public model shapes (random-weight benchmarks, inspection, tests): first those of
-# shared/BENCHMARKS.md, then other public checkpoints' as their config.json gives them, which
+# Public model shapes (random-weight benchmarks, inspection, tests): first the decode
+# benchmark's, then other public checkpoints' as their config.json gives them, which
 # the GPU tests run cut to two layers (head groups of 1-8 query heads, head dims 64 and 128,
 # hidden sizes that are not multiples of 256, Llama 3.1's rope scaling).
 SHAPES: dict[str, LLMConfig] = {

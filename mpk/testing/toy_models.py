@@ -29,7 +29,7 @@ class Config:
 
 LLAMA = Config()
 QWEN3 = Config(qk_norm=True, gqa_via_repeat=False, theta=1e6)
-# Qwen3-8B shape (shared/BENCHMARKS.md) for compile-scale tests; never materialised on the CPU.
+# Qwen3-8B shape (the largest decode-benchmark model) for compile-scale tests; never materialised on the CPU.
 QWEN3_8B = Config(vocab=151936, hidden=4096, inter=12288, layers=36, heads=32, kv_heads=8, head_dim=128,
                   qk_norm=True, gqa_via_repeat=False, theta=1e6)
 
