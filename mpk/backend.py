@@ -13,17 +13,14 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from torch._functorch.aot_autograd import aot_module_simplified
 from torch.fx import GraphModule
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
-from mpk.compiler import CompiledGraph, compile_graph
+from mpk.compiler import CompiledGraph
 from mpk.errors import MpkError, UnsupportedOpError
-from mpk.frontend import find_unsupported, fuse_patterns, lower
-from mpk.frontend.patterns import route_attention
-from mpk.frontend.lower import describe_inputs, op_name, source_line
-from mpk.inspection import dump, pretty_input_name
+from mpk.fx_pipeline import compile_tables, trace_inference, unsupported_report
+from mpk.inspection import dump
 from mpk.options import CompileOptions
 
 # Every CompiledGraph built in this process, newest last (inspection and tests read it), and
@@ -37,56 +34,6 @@ def mpk_backend(gm: GraphModule, example_inputs: Sequence[Any], options: Mapping
     """Dynamo backend entry point (``torch.compile(model, backend="mpk", options={...})``)."""
     opts = CompileOptions.parse(options)
     return trace_inference(gm, example_inputs, lambda fx_gm, flags, names: compile_fx(fx_gm, opts, flags, names))
-
-
-def trace_inference(gm: GraphModule, example_inputs: Sequence[Any],
-                    fw_compiler: Callable[[GraphModule, list[bool] | None, list[str] | None], Callable]) -> Callable:
-    """A Dynamo graph → the functionalized ATen graph mpk compiles: SDPA kept whole, AOTAutograd
-    (parameters lifted, inference only). ``fw_compiler(aten_gm, param_flags, input_names)``
-    compiles it (flags and names are None where AOTAutograd's inputs differ from Dynamo's)."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in [*gm.parameters(), *example_inputs]
-                                       if isinstance(t, torch.Tensor)):
-        # refused here, not by the backward compiler below: AOTAutograd would first trace a
-        # backward through mpk's custom ops (an internal error) or make the forward also return
-        # what backward saves (a layer norm's mean and rstd, which mpk does not compute)
-        _no_training(gm, example_inputs)
-    route_attention(gm)
-    dynamo_inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    lifted = [name for name, _ in gm.named_parameters()] + [name for name, _ in gm.named_buffers()]
-    names = lifted + [pretty_input_name(str(n.target)) for n in dynamo_inputs]
-    flags = [True] * len(lifted) + [isinstance(x, torch.nn.Parameter) for x in example_inputs]
-
-    def fw(fx_gm: GraphModule, fw_inputs):
-        n_in = sum(1 for n in fx_gm.graph.nodes if n.op == "placeholder")
-        same = n_in == len(names)
-        return fw_compiler(fx_gm, flags if same else None, names if same else None)
-
-    return aot_module_simplified(gm, example_inputs, fw_compiler=fw, bw_compiler=_no_training)
-
-
-def _no_training(gm, example_inputs):
-    raise MpkError("mpk compiles inference graphs only: call the compiled model under torch.no_grad() "
-                   "or torch.inference_mode() (to train, run the model in eager PyTorch)")
-
-
-def unsupported_report(failures) -> str:
-    lines = [f"mpk cannot lower {len(failures)} node(s):"]
-    for node, reason in failures:
-        lines.append(f"  - {op_name(node.target)} (node {node.name!r}): {reason}; inputs "
-                     f"{describe_inputs(node)}; source {source_line(node)}")
-    return "\n".join(lines)
-
-
-def compile_tables(gm: GraphModule, opts: CompileOptions, param_flags: list[bool] | None = None,
-                   input_names: list[str] | None = None) -> CompiledGraph | list:
-    """Pattern fusion, lowering and the compiler on one functionalized ATen graph: its
-    CompiledGraph, or the nodes that cannot lower as (node, reason) pairs."""
-    fuse_patterns(gm, opts.optional_fusions(), opts.num_workers)
-    failures = find_unsupported(gm, opts.fuse_rope_attention)
-    if failures:
-        return failures
-    graph = lower(gm, param_flags, input_names, opts.fuse_rope_attention, opts.num_workers)
-    return compile_graph(graph, opts.num_workers, opts.partition, {"executor": opts.executor})
 
 
 def compile_fx(gm: GraphModule, opts: CompileOptions, param_flags: list[bool] | None = None,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import shutil
 import subprocess
 import types
@@ -21,14 +20,8 @@ import torch
 from mpk.compiler import CompiledGraph
 from mpk.compiler.tables import FLAG_BARRIER, FLAG_JIT
 from mpk.errors import MpkError, OptionError, UnsupportedOpError
+from mpk.fx_pipeline import compile_tables, trace_inference, unsupported_report
 from mpk.options import CompileOptions
-
-
-def pretty_input_name(name: str) -> str:
-    """'L_self_modules_layers_modules_0_modules_mlp_parameters_weight_' → 'layers.0.mlp.weight'."""
-    name = re.sub(r"^L_(self_)?", "", name).rstrip("_")
-    name = re.sub(r"^(modules|parameters|buffers)_", "", name)
-    return re.sub(r"_(modules|parameters|buffers)_", ".", name)
 
 
 class _Traced(Exception):
@@ -44,8 +37,6 @@ def compile_module(model: torch.nn.Module, args: Sequence[Any],
     ``fallback='eager'`` (parts run in PyTorch) has nothing to run here and is refused."""
     from torch._dynamo.eval_frame import remove_from_cache
     from torch._dynamo.exc import BackendCompilerFailed
-
-    from mpk.backend import compile_tables, trace_inference, unsupported_report  # (backend imports this module)
 
     opts = CompileOptions.parse(dict(options or {}, executor="cpu"))
     if opts.fallback != "error":
@@ -71,8 +62,8 @@ def compile_module(model: torch.nn.Module, args: Sequence[Any],
     # Dynamo caches what it compiled on the forward's code object, which every instance of the
     # class shares: the capture traces a shallow copy of the model whose forward runs the same
     # code from a fresh code object, so it is never a cache hit and leaves the caller's own
-    # compiled models alone (dropping the class's cache, as torch._dynamo.export does, made
-    # them recompile).
+    # compiled models alone (dropping the class's cache, as torch._dynamo.export does, would
+    # make them recompile).
     fwd = type(model).forward
     traced = model
     if isinstance(fwd, types.FunctionType):

@@ -1,8 +1,14 @@
 """nvcc build of generated CUDA, cached by content hash.
 
+The generated source includes the CUDA headers of ``runtime/`` (``mpk_runtime/*.cuh``, the
+persistent kernel) and ``cuda/`` (``mpk_tasks/*.cuh``, the task library), found by
+``include_dirs``: an installed package carries them as package data under ``mpk/_cuda/``, a
+source checkout (an editable install, or running from the repository) at its top level.
+
 A cubin is cached in ``$MPK_CACHE_DIR`` (default ``~/.cache/mpk``) as ``<source key>-<nvcc
-key>.cubin``: the first covers the generated source, every ``.cuh`` header under ``runtime/`` and
-``cuda/``, the flags and the target architecture, the second nvcc's version, so a second
+key>.cubin``: the first covers the generated source, every ``.cuh`` header of the two folders
+(by its path inside them, not where they were found, so a wheel install and a checkout of the
+same sources share cubins), the flags and the target architecture, the second nvcc's version, so a second
 identical build reads the cubin without compiling, and a machine without nvcc (a driver-only
 deployment given a prebuilt cache) takes a cubin of the same source built by any nvcc. Beside each
 cubin its SHA-256 (``.sha256``); a cached file that is not a whole ELF image or whose bytes differ
@@ -27,12 +33,26 @@ from pathlib import Path
 
 from mpk.errors import MpkError
 
-ROOT = Path(__file__).resolve().parents[2]
-INCLUDE_DIRS = (ROOT / "runtime", ROOT / "cuda")
+# the mpk package's folder; the CUDA header folders nvcc's -I takes, by name
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+HEADER_FOLDERS = ("runtime", "cuda")
 
 
 class BuildError(MpkError):
     """nvcc rejected generated code; the message holds the file's path and nvcc's output."""
+
+
+def include_dirs() -> tuple[Path, ...]:
+    """The header folders (``runtime/``, ``cuda/``) the generated source is compiled against:
+    the package data of an installed package (``mpk/_cuda/runtime``, ``mpk/_cuda/cuda``) when
+    present, else the top-level folders of the source checkout the package runs from."""
+    candidates = (PACKAGE_DIR / "_cuda", PACKAGE_DIR.parent)
+    for base in candidates:
+        dirs = tuple(base / name for name in HEADER_FOLDERS)
+        if all(any(d.rglob("*.cuh")) for d in dirs):
+            return dirs
+    raise BuildError("mpk's CUDA headers are missing: looked for runtime/ and cuda/ under "
+                     f"{' and '.join(str(b) for b in candidates)} (reinstall mpk, or run it from a full checkout)")
 
 
 def cache_dir() -> Path:
@@ -74,7 +94,7 @@ def _whole_elf(path: Path) -> bool:
 
 def _intact(cubin: Path) -> bool:
     """A whole ELF image whose bytes match the digest written beside it when it was built (a
-    cubin of a cache written before digests is taken on the ELF check alone)."""
+    cubin without a digest beside it is taken on the ELF check alone)."""
     if not _whole_elf(cubin):
         return False
     try:
@@ -91,11 +111,13 @@ def _cache_error(out_dir: Path, e: OSError) -> BuildError:
                       f"directory: {e}")
 
 
-def _headers_digest() -> str:
+def _headers_digest(dirs: tuple[Path, ...] | None = None) -> str:
+    """SHA-256 over the headers' paths (``runtime/mpk_runtime/sync.cuh``: relative to the folders'
+    parent, the same for the package data and a checkout) and bytes."""
     h = hashlib.sha256()
-    for d in INCLUDE_DIRS:
+    for d in dirs or include_dirs():
         for p in sorted(d.rglob("*.cuh")):
-            h.update(str(p.relative_to(ROOT)).encode())
+            h.update(f"{d.name}/{p.relative_to(d).as_posix()}".encode())
             h.update(p.read_bytes())
     return h.hexdigest()
 
@@ -111,7 +133,7 @@ NVCC_ENV_FLAGS = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")
 
 
 def nvcc_flags(arch: str = "sm_90a", debug: bool = False, tile_kernel: bool = False) -> list[str]:
-    """nvcc's flags for a generated source (without the include dirs, ``INCLUDE_DIRS``)."""
+    """nvcc's flags for a generated source (without the include dirs, ``include_dirs()``)."""
     flags = ["-std=c++17", "-O3", "-cubin", "-lineinfo", *arch_flags(arch)]
     flags += ["-DMPK_DEBUG"] if debug else []
     flags += ["-DMPK_TILE_KERNEL"] if tile_kernel else []
@@ -127,7 +149,8 @@ def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_ker
     flags = nvcc_flags(arch, debug, tile_kernel)
     # nvcc also takes flags from these variables: they are part of what was built
     env_flags = [os.environ.get(v, "") for v in NVCC_ENV_FLAGS]
-    key = hashlib.sha256("\0".join([source, _headers_digest(), " ".join(flags), *env_flags]).encode()).hexdigest()[:32]
+    headers = include_dirs()
+    key = hashlib.sha256("\0".join([source, _headers_digest(headers), " ".join(flags), *env_flags]).encode()).hexdigest()[:32]
     out_dir = cache_dir()
     if nvcc_path() is None:  # no compiler: a cubin of this source from any nvcc, newest first
         found = sorted(out_dir.glob(f"{key}-*.cubin"), key=lambda p: p.stat().st_mtime, reverse=True)
@@ -159,7 +182,7 @@ def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_ker
         raise _cache_error(out_dir, e) from None
     tmp = Path(tmp_name)
     tmp_digest = Path(f"{tmp}.sha256")
-    includes = [f"-I{d}" for d in INCLUDE_DIRS]
+    includes = [f"-I{d}" for d in headers]
     if say:
         print(f"mpk: nvcc is building the megakernel for {arch} (once; cached as {cubin}) ...", file=sys.stderr, flush=True)
     start = time.perf_counter()

@@ -309,7 +309,7 @@ def test_decode_step_kernel_has_no_register_spills(tmp_path, name, batch, layers
     spec.loader.exec_module(prebuild_decode)
     src = tmp_path / "step.cu"
     src.write_text(prebuild_decode.decode_source(name, batch, 64, 16, 0, {}, layers=layers))
-    res = subprocess.run([build.nvcc_path(), *build.nvcc_flags(), *[f"-I{d}" for d in build.INCLUDE_DIRS],
+    res = subprocess.run([build.nvcc_path(), *build.nvcc_flags(), *[f"-I{d}" for d in build.include_dirs()],
                           "-Xptxas", "-v", "-o", str(tmp_path / "step.cubin"), str(src)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     spills = re.findall(r"Function properties for (\S+)\n\s+(\d+) bytes stack frame, (\d+) bytes spill stores, "
@@ -383,7 +383,7 @@ def test_linear_partial_sums_layout_is_free_of_bank_conflicts(tmp_path, cols, wo
     src.write_text(_RED_BANKS.replace("COLS_LIST", cols))
     exe = tmp_path / "red_banks"
     res = subprocess.run([build.nvcc_path(), "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
-                          *[f"-I{d}" for d in build.INCLUDE_DIRS], "-o", str(exe), str(src)], capture_output=True, text=True)
+                          *[f"-I{d}" for d in build.include_dirs()], "-o", str(exe), str(src)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True)
     assert run.returncode == 0, "a float2 store is not 8-byte aligned"
@@ -441,7 +441,7 @@ def _run_host_program(tmp_path, source: str, stdin: str) -> str:
     src.write_text(source)
     exe = tmp_path / "program"
     res = subprocess.run([build.nvcc_path(), "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
-                          *[f"-I{d}" for d in build.INCLUDE_DIRS], "-o", str(exe), str(src)], capture_output=True, text=True)
+                          *[f"-I{d}" for d in build.include_dirs()], "-o", str(exe), str(src)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     run = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
