@@ -86,7 +86,8 @@ def compile_tables(gm: GraphModule, opts: CompileOptions, param_flags: list[bool
     if failures:
         return failures
     graph = lower(gm, param_flags, input_names, opts.fuse_rope_attention, opts.num_workers)
-    return compile_graph(graph, opts.num_workers, opts.partition, {"executor": opts.executor})
+    return compile_graph(graph, opts.num_workers, opts.partition, {"executor": opts.executor},
+                         scheduler_ctas=opts.scheduler_ctas)
 
 
 def compile_fx(gm: GraphModule, opts: CompileOptions, param_flags: list[bool] | None = None,
@@ -174,7 +175,7 @@ def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
     else:
         from mpk.executors import Interpreter
 
-        interp = Interpreter(compiled.tables, num_workers=opts.num_workers, check_races=opts.check_races)
+        interp = Interpreter(compiled.tables, check_races=opts.check_races)
 
         def run(*args):
             return interp.run(args, seed=opts.seed)

@@ -1,4 +1,5 @@
-"""OpGraph → tables: steps 1–7 in order, each a function over the task-graph IR, timed."""
+"""OpGraph → tables: steps 1–7 in order (7a, placement, just before 7), each a function over the
+task-graph IR, timed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from mpk.compiler.fuse import fuse
 from mpk.compiler.linearize import linearize
 from mpk.compiler.modes import assign_modes
 from mpk.compiler.normalize import normalize
+from mpk.compiler.place import place
 from mpk.compiler.prune import prune
 from mpk.compiler.partition import PartitionSpec, decompose
 from mpk.compiler.tables import Tables, emit
@@ -66,8 +68,10 @@ class CompiledGraph:
 
 def compile_graph(graph: OpGraph, num_workers: int = 128,
                   partition: Mapping[str, PartitionSpec] | None = None,
-                  options: Mapping[str, Any] | None = None) -> CompiledGraph:
-    """Run compiler steps 1–7 on ``graph``; deterministic in its inputs."""
+                  options: Mapping[str, Any] | None = None, scheduler_ctas: int | None = None) -> CompiledGraph:
+    """Run compiler steps 1–7 on ``graph``; deterministic in its inputs. ``num_workers`` sizes
+    the default partitioning and is the launch's worker count; ``scheduler_ctas`` (None: 4 when
+    the graph has JIT tasks, else 0) its scheduler CTAs (mpk.compiler.place)."""
     seconds: dict[str, float] = {}
 
     def timed(name, fn, *args):
@@ -83,7 +87,8 @@ def compile_graph(graph: OpGraph, num_workers: int = 128,
     timed("normalize", normalize, tg)
     timed("linearize", linearize, tg)
     timed("modes", assign_modes, tg)
-    tables = timed("emit", emit, tg, dict(options or {}, num_workers=num_workers))
+    timed("place", place, tg, num_workers, scheduler_ctas)
+    tables = timed("emit", emit, tg, dict(options or {}, num_workers=num_workers, scheduler_ctas=scheduler_ctas))
     num_dummy = sum(1 for o in tg.task_op if o == DUMMY)
     jit = sum(tg.jit)
     stats = CompileStats(
