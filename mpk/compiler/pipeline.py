@@ -37,6 +37,7 @@ class CompileStats:
     num_aot_tasks: int
     num_barriers: int
     seconds: dict[str, float] = field(default_factory=dict)
+    placement: dict[str, int] = field(default_factory=dict)  # the tables' meta["placement"]
 
     @property
     def dummy_share(self) -> float:
@@ -50,6 +51,8 @@ class CompileStats:
             f"events: {self.events_before_fusion} before fusion (one per edge) -> "
             f"{self.events_after_fusion} after fusion -> {self.events_after_normalization} after normalization",
             f"launch modes: {self.num_jit_tasks} JIT, {self.num_aot_tasks} AOT; {self.num_barriers} global barriers",
+            f"placement: {self.placement.get('num_workers')} workers, {self.placement.get('scheduler_ctas')} "
+            f"scheduler CTAs ({self.placement.get('scheduler_warps')} scheduler warps)",
             "compile time: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.seconds.items()),
             "tasks per op:",
         ]
@@ -98,6 +101,6 @@ def compile_graph(graph: OpGraph, num_workers: int = 128,
         num_pruned_edges=tg.num_pruned_edges,
         events_before_fusion=tg.events_before_fusion, events_after_fusion=tg.events_after_fusion,
         events_after_normalization=len(tg.events), num_jit_tasks=jit, num_aot_tasks=tg.num_tasks - jit,
-        num_barriers=sum(tg.barrier), seconds=seconds,
+        num_barriers=sum(tg.barrier), seconds=seconds, placement=dict(tables.meta["placement"]),
     )
     return CompiledGraph(graph, tg, tables, stats)

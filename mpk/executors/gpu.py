@@ -53,7 +53,7 @@ def _release_dropped() -> None:
 
 
 # what a bind records of each argument, taken by C-level passes over the arguments (map): a
-# decode step has a few hundred, and a Python loop over them cost 0.05–0.2 ms of each launch
+# decode step has a few hundred, and a Python loop over them would be a visible share of each launch
 _KEYS = (torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.stride, operator.attrgetter("dtype"))
 
 
