@@ -20,13 +20,17 @@ DEFAULT_SCHEDULER_SMS = DEFAULT_SCHEDULER_CTAS  # the SMs the default num_worker
 _warned_cpu_default = False
 
 
+def device_sms() -> int | None:
+    """The current CUDA device's SM count, or None without CUDA."""
+    return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else None
+
+
 def default_num_workers(scheduler_ctas: int | None = None) -> int:
     """One worker per SM not taken by scheduler CTAs (``scheduler_ctas``, or 4 when None); 128
     without CUDA."""
     reserved = DEFAULT_SCHEDULER_SMS if scheduler_ctas is None else scheduler_ctas
-    if torch.cuda.is_available():
-        return max(1, torch.cuda.get_device_properties(0).multi_processor_count - reserved)
-    return 128
+    sms = device_sms()
+    return 128 if sms is None else max(1, sms - reserved)
 
 
 @dataclass(frozen=True)
@@ -56,9 +60,11 @@ class CompileOptions:
     debug_dir    directory to dump the OpGraph, tables, summary, DOT and JSON of each graph.
     num_workers  worker CTAs of the launch: the compiler sizes the default partitioning for
                  them (one wave of tasks per op; one exception: mpk/compiler/partition.py) and
-                 places every AOT task on one of them (mpk/compiler/place.py), and the tables
-                 carry that placement to both executors. Default: the SMs not taken by
-                 scheduler CTAs (128 without CUDA). The gpu executor refuses tables whose
+                 places every AOT task on one of them (mpk/compiler/place.py); the tables
+                 carry that placement to both executors. Default (None): the launch fills the
+                 device — every SM not taken by scheduler CTAs is a worker (a graph without
+                 JIT tasks has none, so every SM) — while partitioning targets SMs − 4 either
+                 way (128 without CUDA, for both). The gpu executor refuses tables whose
                  num_workers + scheduler_ctas exceed the device's SMs.
     scheduler_ctas  CTAs of scheduler warps (4 each) that hand out JIT tasks; None (default):
                  4 when the graph has JIT tasks, else 0. A graph with JIT tasks needs >= 1.
@@ -78,13 +84,23 @@ class CompileOptions:
     fuse_norm_stats: bool | Literal["auto"] = "auto"
     fuse_rope_attention: bool = True
     debug_dir: str | None = None
-    num_workers: int = 128
+    num_workers: int | None = None
     scheduler_ctas: int | None = None
     seed: int = 0
     check_races: bool = True
     timeout_s: float = 30.0
     sync: bool = True
     profile_dir: str | None = None
+
+    @property
+    def partition_workers(self) -> int:
+        """The worker count the default partitioning (and the frontend's op choices) target."""
+        return self.num_workers if self.num_workers is not None else default_num_workers(self.scheduler_ctas)
+
+    @property
+    def fill_sms(self) -> int | None:
+        """With num_workers left to its default on a CUDA machine, the SMs the launch fills."""
+        return device_sms() if self.num_workers is None else None
 
     def optional_fusions(self) -> tuple[str, ...]:
         """The optional pattern fusions (mpk.frontend.patterns.OPTIONAL_MATCHERS) these options
@@ -118,9 +134,8 @@ class CompileOptions:
             raise OptionError(f"executor={opts['executor']!r}; expected one of {EXECUTORS}")
         if opts.get("fallback", "error") not in FALLBACKS:
             raise OptionError(f"fallback={opts['fallback']!r}; expected one of {FALLBACKS}")
-        sched = opts.get("scheduler_ctas")
-        check_counts(opts.get("num_workers", 1), sched)
-        opts.setdefault("num_workers", default_num_workers(sched))
+        n = opts.get("num_workers")
+        check_counts(1 if n is None else n, opts.get("scheduler_ctas"))
         for flag in ("sync", "fuse_norm_prologue", "fuse_rope_attention", "check_races"):
             if not isinstance(opts.get(flag, False), bool):
                 raise OptionError(f"{flag}={opts[flag]!r}; expected True or False")

@@ -71,10 +71,13 @@ class CompiledGraph:
 
 def compile_graph(graph: OpGraph, num_workers: int = 128,
                   partition: Mapping[str, PartitionSpec] | None = None,
-                  options: Mapping[str, Any] | None = None, scheduler_ctas: int | None = None) -> CompiledGraph:
+                  options: Mapping[str, Any] | None = None, scheduler_ctas: int | None = None,
+                  fill_sms: int | None = None) -> CompiledGraph:
     """Run compiler steps 1–7 on ``graph``; deterministic in its inputs. ``num_workers`` sizes
-    the default partitioning and is the launch's worker count; ``scheduler_ctas`` (None: 4 when
-    the graph has JIT tasks, else 0) its scheduler CTAs (mpk.compiler.place)."""
+    the default partitioning and is the launch's worker count, unless ``fill_sms`` is given:
+    then every one of those SMs not taken by scheduler CTAs is a worker; ``scheduler_ctas``
+    (None: 4 when the graph has JIT tasks, else 0) the launch's scheduler CTAs
+    (mpk.compiler.place)."""
     seconds: dict[str, float] = {}
 
     def timed(name, fn, *args):
@@ -90,8 +93,9 @@ def compile_graph(graph: OpGraph, num_workers: int = 128,
     timed("normalize", normalize, tg)
     timed("linearize", linearize, tg)
     timed("modes", assign_modes, tg)
-    timed("place", place, tg, num_workers, scheduler_ctas)
-    tables = timed("emit", emit, tg, dict(options or {}, num_workers=num_workers, scheduler_ctas=scheduler_ctas))
+    timed("place", place, tg, num_workers, scheduler_ctas, fill_sms)
+    tables = timed("emit", emit, tg, dict(options or {}, num_workers=num_workers, scheduler_ctas=scheduler_ctas,
+                                          fill_sms=fill_sms))
     num_dummy = sum(1 for o in tg.task_op if o == DUMMY)
     jit = sum(tg.jit)
     stats = CompileStats(

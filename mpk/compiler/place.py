@@ -6,7 +6,9 @@ Policy: AOT tasks go round-robin over the workers in linear order, so each queue
 (topological) order and a worker never waits on a task queued behind it; consecutive tasks of
 an op land on different workers. JIT tasks are not placed: scheduler warps hand them to
 workers at run time. Scheduler CTAs default to ``DEFAULT_SCHEDULER_CTAS`` when the graph has
-JIT tasks and to none otherwise (every CTA is then a worker); a CTA holds
+JIT tasks and to none otherwise (every CTA is then a worker). The worker count is the
+``num_workers`` option, or, left to its default on a CUDA machine, every SM the scheduler CTAs
+leave (a graph without JIT tasks then works on every SM). A CTA holds
 ``SCHED_WARPS_PER_CTA`` scheduler warps, and warp s owns workers w ≡ s (mod scheduler_warps).
 """
 
@@ -52,13 +54,18 @@ def check_counts(num_workers: object, scheduler_ctas: object) -> None:
                           "else 0) or an int >= 0")
 
 
-def placement(jit: np.ndarray, num_workers: int, scheduler_ctas: int | None = None) -> Placement:
-    """The placement of tasks whose JIT flags, in linear order, are ``jit``."""
+def placement(jit: np.ndarray, num_workers: int, scheduler_ctas: int | None = None,
+              fill_sms: int | None = None) -> Placement:
+    """The placement of tasks whose JIT flags, in linear order, are ``jit``. ``fill_sms``:
+    instead of ``num_workers``, every one of that many SMs not taken by scheduler CTAs is a
+    worker (options.num_workers left to its default: the launch fills the device)."""
     check_counts(num_workers, scheduler_ctas)
     jit = np.asarray(jit, dtype=bool)
     n_jit = int(jit.sum())
     if scheduler_ctas is None:
         scheduler_ctas = DEFAULT_SCHEDULER_CTAS if n_jit else 0
+    if fill_sms is not None:
+        num_workers = max(1, fill_sms - scheduler_ctas)
     if n_jit and scheduler_ctas < 1:
         raise OptionError(f"scheduler_ctas={scheduler_ctas}, but the graph has {n_jit} JIT tasks, which scheduler "
                           "warps hand out; expected >= 1 (or None: 4)")
@@ -75,9 +82,11 @@ def placement(jit: np.ndarray, num_workers: int, scheduler_ctas: int | None = No
     return Placement(num_workers, scheduler_ctas, warps, offsets, tasks)
 
 
-def place(tg: "TaskGraph", num_workers: int, scheduler_ctas: int | None = None) -> "TaskGraph":
+def place(tg: "TaskGraph", num_workers: int, scheduler_ctas: int | None = None,
+          fill_sms: int | None = None) -> "TaskGraph":
     """Step 7a on the task graph (after linearize and modes): sets ``tg.placement``."""
-    tg.placement = placement(np.array([tg.jit[t] for t in tg.task_order], dtype=bool), num_workers, scheduler_ctas)
+    tg.placement = placement(np.array([tg.jit[t] for t in tg.task_order], dtype=bool), num_workers, scheduler_ctas,
+                             fill_sms)
     return tg
 
 

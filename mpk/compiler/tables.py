@@ -158,15 +158,16 @@ def _json_value(x):
 
 def emit(tg: TaskGraph, options: dict[str, Any] | None = None) -> Tables:
     """The tables of ``tg`` after steps 1–6 and 7a. A task graph not placed yet is placed here
-    with ``options``' num_workers (default: mpk.options.default_num_workers()) and
-    scheduler_ctas."""
+    with ``options``' num_workers and scheduler_ctas, as CompileOptions defaults them (without
+    num_workers the launch fills the device)."""
     graph = tg.graph
     if tg.placement is None:
         from mpk.compiler.place import place
-        from mpk.options import default_num_workers
+        from mpk.options import default_num_workers, device_sms
 
         opts = options or {}
-        place(tg, opts.get("num_workers") or default_num_workers(), opts.get("scheduler_ctas"))
+        n, sched = opts.get("num_workers"), opts.get("scheduler_ctas")
+        place(tg, n or default_num_workers(sched), sched, None if n else device_sms())
     new_task = {old: new for new, old in enumerate(tg.task_order)}
     new_event = {old: new for new, old in enumerate(tg.event_order)}
 

@@ -138,7 +138,7 @@ def test_random_dag_stress_through_the_schedulers(local_jit):
     ex = _gpu(tables, timeout_s=120, local_jit=local_jit)
     from mpk.executors.gpu import EVENT_LOCAL_JIT
     assert ex.scheduler_ctas == DEFAULT_SCHEDULER_CTAS and ex.grid == sms
-    with pytest.raises(OptionError, match="scheduler_ctas=0, but the graph has 20000 JIT tasks"):
+    with pytest.raises(OptionError, match=r"scheduler_ctas=0, but the graph has \d+ JIT tasks"):
         place_tables(jit_tables, sms, 0)
     assert ((ex.events["flags"] & EVENT_LOCAL_JIT) != 0).any() == local_jit
     clock, runs, log = stamp_inputs(tables, iterations, DEV)

@@ -649,3 +649,19 @@ def test_a_placement_order_deadlock_is_detected():
     with pytest.raises(DeadlockError, match=rf"worker 0 blocked on AOT task {queue[0]} .* waiting for event "
                        r"\d+; released tasks queued behind it: \[1, 2, 3, 0\]"):  # the matmul tiles
         Interpreter(tables, validate_tables=False).run(args)
+
+
+def test_default_num_workers_fill_the_device():
+    """Left to its default, num_workers is the partitioning's target (SMs − 4, or 128 without
+    CUDA) and the launch fills the device: the scheduler CTAs' SMs work when there are none."""
+    from mpk.compiler.place import placement
+    from mpk.options import CompileOptions, default_num_workers
+
+    opts = CompileOptions.parse({"executor": "cpu"})
+    assert opts.num_workers is None and opts.partition_workers == default_num_workers()
+    assert CompileOptions.parse({"executor": "cpu", "num_workers": 12}).fill_sms is None
+    aot, jit = np.zeros(5, bool), np.array([False, True, False])
+    assert (placement(aot, 128, fill_sms=132).num_workers, placement(aot, 128, fill_sms=132).scheduler_ctas) == (132, 0)
+    assert (placement(jit, 128, fill_sms=132).num_workers, placement(jit, 128, fill_sms=132).scheduler_ctas) == (128, 4)
+    assert placement(jit, 128, 2, fill_sms=132).num_workers == 130
+    assert placement(aot, 7).num_workers == 7
