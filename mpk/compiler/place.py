@@ -1,6 +1,6 @@
 """Step 7a — place: how many workers and scheduler CTAs one launch has, and which worker runs
 which AOT task in which order. Decided here once and written into the tables, so both
-executors run the placement the partitioning was sized for.
+executors run the compiler's placement and decide none of their own.
 
 Policy: AOT tasks go round-robin over the workers in linear order, so each queue is in linear
 (topological) order and a worker never waits on a task queued behind it; consecutive tasks of
