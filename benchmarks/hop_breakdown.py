@@ -21,16 +21,25 @@ import numpy as np
 import torch
 from peer import require_cuda
 
+from mpk.compiler.place import DEFAULT_SCHEDULER_CTAS, place_tables
+from mpk.compiler.tables import FLAG_JIT
 from mpk.executors import cuda_driver as drv
 from mpk.executors.gpu import GpuExecutor
+from mpk.options import default_num_workers
 from mpk.testing.random_graphs import chain, force_jit, stamp_graph, stamp_inputs
+
+
+def _placed(tables, workers):
+    """``tables`` on ``workers`` workers, or (None) on every SM its scheduler CTAs leave."""
+    sched = DEFAULT_SCHEDULER_CTAS if (tables.tasks["flags"] & FLAG_JIT).any() else 0
+    return place_tables(tables, workers or default_num_workers(sched), sched)
 
 
 def breakdown(n: int, jit: bool, workers: int | None, local_jit: bool = True) -> dict:
     tables = stamp_graph(chain(n), 1, record=False)
     if jit:
         force_jit(tables)
-    ex = GpuExecutor(tables, profile=True, num_workers=workers, local_jit=local_jit)
+    ex = GpuExecutor(_placed(tables, workers), profile=True, local_jit=local_jit)
     for _ in range(2):
         ex.run(stamp_inputs(tables, 1, "cuda"))
     spans = {e["args"]["task"]: (e["ts"], e["ts"] + e["dur"]) for e in ex.trace()["traceEvents"]}
@@ -47,7 +56,7 @@ HOP_FIELDS = 8  # sync.cuh: kHopFields (wake, task, release sums; hops; cycles; 
 def clocks(n: int, workers: int | None, repeats: int = 5) -> dict:
     """Mean ns per hop of each stretch (SM cycles scaled by each worker's cycles per ns)."""
     tables = stamp_graph(chain(n), 1, record=False)
-    ex = GpuExecutor(tables, num_workers=workers)
+    ex = GpuExecutor(_placed(tables, workers))
     ptr, nbytes = ex.module.global_ptr("mpk_hop_cycles")
     inputs = stamp_inputs(tables, 1, "cuda")
     ex.run(inputs)  # warm-up

@@ -19,8 +19,17 @@ import statistics
 import torch
 from peer import require_cuda
 
+from mpk.compiler.place import DEFAULT_SCHEDULER_CTAS, place_tables
+from mpk.compiler.tables import FLAG_JIT
 from mpk.executors.gpu import GpuExecutor
+from mpk.options import default_num_workers
 from mpk.testing.random_graphs import chain, force_jit, independent, stamp_graph, stamp_inputs
+
+
+def _placed(tables, workers):
+    """``tables`` on ``workers`` workers, or (None) on every SM its scheduler CTAs leave."""
+    sched = DEFAULT_SCHEDULER_CTAS if (tables.tasks["flags"] & FLAG_JIT).any() else 0
+    return place_tables(tables, workers or default_num_workers(sched), sched)
 
 
 def time_launch(ex: GpuExecutor, inputs, repeats: int) -> float:
@@ -44,7 +53,7 @@ def graph_ms(preds, repeats: int, jit: bool = False, local_jit: bool = True) -> 
     tables = stamp_graph(preds, 1, record=False)
     if jit:
         force_jit(tables)
-    ex = GpuExecutor(tables, local_jit=local_jit)
+    ex = GpuExecutor(_placed(tables, None), local_jit=local_jit)
     return time_launch(ex, stamp_inputs(tables, 1, "cuda"), repeats)
 
 

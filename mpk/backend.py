@@ -121,7 +121,7 @@ def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
     else:
         from mpk.executors import Interpreter
 
-        interp = Interpreter(compiled.tables, num_workers=opts.num_workers, check_races=opts.check_races)
+        interp = Interpreter(compiled.tables, check_races=opts.check_races)
 
         def run(*args):
             return interp.run(args, seed=opts.seed)

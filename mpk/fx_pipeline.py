@@ -71,9 +71,10 @@ def compile_tables(gm: GraphModule, opts: CompileOptions, param_flags: list[bool
                    input_names: list[str] | None = None) -> CompiledGraph | list:
     """Pattern fusion, lowering and the compiler on one functionalized ATen graph: its
     CompiledGraph, or the nodes that cannot lower as (node, reason) pairs."""
-    fuse_patterns(gm, opts.optional_fusions(), opts.num_workers)
+    fuse_patterns(gm, opts.optional_fusions(), opts.partition_workers)
     failures = find_unsupported(gm, opts.fuse_rope_attention)
     if failures:
         return failures
-    graph = lower(gm, param_flags, input_names, opts.fuse_rope_attention, opts.num_workers)
-    return compile_graph(graph, opts.num_workers, opts.partition, {"executor": opts.executor})
+    graph = lower(gm, param_flags, input_names, opts.fuse_rope_attention, opts.partition_workers)
+    return compile_graph(graph, opts.partition_workers, opts.partition, {"executor": opts.executor},
+                         scheduler_ctas=opts.scheduler_ctas, fill_sms=opts.fill_sms)

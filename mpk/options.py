@@ -10,20 +10,27 @@ from typing import Any, Literal, Mapping
 
 import torch
 
+from mpk.compiler.place import DEFAULT_SCHEDULER_CTAS, check_counts
 from mpk.errors import OptionError
 
 EXECUTORS = ("gpu", "cpu")
 FALLBACKS = ("error", "eager")
-DEFAULT_SCHEDULER_SMS = 4  # the seed layout on a 132-SM H100: 128 worker SMs + 4 scheduler SMs
+DEFAULT_SCHEDULER_SMS = DEFAULT_SCHEDULER_CTAS  # the SMs the default num_workers leaves to scheduler CTAs
 
 _warned_cpu_default = False
 
 
-def default_num_workers() -> int:
-    """One worker per SM not reserved for schedulers; 128 (the H100 seed layout) without CUDA."""
-    if torch.cuda.is_available():
-        return max(1, torch.cuda.get_device_properties(0).multi_processor_count - DEFAULT_SCHEDULER_SMS)
-    return 128
+def device_sms() -> int | None:
+    """The current CUDA device's SM count, or None without CUDA."""
+    return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else None
+
+
+def default_num_workers(scheduler_ctas: int | None = None) -> int:
+    """One worker per SM not taken by scheduler CTAs (``scheduler_ctas``, or 4 when None); 128
+    without CUDA."""
+    reserved = DEFAULT_SCHEDULER_SMS if scheduler_ctas is None else scheduler_ctas
+    sms = device_sms()
+    return 128 if sms is None else max(1, sms - reserved)
 
 
 @dataclass(frozen=True)
@@ -33,26 +40,34 @@ class CompileOptions:
                  CUDA is available, else cpu with a one-time warning.
     partition    {op name or op kind: tiles per output dim (list) or {dim: tiles}}.
     fallback     "error" (default): unsupported ops raise; "eager": they run in PyTorch.
-    fuse_norm_prologue  fuse an RMSNorm into the projection that consumes it (rms_matmul, also
-                 the gate·up projection with its SiLU·mul; default True) when its input fits
-                 a task's on-chip tile (mpk.ops.linalg.NORM_TILE_BYTES: a decode step at batch
-                 1, or 2 for hidden ≤ 2048); larger inputs keep the separate norm task, which
-                 measured faster on an H200 from batch 4 on.
+    fuse_norm_prologue  compute an RMSNorm inside the projection that consumes it (the matmul
+                 reads x, normalizes its rows on chip and multiplies; also the gate·up
+                 projection with its SiLU·mul epilogue; default True) when its input fits a
+                 task's on-chip tile (mpk.ops.linalg.NORM_TILE_BYTES: a decode step at batch
+                 1, or 2 for hidden ≤ 2048); larger inputs keep the separate norm task, since
+                 each projection task of the fused form normalizes the whole input itself.
     fuse_norm_stats  split an RMSNorm whose input is a residual projection's output between
-                 that projection (which also writes h·g and sums of h² over groups of 16 or 8
-                 columns, mpk.ops.linalg.stats_group) and the projection after the norm
-                 (which scales its sums by each row's rstd):
-                 matmul_norm_stats / norm_stats_matmul, no norm stage. "auto" (default): the
-                 norms of more than 4 KiB of activations (mpk.ops.linalg.NORM_SPLIT_MIN_BYTES:
-                 a bf16 decode step from batch 2 for hidden 2048, from batch 1 for 4096),
-                 smaller ones left to the norm prologue, which measured faster for them; every
-                 one with fuse_norm_prologue off (docs/performance_log.md, sessions 33–34).
+                 that projection (its epilogue also writes h·g and sums of h² over groups of 16
+                 or 8 columns, mpk.ops.linalg.stats_group) and the projection after the norm
+                 (its prologue scales those sums by each row's rstd), so no norm stage runs
+                 between them. "auto" (default): the norms of more than 4 KiB of activations
+                 (mpk.ops.linalg.NORM_SPLIT_MIN_BYTES: a bf16 decode step from batch 2 for
+                 hidden 2048, from batch 1 for 4096), smaller ones left to the norm prologue,
+                 which is cheaper for them; every one with fuse_norm_prologue off.
                  True: every such norm, the prologue only for the first layer's; False: none.
     fuse_rope_attention  run a decode layer's qk-norm + RoPE + KV append inside its paged
-                 attention tasks (rope_attn_partial; default True), one op boundary fewer.
+                 attention tasks (default True), one op boundary fewer.
     debug_dir    directory to dump the OpGraph, tables, summary, DOT and JSON of each graph.
-    num_workers  worker count the default partitioning targets (one wave of tasks per op; one
-                 exception: mpk/compiler/partition.py).
+    num_workers  worker CTAs of the launch: the compiler sizes the default partitioning for
+                 them (one wave of tasks per op; one exception: mpk/compiler/partition.py) and
+                 places every AOT task on one of them (mpk/compiler/place.py); the tables
+                 carry that placement to both executors. Default (None): the launch fills the
+                 device — every SM not taken by scheduler CTAs is a worker (a graph without
+                 JIT tasks has none, so every SM) — while partitioning targets SMs − 4 either
+                 way (128 without CUDA, for both). The gpu executor refuses tables whose
+                 num_workers + scheduler_ctas exceed the device's SMs.
+    scheduler_ctas  CTAs of scheduler warps (4 each) that hand out JIT tasks; None (default):
+                 4 when the graph has JIT tasks, else 0. A graph with JIT tasks needs >= 1.
     seed         schedule seed of the cpu executor (which legal order it picks).
     check_races  cpu executor: track every element read/written (default True).
     timeout_s    gpu executor: watchdog limit per launch in seconds (default 30).
@@ -69,12 +84,23 @@ class CompileOptions:
     fuse_norm_stats: bool | Literal["auto"] = "auto"
     fuse_rope_attention: bool = True
     debug_dir: str | None = None
-    num_workers: int = 128
+    num_workers: int | None = None
+    scheduler_ctas: int | None = None
     seed: int = 0
     check_races: bool = True
     timeout_s: float = 30.0
     sync: bool = True
     profile_dir: str | None = None
+
+    @property
+    def partition_workers(self) -> int:
+        """The worker count the default partitioning (and the frontend's op choices) target."""
+        return self.num_workers if self.num_workers is not None else default_num_workers(self.scheduler_ctas)
+
+    @property
+    def fill_sms(self) -> int | None:
+        """With num_workers left to its default on a CUDA machine, the SMs the launch fills."""
+        return device_sms() if self.num_workers is None else None
 
     def optional_fusions(self) -> tuple[str, ...]:
         """The optional pattern fusions (mpk.frontend.patterns.OPTIONAL_MATCHERS) these options
@@ -108,10 +134,8 @@ class CompileOptions:
             raise OptionError(f"executor={opts['executor']!r}; expected one of {EXECUTORS}")
         if opts.get("fallback", "error") not in FALLBACKS:
             raise OptionError(f"fallback={opts['fallback']!r}; expected one of {FALLBACKS}")
-        opts.setdefault("num_workers", default_num_workers())
-        n = opts["num_workers"]
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise OptionError(f"num_workers={n!r}; expected a positive int")
+        n = opts.get("num_workers")
+        check_counts(1 if n is None else n, opts.get("scheduler_ctas"))
         for flag in ("sync", "fuse_norm_prologue", "fuse_rope_attention", "check_races"):
             if not isinstance(opts.get(flag, False), bool):
                 raise OptionError(f"{flag}={opts[flag]!r}; expected True or False")

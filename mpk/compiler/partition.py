@@ -8,15 +8,13 @@ count per output dim, by op name or by op kind.
 One exception, for placement: an op right after a *narrow* op of long tasks whose output it
 reads (a kind with ``long_tasks``, num_workers/4 to num_workers/2 tasks: decode attention of 8
 kv heads at batch 4–8) aims at the workers that op leaves free. AOT tasks are placed round-robin
-in linear order, so its tasks then land on none of the narrow op's workers, which come back from
-their long tasks last and would open its stage ~3.5 µs late. Fewer tiles make every task longer,
-so this holds only while a task's extra input stays within ``NARROW_EXTRA_BYTES`` (80 KiB, ~2.5
-µs of a worker's share of HBM bandwidth). Measured on an H200, the o projection after attention,
-same-run A/Bs against 128 tiles: batch 4 (96 tiles) llama3.2-1b −3.4%, qwen3-1.7b −2.0%,
-qwen3-8b ±0.3% (85 KiB extra: left at 128); batch 8 (64 tiles) −1.3%, −1.5%, qwen3-8b +1.4% (256
-KiB: left; llama3.2-1b 65 KiB); batch 2 (16 attention tasks, 112 tiles) ±0.3%, +1.6%, ±0.2% and
-batch 1 (8, 124 uneven tiles of 16 and 17 columns, whose longer half then made the next stage
-start late) +0.5%, +0.4%, +2.4% — hence the lower bound.
+in linear order (step 7a, mpk/compiler/place.py), so its tasks then land on none of the narrow
+op's workers, which come back from their long tasks last and would open its stage late. Fewer
+tiles make every task longer, so this holds only while a task's extra input stays within
+``NARROW_EXTRA_BYTES`` (80 KiB, a small share of a task's time at a worker's share of HBM
+bandwidth). With fewer than num_workers/4 narrow tasks the gain is small and the nearly full tile
+count splits columns unevenly (its longer tiles then start the next stage late), hence the
+lower bound.
 """
 
 from __future__ import annotations

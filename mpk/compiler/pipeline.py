@@ -1,4 +1,5 @@
-"""OpGraph → tables: steps 1–7 in order, each a function over the task-graph IR, timed."""
+"""OpGraph → tables: steps 1–7 in order (7a, placement, just before 7), each a function over the
+task-graph IR, timed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from mpk.compiler.fuse import fuse
 from mpk.compiler.linearize import linearize
 from mpk.compiler.modes import assign_modes
 from mpk.compiler.normalize import normalize
+from mpk.compiler.place import place
 from mpk.compiler.prune import prune
 from mpk.compiler.partition import PartitionSpec, decompose
 from mpk.compiler.tables import Tables, emit
@@ -35,6 +37,7 @@ class CompileStats:
     num_aot_tasks: int
     num_barriers: int
     seconds: dict[str, float] = field(default_factory=dict)
+    placement: dict[str, int] = field(default_factory=dict)  # the tables' meta["placement"]
 
     @property
     def dummy_share(self) -> float:
@@ -48,6 +51,8 @@ class CompileStats:
             f"events: {self.events_before_fusion} before fusion (one per edge) -> "
             f"{self.events_after_fusion} after fusion -> {self.events_after_normalization} after normalization",
             f"launch modes: {self.num_jit_tasks} JIT, {self.num_aot_tasks} AOT; {self.num_barriers} global barriers",
+            f"placement: {self.placement.get('num_workers')} workers, {self.placement.get('scheduler_ctas')} "
+            f"scheduler CTAs ({self.placement.get('scheduler_warps')} scheduler warps)",
             "compile time: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.seconds.items()),
             "tasks per op:",
         ]
@@ -66,8 +71,13 @@ class CompiledGraph:
 
 def compile_graph(graph: OpGraph, num_workers: int = 128,
                   partition: Mapping[str, PartitionSpec] | None = None,
-                  options: Mapping[str, Any] | None = None) -> CompiledGraph:
-    """Run compiler steps 1–7 on ``graph``; deterministic in its inputs."""
+                  options: Mapping[str, Any] | None = None, scheduler_ctas: int | None = None,
+                  fill_sms: int | None = None) -> CompiledGraph:
+    """Run compiler steps 1–7 on ``graph``; deterministic in its inputs. ``num_workers`` sizes
+    the default partitioning and is the launch's worker count, unless ``fill_sms`` is given:
+    then every one of those SMs not taken by scheduler CTAs is a worker; ``scheduler_ctas``
+    (None: 4 when the graph has JIT tasks, else 0) the launch's scheduler CTAs
+    (mpk.compiler.place)."""
     seconds: dict[str, float] = {}
 
     def timed(name, fn, *args):
@@ -83,7 +93,9 @@ def compile_graph(graph: OpGraph, num_workers: int = 128,
     timed("normalize", normalize, tg)
     timed("linearize", linearize, tg)
     timed("modes", assign_modes, tg)
-    tables = timed("emit", emit, tg, dict(options or {}, num_workers=num_workers))
+    timed("place", place, tg, num_workers, scheduler_ctas, fill_sms)
+    tables = timed("emit", emit, tg, dict(options or {}, num_workers=num_workers, scheduler_ctas=scheduler_ctas,
+                                          fill_sms=fill_sms))
     num_dummy = sum(1 for o in tg.task_op if o == DUMMY)
     jit = sum(tg.jit)
     stats = CompileStats(
@@ -93,6 +105,6 @@ def compile_graph(graph: OpGraph, num_workers: int = 128,
         num_pruned_edges=tg.num_pruned_edges,
         events_before_fusion=tg.events_before_fusion, events_after_fusion=tg.events_after_fusion,
         events_after_normalization=len(tg.events), num_jit_tasks=jit, num_aot_tasks=tg.num_tasks - jit,
-        num_barriers=sum(tg.barrier), seconds=seconds,
+        num_barriers=sum(tg.barrier), seconds=seconds, placement=dict(tables.meta["placement"]),
     )
     return CompiledGraph(graph, tg, tables, stats)

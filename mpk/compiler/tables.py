@@ -1,7 +1,7 @@
 """Step 7 — emit: the flat, versioned tables. THE contract between the compiler and both
 executors (the persistent GPU kernel and the CPU interpreter); nothing else crosses over.
 
-Layout, version 1 (little-endian, all ids 0-based, task/event ids are linear positions):
+Layout, version 2 (little-endian, all ids 0-based, task/event ids are linear positions):
 
 ``tasks`` (TASK_DTYPE, 20 bytes per task)
     op          int32   index into ``ops``, or -1 for a dummy task (no work)
@@ -24,8 +24,18 @@ Layout, version 1 (little-endian, all ids 0-based, task/event ids are linear pos
 ``views`` (VIEW_DTYPE): buffer, ndim, offset, shape[MAX_DIMS], strides[MAX_DIMS] in elements
     over the contiguous buffer.
 ``op_inputs`` int32, ``bounds`` int64.
+``worker_offsets`` int32 [num_workers + 1], ``worker_tasks`` int32 (step 7a, place): worker w
+    runs the AOT tasks ``worker_tasks[worker_offsets[w]:worker_offsets[w + 1]]`` in that order,
+    each once its dep_event fired; a worker whose head task waits runs none of its later ones.
+    Every AOT task appears exactly once, no JIT task appears, and each queue is in increasing
+    linear order (so no worker waits on a task queued behind it). JIT tasks run on any worker.
 ``meta`` (JSON): version, start/end event ids, per-op kind / name / attrs / source, buffer
-    names, graph outputs (view id or a JSON constant), the options that shaped the tables.
+    names, graph outputs (view id or a JSON constant), the options that shaped the tables, and
+    ``placement``: ``num_workers`` (worker CTAs, ids 0…num_workers−1), ``scheduler_ctas`` (CTAs
+    launched after the workers, each with mpk.compiler.place.SCHED_WARPS_PER_CTA scheduler
+    warps) and ``scheduler_warps`` (those that own workers: warp s hands JIT tasks to workers
+    w ≡ s mod scheduler_warps; ≥ 1 when there are JIT tasks). One launch is num_workers +
+    scheduler_ctas co-resident CTAs; executors run this placement and decide none of their own.
 
 ``Tables.to_bytes`` is deterministic (no timestamps, sorted JSON), so equal inputs give
 byte-identical tables; ``digest`` is its sha256.
@@ -41,12 +51,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpk.compiler.taskgraph import DUMMY, TaskGraph
+from mpk.compiler.taskgraph import TaskGraph
 from mpk.errors import CompileError
 from mpk.ir.views import View
 from mpk.ops import get_op
 
-TABLES_VERSION = 1
+TABLES_VERSION = 2
 MAX_DIMS = 8
 MAGIC = b"MPKTBL01"
 FLAG_JIT = 1
@@ -69,7 +79,8 @@ BUFFER_DTYPE = np.dtype([("role", "<i4"), ("dtype", "<i4"), ("ndim", "<i4"), ("s
 VIEW_DTYPE = np.dtype([("buffer", "<i4"), ("ndim", "<i4"), ("offset", "<i8"), ("shape", "<i8", (MAX_DIMS,)),
                        ("strides", "<i8", (MAX_DIMS,))])
 ARRAYS = {"tasks": TASK_DTYPE, "events": EVENT_DTYPE, "ops": OP_DTYPE, "buffers": BUFFER_DTYPE,
-          "views": VIEW_DTYPE, "op_inputs": np.dtype("<i4"), "bounds": np.dtype("<i8")}
+          "views": VIEW_DTYPE, "op_inputs": np.dtype("<i4"), "bounds": np.dtype("<i8"),
+          "worker_offsets": np.dtype("<i4"), "worker_tasks": np.dtype("<i4")}
 
 
 @dataclass
@@ -81,6 +92,8 @@ class Tables:
     views: np.ndarray
     op_inputs: np.ndarray
     bounds: np.ndarray
+    worker_offsets: np.ndarray
+    worker_tasks: np.ndarray
     meta: dict[str, Any]
 
     @property
@@ -90,6 +103,23 @@ class Tables:
     @property
     def end_event(self) -> int:
         return self.meta["end_event"]
+
+    @property
+    def num_workers(self) -> int:
+        return int(self.meta["placement"]["num_workers"])
+
+    @property
+    def scheduler_ctas(self) -> int:
+        return int(self.meta["placement"]["scheduler_ctas"])
+
+    @property
+    def scheduler_warps(self) -> int:
+        return int(self.meta["placement"]["scheduler_warps"])
+
+    def worker_queues(self) -> list[list[int]]:
+        """Each worker's AOT tasks in the order it runs them."""
+        off = self.worker_offsets
+        return [self.worker_tasks[off[w]: off[w + 1]].tolist() for w in range(self.num_workers)]
 
     def to_bytes(self) -> bytes:
         header = json.dumps({"meta": self.meta, "counts": {k: len(getattr(self, k)) for k in ARRAYS}},
@@ -127,7 +157,17 @@ def _json_value(x):
 
 
 def emit(tg: TaskGraph, options: dict[str, Any] | None = None) -> Tables:
+    """The tables of ``tg`` after steps 1–6 and 7a. A task graph not placed yet is placed here
+    with ``options``' num_workers and scheduler_ctas, as CompileOptions defaults them (without
+    num_workers the launch fills the device)."""
     graph = tg.graph
+    if tg.placement is None:
+        from mpk.compiler.place import place
+        from mpk.options import default_num_workers, device_sms
+
+        opts = options or {}
+        n, sched = opts.get("num_workers"), opts.get("scheduler_ctas")
+        place(tg, n or default_num_workers(sched), sched, None if n else device_sms())
     new_task = {old: new for new, old in enumerate(tg.task_order)}
     new_event = {old: new for new, old in enumerate(tg.event_order)}
 
@@ -202,9 +242,11 @@ def emit(tg: TaskGraph, options: dict[str, Any] | None = None) -> Tables:
         "buffers": [{"name": b.name, "is_param": b.is_param} for b in graph.buffers],
         "outputs": outputs,
         "options": _json_value(options or {}),
+        "placement": tg.placement.meta(),
     }
     return Tables(tasks, events, ops, buffers, view_arr, np.array(op_inputs, "<i4"),
-                  np.array(bounds, "<i8"), meta)
+                  np.array(bounds, "<i8"), tg.placement.worker_offsets.astype("<i4"),
+                  tg.placement.worker_tasks.astype("<i4"), meta)
 
 
 def view_of(flat: torch.Tensor, shape, strides, offset: int) -> torch.Tensor:
@@ -274,3 +316,45 @@ def validate(tables: Tables) -> None:
         e = int(np.nonzero(np.diff(firsts) < 0)[0][0]) + 1
         raise CompileError(f"event {e} launches from task {int(firsts[e])}, before event {e - 1}'s range: events "
                            "must be numbered in linear order (the GPU schedulers rely on it)")
+    validate_placement(tables)
+
+
+def validate_placement(tables: Tables) -> None:
+    """Check the placement (step 7a) against the tasks: counts in range, worker_offsets a CSR
+    over worker_tasks, every AOT task queued exactly once, no JIT task queued, each queue in
+    increasing linear order; raises CompileError naming the offending worker or task."""
+    from mpk.compiler.place import MAX_WORKERS_PER_SCHEDULER, SCHED_WARPS_PER_CTA
+
+    p = tables.meta.get("placement")
+    if not isinstance(p, dict) or {"num_workers", "scheduler_ctas", "scheduler_warps"} - set(p):
+        raise CompileError(f"the tables' meta has no placement (num_workers, scheduler_ctas, scheduler_warps): {p!r}")
+    W, C, S = tables.num_workers, tables.scheduler_ctas, tables.scheduler_warps
+    n_jit = int(((tables.tasks["flags"] & FLAG_JIT) != 0).sum())
+    if W < 1 or C < 0 or not 0 <= S <= min(C * SCHED_WARPS_PER_CTA, W):
+        raise CompileError(f"placement of {W} workers, {C} scheduler CTAs, {S} scheduler warps: expected "
+                           f"num_workers >= 1 and 0 <= scheduler_warps <= min({SCHED_WARPS_PER_CTA}·scheduler_ctas, "
+                           "num_workers)")
+    if n_jit and S < 1:
+        raise CompileError(f"{n_jit} JIT tasks but no scheduler warp to hand them out")
+    if S and -(-W // S) > MAX_WORKERS_PER_SCHEDULER:
+        raise CompileError(f"{W} workers over {S} scheduler warps exceeds {MAX_WORKERS_PER_SCHEDULER} per warp")
+    off, queued = tables.worker_offsets, tables.worker_tasks
+    if len(off) != W + 1 or (len(off) and (off[0] != 0 or off[-1] != len(queued))) or (np.diff(off) < 0).any():
+        raise CompileError(f"worker_offsets {off[:8].tolist()}… is not a CSR over {len(queued)} queued tasks "
+                           f"for {W} workers (length {W + 1}, from 0, non-decreasing, to {len(queued)})")
+    n = len(tables.tasks)
+    if len(queued) and (queued.min() < 0 or queued.max() >= n):
+        raise CompileError(f"worker_tasks holds task {int(queued.min() if queued.min() < 0 else queued.max())} "
+                           f"outside the {n} tasks")
+    times = np.bincount(queued, minlength=n) if n else np.zeros(0, int)
+    jit = (tables.tasks["flags"] & FLAG_JIT) != 0
+    for t in np.nonzero((times != (~jit).astype(int)))[0][:1].tolist():
+        what = "a JIT task" if jit[t] else "an AOT task"
+        raise CompileError(f"task {t} is {what} and is queued on {int(times[t])} workers; expected "
+                           f"{0 if jit[t] else 1}")
+    for w in range(W):
+        q = queued[off[w]: off[w + 1]]
+        if len(q) > 1 and (np.diff(q) <= 0).any():
+            i = int(np.nonzero(np.diff(q) <= 0)[0][0])
+            raise CompileError(f"worker {w} queues task {int(q[i])} before task {int(q[i + 1])}: queues must be "
+                               "in increasing linear order (a worker could wait on a task queued behind it)")

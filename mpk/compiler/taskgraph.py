@@ -1,8 +1,9 @@
-"""The compiler's task-graph IR (what steps 1–6 build up before step 7 flattens it)."""
+"""The compiler's task-graph IR (what steps 1–7a build up before step 7 flattens it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from mpk.ir.opgraph import OpGraph
 from mpk.ir.regions import Rect, tile_rect
@@ -59,6 +60,7 @@ class TaskGraph:
     event_order: list[int] = field(default_factory=list)
     jit: list[bool] = field(default_factory=list)  # step 6, per task (old ids)
     barrier: list[bool] = field(default_factory=list)  # step 6, per event (old ids)
+    placement: Any = None  # step 7a: mpk.compiler.place.Placement, in linear task ids
 
     @property
     def num_tasks(self) -> int:

@@ -22,7 +22,17 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from mpk.compiler.tables import FLAG_JIT, ROLE_INPUT, Tables, buffer_layouts, check_argument, validate, view_of
+from mpk.compiler.place import SCHED_WARPS_PER_CTA
+from mpk.compiler.tables import (
+    FLAG_JIT,
+    ROLE_INPUT,
+    Tables,
+    buffer_layouts,
+    check_argument,
+    validate,
+    validate_placement,
+    view_of,
+)
 from mpk.errors import BadInputError, ExecutorUnavailableError, MpkError, WatchdogTimeout, bad_input_message
 from mpk.executors import cuda_driver as drv
 from mpk.executors.build import build_cubin
@@ -30,10 +40,7 @@ from mpk.executors.codegen import aligned_inputs, dynamic_smem_bytes, generate
 
 THREADS = 256
 PROFILE_WORDS = 5  # runtime/mpk_runtime/types.cuh: ProfileRecord, in 8-byte words
-SCHED_WARPS_PER_CTA = 4
-SCHEDULER_CTAS = 4  # scheduler CTAs of a graph with JIT tasks, by default
 STATUS_WORDS = 8  # runtime/mpk_runtime/types.cuh: StatusWord
-MAX_WORKERS_PER_SCHEDULER = 136  # runtime/mpk_runtime/persistent.cuh: kMaxWorkersPerScheduler
 EVENT_HAS_JIT, EVENT_ALL_JIT, EVENT_LOCAL_JIT = 2, 4, 8
 # What executors dropped while their last launch ran still own (module, mapped status words,
 # buffers), with that launch's done-event: kept until the event completes, since the kernel
@@ -46,7 +53,7 @@ def _release_dropped() -> None:
 
 
 # what a bind records of each argument, taken by C-level passes over the arguments (map): a
-# decode step has a few hundred, and a Python loop over them cost 0.05–0.2 ms of each launch
+# decode step has a few hundred, and a Python loop over them would be a visible share of each launch
 _KEYS = (torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.stride, operator.attrgetter("dtype"))
 
 
@@ -82,43 +89,126 @@ def _dev(a: np.ndarray, device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a).view(np.uint8).copy()).to(device)
 
 
-class GpuExecutor:
-    """Runs ``tables`` as one persistent kernel on the current CUDA device.
+def check_device_fits(tables: Tables, sms: int, device: str = "the device") -> None:
+    """ExecutorUnavailableError unless the tables' workers and scheduler CTAs fit one
+    cooperative launch on ``sms`` SMs (one resident CTA per SM: the kernel is built for it)."""
+    W, C = tables.num_workers, tables.scheduler_ctas
+    if W + C <= sms:
+        return
+    fix = f"compile with options num_workers <= {sms - C}" if sms > C else "compile with fewer scheduler_ctas"
+    if C and sms > C:
+        fix += f" (or fewer scheduler_ctas than {C})"
+    raise ExecutorUnavailableError(
+        f"the tables place {W} workers + {C} scheduler CTAs = {W + C} CTAs in one cooperative launch, but "
+        f"{device} has {sms} SMs (one resident CTA each); {fix}")
 
-    ``num_workers``: worker CTAs (default: SMs − scheduler CTAs); ``scheduler_ctas``: CTAs
-    holding 4 scheduler warps each (default: 4 when the graph has JIT tasks, the seed layout of
-    128 workers + 16 schedulers on a 132-SM H100; none without, where every SM is a worker);
-    ``profile``: record per-task spans; ``timeout_s``: watchdog limit;
-    ``debug``: build with bounded spins (a hang traps instead of spinning forever);
-    ``local_jit``: an event whose only task is a JIT task hands it to the worker that fired it
-    rather than to a scheduler (default; False sends every JIT task through the schedulers).
+
+def jit_ring_capacity(jit_events: np.ndarray, num_workers: int, active_schedulers: int) -> int:
+    """Pushes one worker's ring can receive in one iteration, at most: a scheduler hands each
+    of its workers at most one task per chunk of min(its workers, 32) tasks of an event."""
+    S, W = active_schedulers, num_workers
+    spans = (jit_events[:, 2] - jit_events[:, 1]).astype(np.int64)
+    worst = 0
+    for s in range(S):
+        mine = (W - s + S - 1) // S
+        count = np.where(spans > s, (spans - s + S - 1) // S, 0)
+        worst = max(worst, int((-(-count // min(mine, 32))).sum()))
+    return _pow2(worst)
+
+
+class HostLayout:
+    """The tables in the device structs' layout (runtime/mpk_runtime/types.cuh), as host
+    arrays: a format change only; the placement is the tables' (``aot_offsets`` and the tasks
+    of ``aot_entries`` are ``worker_offsets`` and ``worker_tasks``)."""
+
+    def __init__(self, t: Tables, local_jit: bool = True):
+        validate_placement(t)
+        n_tasks, n_events = len(t.tasks), len(t.events)
+        jit = (t.tasks["flags"] & FLAG_JIT) != 0
+        events = t.events.copy()
+        for e in range(n_events):
+            lo, hi = int(events[e]["first_task"]), int(events[e]["last_task"])
+            if jit[lo:hi].any():
+                events[e]["flags"] |= EVENT_HAS_JIT
+            if hi > lo and jit[lo:hi].all():
+                events[e]["flags"] |= EVENT_ALL_JIT
+            # one JIT task: the worker whose arrival fires the event runs it (no scheduler hops);
+            # not the start event, which the host announces to the schedulers
+            if local_jit and hi - lo == 1 and jit[lo] and e != t.start_event:
+                events[e]["flags"] |= EVENT_LOCAL_JIT
+        self.num_workers, self.scheduler_ctas = t.num_workers, t.scheduler_ctas
+        self.num_schedulers = t.scheduler_ctas * SCHED_WARPS_PER_CTA  # warps launched (status rows)
+        self.active_schedulers = t.scheduler_warps  # the ones that own workers
+        self.any_jit = bool(jit.any())
+        self.events = events  # with the flags the host sets (types.cuh: EventDesc)
+        self.aot_offsets = t.worker_offsets.astype(np.int32)
+        # JIT events (types.cuh: JitEvent) in event order; EventRef.jit_index points into them
+        jit_ids = np.nonzero(events["flags"] & EVENT_HAS_JIT)[0]
+        jit_index = np.full(n_events, -1, np.int32)
+        jit_index[jit_ids] = np.arange(len(jit_ids), dtype=np.int32)
+        jit_events = np.zeros((max(1, len(jit_ids)), 4), np.int32)
+        jit_events[: len(jit_ids), 0] = jit_ids
+        jit_events[: len(jit_ids), 1] = events["first_task"][jit_ids]
+        jit_events[: len(jit_ids), 2] = events["last_task"][jit_ids]
+        jit_events[: len(jit_ids), 3] = events["flags"][jit_ids].astype(np.int32)
+        self.jit_events, self.num_jit_events = jit_events, len(jit_ids)
+        self.start_jit_index = int(jit_index[t.start_event])
+        # TaskInfo (12 int32: task, op, tile, iter (0: set at run time), then the trigger event's
+        # EventRef: id, num_triggers, first, last, flags, jit_index, pad×2) and AotEntry (TaskInfo,
+        # dep, dep's num_triggers, pad×2)
+        infos = np.zeros((max(1, n_tasks), 12), np.int32)
+        if n_tasks:
+            trig = t.tasks["trig_event"]
+            infos[:n_tasks, 0], infos[:n_tasks, 1], infos[:n_tasks, 2] = np.arange(n_tasks), t.tasks["op"], t.tasks["tile"]
+            infos[:n_tasks, 4], infos[:n_tasks, 5] = trig, events["num_triggers"][trig]
+            infos[:n_tasks, 6], infos[:n_tasks, 7] = events["first_task"][trig], events["last_task"][trig]
+            infos[:n_tasks, 8] = events["flags"][trig].astype(np.int32)
+            infos[:n_tasks, 9] = jit_index[trig]
+        order = t.worker_tasks.astype(np.int64)
+        entries = np.zeros((max(1, len(order)), 16), np.int32)
+        if len(order):
+            dep = t.tasks["dep_event"][order]
+            entries[: len(order), :12] = infos[order]
+            entries[: len(order), 12], entries[: len(order), 13] = dep, events["num_triggers"][dep]
+        self.task_infos, self.aot_entries = infos, entries
+        W, S = self.num_workers, self.active_schedulers
+        self.jit_capacity = jit_ring_capacity(jit_events[: self.num_jit_events], W, S)
+
+    def worker_queues(self) -> list[list[int]]:
+        """Each worker's AOT tasks in the order the kernel runs them (from the device arrays)."""
+        off = self.aot_offsets
+        return [self.aot_entries[off[w]: off[w + 1], 0].tolist() for w in range(self.num_workers)]
+
+
+class GpuExecutor:
+    """Runs ``tables`` as one persistent kernel on the current CUDA device, with the tables'
+    placement: ``tables.num_workers`` worker CTAs, each running its queue of AOT tasks, and
+    ``tables.scheduler_ctas`` CTAs of scheduler warps (mpk/compiler/place.py decides them; to
+    run another placement, compile or re-place the tables with
+    ``mpk.compiler.place.place_tables``). ``profile``: record per-task spans; ``timeout_s``:
+    watchdog limit; ``debug``: build with bounded spins (a hang traps instead of spinning
+    forever); ``local_jit``: an event whose only task is a JIT task hands it to the worker that
+    fired it rather than to a scheduler (default; False sends every JIT task through the
+    schedulers).
     """
 
-    def __init__(self, tables: Tables, num_workers: int | None = None, scheduler_ctas: int | None = None,
-                 profile: bool = False, profile_capacity: int = 1 << 16, timeout_s: float = 30.0,
-                 debug: bool = False, arch: str | None = None, validate_tables: bool = True,
-                 tile_kernel: bool = False, local_jit: bool = True):
+    def __init__(self, tables: Tables, profile: bool = False, profile_capacity: int = 1 << 16,
+                 timeout_s: float = 30.0, debug: bool = False, arch: str | None = None,
+                 validate_tables: bool = True, tile_kernel: bool = False, local_jit: bool = True):
         if not torch.cuda.is_available():
             raise ExecutorUnavailableError("the gpu executor needs a CUDA device; use executor='cpu'")
         if validate_tables:
             validate(tables)
-        for name, value, least in (("num_workers", num_workers, 1), ("scheduler_ctas", scheduler_ctas, 0)):
-            if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
-                raise MpkError(f"{name}={value!r}; expected None or an integer >= {least}")
         if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
             raise MpkError(f"timeout_s={timeout_s!r}; expected a finite number of seconds > 0")
         if profile and not (isinstance(profile_capacity, int) and profile_capacity > 0):
             raise MpkError(f"profile_capacity={profile_capacity!r}; expected an integer > 0 (records per worker)")
-        has_jit = bool((tables.tasks["flags"] & FLAG_JIT).any())
-        if scheduler_ctas is None:  # schedulers only hand out JIT tasks: without any, every SM works
-            scheduler_ctas = SCHEDULER_CTAS if has_jit else 0
-        if has_jit and scheduler_ctas < 1:
-            raise MpkError(f"the graph has JIT tasks, which scheduler warps hand out; got "
-                           f"scheduler_ctas={scheduler_ctas}, expected >= 1 (or None: 4)")
         self.t, self.timeout_s, self.device = tables, timeout_s, torch.device("cuda", torch.cuda.current_device())
         self.local_jit = local_jit
         self._context = torch.empty(1, device=self.device)  # the driver calls below need a current context
         props = torch.cuda.get_device_properties(self.device)
+        check_device_fits(tables, props.multi_processor_count, f"{props.name} (cuda:{self.device.index})")
+        self.layout = HostLayout(tables, local_jit)
         if arch is None:
             major, minor = props.major, props.minor
             arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
@@ -133,81 +223,29 @@ class GpuExecutor:
         if drv.max_blocks_per_sm(self.kernel, THREADS, self.smem) < 1:
             raise MpkError(f"the persistent kernel cannot fit one CTA per SM (registers/shared memory; "
                            f"{self.smem} bytes of dynamic shared memory)")
-        sms = props.multi_processor_count
-        self.scheduler_ctas = scheduler_ctas
-        self.num_workers = num_workers if num_workers is not None else sms - scheduler_ctas
-        self.grid = self.num_workers + scheduler_ctas
-        if self.num_workers < 1 or self.grid > sms:
-            raise MpkError(f"{self.num_workers} workers + {scheduler_ctas} scheduler CTAs = {self.grid} CTAs, but the "
-                           f"device has {sms} SMs (a cooperative launch needs every CTA resident)")
-        self.num_schedulers = scheduler_ctas * SCHED_WARPS_PER_CTA
+        self.num_workers, self.scheduler_ctas = tables.num_workers, tables.scheduler_ctas
+        self.grid = self.num_workers + self.scheduler_ctas
+        self.num_schedulers = self.layout.num_schedulers
         self._setup(profile, profile_capacity)
 
     # --- device state ---------------------------------------------------------------------
     def _setup(self, profile: bool, profile_capacity: int) -> None:
-        t, dev = self.t, self.device
-        n_tasks, n_events = len(t.tasks), len(t.events)
-        jit = (t.tasks["flags"] & FLAG_JIT) != 0
-        events = t.events.copy()
-        for e in range(n_events):
-            lo, hi = int(events[e]["first_task"]), int(events[e]["last_task"])
-            if jit[lo:hi].any():
-                events[e]["flags"] |= EVENT_HAS_JIT
-            if hi > lo and jit[lo:hi].all():
-                events[e]["flags"] |= EVENT_ALL_JIT
-            # one JIT task: the worker whose arrival fires the event runs it (no scheduler hops);
-            # not the start event, which the host announces to the schedulers
-            if self.local_jit and hi - lo == 1 and jit[lo] and e != t.start_event:
-                events[e]["flags"] |= EVENT_LOCAL_JIT
-        # AOT tasks are placed round-robin in linear order, as the CPU interpreter does.
-        aot = np.nonzero(~jit)[0].astype(np.int32)
-        per_worker = [aot[w::self.num_workers] for w in range(self.num_workers)]
-        offsets = np.zeros(self.num_workers + 1, np.int32)
-        offsets[1:] = np.cumsum([len(p) for p in per_worker])
-        self.any_jit = bool(jit.any())
+        t, dev, lay = self.t, self.device, self.layout
+        n_events = len(t.events)
+        self.any_jit = lay.any_jit
         W, S = self.num_workers, self.num_schedulers
         i64 = dict(dtype=torch.int64, device=dev)
         self.d_tasks = _dev(t.tasks, dev)
-        self.events = events  # with the flags the host sets (types.cuh: EventDesc)
-        self.d_events = _dev(events, dev)
-        self.d_aot_offsets = torch.from_numpy(offsets).to(dev)
-        # JIT events (types.cuh: JitEvent) in event order; EventRef.jit_index points into them
-        jit_ids = np.nonzero(events["flags"] & EVENT_HAS_JIT)[0]
-        jit_index = np.full(n_events, -1, np.int32)
-        jit_index[jit_ids] = np.arange(len(jit_ids), dtype=np.int32)
-        jit_events = np.zeros((max(1, len(jit_ids)), 4), np.int32)
-        jit_events[: len(jit_ids), 0] = jit_ids
-        jit_events[: len(jit_ids), 1] = events["first_task"][jit_ids]
-        jit_events[: len(jit_ids), 2] = events["last_task"][jit_ids]
-        jit_events[: len(jit_ids), 3] = events["flags"][jit_ids].astype(np.int32)
-        self.num_jit_events = len(jit_ids)
-        self.start_jit_index = int(jit_index[t.start_event])
-        # TaskInfo (12 int32: task, op, tile, iter (0: set at run time), then the trigger event's
-        # EventRef: id, num_triggers, first, last, flags, jit_index, pad×2) and AotEntry (TaskInfo,
-        # dep, dep's num_triggers, pad×2)
-        infos = np.zeros((max(1, n_tasks), 12), np.int32)
-        if n_tasks:
-            trig = t.tasks["trig_event"]
-            infos[:n_tasks, 0], infos[:n_tasks, 1], infos[:n_tasks, 2] = np.arange(n_tasks), t.tasks["op"], t.tasks["tile"]
-            infos[:n_tasks, 4], infos[:n_tasks, 5] = trig, events["num_triggers"][trig]
-            infos[:n_tasks, 6], infos[:n_tasks, 7] = events["first_task"][trig], events["last_task"][trig]
-            infos[:n_tasks, 8] = events["flags"][trig].astype(np.int32)
-            infos[:n_tasks, 9] = jit_index[trig]
-        order = np.concatenate(per_worker + [np.zeros(0, np.int32)])
-        entries = np.zeros((max(1, len(order)), 16), np.int32)
-        if len(order):
-            dep = t.tasks["dep_event"][order]
-            entries[: len(order), :12] = infos[order]
-            entries[: len(order), 12], entries[: len(order), 13] = dep, events["num_triggers"][dep]
-        self.d_task_infos = torch.from_numpy(infos).to(dev)
-        self.d_aot_entries = torch.from_numpy(entries).to(dev)
-        self.d_jit_events = torch.from_numpy(jit_events).to(dev)
+        self.events = lay.events  # with the flags the host sets (types.cuh: EventDesc)
+        self.d_events = _dev(lay.events, dev)
+        self.d_aot_offsets = torch.from_numpy(lay.aot_offsets).to(dev)
+        self.num_jit_events, self.start_jit_index = lay.num_jit_events, lay.start_jit_index
+        self.d_task_infos = torch.from_numpy(lay.task_infos).to(dev)
+        self.d_aot_entries = torch.from_numpy(lay.aot_entries).to(dev)
+        self.d_jit_events = torch.from_numpy(lay.jit_events).to(dev)
         # Everything reset before each launch lives in one zeroed block.
-        self.active_schedulers = min(S, W)
-        if self.active_schedulers and -(-W // self.active_schedulers) > MAX_WORKERS_PER_SCHEDULER:
-            raise MpkError(f"{W} workers over {self.active_schedulers} schedulers exceeds "
-                           f"{MAX_WORKERS_PER_SCHEDULER} workers per scheduler; add scheduler CTAs")
-        self.jit_capacity = self._jit_ring_capacity(jit_events[: self.num_jit_events])
+        self.active_schedulers = lay.active_schedulers
+        self.jit_capacity = lay.jit_capacity
         self._zero_layout = {"counters": n_events, "mailbox": self.active_schedulers * max(1, self.num_jit_events),
                              "jit_seq": W * self.jit_capacity, "jit_head": 16 * W, "done": 1, "profile_count": W}
         self.d_zero = torch.zeros(sum(self._zero_layout.values()), **i64)
@@ -275,18 +313,6 @@ class GpuExecutor:
                                       int(v["offset"]), t.buffers[b]["role"] == ROLE_INPUT))
         self.args = self._make_args()  # passed by value at launch (a __grid_constant__ parameter)
         self._launch_params = drv.param_array([self.args])
-
-    def _jit_ring_capacity(self, jit_events: np.ndarray) -> int:
-        """Pushes one worker's ring can receive in one iteration, at most: a scheduler hands each
-        of its workers at most one task per chunk of min(its workers, 32) tasks of an event."""
-        S, W = self.active_schedulers, self.num_workers
-        spans = (jit_events[:, 2] - jit_events[:, 1]).astype(np.int64)
-        worst = 0
-        for s in range(S):
-            mine = (W - s + S - 1) // S
-            count = np.where(spans > s, (spans - s + S - 1) // S, 0)
-            worst = max(worst, int((-(-count // min(mine, 32))).sum()))
-        return _pow2(worst)
 
     def _make_args(self) -> _Args:
         """The kernel's arguments, built once: a launch sets only ``iterations`` and ``epoch``

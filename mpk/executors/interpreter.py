@@ -5,11 +5,12 @@ checks the compiler through the same contract the GPU kernel uses:
 
 * events are counters that are never reset; in iteration k an event fires at k·num_triggers
   arrivals and releases its task range;
-* AOT tasks are pre-placed round-robin on ``num_workers`` queues and run in queue order, each
-  once its dependent event fired (a worker blocks on its queue head, as on the GPU); JIT tasks
-  run on any worker once released;
-* among everything runnable the next task is drawn at random (seeded), so repeated runs explore
-  different legal schedules;
+* AOT tasks run on the workers the tables place them on (``worker_tasks``), in each worker's
+  queue order, each once its dependent event fired: a worker whose head task waits runs none
+  of its later ones, as on the GPU; JIT tasks run on any worker once released;
+* among everything runnable (the ready heads of the workers' queues and the released JIT
+  tasks) the next task is drawn at random (seeded), so repeated runs explore different legal
+  schedules of the one placement;
 * each tile is computed with PyTorch from exactly the input slices its op kind declares.
 
 It fails loudly: ``DeadlockError`` when tasks remain and none can run, ``RaceError`` when a task
@@ -46,14 +47,18 @@ class _Op:
 
 
 class Interpreter:
-    """Executes ``tables`` on the CPU. ``check_races`` adds per-element write tracking;
-    ``validate_tables`` checks the structural invariants first (off only to study broken tables)."""
+    """Executes ``tables`` on the CPU with their placement (``tables.num_workers`` workers).
+    ``check_races`` adds per-element write tracking; ``validate_tables`` checks the structural
+    invariants first (off only to study broken tables). After a run, ``schedule`` lists what
+    ran in order as (iteration, task, worker), worker -1 for a JIT task."""
 
-    def __init__(self, tables: Tables, num_workers: int = 8, check_races: bool = True,
-                 validate_tables: bool = True):
+    def __init__(self, tables: Tables, check_races: bool = True, validate_tables: bool = True):
         if validate_tables:
             validate(tables)
-        self.t, self.num_workers, self.check_races = tables, num_workers, check_races
+        self.t, self.check_races = tables, check_races
+        self.num_workers = tables.num_workers
+        self.queues = tables.worker_queues()
+        self.schedule: list[tuple[int, int, int]] = []
         meta = tables.meta
         self.buf_shape, self.buf_dtype = buffer_layouts(tables)
         self.views = [(int(v["buffer"]), tuple(int(s) for s in v["shape"][: v["ndim"]]),
@@ -173,8 +178,13 @@ class Interpreter:
         bufs = self._bind(args)
         num_tasks = len(tasks)
         jit = (tasks["flags"] & FLAG_JIT) != 0
-        aot_ids = [t for t in range(num_tasks) if not jit[t]]
-        queues = [aot_ids[w::self.num_workers] for w in range(self.num_workers)]
+        queues = self.queues
+        owner = {t: w for w, q in enumerate(queues) for t in q}
+        unplaced = [t for t in range(num_tasks) if not jit[t] and t not in owner]
+        if unplaced:  # tables not validated: name it rather than fail on a lookup
+            raise ScheduleError(f"AOT {self._describe_task(unplaced[0])} is on no worker's queue "
+                                f"({len(unplaced)} such tasks): it can never run")
+        self.schedule = []
         counters = [0] * len(events)
         start, end = self.t.start_event, self.t.end_event
         for k in range(1, iterations + 1):
@@ -186,7 +196,6 @@ class Interpreter:
             done = 0
             heads = [0] * self.num_workers
             ready: list[tuple[int, int]] = []  # (task, worker or -1 for JIT)
-            owner = {t: w for w, q in enumerate(queues) for t in q}
 
             def fire(e: int):
                 lo, hi = int(events[e]["first_task"]), int(events[e]["last_task"])
@@ -209,6 +218,7 @@ class Interpreter:
                 if not ready:
                     raise DeadlockError(self._deadlock_report(k, released, counters, queues, heads, done))
                 t, w = ready.pop(rng.randrange(len(ready)))
+                self.schedule.append((k, t, w))
                 self._run_task(t, bufs, writer, k)
                 done += 1
                 if w >= 0:
@@ -251,6 +261,8 @@ class Interpreter:
                          f"{' …' if len(ts) > 6 else ''} ({self._describe_task(ts[0])})")
         blocked = [(w, q[heads[w]]) for w, q in enumerate(queues) if heads[w] < len(q) and not released[q[heads[w]]]]
         for w, t in blocked[:10]:
+            behind = [u for u in queues[w][heads[w] + 1:] if released[u]]
             lines.append(f"  worker {w} blocked on AOT {self._describe_task(t)} waiting for event "
-                         f"{int(tasks[t]['dep_event'])}")
+                         f"{int(tasks[t]['dep_event'])}" + (f"; released tasks queued behind it: {behind[:6]}"
+                                                            f"{' …' if len(behind) > 6 else ''}" if behind else ""))
         return "\n".join(lines)

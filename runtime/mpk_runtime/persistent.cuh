@@ -22,6 +22,8 @@
 // the task next — it is free, and the task's inputs are ready — saving the two hops through a
 // scheduler and its ring.
 //
+// The host passes the tables' placement (mpk/compiler/place.py): worker w's AOT list is the
+// tables' worker_tasks[worker_offsets[w], worker_offsets[w+1]), the CTA counts are the tables'.
 // Scheduler warp s owns workers w ≡ s (mod active schedulers) and is the only producer of their
 // JIT rings. Its 32 lanes poll 32 consecutive mailbox slots (events in linear order, so an
 // event's prerequisites never lie beyond the window); for a fired event it takes every
@@ -42,7 +44,7 @@ constexpr int kMaxWorkersPerScheduler = 136;
 // A copy of the arguments in shared memory, for code that reaches them through a pointer: the
 // out-of-line functions and the gate. Inlined code reads the parameter bank directly; through a
 // pointer that bank is reached by generic loads that miss L1 (each hop's acquire invalidated
-// it): ~0.2 µs each, measured on the gate's wake-up.
+// it), which the gate's wake-up would wait for.
 __device__ __forceinline__ RuntimeArgs& shared_args() {
   __shared__ RuntimeArgs s_args;
   return s_args;
@@ -66,8 +68,8 @@ struct LocalTask {
 };
 
 // The arrival at an event that launches JIT tasks, or at the end event: out of line, so the
-// worker loop's inlined code stays small (inlined, it made decode steps, which have no JIT
-// task, 2–4% slower; out of line 0.4–1.2%, and a JIT hop costs ~0.35 µs more).
+// worker loop's inlined code stays small (register pressure there slows graphs without JIT
+// tasks; the call costs a JIT hop a little).
 __device__ __noinline__ LocalTask arrive_jit(const RuntimeArgs& a, const EventRef e, unsigned count, int iter) {
   const bool one = e.num_triggers == 1 && iter > 0;
   const bool local = e.flags & kEventLocalJit;
@@ -166,7 +168,7 @@ struct Pending {
 // The entry after a worker's AOT head, in shared memory: the worker's last warp copies it there
 // while a task runs (worker_loop). Loaded into thread 0's registers instead, it stalled thread 0
 // for the load's whole round trip on every task's way out — moving the value into a register
-// that survives the call into the task waits for the load (~0.3 µs a task, ncu).
+// that survives the call into the task waits for the load.
 __device__ __forceinline__ AotEntry& aot_next_slot() {
   __shared__ AotEntry s_next;
   return s_next;
@@ -331,8 +333,8 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
     // flight together; graphs without JIT tasks skip the peek.
     const unsigned long long peeked = a.any_jit ? jit.peek(jit_head) : 0;
     // Without JIT tasks the head starts gated anyway (below), and its gate polls after the
-    // task's first weight loads went out: polling here too put a round trip ahead of them
-    // (~1 µs between a task's end and its successor's loads).
+    // task's first weight loads went out: polling here too would put a round trip between a
+    // task's end and its successor's loads.
     const bool poll = aot_left && !known && (a.any_jit || aot.head.info.op < 0);
     const unsigned long long have = poll ? load_acquire(a.counters + aot.head.dep) : 0;
     if (a.any_jit && jit.try_pop(jit_head, t, peeked)) {
@@ -379,7 +381,7 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
   __shared__ InputGate s_gate;
   __shared__ bool s_gated;  // s_task started before its event fired: it waits on s_gate
   // The next AOT task's op constants and the slot they go to (-1: none): the last warp copies
-  // them while the task runs, 32 lanes at once (thread 0 alone took ~0.4 µs of the hop); and
+  // them while the task runs, 32 lanes at once (thread 0 alone would lengthen the hop); and
   // the AOT entry after that one into aot_next_slot (AotCursor), from s_pf_entry (null: none).
   __shared__ int s_pf_op, s_pf_slot;
   __shared__ const AotEntry* s_pf_entry;

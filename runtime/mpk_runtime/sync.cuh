@@ -16,7 +16,7 @@ __device__ __forceinline__ unsigned long long load_acquire(unsigned long long* p
 
 // Ring polls use relaxed loads issued together with a worker's other poll, and the poll that
 // succeeds is followed by one acquire fence; a lone poll (an AOT head's counter) is an acquire
-// load, which the measurements found cheaper than relaxed load + fence.
+// load, which is cheaper than a relaxed load + fence.
 __device__ __forceinline__ unsigned long long load_relaxed(unsigned long long* p) {
   return dev_atomic_u64(*p).load(cuda::memory_order_relaxed);
 }

@@ -1,4 +1,4 @@
-// Device-side mirror of the tables (mpk/compiler/tables.py, version 1) and the runtime state
+// Device-side mirror of the tables (mpk/compiler/tables.py, version 2) and the runtime state
 // one launch works on. Layouts here and in mpk/executors/gpu.py (ctypes) must agree.
 #pragma once
 #include <stdint.h>
@@ -46,7 +46,8 @@ struct __align__(16) TaskInfo {
   EventRef trig;
 };
 
-// A worker's AOT list entry (built by the host): the task plus the event it waits on.
+// A worker's AOT list entry (built by the host from the tables' placement): the task plus the
+// event it waits on.
 struct __align__(16) AotEntry {
   TaskInfo info;
   int dep, dep_triggers, pad[2];
@@ -57,8 +58,8 @@ struct ProfileRecord {
   int sm;
   unsigned long long start_ns;  // its inputs were ready (a gated task: its gate opened)
   unsigned long long end_ns;    // its closing barrier passed (before the arrival)
-  // builds with -DMPK_HOP_STAMPS only, else 0 (the stamps' code measured 3–4% slower decode
-  // steps at batch 16, H200, through the worker loop's register allocation): when the worker
+  // builds with -DMPK_HOP_STAMPS only, else 0 (the stamps' code costs the worker loop registers,
+  // so default builds leave it out): when the worker
   // had the task in hand (next_task returned) and when a gated task reached its gate
   unsigned long long ready_ns, gate_ns;
 };
@@ -73,8 +74,8 @@ struct RuntimeArgs {
   const TaskDesc* tasks;
   const EventDesc* events;
   unsigned long long* counters;      // per event; never reset within a launch
-  const int* aot_offsets;            // per worker CSR into aot_entries: [w, w+1)
-  const AotEntry* aot_entries;
+  const int* aot_offsets;            // per worker CSR into aot_entries: [w, w+1) (the tables' worker_offsets)
+  const AotEntry* aot_entries;       // the tables' worker_tasks, in queue order
   const TaskInfo* task_infos;        // per task (schedulers copy them into JIT rings)
   const JitEvent* jit_events;        // the events that launch JIT tasks; EventRef.jit_index indexes them
   unsigned long long* mailbox;       // active_schedulers × num_jit_events: iteration in which each fired

@@ -3,7 +3,8 @@
 Task families alone (tile-kernel wrapper) and the whole persistent kernel against eager PyTorch
 and the CPU interpreter on the op-level test graphs; a random-DAG stress of 10^5 tasks for
 100 iterations in one launch with per-task stamps checked on the host; every worker count;
-the watchdog's report on a planted never-firing event; the profiler's trace."""
+the watchdog's report on a planted never-firing event; the profiler's trace; the tables'
+placement is the one the kernel runs."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from mpk.errors import MpkError
+from mpk.compiler.place import DEFAULT_SCHEDULER_CTAS, place_tables
+from mpk.errors import ExecutorUnavailableError, OptionError
 from mpk.executors import Interpreter
 from mpk.executors.timeline import breakdown, timeline_svg
 from mpk.testing.decode import random_decode_step, random_decoder
@@ -111,10 +113,12 @@ def _check_stamps(preds, log, runs, iterations):
 def test_random_dag_stress_100k_tasks_100_iterations():
     iterations, n = 100, 100_000
     preds = random_dag(n, random.Random(2026))
-    tables = stamp_graph(preds, iterations, busy_ns=2000)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # no JIT task: no scheduler CTA by default, so every SM can be a worker
+    tables = place_tables(stamp_graph(preds, iterations, busy_ns=2000), sms)
     ex = _gpu(tables, timeout_s=120)
-    # no JIT task: no scheduler CTA, every SM is a worker
-    assert ex.scheduler_ctas == 0 and ex.num_workers == torch.cuda.get_device_properties(0).multi_processor_count
+    assert ex.scheduler_ctas == 0 and ex.num_workers == sms
+    assert ex.layout.worker_queues() == tables.worker_queues()
     clock, runs, log = stamp_inputs(tables, iterations, DEV)
     ex.run([clock, runs, log], iterations=iterations)
     _check_stamps(preds, log, runs, iterations)
@@ -128,12 +132,14 @@ def test_random_dag_stress_through_the_schedulers(local_jit):
     to the worker that fired it instead (a share of this DAG's events)."""
     iterations, n = 10, 20_000
     preds = random_dag(n, random.Random(2027))
-    tables = force_jit(stamp_graph(preds, iterations, busy_ns=500))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    jit_tables = force_jit(stamp_graph(preds, iterations, busy_ns=500))  # modes changed: placed again
+    tables = place_tables(jit_tables, sms - DEFAULT_SCHEDULER_CTAS)
     ex = _gpu(tables, timeout_s=120, local_jit=local_jit)
-    from mpk.executors.gpu import EVENT_LOCAL_JIT, SCHEDULER_CTAS
-    assert ex.scheduler_ctas == SCHEDULER_CTAS
-    with pytest.raises(MpkError, match="the graph has JIT tasks, which scheduler warps hand out"):
-        _gpu(tables, scheduler_ctas=0)
+    from mpk.executors.gpu import EVENT_LOCAL_JIT
+    assert ex.scheduler_ctas == DEFAULT_SCHEDULER_CTAS and ex.grid == sms
+    with pytest.raises(OptionError, match=r"scheduler_ctas=0, but the graph has \d+ JIT tasks"):
+        place_tables(jit_tables, sms, 0)
     assert ((ex.events["flags"] & EVENT_LOCAL_JIT) != 0).any() == local_jit
     clock, runs, log = stamp_inputs(tables, iterations, DEV)
     ex.run([clock, runs, log], iterations=iterations)
@@ -146,10 +152,19 @@ def test_every_worker_count_runs_to_completion():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for sched_ctas in (0, 1, 4):  # an AOT graph runs with scheduler CTAs or without
         for workers in sorted({1, 2, 7, 32, sms // 2, sms - sched_ctas}):
-            ex = _gpu(tables, num_workers=workers, scheduler_ctas=sched_ctas, timeout_s=60)
+            ex = _gpu(place_tables(tables, workers, sched_ctas), timeout_s=60)
+            assert (ex.num_workers, ex.scheduler_ctas) == (workers, sched_ctas)
             clock, runs, log = stamp_inputs(tables, 3, DEV)
             ex.run([clock, runs, log], iterations=3)
             _check_stamps(preds, log, runs, 3)
+
+
+def test_tables_placing_more_ctas_than_sms_are_refused():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tables = place_tables(stamp_graph(random_dag(50, random.Random(4)), 1), sms, 1)
+    with pytest.raises(ExecutorUnavailableError, match=rf"{sms} workers \+ 1 scheduler CTAs = {sms + 1} CTAs .* "
+                       rf"has {sms} SMs .* num_workers <= {sms - 1}"):
+        _gpu(tables)
 
 
 def test_watchdog_reports_a_never_firing_event_and_process_stays_usable():

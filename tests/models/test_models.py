@@ -67,10 +67,11 @@ def test_many_schedules_same_result():
     with torch.no_grad():
         ref = model(ids, cos, sin)
         _compile(model, num_workers=16)(ids, cos, sin)
+    from mpk.compiler.place import place_tables
     from mpk.executors import Interpreter
 
     compiled = COMPILED[-1]
-    interp = Interpreter(compiled.tables, num_workers=5)
+    interp = Interpreter(place_tables(compiled.tables, 5))
     flat = _flat_args(compiled, model, ids, cos, sin)
     outs = [interp.run(flat, seed=s)[0] for s in range(20)]
     for o in outs:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from mpk.compiler.place import place_tables
 from mpk.compiler.taskgraph import DUMMY
 from mpk.executors import Interpreter
 from mpk.inspection import compile_module
@@ -72,7 +73,7 @@ def test_shared_value_tiles_need_dummies():
     with torch.no_grad():
         ref = model(x)
     for seed in range(20):
-        out = Interpreter(compiled.tables, num_workers=3).run(_inputs(compiled, model, x), seed=seed)[0]
+        out = Interpreter(place_tables(compiled.tables, 3)).run(_inputs(compiled, model, x), seed=seed)[0]
         assert relative_error(out, ref) <= 1e-5
 
 

@@ -56,8 +56,13 @@ def test_tables_round_trip():
     tables = compile_module(model, args, {"num_workers": 8}).tables
     again = Tables.from_bytes(tables.to_bytes())
     assert again.to_bytes() == tables.to_bytes() and again.digest() == tables.digest()
-    for name in ("tasks", "events", "ops", "buffers", "views", "op_inputs", "bounds"):
+    for name in ("tasks", "events", "ops", "buffers", "views", "op_inputs", "bounds", "worker_offsets",
+                 "worker_tasks"):
         assert np.array_equal(getattr(again, name), getattr(tables, name))
+    # the placement travels with the tables: 8 workers, scheduler CTAs for the attention's JIT tasks
+    assert again.meta["placement"] == tables.meta["placement"] == {"num_workers": 8, "scheduler_ctas": 4,
+                                                                   "scheduler_warps": 8}
+    assert again.worker_queues() == tables.worker_queues() and len(again.worker_queues()) == 8
     with pytest.raises(CompileError, match="not an mpk tables file"):
         Tables.from_bytes(b"garbage" * 4)
 
@@ -150,6 +155,9 @@ def test_default_partition_targets_workers():
     ({"executor": "tpu"}, "executor='tpu'; expected one of"),
     ({"fallback": "maybe"}, "fallback='maybe'"),
     ({"num_workers": 0}, "num_workers=0; expected a positive int"),
+    ({"num_workers": True}, "num_workers=True; expected a positive int"),
+    ({"scheduler_ctas": -1}, r"scheduler_ctas=-1; expected None \(4 when the graph has JIT tasks, else 0\) or an int"),
+    ({"scheduler_ctas": 2.0}, "scheduler_ctas=2.0; expected None"),
     ({"fuse_norm_stats": "on"}, "fuse_norm_stats='on'; expected True, False or 'auto'"),
     ({"fuse_norm_stats": 1}, "fuse_norm_stats=1; expected True, False or 'auto'"),
     ({"sync": "auto"}, "sync='auto'; expected True or False"),
@@ -511,3 +519,149 @@ def test_transformer_encoder_without_the_fast_path_matches_eager():
     finally:
         torch.backends.mha.set_fastpath_enabled(fast)
     assert relative_error(out, ref) <= 1e-5
+
+
+# --- placement (compiler step 7a): decided once, in the tables, run by both executors -------------
+
+def _chain_on(workers, **partition):
+    args = _chain_args()
+    graph = trace_graph(_chain, args)
+    return compile_with(graph, partition={"matmul": [2, 2], "pointwise": [2, 2], "softmax": [3, 1], **partition},
+                        num_workers=workers).tables, args
+
+
+def test_placement_round_robins_aot_tasks_in_linear_order():
+    from mpk.compiler.tables import FLAG_JIT
+
+    tables, _ = _chain_on(3)
+    assert (tables.num_workers, tables.scheduler_ctas, tables.scheduler_warps) == (3, 0, 0)  # no JIT task
+    aot = [t for t in range(len(tables.tasks)) if not tables.tasks["flags"][t] & FLAG_JIT]
+    assert tables.worker_queues() == [aot[w::3] for w in range(3)]
+    assert tables.worker_offsets.tolist() == [0, len(aot[0::3]), len(aot[0::3]) + len(aot[1::3]), len(aot)]
+
+
+def test_jit_graph_gets_scheduler_ctas_and_their_option_is_checked():
+    model, args = _qwen()
+    tables = compile_module(model, args, {"num_workers": 6, "scheduler_ctas": 1}).tables
+    assert (tables.num_workers, tables.scheduler_ctas, tables.scheduler_warps) == (6, 1, 4)
+    n_jit = int((tables.tasks["flags"] & 1).sum())
+    assert n_jit > 0 and len(tables.worker_tasks) == len(tables.tasks) - n_jit
+    with pytest.raises(OptionError, match=rf"scheduler_ctas=0, but the graph has {n_jit} JIT tasks, which scheduler "
+                       r"warps hand out; expected >= 1"):
+        compile_module(model, args, {"num_workers": 6, "scheduler_ctas": 0})
+
+
+def test_too_many_workers_per_scheduler_is_an_option_error():
+    from mpk.compiler.place import placement
+
+    jit = np.array([True, False, False])
+    assert placement(jit, 544, 1).scheduler_warps == 4  # 136 workers per scheduler warp: the most
+    with pytest.raises(OptionError, match=r"num_workers=545 over scheduler_ctas=1 \(4 scheduler warps\) gives a "
+                       r"scheduler more than 136 workers; raise scheduler_ctas to at least 2"):
+        placement(jit, 545, 1)
+    with pytest.raises(OptionError, match="num_workers=0; expected a positive int"):
+        placement(jit, 0)
+
+
+def test_validate_checks_the_placement():
+    from mpk.compiler.place import place_tables
+
+    tables, _ = _chain_on(2)
+    validate(tables)
+    bad = place_tables(tables, 2)
+    bad.worker_tasks = bad.worker_tasks[:-1].copy()
+    bad.worker_offsets = bad.worker_offsets.copy()
+    bad.worker_offsets[-1] -= 1
+    with pytest.raises(CompileError, match=r"task \d+ is an AOT task and is queued on 0 workers; expected 1"):
+        validate(bad)
+    jit = place_tables(tables, 2)
+    jit.tasks = jit.tasks.copy()
+    jit.tasks["flags"][int(jit.worker_tasks[0])] |= 1  # a queued task turned JIT after placement
+    with pytest.raises(CompileError, match="no scheduler warp|is a JIT task and is queued"):
+        validate(jit)
+    with pytest.raises(CompileError, match="is not a CSR"):
+        validate(place_tables(tables, 3).__class__(**{**vars(tables), "worker_offsets": np.array([0, 1], np.int32)}))
+
+
+def test_executors_read_the_same_placement():
+    """The interpreter's queues, the GPU executor's device arrays (host side, no CUDA needed)
+    and the tables' worker_tasks agree, for tables compiled with and without JIT tasks."""
+    from mpk.executors.gpu import SCHED_WARPS_PER_CTA, HostLayout
+
+    model, args = _qwen()
+    for tables in (_chain_on(5)[0], compile_module(model, args, {"num_workers": 7}).tables):
+        validate(tables)
+        layout = HostLayout(tables)
+        assert layout.num_workers == Interpreter(tables).num_workers == tables.num_workers
+        assert layout.worker_queues() == Interpreter(tables).queues == tables.worker_queues()
+        assert layout.aot_offsets.tolist() == tables.worker_offsets.tolist()
+        assert layout.num_schedulers == tables.scheduler_ctas * SCHED_WARPS_PER_CTA
+        assert layout.active_schedulers == tables.scheduler_warps
+        # each AOT entry waits on its task's dependent event
+        for w, q in enumerate(layout.worker_queues()):
+            for i, task in enumerate(q):
+                row = layout.aot_entries[layout.aot_offsets[w] + i]
+                assert row[12] == tables.tasks["dep_event"][task]
+
+
+def test_gpu_executor_refuses_tables_the_device_cannot_hold():
+    from mpk.executors.gpu import check_device_fits
+
+    tables, _ = _chain_on(8)
+    check_device_fits(tables, 8)  # fits exactly: no scheduler CTA for an AOT graph
+    with pytest.raises(ExecutorUnavailableError, match=r"the tables place 8 workers \+ 0 scheduler CTAs = 8 CTAs in "
+                       r"one cooperative launch, but the device has 6 SMs .*; compile with options num_workers <= 6"):
+        check_device_fits(tables, 6)
+    from mpk.compiler.place import place_tables
+    with pytest.raises(ExecutorUnavailableError, match=r"4 workers \+ 2 scheduler CTAs = 6 CTAs .* 5 SMs .* "
+                       r"num_workers <= 3 \(or fewer scheduler_ctas than 2\)"):
+        check_device_fits(place_tables(tables, 4, 2), 5)
+
+
+def test_interpreter_runs_each_workers_queue_in_order():
+    tables, args = _chain_on(3)
+    queues = tables.worker_queues()
+    interp = Interpreter(tables)
+    orders = set()
+    for seed in range(10):
+        interp.run(args, seed=seed, iterations=2)
+        for k in (1, 2):
+            ran = [(t, w) for it, t, w in interp.schedule if it == k]
+            assert sorted(t for t, _ in ran) == list(range(len(tables.tasks)))
+            for w, q in enumerate(queues):
+                assert [t for t, ww in ran if ww == w] == q
+            orders.add(tuple(t for t, _ in ran))
+    assert len(orders) > 1  # the seed still picks among the ready workers
+
+
+def test_a_placement_order_deadlock_is_detected():
+    """One worker holding a consumer ahead of its producer: the compiler never places so
+    (validate refuses it), and the interpreter, which blocks a worker on its queue head as the
+    GPU does, reports the deadlock with the blocked worker."""
+    tables, args = _chain_on(1)
+    queue = tables.worker_tasks.copy()
+    assert queue.tolist() == list(range(len(tables.tasks)))
+    queue[[0, -1]] = queue[[-1, 0]]  # the last task (a consumer) first
+    tables.worker_tasks = queue
+    with pytest.raises(CompileError, match=rf"worker 0 queues task {queue[0]} before task {queue[1]}: queues must be "
+                       "in increasing linear order"):
+        validate(tables)
+    with pytest.raises(DeadlockError, match=rf"worker 0 blocked on AOT task {queue[0]} .* waiting for event "
+                       r"\d+; released tasks queued behind it: \[1, 2, 3, 0\]"):  # the matmul tiles
+        Interpreter(tables, validate_tables=False).run(args)
+
+
+def test_default_num_workers_fill_the_device():
+    """Left to its default, num_workers is the partitioning's target (SMs − 4, or 128 without
+    CUDA) and the launch fills the device: the scheduler CTAs' SMs work when there are none."""
+    from mpk.compiler.place import placement
+    from mpk.options import CompileOptions, default_num_workers
+
+    opts = CompileOptions.parse({"executor": "cpu"})
+    assert opts.num_workers is None and opts.partition_workers == default_num_workers()
+    assert CompileOptions.parse({"executor": "cpu", "num_workers": 12}).fill_sms is None
+    aot, jit = np.zeros(5, bool), np.array([False, True, False])
+    assert (placement(aot, 128, fill_sms=132).num_workers, placement(aot, 128, fill_sms=132).scheduler_ctas) == (132, 0)
+    assert (placement(jit, 128, fill_sms=132).num_workers, placement(jit, 128, fill_sms=132).scheduler_ctas) == (128, 4)
+    assert placement(jit, 128, 2, fill_sms=132).num_workers == 130
+    assert placement(aot, 7).num_workers == 7

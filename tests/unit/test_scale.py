@@ -11,7 +11,7 @@ import pytest
 
 from mpk.cli import PRESETS
 
-STEPS = ("decompose", "depend", "prune", "fuse", "normalize", "linearize", "modes", "emit")
+STEPS = ("decompose", "depend", "prune", "fuse", "normalize", "linearize", "modes", "place", "emit")
 
 
 @pytest.mark.slow
