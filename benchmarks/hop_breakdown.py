@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from peer import require_cuda
 
-from mpk.compiler.place import DEFAULT_SCHEDULER_CTAS, place_tables
-from mpk.compiler.tables import FLAG_JIT
+from mpk.compiler.place import DEFAULT_SCHEDULER_CTAS
+from mpk.compiler.tables import FLAG_JIT, place_tables
 from mpk.executors import cuda_driver as drv
 from mpk.executors.gpu import GpuExecutor
 from mpk.options import default_num_workers

@@ -19,8 +19,8 @@ import statistics
 import torch
 from peer import require_cuda
 
-from mpk.compiler.place import DEFAULT_SCHEDULER_CTAS, place_tables
-from mpk.compiler.tables import FLAG_JIT
+from mpk.compiler.place import DEFAULT_SCHEDULER_CTAS
+from mpk.compiler.tables import FLAG_JIT, place_tables
 from mpk.executors.gpu import GpuExecutor
 from mpk.options import default_num_workers
 from mpk.testing.random_graphs import chain, force_jit, independent, stamp_graph, stamp_inputs

@@ -12,9 +12,9 @@ from mpk.compiler.fuse import fuse
 from mpk.compiler.linearize import linearize
 from mpk.compiler.modes import assign_modes
 from mpk.compiler.normalize import normalize
+from mpk.compiler.partition import PartitionSpec, decompose
 from mpk.compiler.place import place
 from mpk.compiler.prune import prune
-from mpk.compiler.partition import PartitionSpec, decompose
 from mpk.compiler.tables import Tables, emit
 from mpk.compiler.taskgraph import DUMMY, TaskGraph
 from mpk.ir.opgraph import OpGraph

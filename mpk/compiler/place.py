@@ -14,7 +14,7 @@ leave (a graph without JIT tasks then works on every SM). A CTA holds
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,7 +22,6 @@ import numpy as np
 from mpk.errors import OptionError
 
 if TYPE_CHECKING:
-    from mpk.compiler.tables import Tables
     from mpk.compiler.taskgraph import TaskGraph
 
 SCHED_WARPS_PER_CTA = 4  # runtime/mpk_runtime/persistent.cuh: kSchedWarpsPerCta
@@ -88,14 +87,3 @@ def place(tg: "TaskGraph", num_workers: int, scheduler_ctas: int | None = None,
     tg.placement = placement(np.array([tg.jit[t] for t in tg.task_order], dtype=bool), num_workers, scheduler_ctas,
                              fill_sms)
     return tg
-
-
-def place_tables(tables: "Tables", num_workers: int, scheduler_ctas: int | None = None) -> "Tables":
-    """Emitted ``tables`` placed anew (a copy sharing the other arrays): for tables whose task
-    modes changed after emit (``mpk.testing.random_graphs.force_jit``) and for runs of one
-    graph on several worker counts (runtime tests and benchmarks)."""
-    from mpk.compiler.tables import FLAG_JIT
-
-    p = placement((tables.tasks["flags"] & FLAG_JIT) != 0, num_workers, scheduler_ctas)
-    return replace(tables, worker_offsets=p.worker_offsets, worker_tasks=p.worker_tasks,
-                   meta={**tables.meta, "placement": p.meta()})

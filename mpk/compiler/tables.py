@@ -45,12 +45,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
+from mpk.compiler.place import MAX_WORKERS_PER_SCHEDULER, SCHED_WARPS_PER_CTA, placement
 from mpk.compiler.taskgraph import TaskGraph
 from mpk.errors import CompileError
 from mpk.ir.views import View
@@ -323,8 +324,6 @@ def validate_placement(tables: Tables) -> None:
     """Check the placement (step 7a) against the tasks: counts in range, worker_offsets a CSR
     over worker_tasks, every AOT task queued exactly once, no JIT task queued, each queue in
     increasing linear order; raises CompileError naming the offending worker or task."""
-    from mpk.compiler.place import MAX_WORKERS_PER_SCHEDULER, SCHED_WARPS_PER_CTA
-
     p = tables.meta.get("placement")
     if not isinstance(p, dict) or {"num_workers", "scheduler_ctas", "scheduler_warps"} - set(p):
         raise CompileError(f"the tables' meta has no placement (num_workers, scheduler_ctas, scheduler_warps): {p!r}")
@@ -358,3 +357,12 @@ def validate_placement(tables: Tables) -> None:
             i = int(np.nonzero(np.diff(q) <= 0)[0][0])
             raise CompileError(f"worker {w} queues task {int(q[i])} before task {int(q[i + 1])}: queues must be "
                                "in increasing linear order (a worker could wait on a task queued behind it)")
+
+
+def place_tables(tables: Tables, num_workers: int, scheduler_ctas: int | None = None) -> Tables:
+    """Emitted ``tables`` placed anew (a copy sharing the other arrays): for tables whose task
+    modes changed after emit (``mpk.testing.random_graphs.force_jit``) and for runs of one
+    graph on several worker counts (runtime tests and benchmarks)."""
+    p = placement((tables.tasks["flags"] & FLAG_JIT) != 0, num_workers, scheduler_ctas)
+    return replace(tables, worker_offsets=p.worker_offsets, worker_tasks=p.worker_tasks,
+                   meta={**tables.meta, "placement": p.meta()})

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from mpk.compiler.place import DEFAULT_SCHEDULER_CTAS, place_tables
+from mpk.compiler.place import DEFAULT_SCHEDULER_CTAS
+from mpk.compiler.tables import place_tables
 from mpk.errors import ExecutorUnavailableError, OptionError
 from mpk.executors import Interpreter
 from mpk.executors.timeline import breakdown, timeline_svg

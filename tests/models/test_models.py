@@ -67,7 +67,7 @@ def test_many_schedules_same_result():
     with torch.no_grad():
         ref = model(ids, cos, sin)
         _compile(model, num_workers=16)(ids, cos, sin)
-    from mpk.compiler.place import place_tables
+    from mpk.compiler.tables import place_tables
     from mpk.executors import Interpreter
 
     compiled = COMPILED[-1]

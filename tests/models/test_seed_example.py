@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from mpk.compiler.place import place_tables
+from mpk.compiler.tables import place_tables
 from mpk.compiler.taskgraph import DUMMY
 from mpk.executors import Interpreter
 from mpk.inspection import compile_module

@@ -564,7 +564,7 @@ def test_too_many_workers_per_scheduler_is_an_option_error():
 
 
 def test_validate_checks_the_placement():
-    from mpk.compiler.place import place_tables
+    from mpk.compiler.tables import place_tables
 
     tables, _ = _chain_on(2)
     validate(tables)
@@ -612,7 +612,7 @@ def test_gpu_executor_refuses_tables_the_device_cannot_hold():
     with pytest.raises(ExecutorUnavailableError, match=r"the tables place 8 workers \+ 0 scheduler CTAs = 8 CTAs in "
                        r"one cooperative launch, but the device has 6 SMs .*; compile with options num_workers <= 6"):
         check_device_fits(tables, 6)
-    from mpk.compiler.place import place_tables
+    from mpk.compiler.tables import place_tables
     with pytest.raises(ExecutorUnavailableError, match=r"4 workers \+ 2 scheduler CTAs = 6 CTAs .* 5 SMs .* "
                        r"num_workers <= 3 \(or fewer scheduler_ctas than 2\)"):
         check_device_fits(place_tables(tables, 4, 2), 5)

@@ -16,8 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mpk.compiler.place import place_tables
-from mpk.compiler.tables import validate
+from mpk.compiler.tables import place_tables, validate
 from mpk.executors import Interpreter
 from mpk.testing.graphs import (
     check_dependencies,
