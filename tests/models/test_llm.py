@@ -112,9 +112,8 @@ def test_cuda_chunks_use_the_python_chunk_length():
 def test_default_chunk_counts():
     """default_splits: one chunk (no merge op) for a cache under 2 · MIN_CHUNK positions; a
     wave of tasks with chunks of 2 · MIN_CHUNK; half a wave with chunks of MIN_CHUNK where
-    that is more and a sequence short of the capacity fills them (the choices session 48
-    measured: 4 chunks at batch 1 for a 640-position cache, 8 and 4 at batches 1 and 4 for
-    2112 positions)."""
+    that is more and a sequence short of the capacity fills them (4 chunks at batch 1 for a
+    640-position cache, 8 and 4 at batches 1 and 4 for 2112 positions)."""
     from mpk.frontend.fused_ops import default_splits
 
     assert default_splits(1, 8, 64 + 64) == default_splits(16, 2, 2 * MIN_CHUNK) == 1
