@@ -33,6 +33,7 @@ from peer import Shape, copy_bandwidth, floor_ms, kv_bytes, require_cuda, time_p
 from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
 from mpk.cli import count, json_object, page_size as page_size_arg  # noqa: E402
 from mpk.errors import OptionError  # noqa: E402
+from mpk.ops.linalg import op_form  # noqa: E402
 from mpk.options import CompileOptions  # noqa: E402
 from mpk.executors.timeline import breakdown as timeline_breakdown  # noqa: E402
 from mpk.executors.timeline import timeline_svg  # noqa: E402
@@ -103,7 +104,7 @@ def stages(trace: list[dict], t, first: int = 10, count: int = 12) -> list[dict]
         es = per_op[op]
         lo, hi = min(e["ts"] for e in es), max(e["ts"] + e["dur"] for e in es)
         durs = sorted(e["dur"] for e in es)
-        row = {"kind": t.meta["ops"][op]["kind"], "tasks": len(es),
+        row = {"kind": op_form(t.meta["ops"][op]["kind"], t.meta["ops"][op].get("attrs", {})), "tasks": len(es),
                "gap": round(lo - last_end, 2) if last_end is not None else None,
                "span": round(hi - lo, 2), "median": round(durs[len(durs) // 2], 2), "max": round(durs[-1], 2),
                "start_spread": round(max(e["ts"] for e in es) - lo, 2)}

@@ -35,9 +35,10 @@ from mpk.backend import COMPILED, RUNNERS  # noqa: E402
 from mpk.executors import cuda_driver as drv  # noqa: E402
 from mpk.llm import SHAPES  # noqa: E402
 
-# linalg.cuh: linear_phase_slot (slot = index here · len(BLOCKS) + block index)
-FORMS = ("plain", "norm prologue", "silu epilogue", "norm prologue + silu", "norm stats out", "norm stats in",
-         "norm stats in + silu")
+# linalg.cuh: linear_phase_slot (slot = index here · len(BLOCKS) + block index); the forms as
+# mpk.ops.linalg.form_name calls them
+FORMS = ("matmul", "rms_norm_matmul", "matmul_silu_mul", "rms_norm_matmul_silu_mul", "matmul_norm_stats",
+         "norm_stats_matmul", "norm_stats_matmul_silu_mul")
 BLOCKS = (2, 3, 4, 6, 8)
 PHASES = ("setup", "k_loop", "to_shared", "epilogue", "barrier", "pre_gate")  # linalg.cuh: linear_bf16's marks
 ATTN_SLOT, ATTN_WARM_SLOT = 35, 36  # common.cuh: kAttnPhaseSlot, kAttnWarmSlot

@@ -35,7 +35,7 @@ struct alignas(16) OpC {
   long long out_shape[kMaxDims];
   int grid[kMaxDims];
   // grid[d]'s divisor (fast_div): the tile's position and bounds are quotients by it on every
-  // task's way in, where a division's ~25 dependent instructions cost ~0.3 µs a task (ncu)
+  // task's way in, where a division's long chain of dependent instructions would delay every task
   unsigned grid_magic[kMaxDims];
   int grid_shift[kMaxDims];
   int num_inputs;
@@ -267,9 +267,8 @@ __host__ __device__ __forceinline__ unsigned fast_div(unsigned x, unsigned m, in
 // of mpk.compiler.partition.split_bounds: boundary i of a dim of extent n in g parts is
 // i·n / g (codegen checks the tables agree), so no boundary table is read on the hot path.
 // Not unrolled: every task runs this, and short code is fetched faster. Written into the
-// caller's Rect, not returned: the returned form was copied field by field through local
-// memory (23 loads and 25 stores after the loop's stores, on every task's way in; ptxas also
-// spilled around it), and the decode steps ran 5–9% slower with that copy (H200).
+// caller's Rect, not returned: ptxas copies a returned Rect field by field through local
+// memory on every task's way in.
 __device__ __forceinline__ void tile_rect(const OpC& c, int tile, Rect& r) {
 #pragma unroll 1
   for (int d = c.ndim - 1; d >= 0; --d) {
@@ -419,10 +418,8 @@ constexpr int kThreadsPerTask = 256;  // mpk_runtime/persistent.cuh: kThreads
 
 // Warp 0 is the gate warp: its thread 0 polls a gated task's event (wait_gate), and a poll
 // queues behind the loads its own warp has in flight, not behind other warps' loads
-// (benchmarks/micro/gate_poll.cu, H200, every SM with 64 KiB of weight loads out: 1.39 µs from
-// the task's start to the poll's return when warp 0 holds its part of them, 0.39 µs when warps
-// 1–7 copy that part into shared memory for it, 0.20 µs with nothing in flight). So a task that
-// loads before its gate leaves warp 0 none: the linear's other warps cp.async warp 0's first
+// (benchmarks/micro/gate_poll.cu shows it). So a task that loads before its gate leaves warp 0
+// none: the linear's other warps cp.async warp 0's first
 // weights into ``words`` and count the copies on ``bar`` (each of the 224 threads of warps 1–7
 // arrives when its copies have landed, warp 0's lane 0 arrives and waits). Thread 0 initialises
 // ``bar`` once per launch (init_gate_share, before the launch's first barrier).
@@ -489,8 +486,9 @@ __device__ __forceinline__ float* scratch() {
 }
 
 // The launch's dynamic shared memory, sized per graph by the host
-// (mpk.executors.codegen.dynamic_smem_bytes; none when no task uses it): rms_matmul's tile of
-// normalised activations, and paged attention's second K/V slot per warp.
+// (mpk.executors.codegen.dynamic_smem_bytes, from the ops' GpuSpec.smem_bytes; none when no task
+// uses it): the RMSNorm prologue's tile of normalised activations, and paged attention's second
+// K/V slot per warp.
 __device__ __forceinline__ uint4* norm_tile() {
   extern __shared__ __align__(16) uint4 mpk_dynamic_smem[];
   return mpk_dynamic_smem;

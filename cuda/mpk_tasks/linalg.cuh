@@ -1,10 +1,11 @@
 // Task family: linear algebra. ``matmul`` (a [..., M, K] @ b [..., K, N] (+ bias), batch dims
-// broadcast) in two variants — 1: the bandwidth-grade decode linear (tensor cores, weights
-// streamed with 16-byte loads), picked by codegen when the views allow it; 0: the general
-// one, one thread per output element — and ``embedding``.
+// broadcast, with the fused prologues and epilogues its attrs name) in two paths — the
+// bandwidth-grade decode linear (tensor cores, weights streamed with 16-byte loads), picked by
+// codegen when the views allow it, and the general one, one thread per output element — and
+// ``embedding``.
 #pragma once
 #include "pointwise.cuh"  // silu_times: the SiLU·mul epilogue
-#include "rows.cuh"       // rms_scale8, warp_rstd: rms_matmul's normalisation, as rms_norm's
+#include "rows.cuh"       // rms_scale8, warp_rstd: the RMSNorm prologue, as rms_norm normalises
 
 namespace mpk {
 
@@ -17,7 +18,7 @@ constexpr int kLinBlocks = 8;    // 8-column weight blocks per pass, at most: 64
 __host__ __device__ constexpr int lin_unroll(int blocks) { return (kLinInFlight + blocks / 2) / blocks; }
 
 // A 16-byte load that bypasses L1: weights are read exactly once. (An L2 evict-first hint on
-// these loads measured no faster on H200 decode steps.)
+// these loads made decode steps no faster.)
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -32,13 +33,12 @@ __device__ __forceinline__ float bf16_bits_to_float(unsigned short b) { return _
 // the column pair (2u, 2u + 1) of a row r at pair u ^ 4(r & 3). Both accesses then hit 32
 // distinct banks: the MMA fragments' float2 stores (a half-warp's lanes (g, t) store pair
 // 4j + t of rows g that differ mod 4) and the epilogue's reads (consecutive columns of a
-// row). Stored [warp][column][row], the epilogue's reads were 16-way bank conflicts:
-// batch-16 decode steps 6-7% slower (H200).
+// row). Stored [warp][column][row], the epilogue's reads would be 16-way bank conflicts.
 __host__ __device__ __forceinline__ int red_index(int warp, int row, int col) {
   return (warp * kLinRows + row) * 64 + (((col >> 1) ^ ((row & 3) << 2)) << 1 | (col & 1));
 }
 
-// Variant 1: out [M, N] = alpha·x [M, K]·W [N, K]ᵀ (+ beta·bias), x and W bf16 with unit stride
+// The fast path: out [M, N] = alpha·x [M, K]·W [N, K]ᵀ (+ beta·bias), x and W bf16 with unit stride
 // along K, 16-byte aligned rows, K % 32 == 0, at most 16 rows per tile (codegen checks all of
 // it). One m16n8k16 MMA takes the tile's rows (zero-padded to 16) against 8 weight rows. A
 // lane loads 8 consecutive k of one weight row in one 16-byte load; the dot product does not
@@ -48,26 +48,26 @@ __host__ __device__ __forceinline__ int red_index(int warp, int row, int col) {
 // columns goes deeper along K); their partial sums meet in shared memory and are added in warp
 // order (deterministic), then the epilogue scales, adds the bias (the residual of a decoder
 // layer) and stores.
-// The fused forms (flags, combinable):
-// kNormPrologue: the rms_matmul op — input 2 is an RMSNorm weight g over K (fparam[2] is eps).
+// The fused forms (flags, combinable; the matmul op's prologue / epilogue attrs):
+// kNormPrologue: prologue "rms_norm" — input 2 is an RMSNorm weight g over K (fparam[2] is eps).
 //   After its gate the task copies its rows of x into shared memory (norm_tile; one round
 //   trip, as the plain form's first activation loads), and normalises them there with
 //   rms_norm's sums and roundings (bf16(bf16(x·rstd)·g), the thread ↔ element map of the
 //   rms_norm task, so the result equals the unfused pair's); the K loop then reads its
 //   activations from the tile. g's words are copied into shared memory (red, free until the
-//   first partials) before the gate. (Applying x·g and rstd inside the K loop measured slower:
+//   first partials) before the gate. (Applying x·g and rstd inside the K loop is slower:
 //   the loop's pace is set by the path from its loads to its MMAs.) The tile holds row r's
 //   16-byte word j at j ^ 4(r & 1): the rows g and g + 1 a quarter warp reads then fall in
 //   different banks.
-// kSiluEpilogue: the matmul_silu op (and rms_matmul with iparam[0]) — W has 2N rows, gate then
+// kSiluEpilogue: epilogue "silu_mul" (with or without a prologue) — W has 2N rows, gate then
 //   up; a pass takes 4 blocks of gate rows and the 4 matching blocks of up rows and stores
 //   silu(gate)·up, each factor rounded to bf16 first, as the unfused projection and silu_mul
 //   would.
-// kStatsEpilogue: the matmul_norm_stats op — the residual projection before an RMSNorm of weight
+// kStatsEpilogue: epilogue "norm_stats" — the residual projection before an RMSNorm of weight
 //   g (input 3) also stores h·g and each group's Σh² (groups of 16 or 8 columns, the output's
 //   last dim: a butterfly over as many lanes' h², in the epilogue), packed as mpk/ops/linalg.py
 //   lays out; r is 2-d here.
-// kStatsPrologue: the norm_stats_matmul op — the projection after that norm reads h·g as a plain
+// kStatsPrologue: prologue "norm_stats" — the projection after that norm reads h·g as a plain
 //   matmul reads x; the sums (input 2) go to shared memory by cp.async after the gate, are
 //   added up after the first K loop into each row's rstd, and the epilogue scales by it.
 enum LinearForm : int { kPlain = 0, kNormPrologue = 1, kSiluEpilogue = 2, kStatsEpilogue = 4, kStatsPrologue = 8 };
@@ -92,9 +92,8 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   static_assert(kWarp0Words <= kGateShareWords, "gate_share too small for this block count");
   static_assert(!(kForm & kSiluEpilogue) || kBlocks == kLinBlocks, "SiLU·mul passes are 4 gate + 4 up blocks");
   // The next pass's first weights go out at the end of a pass (see below), except in the SiLU·mul
-  // forms without the norm prologue (plain: batch ≥ 4, whose gate·up tasks measured 3% slower
-  // with it on an H200, qwen3-8b; after norm stats, with it at batch ≤ 2 on an H100: llama3.2-1b's
-  // batch-1 step gained 0.2% over the unsplit norm instead of 0.8%, qwen3-8b's lost 0.9% either way).
+  // forms without the norm prologue, where issuing them early made the gate·up tasks slower
+  // rather than faster.
   constexpr bool kPassPrefetch = !kGlu || kNorm;
   // phases (MPK_PHASES): 5 the loads before the gate, 0 the gate and the prologue; per pass 1 K
   // loop, 2 partials to shared memory, 3 epilogue, 4 closing barrier
@@ -206,7 +205,7 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
     __syncthreads();
     // rms_norm's sums and roundings: thread t adds the squares of words t, t + 256, … in order
     // (warp_sum_squares, rows.cuh); loops, not unrolled: the prologue's code is fetched by
-    // every task (docs/performance_log.md, sessions 31–32)
+    // every task, so short code matters more than loop overhead
 #pragma unroll 1
     for (int row = 0; row < rows; ++row) {
       float ss = 0.f;
@@ -254,9 +253,8 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
     // The pass's bias values and (kStatsOut) the norm weight at each output's column, loaded
     // now so that they arrive while the weights stream: as bf16 bits, converted in the epilogue,
     // and loaded by every thread (a thread without that output reads x instead) — a load inside
-    // a conditional, converted there, made the warp wait for it at the branch's end, before its
-    // first activation loads (qwen3-8b's residual projections at batch 16: a K loop 4 µs slower
-    // with the norm weight's loads too, H200).
+    // a conditional, converted there, makes the warp wait for it at the branch's end, before its
+    // first activation loads.
     unsigned short bv[kPerThread], gv[kStatsOut ? kPerThread : 1];
     const ViewC& gview = c.in[kStatsOut ? 3 : 0];  // kStatsOut: the next norm's weight, one per column
     const __nv_bfloat16* gnorm = static_cast<const __nv_bfloat16*>(env.buffers[gview.buffer]) + gview.offset;
@@ -405,58 +403,30 @@ __device__ __forceinline__ float2 gate_up_dots(const ViewC& a, const ViewC& b, c
   return make_float2(gate, up);
 }
 
-// A prologue form's variant-1 task, with the SiLU·mul epilogue where iparam[0] asks for it.
-template <int kForm>
-__device__ __forceinline__ void linear_variant1_glu_if(const OpC& c, const Rect& r, const TaskEnv& env) {
-  if (c.iparam[0]) {
-    linear_variant1<kForm | kSiluEpilogue>(c, r, env);
-  } else {
-    linear_variant1<kForm>(c, r, env);
-  }
-}
-
-// rms_matmul: an RMSNorm fused into the projection after it, out = rms_norm(x, w) @ b with
-// rms_norm's roundings (mpk/ops/linalg.py defines it), or with iparam[0] its SiLU·mul:
-// silu(h[:, :N])·h[:, N:], h the product with b [K, 2N] rounded to the output dtype. Inputs
-// x [M, K], b [K, N or 2N], w [K]; iparam[1] the norm dtype, fparam[2] eps. Variant 0 (general
-// views) computes each output element alone.
-__device__ void task_rms_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
-  if (c.variant == 1) {
-    linear_variant1_glu_if<kNormPrologue>(c, r, env);
-    return;
-  }
-  if (!acquire_inputs(env)) return;
-  const ViewC &a = c.in[0], &b = c.in[1], &w = c.in[2];
-  const long long kdim = a.shape[1], N = c.out_shape[1];
-  const long long n = rect_numel(r, 2);
-  const bool glu = c.iparam[0] != 0;
-  for (long long e = threadIdx.x; e < n; e += blockDim.x) {
-    long long idx[kMaxDims];
-    rect_unravel(r, 2, e, idx);
-    float ss = 0.f;
-    for (long long k = 0; k < kdim; ++k) {
-      const long long ia[2] = {idx[0], k};
-      const float v = load_f(env.buffers[a.buffer], a.dtype, view_index(a, ia, 2));
-      ss += v * v;
+// rsqrt(mean + eps) of row `row` from part 2 of a norm-stats epilogue's output of `group`-column
+// groups viewed [M, K], in the variant-1 task's order (lane l adds groups l, l + 16, …, then the
+// half warp's butterfly). Out of line: inlined into the dispatch, its loops over a run-time group
+// pushed the persistent kernel past 255 registers (ptxas spilled), though the general task that
+// calls it never runs in a decode step.
+__device__ __noinline__ float stats_rstd(const ViewC& sv, const void* base, long long row, long long K, int group, float eps) {
+  const auto* words = static_cast<const unsigned short*>(base) + sv.offset + row * sv.stride[0];
+  const int shift = __ffs(group) - 1;  // group is a power of two
+  float lane[16];
+  for (int l = 0; l < 16; ++l) {
+    lane[l] = 0.f;
+    for (long long q = l; q < K >> shift; q += 16) {
+      const long long at = (q << shift) * sv.stride[1];
+      lane[l] += __uint_as_float(words[at] | static_cast<unsigned>(words[at + sv.stride[1]]) << 16);
     }
-    const float rstd = rsqrtf(ss / kdim + c.fparam[2]);
-    const float2 d = gate_up_dots(a, b, env, idx[0], idx[1], N, glu, [&](long long k, float x) {
-      const long long iw[1] = {k};
-      const float v = round_to(static_cast<int>(c.iparam[1]), x * rstd);
-      return round_to(c.out_dtype, v * load_f(env.buffers[w.buffer], w.dtype, view_index(w, iw, 1)));
-    });
-    const float out = glu ? silu_times(round_to(c.out_dtype, d.x), round_to(c.out_dtype, d.y), c.out_dtype) : d.x;
-    store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, 2), out);
   }
+  for (int o = 8; o; o >>= 1)
+    for (int l = 0; l < o; ++l) lane[l] += lane[l + o];
+  return rsqrtf(lane[0] / static_cast<float>(K) + eps);
 }
 
+// The plain projection's general form: out = alpha·a @ b (+ beta·bias), batch dims broadcast;
 // fparam[0] alpha, fparam[1] beta; optional input 2 is the bias (broadcast to the output).
-__device__ void task_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
-  if (c.variant == 1) {
-    linear_variant1<kPlain>(c, r, env);
-    return;
-  }
-  if (!acquire_inputs(env)) return;
+__device__ __forceinline__ void linear_general_plain(const OpC& c, const Rect& r, const TaskEnv& env) {
   const ViewC& a = c.in[0];
   const ViewC& b = c.in[1];
   const long long kdim = a.shape[a.ndim - 1];
@@ -482,41 +452,12 @@ __device__ void task_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
   }
 }
 
-// matmul_silu: out [M, N] = silu(h[:, :N]) · h[:, N:], h = x [M, K] @ b [K, 2N] rounded to the
-// output dtype; fparam[0] alpha. Variant 0 (general views): two dot products per element.
-__device__ void task_matmul_silu(const OpC& c, const Rect& r, const TaskEnv& env) {
-  if (c.variant == 1) {
-    linear_variant1<kSiluEpilogue>(c, r, env);
-    return;
-  }
-  if (!acquire_inputs(env)) return;
-  const ViewC &a = c.in[0], &b = c.in[1];
-  const long long N = c.out_shape[1], n = rect_numel(r, 2);
-  for (long long e = threadIdx.x; e < n; e += blockDim.x) {
-    long long idx[kMaxDims];
-    rect_unravel(r, 2, e, idx);
-    const float2 d = gate_up_dots(a, b, env, idx[0], idx[1], N, true, [](long long, float x) { return x; });
-    const float gate = round_to(c.out_dtype, d.x * c.fparam[0]), up = round_to(c.out_dtype, d.y * c.fparam[0]);
-    store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, 2), silu_times(gate, up, c.out_dtype));
-  }
-}
-
-// matmul_norm_stats: out [3, M, N/G, G] = h = alpha·a @ b + beta·r, h·g, and each G-column
-// group's Σh² as fp32 bits in the group's first two elements of part 2 (the rest 0; mpk/ops/
-// linalg.py defines it; G = 16 or 8). Inputs a [M, K], b [K, N], r [M, N], g [N]; bf16 storage.
-// Variant 0 (general views): a thread per (row, group).
-__device__ void task_matmul_norm_stats(const OpC& c, const Rect& r, const TaskEnv& env) {
+// The norm-stats epilogue's general form over rc (rows × columns): out [3, M, N/G, G] = h =
+// alpha·a @ b + beta·r, h·g, and each G-column group's Σh² as fp32 bits in the group's first two
+// elements of part 2 (the rest 0; mpk/ops/linalg.py defines it; G = 16 or 8). Inputs a [M, K],
+// b [K, N], r [M, N], g [N]; bf16 storage. A thread per (row, group).
+__device__ __forceinline__ void linear_general_stats_out(const OpC& c, const Rect& rc, const TaskEnv& env) {
   const int group = static_cast<int>(c.out_shape[3]);
-  Rect rc;  // rows × columns
-  rc.lo[0] = r.lo[1];
-  rc.hi[0] = r.hi[1];
-  rc.lo[1] = r.lo[2] * group;
-  rc.hi[1] = r.hi[2] * group;
-  if (c.variant == 1) {
-    linear_variant1<kStatsEpilogue>(c, rc, env);
-    return;
-  }
-  if (!acquire_inputs(env)) return;
   const ViewC &a = c.in[0], &b = c.in[1], &res = c.in[2], &g = c.in[3];
   const long long K = a.shape[1], M = c.out_shape[1], N = c.out_shape[2] * group;
   const long long groups = (rc.hi[1] - rc.lo[1]) / group, n = (rc.hi[0] - rc.lo[0]) * groups;
@@ -547,48 +488,80 @@ __device__ void task_matmul_norm_stats(const OpC& c, const Rect& r, const TaskEn
   }
 }
 
-// rsqrt(mean + eps) of row `row` from part 2 of a matmul_norm_stats output of `group`-column
-// groups viewed [M, K], in the variant-1 task's order (lane l adds groups l, l + 16, …, then the
-// half warp's butterfly). Out of line: inlined into the dispatch, its loops over a run-time group
-// pushed the persistent kernel past 255 registers (ptxas spilled ~500 bytes in qwen3-32b's and
-// qwen3-4b's steps; the variant-0 task that calls it never runs in them).
-__device__ __noinline__ float stats_rstd(const ViewC& sv, const void* base, long long row, long long K, int group, float eps) {
-  const auto* words = static_cast<const unsigned short*>(base) + sv.offset + row * sv.stride[0];
-  const int shift = __ffs(group) - 1;  // group is a power of two
-  float lane[16];
-  for (int l = 0; l < 16; ++l) {
-    lane[l] = 0.f;
-    for (long long q = l; q < K >> shift; q += 16) {
-      const long long at = (q << shift) * sv.stride[1];
-      lane[l] += __uint_as_float(words[at] | static_cast<unsigned>(words[at + sv.stride[1]]) << 16);
-    }
-  }
-  for (int o = 8; o; o >>= 1)
-    for (int l = 0; l < o; ++l) lane[l] += lane[l + o];
-  return rsqrtf(lane[0] / static_cast<float>(K) + eps);
-}
-
-// norm_stats_matmul: out [M, N] = rstd · (x @ b), rstd per row from a matmul_norm_stats output's
-// sums; with iparam[0] SiLU·mul of the two halves of b [K, 2N], each factor rounded first.
-// Inputs x (its h·g) [M, K], b, sums [M, K] (groups of iparam[1] columns); fparam[2] eps.
-// Variant 0: each element alone.
-__device__ void task_norm_stats_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
-  if (c.variant == 1) {
-    linear_variant1_glu_if<kStatsPrologue>(c, r, env);
-    return;
-  }
-  if (!acquire_inputs(env)) return;
-  const ViewC &a = c.in[0], &b = c.in[1], &sv = c.in[2];
+// The general form of a 2-d projection with a prologue and / or the SiLU·mul epilogue, each
+// output element alone: x [M, K], b [K, N] (kSiluEpilogue: [K, 2N], out = silu(h[:, :N])·h[:, N:],
+// each factor rounded to the output dtype first).
+// kNormPrologue: input 2 the RMSNorm weight w [K], iparam[1] the norm dtype, fparam[2] eps; out =
+//   rms_norm(x, w) @ b with rms_norm's roundings.
+// kStatsPrologue: x is h·g of a norm-stats epilogue's output, input 2 its sums [M, K] (groups of
+//   iparam[1] columns), fparam[2] eps; out = rstd · (x @ b).
+// Otherwise (SiLU·mul alone): fparam[0] alpha.
+template <int kForm>
+__device__ __forceinline__ void linear_general_2d(const OpC& c, const Rect& r, const TaskEnv& env) {
+  constexpr bool kNorm = kForm & kNormPrologue, kGlu = kForm & kSiluEpilogue, kStatsIn = kForm & kStatsPrologue;
+  const ViewC &a = c.in[0], &b = c.in[1], &third = c.in[2];
   const long long K = a.shape[1], N = c.out_shape[1], n = rect_numel(r, 2);
-  const bool glu = c.iparam[0] != 0;
   for (long long e = threadIdx.x; e < n; e += blockDim.x) {
     long long idx[kMaxDims];
     rect_unravel(r, 2, e, idx);
-    const float rstd = stats_rstd(sv, env.buffers[sv.buffer], idx[0], K, c.iparam[1], c.fparam[2]);
-    const float2 d = gate_up_dots(a, b, env, idx[0], idx[1], N, glu, [](long long, float x) { return x; });
-    const float out = glu ? silu_times(round_to(c.out_dtype, d.x * rstd), round_to(c.out_dtype, d.y * rstd), c.out_dtype)
-                          : d.x * rstd;
+    float out;
+    if constexpr (kNorm) {
+      float ss = 0.f;
+      for (long long k = 0; k < K; ++k) {
+        const long long ia[2] = {idx[0], k};
+        const float v = load_f(env.buffers[a.buffer], a.dtype, view_index(a, ia, 2));
+        ss += v * v;
+      }
+      const float rstd = rsqrtf(ss / K + c.fparam[2]);
+      const float2 d = gate_up_dots(a, b, env, idx[0], idx[1], N, kGlu, [&](long long k, float x) {
+        const long long iw[1] = {k};
+        const float v = round_to(static_cast<int>(c.iparam[1]), x * rstd);
+        return round_to(c.out_dtype, v * load_f(env.buffers[third.buffer], third.dtype, view_index(third, iw, 1)));
+      });
+      out = kGlu ? silu_times(round_to(c.out_dtype, d.x), round_to(c.out_dtype, d.y), c.out_dtype) : d.x;
+    } else if constexpr (kStatsIn) {
+      const float rstd = stats_rstd(third, env.buffers[third.buffer], idx[0], K, c.iparam[1], c.fparam[2]);
+      const float2 d = gate_up_dots(a, b, env, idx[0], idx[1], N, kGlu, [](long long, float x) { return x; });
+      out = kGlu ? silu_times(round_to(c.out_dtype, d.x * rstd), round_to(c.out_dtype, d.y * rstd), c.out_dtype)
+                 : d.x * rstd;
+    } else {
+      const float2 d = gate_up_dots(a, b, env, idx[0], idx[1], N, true, [](long long, float x) { return x; });
+      const float gate = round_to(c.out_dtype, d.x * c.fparam[0]), up = round_to(c.out_dtype, d.y * c.fparam[0]);
+      out = silu_times(gate, up, c.out_dtype);
+    }
     store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, 2), out);
+  }
+}
+
+// The matmul op's task, one instantiation per form (kForm: its LinearForm flags, from the op's
+// prologue / epilogue attrs) and path, named by codegen per op so that a graph compiles only
+// the forms it uses. kFast: the bandwidth-grade linear (linear_variant1: linear_bf16), which
+// opens the gate itself after its first weight loads; else the general form (any dtypes and
+// strides, one thread per output element or group), after the gate.
+template <int kForm, bool kFast>
+__device__ void linear_task(const OpC& c, const Rect& r, const TaskEnv& env) {
+  if constexpr ((kForm & kStatsEpilogue) != 0) {
+    const int group = static_cast<int>(c.out_shape[3]);
+    Rect rc;  // rows × columns of the [3, M, N/G, G] tile
+    rc.lo[0] = r.lo[1];
+    rc.hi[0] = r.hi[1];
+    rc.lo[1] = r.lo[2] * group;
+    rc.hi[1] = r.hi[2] * group;
+    if constexpr (kFast) {
+      linear_variant1<kForm>(c, rc, env);
+    } else {
+      if (!acquire_inputs(env)) return;
+      linear_general_stats_out(c, rc, env);
+    }
+  } else if constexpr (kFast) {
+    linear_variant1<kForm>(c, r, env);
+  } else {
+    if (!acquire_inputs(env)) return;
+    if constexpr (kForm == kPlain) {
+      linear_general_plain(c, r, env);
+    } else {
+      linear_general_2d<kForm>(c, r, env);
+    }
   }
 }
 
@@ -604,8 +577,7 @@ __device__ __forceinline__ bool token_in_table(const OpC& c, long long tok, long
 // out[..., d] = weight[ids[...], d]; inputs weight [V, D], ids. Rows of a 2-byte table that
 // copy as 16-byte words (the decode step's embedding) take the fast path: a thread per word of
 // the tile, every row at once — the token ids in one round trip, then all the words (a loop
-// over rows cost a round trip pair per row: 14 µs for 16 rows); the general loop looks the id
-// up per element.
+// over rows would cost a round trip pair per row); the general loop looks the id up per element.
 __device__ void task_embedding(const OpC& c, const Rect& r, const TaskEnv& env) {
   const ViewC& w = c.in[0];
   const ViewC& ids = c.in[1];

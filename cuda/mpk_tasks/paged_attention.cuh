@@ -9,8 +9,8 @@
 //
 // The tasks are templates over the head dim (kPer = D / 32 elements per lane), the group size
 // G, the element type T of q, the cache and the rope inputs, and the page table's integer type
-// I; codegen instantiates only the
-// combinations of its graph (mpk.executors.codegen.SPECIALIZED). Straight-line typed code
+// I; codegen instantiates only the combinations of its graph (mpk.ops.paged: the kinds'
+// GpuSpec.task names the instantiation per op). Straight-line typed code
 // keeps each task's instructions few: the persistent kernel holds every task family, and a
 // task whose code is not in the instruction cache pays for fetching it.
 #pragma once
@@ -505,9 +505,9 @@ struct AttnStart {
 // slot (long chunks) while it attends to the step in the other; the page-table entries of the
 // step a slot takes next are loaded during the current one (the first steps' copies go out
 // before kRope's rotations, under their loads).
-// A warp's states are AttnStates: on the tensor cores for 16-bit caches. (Issuing the first
-// step's copies before the task's gate, into the wait for the qkv projection, measured slower
-// on an H200: +3–4% per step at batch 16, none at 1.) kSlot: the phase timer's slot.
+// A warp's states are AttnStates: on the tensor cores for 16-bit caches. (The first step's
+// copies are not issued before the task's gate, into the wait for the qkv projection: that made
+// large-batch steps slower.) kSlot: the phase timer's slot.
 // kFinal (one chunk per sequence): the output is O itself, [B, KV, G, D] of T — attn_merge's
 // result for a single state (its weight is 2^0 = 1), so no merge op follows.
 template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal, int kSlot = kAttnPhaseSlot>
@@ -530,7 +530,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   PhaseTimer phase(kSlot);
   float* red = scratch();  // during the loop: each warp's K/V slot [2][kU][D] of T; then [warps][kG][D + 2]
   // A warp's K/V slots: one in the scratch area and, where the launch reserved it (the host
-  // does where a warp's share of a chunk runs to many steps: codegen.ATTN_SECOND_SLOT_MIN_STEPS),
+  // does where a warp's share of a chunk runs to many steps: mpk.ops.paged.ATTN_SECOND_SLOT_MIN_STEPS),
   // a second in dynamic shared memory, so that a step's copies are in flight while the warp
   // attends to the step before
   constexpr unsigned kSlotBytes = kAttnWarps * 2 * kU * D * sizeof(T);
@@ -588,12 +588,10 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
           }
           __syncwarp();
           // K rows, then V rows: the lanes take the kU·kPieces pieces of each in rounds (rows
-          // past `valid` skipped), a piece's row and place shifts of its index. (Until session 37
-          // the rounds were cut by the step's run-time row count and shuffled each piece's page
-          // from its row's lane: a 64-bit multiply and two divisions a piece, most of a long
-          // loop's instructions — 0.50 → 0.77–0.80 of copy bandwidth at 16 × 2048 positions,
-          // H100. Two rounds unrolled: four moved long caches by −4 to +6% and made short-context
-          // steps, which fetch this code cold each layer, up to 0.6% slower.)
+          // past `valid` skipped), a piece's row and place shifts of its index: no 64-bit
+          // multiply or division per piece, which would dominate a long loop's instructions. Two
+          // rounds unrolled: more would lengthen the code that short-context steps fetch cold
+          // each layer.
 #pragma unroll
           for (int kv = 0; kv < 2; ++kv) {
             const T* rows = head_base + kv * v_at;
@@ -704,16 +702,12 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
 
 // The task: the page-table reads of the tile's first sequence and chunk (AttnStart), then the
 // gate, then attn_partial_impl — so the K/V copies go out as soon as the gate opens, two round
-// trips earlier (H200, same run against the gate first: llama3.2-1b 1.191 → 1.182 ms at batch
-// 1, 1.503 → 1.492 at 16; qwen3-1.7b 1.851 → 1.829, 2.322 → 2.304). Inlined into the dispatch,
-// which is where the gate must be opened: with the gate inside attn_partial_impl, even first
-// thing, the fused rope tests whose attention waits on a computed cos/sin table read that table
-// stale (session 16, H200; test_fused_rope_attention_matches_eager[1-128-0-True-True]): the
-// same wrong output for a seed whatever else changed (L2-only loads, __syncwarp or a fence
-// after the gate, a fence by every producer thread before its arrival), right with a 20 µs
-// sleep, a printf or timestamp stores by the waiting thread, while the gates did open on all
-// of the producer's arrivals and the SASS polled, invalidated L1 and passed the barrier before
-// the loads; cause not found.
+// trips earlier. Inlined into the dispatch, which is where the gate must be opened: with the
+// gate inside attn_partial_impl, even first thing, the fused rope tests whose attention waits
+// on a computed cos/sin table read that table stale
+// (test_fused_rope_attention_matches_eager[1-128-0-True-True]), although the gates opened on
+// all of the producer's arrivals and the SASS polled, invalidated L1 and passed the barrier
+// before the loads; cause not found.
 template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal>
 __device__ __forceinline__ void attn_partial(const OpC& c, const Rect& r, const TaskEnv& env) {
   constexpr int kU = kAttnStep<kPer, T>;

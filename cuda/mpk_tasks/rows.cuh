@@ -185,7 +185,7 @@ __device__ __forceinline__ void fold_partial(float& acc, long long& arg, float v
 }
 
 // reduce over long rows (kFn a ReduceFn); each thread folds its words into kE accumulators,
-// one per position in a word (independent chains: one running value was a dependency chain of
+// one per position in a word (independent chains: one running value would be a dependency chain of
 // ~130 steps per round of loads, which kept the next round's loads waiting), adds those in
 // order, the warps reduce with shuffles and thread 0 folds the warps in warp order (sums are
 // deterministic).
@@ -404,7 +404,7 @@ __device__ __forceinline__ uint4 rms_scale8(uint4 x, uint4 w, float rstd) {
 
 constexpr int kNormVecs = 4;  // 8-element vectors per thread held in registers: rows ≤ 8192 at 256 threads
 
-// The bf16 RMSNorm's order of summing a row's squares, which rms_matmul's prologue
+// The bf16 RMSNorm's order of summing a row's squares, which the linear's RMSNorm prologue
 // (linalg.cuh, in a loop) follows so that its rows equal the rms_norm task's bit for bit:
 // thread t adds the squares of words t + blockDim·i in i order (``word(i)``: that word, zero
 // past the row), the warp reduces, and warp_rstd adds the warps' sums in warp order.

@@ -40,87 +40,92 @@ def _(x, weight, eps, compute_dtype, norm_dtype):
     return x.new_empty(x.shape, dtype=rms_norm_out_dtype(weight, norm_dtype))
 
 
-@torch.library.custom_op("mpk::rms_norm_mm", mutates_args=())
-def rms_norm_mm(x: torch.Tensor, weight: torch.Tensor, eps: float, compute_dtype: torch.dtype,
-                norm_dtype: torch.dtype, b: torch.Tensor, silu: bool = False) -> torch.Tensor:
-    """``rms_norm(x, weight) @ b`` (with ``silu``: then SiLU·mul of its two halves, as
-    ``mm_silu_mul``): a projection with its RMSNorm fused, with the unfused pair's roundings
-    (mpk.ops.linalg's rms_matmul defines it). Each task normalises its rows of x on chip; the
-    normalised activations never reach memory."""
-    out_dtype = rms_norm_out_dtype(weight, norm_dtype)
-    M, N = x.shape[0], b.shape[1] // 2 if silu else b.shape[1]
-    sig = OpSig((tuple(x.shape), tuple(b.shape), tuple(weight.shape)), (M, N), out_dtype,
-                {"eps": eps, "compute_dtype": str(compute_dtype)[6:], "norm_dtype": str(norm_dtype)[6:], "silu": silu})
-    return get_op("rms_matmul").cpu(sig, full_rect(sig.out_shape), [x, b, weight]).contiguous()
+def _matmul(inputs: list[torch.Tensor], out_shape, out_dtype: torch.dtype, **attrs) -> torch.Tensor:
+    """The ``matmul`` kind's CPU tile over the whole output (attrs: its prologue / epilogue)."""
+    sig = OpSig(tuple(tuple(t.shape) for t in inputs), tuple(out_shape), out_dtype, attrs)
+    return get_op("matmul").cpu(sig, full_rect(sig.out_shape), inputs).contiguous()
 
 
-@rms_norm_mm.register_fake
-def _(x, weight, eps, compute_dtype, norm_dtype, b, silu=False):
-    return x.new_empty((x.shape[0], b.shape[1] // 2 if silu else b.shape[1]),
+def _silu_epilogue(silu_mul: bool) -> dict:
+    return {"epilogue": "silu_mul"} if silu_mul else {}
+
+
+@torch.library.custom_op("mpk::rms_norm_matmul", mutates_args=())
+def rms_norm_matmul(x: torch.Tensor, weight: torch.Tensor, eps: float, compute_dtype: torch.dtype,
+                    norm_dtype: torch.dtype, b: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    """``rms_norm(x, weight) @ b`` (with ``silu_mul``: then SiLU·mul of its two halves, as
+    ``matmul_silu_mul``): a projection with its RMSNorm as prologue, with the unfused pair's
+    roundings (mpk.ops.linalg: matmul, prologue "rms_norm"). Each task normalises its rows of x
+    on chip; the normalised activations never reach memory."""
+    M, N = x.shape[0], b.shape[1] // 2 if silu_mul else b.shape[1]
+    return _matmul([x, b, weight], (M, N), rms_norm_out_dtype(weight, norm_dtype), prologue="rms_norm", eps=eps,
+                   compute_dtype=str(compute_dtype)[6:], norm_dtype=str(norm_dtype)[6:], **_silu_epilogue(silu_mul))
+
+
+@rms_norm_matmul.register_fake
+def _(x, weight, eps, compute_dtype, norm_dtype, b, silu_mul=False):
+    return x.new_empty((x.shape[0], b.shape[1] // 2 if silu_mul else b.shape[1]),
                        dtype=rms_norm_out_dtype(weight, norm_dtype))
 
 
-def _norm_stats_sig(a, b, r, g, group: int) -> OpSig:
+def _norm_stats_shape(a, b, r, g, group: int) -> tuple[int, int, int, int]:
     from mpk.ops.linalg import STATS_GROUPS
 
     M, N = r.shape
     if group not in STATS_GROUPS:
-        raise ValueError(f"mm_norm_stats: group={group!r}; expected one of {STATS_GROUPS} (columns per sum of h²)")
+        raise ValueError(f"matmul_norm_stats: group={group!r}; expected one of {STATS_GROUPS} (columns per sum of h²)")
     if r.dtype.itemsize != 2 or N % group:
-        raise ValueError(f"mm_norm_stats: h = r + a @ b is {str(r.dtype)[6:]} [{M}, {N}]; expected a 2-byte dtype "
-                         f"(the sums are fp32 in element pairs) and a multiple of {group} columns")
-    return OpSig((tuple(a.shape), tuple(b.shape), tuple(r.shape), tuple(g.shape)),
-                 (3, M, N // group, group), r.dtype, {})
+        raise ValueError(f"matmul_norm_stats: h = r + a @ b is {str(r.dtype)[6:]} [{M}, {N}]; expected a 2-byte "
+                         f"dtype (the sums are fp32 in element pairs) and a multiple of {group} columns")
+    return 3, M, N // group, group
 
 
-@torch.library.custom_op("mpk::mm_norm_stats", mutates_args=())
-def mm_norm_stats(a: torch.Tensor, b: torch.Tensor, r: torch.Tensor, g: torch.Tensor, group: int = 16) -> torch.Tensor:
+@torch.library.custom_op("mpk::matmul_norm_stats", mutates_args=())
+def matmul_norm_stats(a: torch.Tensor, b: torch.Tensor, r: torch.Tensor, g: torch.Tensor,
+                      group: int = 16) -> torch.Tensor:
     """``h = r + a @ b`` (a residual projection) packed with what the RMSNorm of weight ``g``
-    after it needs: [3, M, N/group, group] of h, h·g and per-group sums of h² (mpk.ops.linalg's
-    matmul_norm_stats defines the layout); ``norm_stats_mm`` consumes it."""
-    sig = _norm_stats_sig(a, b, r, g, group)
-    return get_op("matmul_norm_stats").cpu(sig, full_rect(sig.out_shape), [a, b, r, g])
+    after it needs: [3, M, N/group, group] of h, h·g and per-group sums of h² (mpk.ops.linalg:
+    matmul, epilogue "norm_stats", defines the layout); ``norm_stats_matmul`` consumes it."""
+    return _matmul([a, b, r, g], _norm_stats_shape(a, b, r, g, group), r.dtype, epilogue="norm_stats")
 
 
-@mm_norm_stats.register_fake
+@matmul_norm_stats.register_fake
 def _(a, b, r, g, group=16):
-    return r.new_empty(_norm_stats_sig(a, b, r, g, group).out_shape)
+    return r.new_empty(_norm_stats_shape(a, b, r, g, group))
 
 
 def norm_stats_parts(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h, h·g, sums) of a ``mm_norm_stats`` output, each viewed [M, N]."""
+    """(h, h·g, sums) of a ``matmul_norm_stats`` output, each viewed [M, N]."""
     _, M, groups, width = packed.shape
     return tuple(packed[i].reshape(M, groups * width) for i in range(3))
 
 
-@torch.library.custom_op("mpk::norm_stats_mm", mutates_args=())
-def norm_stats_mm(packed: torch.Tensor, b: torch.Tensor, eps: float, silu: bool = False) -> torch.Tensor:
-    """``rms_norm(h, g) @ b`` (with ``silu``: then SiLU·mul of its two halves) from a
-    ``mm_norm_stats`` output: h·g @ b scaled by each row's rstd, which comes from the packed
-    sums (mpk.ops.linalg's norm_stats_matmul)."""
+@torch.library.custom_op("mpk::norm_stats_matmul", mutates_args=())
+def norm_stats_matmul(packed: torch.Tensor, b: torch.Tensor, eps: float, silu_mul: bool = False) -> torch.Tensor:
+    """``rms_norm(h, g) @ b`` (with ``silu_mul``: then SiLU·mul of its two halves) from a
+    ``matmul_norm_stats`` output: h·g @ b scaled by each row's rstd, which comes from the packed
+    sums (mpk.ops.linalg: matmul, prologue "norm_stats")."""
     _, hg, sums = norm_stats_parts(packed)
-    M, N = hg.shape[0], b.shape[1] // 2 if silu else b.shape[1]
-    sig = OpSig((tuple(hg.shape), tuple(b.shape), tuple(sums.shape)), (M, N), packed.dtype,
-                {"eps": eps, "silu": silu, "group": packed.shape[3]})
-    return get_op("norm_stats_matmul").cpu(sig, full_rect(sig.out_shape), [hg, b, sums]).contiguous()
+    M, N = hg.shape[0], b.shape[1] // 2 if silu_mul else b.shape[1]
+    return _matmul([hg, b, sums], (M, N), packed.dtype, prologue="norm_stats", eps=eps, group=packed.shape[3],
+                   **_silu_epilogue(silu_mul))
 
 
-@norm_stats_mm.register_fake
-def _(packed, b, eps, silu=False):
-    return packed.new_empty((packed.shape[1], b.shape[1] // 2 if silu else b.shape[1]))
+@norm_stats_matmul.register_fake
+def _(packed, b, eps, silu_mul=False):
+    return packed.new_empty((packed.shape[1], b.shape[1] // 2 if silu_mul else b.shape[1]))
 
 
-@torch.library.custom_op("mpk::mm_silu_mul", mutates_args=())
-def mm_silu_mul(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+@torch.library.custom_op("mpk::matmul_silu_mul", mutates_args=())
+def matmul_silu_mul(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``silu(h[:, :N/2]) * h[:, N/2:]`` with ``h = x @ b`` (a SwiGLU MLP's fused gate·up
     projection and its activation): each task computes its gate and up columns together and
     stores only the product; ``h`` never exists."""
     M, N = x.shape[0], b.shape[1]
-    sig = OpSig((tuple(x.shape), tuple(b.shape)), (M, N // 2), torch.promote_types(x.dtype, b.dtype), {})
-    return get_op("matmul_silu").cpu(sig, full_rect(sig.out_shape), [x, b])
+    return _matmul([x, b], (M, N // 2), torch.promote_types(x.dtype, b.dtype), epilogue="silu_mul")
 
 
-@mm_silu_mul.register_fake
+@matmul_silu_mul.register_fake
 def _(x, b):
     return x.new_empty((x.shape[0], b.shape[1] // 2), dtype=torch.promote_types(x.dtype, b.dtype))
 
@@ -255,13 +260,8 @@ def default_splits(batch: int, kv_heads: int, max_len: int, workers: int = 128) 
     workers with chunks of at least ``MIN_CHUNK`` that a sequence short of the capacity still
     fills. At run time a shorter sequence uses fewer chunks (``mpk.ops.paged.chunk_bounds``).
     Splitting costs a merge op, a stage as long as several of a task's round trips, and with one
-    chunk there is none (H200, position 64: 1 chunk without a merge against 5 with one:
-    llama3.2-1b 1.242 → 1.235 ms, qwen3-1.7b 1.990 → 1.935, qwen3-8b 5.187 → 5.155). Measured
-    on an H100 (session 48): at batch 1 and position 576 (capacity 640) 4 chunks instead of 2
-    made steps 1.5–4.4% faster; half the workers, not all, because shorter chunks on every
-    worker were slower (batch 1: llama3.2-1b +1.9% at position 576 with 16 chunks against 8,
-    +1.7% at 2048), but long chunks were not (batch 4, position 2048: 4 chunks against 2,
-    1.5–4.6% faster)."""
+    chunk there is none. Half the workers, not all, in the second case: shorter chunks on every
+    worker cost more than they gain, while long chunks on half of them still pay."""
     pairs = max(1, batch * kv_heads)
     wave = min(workers // pairs, max_len // (2 * MIN_CHUNK))
     half = min(workers // (2 * pairs), (max_len - 1) // MIN_CHUNK)

@@ -139,8 +139,8 @@ def _half_slice(node, whole: int):
         (node.args[0], 1) if (start, end) == (whole // 2, whole) else None
 
 
-def _match_mm_silu_mul(node: Node):
-    """``silu_mul(h[:, :I], h[:, I:])`` of ``h = x @ b`` used by nothing else → ``mm_silu_mul``:
+def _match_matmul_silu_mul(node: Node):
+    """``silu_mul(h[:, :I], h[:, I:])`` of ``h = x @ b`` used by nothing else → ``matmul_silu_mul``:
     SiLU·mul becomes the projection's epilogue, saving a task, an event hop and a buffer."""
     if not _is(node, torch.ops.mpk.silu_mul.default):
         return None
@@ -151,7 +151,7 @@ def _match_mm_silu_mul(node: Node):
     whole = _val(h).shape[1]
     if whole % 2 or _half_slice(gate, whole) != (h, 0) or _half_slice(up, whole) != (h, 1):
         return None
-    return node, (torch.ops.mpk.mm_silu_mul.default, tuple(h.args[:2]))
+    return node, (torch.ops.mpk.matmul_silu_mul.default, tuple(h.args[:2]))
 
 
 def _match_residual_matmul(node: Node):
@@ -169,11 +169,11 @@ def _match_residual_matmul(node: Node):
     return node, (aten.addmm.default, (r, mm.args[0], mm.args[1]))
 
 
-def _match_rms_norm_mm(node: Node):
-    """``mm(rms_norm(x, w), b)`` or ``mm_silu_mul(rms_norm(x, w), b)`` whose norm feeds nothing
-    else → ``rms_norm_mm``: the norm runs inside the projection's tasks, saving a task, an event
+def _match_rms_norm_matmul(node: Node):
+    """``mm(rms_norm(x, w), b)`` or ``matmul_silu_mul(rms_norm(x, w), b)`` whose norm feeds nothing
+    else → ``rms_norm_matmul``: the norm runs inside the projection's tasks, saving a task, an event
     hop and a buffer."""
-    silu = _is(node, torch.ops.mpk.mm_silu_mul.default)
+    silu = _is(node, torch.ops.mpk.matmul_silu_mul.default)
     if not (silu or _is(node, aten.mm.default)):
         return None
     norm, b = node.args[:2]
@@ -185,7 +185,7 @@ def _match_rms_norm_mm(node: Node):
         return None
     if xv.numel() * _val(norm).element_size() > NORM_TILE_BYTES:  # the task keeps all of x on chip
         return None
-    return node, (torch.ops.mpk.rms_norm_mm.default, (x, weight, eps, compute_dtype, norm_dtype, b, silu))
+    return node, (torch.ops.mpk.rms_norm_matmul.default, (x, weight, eps, compute_dtype, norm_dtype, b, silu))
 
 
 def _fake_like(val: torch.Tensor, shape, dtype=None) -> torch.Tensor:
@@ -202,22 +202,22 @@ def _add_node(gm: GraphModule, after: Node, target, args, val: torch.Tensor) -> 
 
 def _norm_stats_rewriter(gm: GraphModule, num_workers: int, min_bytes: int = 0):
     """``norm @ b`` (or its SiLU·mul form) where the norm's input is a residual projection
-    ``h = r + a @ w`` → ``mm_norm_stats`` in place of h (its users take h from the packed
-    output) and ``norm_stats_mm`` in place of the projection: the producer writes h·g and
+    ``h = r + a @ w`` → ``matmul_norm_stats`` in place of h (its users take h from the packed
+    output) and ``norm_stats_matmul`` in place of the projection: the producer writes h·g and
     per-group sums of h², so the norm needs no stage of its own and no task normalises a row
-    (mpk.ops.linalg, matmul_norm_stats). Only norms of more than ``min_bytes`` of h: the
+    (mpk.ops.linalg: matmul's norm_stats epilogue and prologue). Only norms of more than ``min_bytes`` of h: the
     prologue fusion, which applies after this one, takes the rest that fit its tile. The sums'
     group size suits h's split over ``num_workers`` tiles (mpk.ops.linalg.stats_group)."""
     from mpk.ops.linalg import stats_group
 
     def match(node: Node):
-        if not _is(node, aten.mm.default, torch.ops.mpk.mm_silu_mul.default):
+        if not _is(node, aten.mm.default, torch.ops.mpk.matmul_silu_mul.default):
             return None
         norm, b = node.args[:2]
         if not (_is(norm, torch.ops.mpk.rms_norm.default) and len(norm.users) == 1):
             return None
         h, g, eps, compute_dtype, norm_dtype = norm.args
-        silu = _is(node, torch.ops.mpk.mm_silu_mul.default)
+        silu = _is(node, torch.ops.mpk.matmul_silu_mul.default)
         if not (_is(h, aten.addmm.default) and not h.kwargs and g is not None):
             return None
         r, a, w = h.args
@@ -231,27 +231,27 @@ def _norm_stats_rewriter(gm: GraphModule, num_workers: int, min_bytes: int = 0):
         if M > 16 or N % 256:  # the tasks: ≤ 16 rows a tile, a half warp per 16 or 32 groups of sums
             return None
         group = stats_group(M, N, num_workers)
-        packed = _add_node(gm, h, torch.ops.mpk.mm_norm_stats.default, (a, w, r, g, group),
+        packed = _add_node(gm, h, torch.ops.mpk.matmul_norm_stats.default, (a, w, r, g, group),
                            _fake_like(hv, (3, M, N // group, group)))
         part = _add_node(gm, packed, aten.select.int, (packed, 0, 0), _fake_like(hv, (M, N // group, group)))
         h_new = _add_node(gm, part, aten.view.default, (part, [M, N]), _fake_like(hv, (M, N)))
         h.replace_all_uses_with(h_new)
-        return node, (torch.ops.mpk.norm_stats_mm.default, (packed, b, float(eps), bool(silu)))
+        return node, (torch.ops.mpk.norm_stats_matmul.default, (packed, b, float(eps), bool(silu)))
 
     match.__name__ = "_match_norm_stats"
     return match
 
 
-MATCHERS = (_match_rms_norm, _match_rope, _match_silu_mul, _match_mm_silu_mul, _match_residual_matmul)
+MATCHERS = (_match_rms_norm, _match_rope, _match_silu_mul, _match_matmul_silu_mul, _match_residual_matmul)
 # CompileOptions.fuse_norm_prologue. Each task normalises its rows of x into shared memory
 # after its gate (rms_norm's roundings: the result equals the unfused pair) and its K loop reads
-# them from there; earlier forms that applied the norm inside the K loop were 0–11% slower on an
-# H200 (that path sets the loop's pace).
+# them from there: applying the norm inside the K loop would lengthen the path that sets the
+# loop's pace.
 # CompileOptions.fuse_norm_stats: the norm split between the projections around it
 # (``_norm_stats_rewriter``; it also rewrites the producer, so it takes the graph module);
 # "norm_stats_large" is its "auto" form, which leaves small norms to the prologue. Either
 # applies before the prologue fusion (CompileOptions.optional_fusions).
-OPTIONAL_MATCHERS = {"norm_prologue": lambda gm, workers: _match_rms_norm_mm, "norm_stats": _norm_stats_rewriter,
+OPTIONAL_MATCHERS = {"norm_prologue": lambda gm, workers: _match_rms_norm_matmul, "norm_stats": _norm_stats_rewriter,
                      "norm_stats_large": lambda gm, workers: _norm_stats_rewriter(gm, workers, NORM_SPLIT_MIN_BYTES)}
 
 

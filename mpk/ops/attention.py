@@ -11,7 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mpk.ops.gpu import GpuSpec, OpInfo
 from mpk.ops.registry import OpDef, OpSig, broadcast_region, register
+
+MAX_HEAD_DIM = 512  # cuda/mpk_tasks/attention.cuh: kMaxHeadDim (the generated source static_asserts it)
 
 
 def _kv_rows(sig: OpSig, rect) -> tuple[int, int]:
@@ -53,8 +56,15 @@ def _attention_order(sig: OpSig) -> list[int]:
     return [1, 0, 2]
 
 
+def _attention_check(op: OpInfo) -> None:
+    q, v = op.inputs[0], op.inputs[2]
+    if max(q.shape[3], v.shape[3]) > MAX_HEAD_DIM:
+        raise op.error(f"head dim {q.shape[3]}/{v.shape[3]} exceeds the CUDA attention task's {MAX_HEAD_DIM}")
+
+
 register(OpDef(
     kind="attention", type_id=30, input_regions=_attention_regions, cpu=_attention_cpu,
+    gpu=GpuSpec(params=lambda op: ([int(op.attrs["causal"])], [op.attrs["scale"]]), check=_attention_check),
     splittable=lambda sig: (True, True, True, False), split_order=_attention_order,
     min_tile_elems=1, data_dependent=True,
     doc="softmax(q kᵀ·scale + mask) v, GQA, top-left causal",

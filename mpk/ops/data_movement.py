@@ -6,6 +6,7 @@ import torch
 
 from mpk.errors import BAD_INDEX, BadInputError, bad_input_message
 from mpk.ir.views import reshape_groups
+from mpk.ops.gpu import GpuSpec
 from mpk.ops.registry import OpDef, OpSig, register
 
 
@@ -38,6 +39,7 @@ def _copy_cpu(sig: OpSig, rect, xs):
 
 register(OpDef(
     kind="copy", type_id=40, input_regions=_copy_regions, cpu=_copy_cpu, splittable=_copy_splittable,
+    gpu=GpuSpec(float64_exact=True),  # elements are moved through double
     doc="out = reshape(x, out_shape): materialises a view (only dims the reshape keeps are split)",
 ))
 
@@ -61,6 +63,7 @@ def _cat_cpu(sig: OpSig, rect, xs):
 
 register(OpDef(
     kind="cat", type_id=41, input_regions=_cat_regions, cpu=_cat_cpu,
+    gpu=GpuSpec(params=lambda op: ([op.attrs["dim"]], []), float64_exact=True),
     doc="out = cat(inputs, dim)",
 ))
 
@@ -106,6 +109,7 @@ def _gather_cpu(sig: OpSig, rect, xs):
 
 register(OpDef(
     kind="gather", type_id=42, input_regions=_gather_regions, cpu=_gather_cpu,
+    gpu=GpuSpec(params=lambda op: ([op.attrs["dim"], int(op.attrs["wrap"])], []), float64_exact=True),
     doc="out[a…, b…, c…] = x[a…, index_0[a…, b…, c…], …, index_{k-1}[…], c…]: x's dims dim … dim+k-1 picked by "
         "the k index inputs (views of the output's shape; torch.gather has k = 1 and b one dim); attrs['wrap']: "
         "negative indices count from the end (x[idx]); an index outside its dim is reported (BAD_INDEX), its "

@@ -9,6 +9,7 @@ the number of times each task ran. ``record=False``: empty tasks that do nothing
 
 from __future__ import annotations
 
+from mpk.ops.gpu import GpuSpec
 from mpk.ops.registry import OpDef, OpSig, register
 
 
@@ -21,4 +22,6 @@ def _stamp_cpu(sig: OpSig, rect, xs):
 
 
 register(OpDef(kind="stamp", type_id=90, input_regions=_stamp_regions, cpu=_stamp_cpu,
+               gpu=GpuSpec(params=lambda op: ([int(op.attrs["busy_ns"]), int(op.attrs["record"])], []),
+                           float64_exact=True),
                doc="runtime diagnostic: log (start, end) clock stamps per task and iteration"))

@@ -1,16 +1,63 @@
-"""``matmul`` (mm / bmm / addmm / linear, batch dims broadcast), its fused forms
-(``rms_matmul``, ``matmul_silu``) and ``embedding``."""
+"""``matmul`` (mm / bmm / addmm / linear, batch dims broadcast, with its fused prologues and
+epilogues) and ``embedding``.
+
+One kind covers every projection; its attrs name the fusions:
+
+* ``prologue``: None, ``"rms_norm"`` (an RMSNorm of x fused in front: inputs x [M, K], b [K, N],
+  the norm weight [K]; attrs eps, compute_dtype, norm_dtype) or ``"norm_stats"`` (x is h·g of a
+  ``norm_stats`` epilogue's output and the third input its sums, which give each row's rstd;
+  attrs eps, group);
+* ``epilogue``: None, ``"silu_mul"`` (b [K, 2N], out = silu(gate)·up of the two halves) or
+  ``"norm_stats"`` (h = a @ b + r packed with h·g and sums of h², out [3, M, N/G, G]; inputs a, b,
+  r, g).
+
+A ``norm_stats`` prologue and epilogue go together: the RMSNorm between two projections split
+over them. Without fusions, ``alpha``/``beta`` scale the product and the optional bias.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
 from mpk.errors import BAD_TOKEN, BadInputError, bad_input_message
+from mpk.ops.gpu import GpuSpec, OpInfo, Params, all_inputs
 from mpk.ops.registry import OpDef, OpSig, broadcast_region, register
+from mpk.ops.rows import NORM_VECS
+
+PROLOGUES = (None, "rms_norm", "norm_stats")
+EPILOGUES = (None, "silu_mul", "norm_stats")
 
 
-def _matmul_regions(sig: OpSig, rect):
+def linear_form(attrs: dict) -> tuple[str | None, str | None]:
+    """(prologue, epilogue) of a ``matmul`` op's attrs."""
+    return attrs.get("prologue"), attrs.get("epilogue")
+
+
+def form_name(attrs: dict) -> str:
+    """A ``matmul`` op's form in words, as the custom ops name it: ``[prologue_]matmul[_epilogue]``
+    (``rms_norm_matmul``, ``matmul_silu_mul``, ``norm_stats_matmul_silu_mul``, …)."""
+    pro, epi = linear_form(attrs)
+    return "_".join(p for p in (pro, "matmul", epi) if p)
+
+
+def op_form(kind: str, attrs: dict) -> str:
+    """An op's kind, or for a ``matmul`` its form (``form_name``): what profiles and tests tell
+    apart."""
+    return form_name(attrs) if kind == "matmul" else kind
+
+
+def _check_form(sig: OpSig) -> tuple[str | None, str | None]:
+    pro, epi = linear_form(sig.attrs)
+    if pro not in PROLOGUES or epi not in EPILOGUES or (epi == "norm_stats" and pro):
+        raise ValueError(f"matmul: prologue {pro!r}, epilogue {epi!r}; expected a prologue among {PROLOGUES} and an "
+                         f"epilogue among {EPILOGUES} (a norm_stats epilogue without a prologue)")
+    return pro, epi
+
+
+def _plain_regions(sig: OpSig, rect):
     a_shape, b_shape, *bias = sig.in_shapes
     out = sig.out_shape
     batch_out, m, n = out[:-2], rect[-2], rect[-1]
@@ -19,7 +66,7 @@ def _matmul_regions(sig: OpSig, rect):
     return [a, b] + [broadcast_region(s, out, rect) for s in bias]
 
 
-def _matmul_cpu(sig: OpSig, rect, xs):
+def _plain_cpu(sig: OpSig, rect, xs):
     a, b, *bias = xs
     alpha, beta = sig.attrs.get("alpha", 1), sig.attrs.get("beta", 1)
     out = torch.matmul(a, b)
@@ -31,17 +78,22 @@ def _matmul_cpu(sig: OpSig, rect, xs):
 
 
 def _matmul_order(sig: OpSig) -> list[int]:
+    if linear_form(sig.attrs)[1] == "norm_stats":
+        return [2, 1]  # [3, M, N/G, G]: groups of columns, then rows
     # Decode is weight-bound: split N first so each weight column is streamed by one task,
     # then M, then batch dims (each extra M / batch split re-reads the weight tile).
     nd = len(sig.out_shape)
     return [nd - 1, nd - 2] + list(range(nd - 2))
 
 
-register(OpDef(
-    kind="matmul", type_id=20, input_regions=_matmul_regions, cpu=_matmul_cpu,
-    split_order=_matmul_order, min_tile_elems=16,
-    doc="out = alpha·(a @ b) + beta·bias; a [..., M, K], b [..., K, N], bias broadcast to out",
-))
+def _matmul_splittable(sig: OpSig) -> tuple[bool, ...]:
+    if linear_form(sig.attrs)[1] == "norm_stats":
+        return (False, True, True, False)  # the 3 parts and a group's columns stay in one tile
+    return tuple(True for _ in sig.out_shape)
+
+
+def _matmul_min_tile(sig: OpSig) -> int:
+    return 3 * STATS_GROUP if linear_form(sig.attrs)[1] == "norm_stats" else 16
 
 
 def _gate_up_columns(n2: int, rect) -> tuple[int, int]:
@@ -62,67 +114,68 @@ def _silu_of_halves(sig: OpSig, rect, h: torch.Tensor) -> torch.Tensor:
     return get_op("silu_mul").cpu(silu_sig, tuple((0, n) for n in gate.shape), [gate, up])
 
 
-def _normed_matmul_regions(sig: OpSig, rect):
-    """rms_matmul and norm_stats_matmul: the tile's rows of x (all of K), b's columns of the tile
-    (both halves with silu), and the norm's third input — the weight [K] whole, or the sums
-    [M, K] of the tile's rows."""
+def _normed_regions(sig: OpSig, rect):
+    """A prologue form: the tile's rows of x (all of K), b's columns of the tile (both halves
+    with silu_mul), and the norm's third input — the weight [K] whole, or the sums [M, K] of the
+    tile's rows."""
     x_shape, b_shape, third = sig.in_shapes
-    n = _gate_up_columns(b_shape[1], rect) if sig.attrs.get("silu") else rect[1]
+    n = _gate_up_columns(b_shape[1], rect) if linear_form(sig.attrs)[1] == "silu_mul" else rect[1]
     norm = ((0, third[0]),) if len(third) == 1 else (rect[0], (0, third[1]))
     return [(rect[0], (0, x_shape[1])), ((0, b_shape[0]), n), norm]
 
 
-# The largest tile of normalised activations (rows × K) an rms_matmul task keeps in shared
-# memory (cuda/mpk_tasks/linalg.cuh: the launch's dynamic shared memory). The frontend fuses
-# an RMSNorm into its projection only when all of x fits: every task normalises all rows
-# after its gate, which on an H200 paid at batch 1 (llama3.2-1b / qwen3-1.7b steps −4%) and
-# cost at batch 4 (+2–4%) and 16 (+20%) against one norm task per row
-# (benchmarks/results/2026-11-22-nvidia-h200-decode_latency-session10-*).
+def _silu_regions(sig: OpSig, rect):
+    (_, k), (_, n2) = sig.in_shapes
+    return [(rect[0], (0, k)), ((0, k), _gate_up_columns(n2, rect))]
+
+
+# The largest tile of normalised activations (rows × K) an rms_norm-prologue task keeps in
+# shared memory (cuda/mpk_tasks/linalg.cuh: the launch's dynamic shared memory). The frontend
+# fuses an RMSNorm into its projection only when all of x fits: every task normalises all rows
+# after its gate, which pays at batch 1 and costs from a few rows on against one norm task per
+# row.
 NORM_TILE_BYTES = 8 * 1024
 # fuse_norm_stats="auto" splits a norm between the projections around it when its input is
-# larger than this, and leaves smaller ones to the prologue: at 4 KiB (batch 1, hidden 2048)
-# the prologue measured 0.5–2.0% faster, at 8 KiB (batch 2, or qwen3-8b's batch 1) the split
-# 0.3–1.8% faster but for qwen3-8b on an H200, +0.2% (H100 and H200, session 34).
+# larger than this, and leaves smaller ones to the prologue, which is faster for them.
 NORM_SPLIT_MIN_BYTES = 4 * 1024
 
 
-def _rms_matmul_cpu(sig: OpSig, rect, xs):
+def _rms_prologue_cpu(sig: OpSig, rect, xs):
     from mpk.ops.registry import get_op
 
     x, b, w = xs
     a = sig.attrs
     norm = OpSig((tuple(x.shape), tuple(w.shape)), tuple(x.shape), sig.out_dtype,
-                 {"eps": a["eps"], "has_weight": True, "compute_dtype": a["compute_dtype"], "norm_dtype": a["norm_dtype"]})
+                 {"eps": a["eps"], "has_weight": True, "compute_dtype": a["compute_dtype"],
+                  "norm_dtype": a["norm_dtype"]})
     h = get_op("rms_norm").cpu(norm, tuple((0, n) for n in x.shape), [x, w])
     out = torch.matmul(h, b).to(sig.out_dtype)
-    return _silu_of_halves(sig, rect, out) if a.get("silu") else out
+    return _silu_of_halves(sig, rect, out) if linear_form(a)[1] == "silu_mul" else out
 
 
-register(OpDef(
-    kind="rms_matmul", type_id=22, input_regions=_normed_matmul_regions, cpu=_rms_matmul_cpu,
-    split_order=_matmul_order, min_tile_elems=16,
-    doc="out = rms_norm(x, w) @ b with rms_norm's roundings (rstd = rsqrt(mean(x²) + eps) in compute_dtype, "
-        "x·rstd cast to norm_dtype, times w, cast to the output dtype): x [M, K], b [K, N], w [K] (an RMSNorm "
-        "fused into the projection after it). With silu: b [K, 2N] and out = silu(gate)·up of the two halves",
-))
-
-
-def _matmul_silu_regions(sig: OpSig, rect):
-    (_, k), (_, n2) = sig.in_shapes
-    return [(rect[0], (0, k)), ((0, k), _gate_up_columns(n2, rect))]
-
-
-def _matmul_silu_cpu(sig: OpSig, rect, xs):
+def _silu_cpu(sig: OpSig, rect, xs):
     x, b = xs
     return _silu_of_halves(sig, rect, torch.matmul(x, b).to(sig.out_dtype))
 
 
-register(OpDef(
-    kind="matmul_silu", type_id=23, input_regions=_matmul_silu_regions, cpu=_matmul_silu_cpu,
-    split_order=_matmul_order, min_tile_elems=16,
-    doc="out = silu(h[:, :N/2]) * h[:, N/2:], h = x @ b rounded to the output dtype: x [M, K], b [K, N] "
-        "(SiLU·mul as the gate·up projection's epilogue)",
-))
+def _matmul_regions(sig: OpSig, rect):
+    pro, epi = _check_form(sig)
+    if epi == "norm_stats":
+        return _norm_stats_regions(sig, rect)
+    if pro:
+        return _normed_regions(sig, rect)
+    return _silu_regions(sig, rect) if epi == "silu_mul" else _plain_regions(sig, rect)
+
+
+def _matmul_cpu(sig: OpSig, rect, xs):
+    pro, epi = _check_form(sig)
+    if epi == "norm_stats":
+        return _norm_stats_cpu(sig, rect, xs)
+    if pro == "rms_norm":
+        return _rms_prologue_cpu(sig, rect, xs)
+    if pro == "norm_stats":
+        return _stats_prologue_cpu(sig, rect, xs)
+    return _silu_cpu(sig, rect, xs) if epi == "silu_mul" else _plain_cpu(sig, rect, xs)
 
 
 def _embedding_regions(sig: OpSig, rect):
@@ -142,15 +195,16 @@ def _embedding_cpu(sig: OpSig, rect, xs):
 
 register(OpDef(
     kind="embedding", type_id=21, input_regions=_embedding_regions, cpu=_embedding_cpu,
+    gpu=GpuSpec(float64_exact=True),  # rows are moved, not computed
     doc="out[..., :] = weight[ids[...], :]",
 ))
 
 
 # --- an RMSNorm split between the projection before it and the one after -----------------------
-# ``matmul_norm_stats`` (the residual projection that produces a decoder layer's hidden state h)
-# also writes h·g, g the next RMSNorm's weight, and the sums of h² over groups of 16 or 8
-# columns; ``norm_stats_matmul`` (the projection after that norm) then streams h·g like a plain
-# matmul's input and scales its sums by rstd = rsqrt(Σ groups / K + eps). The norm's own stage
+# The ``norm_stats`` epilogue (on the residual projection that produces a decoder layer's hidden
+# state h) also writes h·g, g the next RMSNorm's weight, and the sums of h² over groups of 16 or
+# 8 columns; the ``norm_stats`` prologue (on the projection after that norm) then streams h·g
+# like a plain matmul's input and scales its sums by rstd = rsqrt(Σ groups / K + eps). The norm's own stage
 # and event hop go, and no task normalises a row. Roundings differ from the unfused pair's
 # (bf16(bf16(h·rstd)·g) there, bf16(h·g) and rstd in fp32 here): about one bf16 ulp of the
 # normalised activation either way. A producer's tile holds whole groups, so the group size
@@ -158,7 +212,7 @@ register(OpDef(
 
 STATS_GROUP = 16  # columns per sum of squares by default: a half warp in the producing task's epilogue
 STATS_GROUPS = (16, 8)  # the sizes the tasks take (a power of two ≥ 2: the sum's fp32 bits fill two elements)
-STATS_SMEM_FLOATS = 8 * 64 * 16  # linalg.cuh: a norm_stats_matmul task's sums wait in its reduction area
+STATS_SMEM_FLOATS = 8 * 64 * 16  # linalg.cuh: a norm_stats-prologue task's sums wait in its reduction area
 
 
 def stats_group(rows: int, n: int, num_workers: int) -> int:
@@ -201,18 +255,8 @@ def _norm_stats_cpu(sig: OpSig, rect, xs):
                         stats.view(sig.out_dtype).view(rows, groups, group)])
 
 
-register(OpDef(
-    kind="matmul_norm_stats", type_id=24, input_regions=_norm_stats_regions, cpu=_norm_stats_cpu,
-    splittable=lambda sig: (False, True, True, False), split_order=lambda sig: [2, 1],
-    min_tile_elems=3 * STATS_GROUP,
-    doc="h = a @ b + r (fp32 sums, one rounding) packed with what the RMSNorm after it needs: out [3, M, N/G, G] "
-        "(G = 16 or 8) holds h, h·g (rounded) and, at the first two elements of each G-column group of part 2, the "
-        "fp32 bits of that group's Σh² (butterfly order; the rest 0). a [M, K], b [K, N], r [M, N], g [N]; N % G == 0",
-))
-
-
 def stats_rstd(stats: torch.Tensor, eps: float, group: int) -> torch.Tensor:
-    """rsqrt(mean + eps) of each row from part 2 of a ``matmul_norm_stats`` output of
+    """rsqrt(mean + eps) of each row from part 2 of a ``norm_stats`` epilogue's output of
     ``group``-column groups viewed [M, K] (bf16 pairs holding fp32 sums), summed in the
     consuming task's order: lane l of a half warp adds groups l, l + 16, … in turn, then the
     half warp's butterfly."""
@@ -225,17 +269,140 @@ def stats_rstd(stats: torch.Tensor, eps: float, group: int) -> torch.Tensor:
     return torch.rsqrt(_butterfly_sum(acc) / k + eps)
 
 
-def _stats_matmul_cpu(sig: OpSig, rect, xs):
+def _stats_prologue_cpu(sig: OpSig, rect, xs):
     x, b, stats = xs
     rstd = stats_rstd(stats, sig.attrs["eps"], sig.attrs["group"])
     out = (torch.matmul(x.float(), b.float()) * rstd[:, None]).to(sig.out_dtype)
-    return _silu_of_halves(sig, rect, out) if sig.attrs.get("silu") else out
+    return _silu_of_halves(sig, rect, out) if linear_form(sig.attrs)[1] == "silu_mul" else out
 
 
-register(OpDef(
-    kind="norm_stats_matmul", type_id=25, input_regions=_normed_matmul_regions, cpu=_stats_matmul_cpu,
-    split_order=_matmul_order, min_tile_elems=16,
-    doc="out = rstd · (x @ b), rstd per row from a matmul_norm_stats output's sums (stats_rstd): x = its h·g "
-        "[M, K], stats its part 2 viewed [M, K] (groups of attrs['group'] columns), b [K, N]; K % 256 == 0. "
-        "With silu: b [K, 2N] and out = silu(gate)·up of the two halves, each rounded first",
+# --- the CUDA side (cuda/mpk_tasks/linalg.cuh) ------------------------------------------------
+
+LINEAR_ROWS = 16  # linalg.cuh: kLinRows
+SLOW_LINEAR_MIN_BYTES = 1 << 20  # weights from which the general task's pace matters (a model's projection)
+
+
+def linear_blockers(op: OpInfo) -> list[str]:
+    """Why a matmul cannot take the bandwidth-grade linear of linalg.cuh, in words; empty when it
+    can. It needs x [M, K] @ Wᵀ with bf16 operands, bias (at most 2-d) and output, W a graph
+    input, unit stride along K, 16-byte aligned rows, K % 32 == 0 and at most 16 rows per tile."""
+    pro, epi = linear_form(op.attrs)
+    if op.ndim != (4 if epi == "norm_stats" else 2):
+        return ["not a 2-d x @ Wᵀ (batched)"]
+    a, b = op.inputs[:2]
+    dtypes = [a.dtype, b.dtype, op.out_dtype]
+    K = a.shape[1]
+    rows = op.tile_extent(1 if epi == "norm_stats" else 0)
+    why = []
+    if not b.graph_input:
+        why.append("its weight is computed in the graph")  # weights are streamed with non-coherent loads
+    if any(d != torch.bfloat16 for d in dtypes):
+        why.append(f"its operands are {'/'.join(sorted({str(d).removeprefix('torch.') for d in dtypes}))}, "
+                   "not bfloat16")
+    if a.strides[1] != 1 or b.strides[0] != 1:
+        why.append("x or W is strided along K")
+    if K % 32:
+        why.append(f"K = {K} is not a multiple of 32")
+    if any(x % 8 for x in (a.offset, a.stride(0), b.offset, b.strides[1])):
+        why.append("rows of x or W are not 16-byte aligned")
+    if rows > LINEAR_ROWS:
+        why.append(f"a tile holds {rows} rows (at most {LINEAR_ROWS}: the batch of a decode step)")
+    if why:
+        return why  # (the fused forms' own inputs below follow the operands' dtype)
+    if pro is None and epi in (None, "norm_stats") and len(op.inputs) > 2:  # the bias: bf16, ≤ 2-d
+        bias = op.inputs[2]
+        if bias.dtype != torch.bfloat16 or bias.ndim > 2:
+            why.append("its bias (residual) is not a bf16 matrix")
+    if pro == "norm_stats":
+        # the sums: fp32 in bf16 pairs (4-byte aligned), 16 or 32 groups a lane, all rows' in shared memory
+        st = op.inputs[2]
+        if not (st.strides[1] == 1 and st.offset % 2 == 0 and (a.shape[0] == 1 or st.strides[0] % 2 == 0)
+                and K % 256 == 0 and rows * K // op.attrs["group"] <= STATS_SMEM_FLOATS):
+            why.append("its norm's sums do not fit the task's layout")
+    if pro == "rms_norm":
+        # the norm weight in 16-byte words, read before the gate (a graph input); x's rows
+        # normalised in fp32 into a bf16 tile of whole 8-word groups (its swizzle) that fits
+        w = op.inputs[2]
+        if not (w.dtype == torch.bfloat16 and w.graph_input and w.strides[0] == 1 and w.offset % 8 == 0
+                and op.attrs["compute_dtype"] == "float32" and op.attrs["norm_dtype"] == "bfloat16" and K % 64 == 0
+                and K <= NORM_VECS * 8 * 256 and rows * K * 2 <= NORM_TILE_BYTES):
+            why.append("its RMSNorm prologue does not fit the task (a bf16 norm over K ≤ 8192, K % 64 == 0, "
+                       f"x within {NORM_TILE_BYTES} bytes)")
+    return why
+
+
+def linear_fast(op: OpInfo) -> bool:
+    """Whether a matmul takes the bandwidth-grade linear (nothing in ``linear_blockers``)."""
+    return not linear_blockers(op)
+
+
+def _matmul_params(op: OpInfo) -> Params:
+    """Plain: fparam alpha, beta. A prologue: iparam[0] whether the SiLU·mul epilogue follows,
+    [1] the norm dtype (rms_norm) or the sums' group (norm_stats); fparam[2] eps. The SiLU·mul
+    epilogue alone: alpha 1; the norm-stats epilogue: alpha and beta 1 (h = a @ b + r)."""
+    a = op.attrs
+    pro, epi = linear_form(a)
+    silu = int(epi == "silu_mul")
+    if pro == "rms_norm":
+        return [silu, op.dtype_code(getattr(torch, a["norm_dtype"]))], [1.0, 0.0, a["eps"]]
+    if pro == "norm_stats":
+        return [silu, a["group"]], [1.0, 0.0, a["eps"]]
+    if epi == "silu_mul":
+        return [], [1.0, 0.0]
+    if epi == "norm_stats":
+        return [], [1.0, 1.0]
+    return [], [float(a.get("alpha", 1)), float(a.get("beta", 1))]
+
+
+_LINEAR_FLAGS = {("prologue", "rms_norm"): "mpk::kNormPrologue", ("prologue", "norm_stats"): "mpk::kStatsPrologue",
+                 ("epilogue", "silu_mul"): "mpk::kSiluEpilogue", ("epilogue", "norm_stats"): "mpk::kStatsEpilogue"}
+
+
+def _matmul_task(op: OpInfo) -> str:
+    """``mpk::linear_task<form, fast>``: the form's LinearForm flags from the op's prologue /
+    epilogue, and whether it takes the bandwidth-grade path (``linear_fast``)."""
+    pro, epi = linear_form(op.attrs)
+    form = " | ".join(_LINEAR_FLAGS[k, v] for k, v in (("prologue", pro), ("epilogue", epi)) if v) or "mpk::kPlain"
+    return f"mpk::linear_task<{form}, {'true' if linear_fast(op) else 'false'}>"
+
+
+def _matmul_smem(op: OpInfo) -> int:
+    """The rms_norm prologue's tile of normalised activations (fast path only: norm_tile)."""
+    if linear_form(op.attrs)[0] != "rms_norm" or not linear_fast(op):
+        return 0
+    return op.tile_extent(0) * op.inputs[0].shape[1] * 2
+
+
+def _matmul_vector_inputs(op: OpInfo) -> tuple[int, ...]:
+    return all_inputs(op) if linear_fast(op) else ()
+
+
+def _matmul_slow(op: OpInfo) -> str | None:
+    """Why a projection of at least ``SLOW_LINEAR_MIN_BYTES`` of weights runs the general task."""
+    shape = list(op.inputs[1].shape)  # Wᵀ: [..., K, N]
+    if math.prod(shape) * op.inputs[1].dtype.itemsize < SLOW_LINEAR_MIN_BYTES:
+        return None
+    why = linear_blockers(op)
+    out_in = "×".join(map(str, shape[:-2] + shape[:-3:-1]))  # as nn.Linear holds it: out × in
+    return f"({form_name(op.attrs)}, weight {out_in}): {'; '.join(why)}" if why else None
+
+
+# the fast path loads its first weights before the gate; the general one waits for it first
+MATMUL_GPU = GpuSpec(params=_matmul_params, task=_matmul_task, self_gated=True, smem_bytes=_matmul_smem,
+                     vector_inputs=_matmul_vector_inputs, slow_path=_matmul_slow)
+
+
+MATMUL = register(OpDef(
+    kind="matmul", type_id=20, input_regions=_matmul_regions, cpu=_matmul_cpu, splittable=_matmul_splittable,
+    split_order=_matmul_order, min_tile_elems=_matmul_min_tile, gpu=MATMUL_GPU,
+    doc="out = alpha·(a @ b) + beta·bias; a [..., M, K], b [..., K, N], bias broadcast to out. With a prologue "
+        "(attrs['prologue']): rms_norm — out = rms_norm(x, w) @ b with rms_norm's roundings (rstd = rsqrt(mean(x²) "
+        "+ eps) in compute_dtype, x·rstd cast to norm_dtype, times w, cast to the output dtype): x [M, K], b [K, N], "
+        "w [K]; norm_stats — out = rstd · (x @ b), rstd per row from a norm_stats epilogue's sums (stats_rstd): "
+        "x = its h·g [M, K], stats its part 2 viewed [M, K] (groups of attrs['group'] columns); K % 256 == 0. With "
+        "a silu_mul epilogue (attrs['epilogue']): b [K, 2N] and out = silu(h[:, :N])·h[:, N:], h = the product "
+        "rounded to the output dtype. With the norm_stats epilogue: h = a @ b + r (fp32 sums, one rounding) packed "
+        "with what the RMSNorm after it needs: out [3, M, N/G, G] (G = 16 or 8) holds h, h·g (rounded) and, at "
+        "the first two elements of each G-column group of part 2, the fp32 bits of that group's Σh² (butterfly "
+        "order; the rest 0). a [M, K], b [K, N], r [M, N], g [N]; N % G == 0",
 ))

@@ -30,14 +30,111 @@ through paged attention with more chunks than positions.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
 from mpk.errors import BAD_POSITION, BadInputError, bad_input_message
+from mpk.ops.gpu import DTYPE_SIZE, GpuSpec, OpInfo, Params, all_inputs, check_contiguous, index_ctype, one_ctype
 from mpk.ops.registry import OpDef, OpSig, register
 from mpk.ops.rows import rotate_half
 
 LOG2E = 1.4426950408889634
+
+
+# --- the CUDA side (cuda/mpk_tasks/paged_attention.cuh) ----------------------------------------
+# The tasks are templates over head dim, group size and dtypes, instantiated per op.
+
+ATTN_REGS = 32  # registers a lane holds q in: group × head dim ≤ 32·32 (also the attn_partial scratch bound)
+# Paged attention's second K/V slot per warp (8 warps × 4 KiB steps), reserved where a warp's
+# share of a chunk can run to this many steps: the reservation takes L1 from every task and
+# pays only over long chunks; the threshold between those is a guess.
+ATTN_SECOND_SLOT_BYTES = 8 * 4096
+ATTN_SECOND_SLOT_MIN_STEPS = 8
+_CACHE_INPUT = {"attn_partial": 1, "rope_attn_partial": 5}  # which input is the paged KV cache
+
+
+def attention_steps(op: OpInfo) -> int:
+    """The most K/V steps one warp of a paged attention op may take in a chunk: its page table's
+    slots per sequence (kv_indices / batch, in positions) split into the op's chunks — or, for a
+    sequence that uses fewer (``chunk_bounds``), one chunk of up to 2 · MIN_CHUNK − 1 positions —
+    over the task's 8 warps of 2 KiB-row steps."""
+    cache, indices = op.inputs[_CACHE_INPUT[op.kind]], op.inputs[3]
+    out = op.out_shape
+    chunks = 1 if op.attrs.get("final", False) else out[2]
+    page_size, dim = cache.shape[4], cache.shape[5]
+    step = 2048 // (dim * cache.dtype.itemsize)  # kAttnStep
+    slots = math.prod(indices.shape)
+    positions = slots // max(1, out[0]) * page_size
+    longest = max(-(-positions // chunks), min(positions, 2 * MIN_CHUNK - 1))
+    return -(-longest // (8 * step))
+
+
+def _attention_smem(op: OpInfo) -> int:
+    return ATTN_SECOND_SLOT_BYTES if attention_steps(op) >= ATTN_SECOND_SLOT_MIN_STEPS else 0
+
+
+def _rope_append_task(op: OpInfo) -> str:
+    D, views = op.attrs["head_dim"], op.inputs
+    if D % 64 or D > 256:
+        raise op.error(f"rope_append needs a head dim that is a multiple of 64 and at most 256, got {D}")
+    ctype = one_ctype(op, [views[i] for i in (0, 1, 5, *range(6, len(views)))], True)
+    for what, i in (("qkv", 0), ("cos_sin", 1), ("kv_cache", 5), ("q_norm", 6), ("k_norm", 7)):
+        if i < len(views):
+            check_contiguous(op, what, views[i], 1)
+    return f"mpk::rope_append_impl<{D // 32}, {ctype}, {index_ctype(op, list(views[2:5]))}>"
+
+
+def _attn_partial_task(op: OpInfo) -> str:
+    fused, views = op.kind == "rope_attn_partial", op.inputs
+    cache = views[_CACHE_INPUT[op.kind]]
+    kv, D = cache.shape[3], cache.shape[5]
+    heads = op.attrs["heads"] if fused else views[0].shape[1]
+    if D not in (64, 128, 256) or (heads // kv) * D > ATTN_REGS * 32:
+        raise op.error(f"paged attention with head dim {D} and {heads // kv} query heads per kv head has no CUDA "
+                       f"variant (head dim 64, 128 or 256, group × head dim ≤ {ATTN_REGS * 32})")
+    if fused and heads // kv > 6:
+        raise op.error(f"rope_attn_partial rotates {heads // kv} query heads, k and v with a warp each; the task has "
+                       "8 warps (the frontend fuses groups of at most 6)")
+    rope_views = [views[i] for i in (0, 1, *range(6, len(views)))] if fused else [views[0]]
+    final = bool(op.attrs.get("final", False))  # writes O in the cache's type, no merge op
+    ctype = one_ctype(op, [cache, *rope_views], final)
+    for what, v in zip(("qkv", "cos_sin", "q_norm", "k_norm") if fused else ("q",), rope_views):
+        check_contiguous(op, what, v, 1 if fused else D // 32)
+    check_contiguous(op, "kv_cache", cache, 16 // DTYPE_SIZE[ctype])  # rows are copied in 16-byte pieces
+    index = index_ctype(op, list(views[2:5]))
+    # the task reads its first sequence's page table before its gate opens (attn_partial in
+    # paged_attention.cuh): a table the graph computes could still be in the making
+    computed = [what for what, v in zip(("kv_indptr", "kv_indices", "kv_last_page_len"), views[2:5])
+                if not v.graph_input]
+    if computed:
+        raise op.error(f"paged attention reads {', '.join(computed)} before its inputs are ready, so they must be "
+                       "graph inputs; this graph computes them — pass the page table in as tensors")
+    return (f"mpk::attn_partial<{D // 32}, {heads // kv}, {ctype}, {index}, {'true' if fused else 'false'}, "
+            f"{'true' if final else 'false'}>")
+
+
+def _attn_merge_task(op: OpInfo) -> str:
+    D = op.inputs[0].shape[4] - 1  # states [B, KV, C, G, D + 1]
+    if D not in (64, 128, 256):
+        raise op.error(f"attn_merge with head dim {D}; the CUDA task takes 64, 128 or 256")
+    return f"mpk::attn_merge_impl<{D // 32}, {one_ctype(op, [], True)}>"
+
+
+def _attrs_params(ints: tuple[str, ...], floats: tuple[str, ...]) -> Callable[[OpInfo], Params]:
+    return lambda op: ([int(op.attrs[k]) for k in ints], [op.attrs[k] for k in floats])
+
+
+ROPE_APPEND_GPU = GpuSpec(params=_attrs_params(("heads", "kv_heads", "head_dim", "page_size", "qk_norm", "layer"),
+                                               ("eps",)), task=_rope_append_task)
+# the attention tasks read their first sequence's page table before the gate (self-gated)
+ATTN_PARTIAL_GPU = GpuSpec(params=_attrs_params(("layer", "page_size"), ("scale",)), task=_attn_partial_task,
+                           self_gated=True, smem_bytes=_attention_smem, vector_inputs=all_inputs)
+ROPE_ATTN_PARTIAL_GPU = GpuSpec(params=_attrs_params(("layer", "page_size", "heads", "kv_heads", "qk_norm"),
+                                                     ("scale", "eps")),
+                                task=_attn_partial_task, self_gated=True, smem_bytes=_attention_smem,
+                                vector_inputs=lambda op: (5,))  # the cache, whose rows it copies in 16-byte pieces
+ATTN_MERGE_GPU = GpuSpec(task=_attn_merge_task)
 
 
 def seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -175,7 +272,7 @@ def _rope_rows(a: dict, dtype: torch.dtype, rows, heads, xs, append: bool) -> to
 
 
 register(OpDef(
-    kind="rope_append", type_id=15, input_regions=_rope_append_regions, cpu=_rope_append_cpu,
+    kind="rope_append", type_id=15, input_regions=_rope_append_regions, cpu=_rope_append_cpu, gpu=ROPE_APPEND_GPU,
     splittable=lambda sig: (True, True, False), split_order=lambda sig: [1, 0], min_tile_elems=1,
     doc="q = rope(qk_norm(q)); cache[len−1] ← (rope(qk_norm(k)), v) for the kv heads the tile owns",
 ))
@@ -201,9 +298,8 @@ def chunk_bounds(n: int, c: int, C: int, rope: bool) -> tuple[int, int]:
     positions (n, or n − 1 for ``rope_attn_partial``, whose last chunk's tile attends to the
     token being decoded from the rows it rotated) in as many balanced chunks as keep each at
     least ``MIN_CHUNK`` long, at most C (one when m is shorter); chunks past those are empty.
-    Fewer, longer chunks where a sequence is short: H100, position 576, batch 1, 4 chunks of
-    144 positions instead of 2 of 288: steps 1.5–4.4% faster; 16 of 36: up to 2% slower
-    (session 48)."""
+    A short sequence takes fewer, longer chunks: very short chunks cost more in merging and
+    per-task overhead than they gain in parallelism."""
     m = max(0, n - int(rope))
     used = min(C, max(1, m // MIN_CHUNK))
     return (c * m // used, (c + 1) * m // used) if c < used else (m, m)
@@ -261,7 +357,7 @@ def _chunk_order(sig: OpSig) -> list[int]:
 
 
 register(OpDef(
-    kind="attn_partial", type_id=31, input_regions=_partial_regions, cpu=_partial_cpu,
+    kind="attn_partial", type_id=31, input_regions=_partial_regions, cpu=_partial_cpu, gpu=ATTN_PARTIAL_GPU,
     splittable=_chunk_splits, split_order=_chunk_order,
     min_tile_elems=1, long_tasks=True,
     doc="partial (O, lse) of G query heads over one KV chunk of a paged sequence (final: O, one chunk)",
@@ -290,6 +386,7 @@ def _rope_attn_cpu(sig: OpSig, rect, xs):
 
 register(OpDef(
     kind="rope_attn_partial", type_id=33, input_regions=_rope_append_regions, cpu=_rope_attn_cpu,
+    gpu=ROPE_ATTN_PARTIAL_GPU,
     splittable=_chunk_splits, split_order=_chunk_order,
     min_tile_elems=1, long_tasks=True,
     doc="rope_append and attn_partial in one task: rotate the group's q, append k/v (last chunk), attend",
@@ -318,7 +415,7 @@ def _merge_cpu(sig: OpSig, rect, xs):
 
 
 register(OpDef(
-    kind="attn_merge", type_id=32, input_regions=_merge_regions, cpu=_merge_cpu,
+    kind="attn_merge", type_id=32, input_regions=_merge_regions, cpu=_merge_cpu, gpu=ATTN_MERGE_GPU,
     splittable=lambda sig: (True, True, False), split_order=lambda sig: [1, 0], min_tile_elems=1,
     doc="out = ⊕ over chunks of the partial states",
 ))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mpk.errors import CompileError
+from mpk.ops.gpu import GpuSpec, OpInfo, Params, all_inputs, float_bits
 from mpk.ops.registry import OpDef, OpSig, broadcast_region, register
 
 def _relu6_plus3(x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +85,63 @@ INT_FNS = frozenset({
 })
 
 
+# --- the CUDA side (cuda/mpk_tasks/pointwise.cuh) -----------------------------------------------
+
+_FN_IDS = {name: i for i, name in enumerate(POINTWISE_FNS)}
+_POINTWISE_FORMS = {None: "float", "int": "long long", "f64": "double"}  # attrs['form'] -> the element type
+
+
+def _pointwise_params(op: OpInfo) -> Params:
+    """iparam[0..2]: each operand's input index (-1: a constant), [3] the arity | the function
+    << 8, [4] the function's extra constant's float64 bits (attrs['extra']: elu's input scale),
+    [5..7] the constants of the integer form (their values) and of the float64 form (their
+    bits); fparam[0..2] the float form's constants. The form is the instantiation."""
+    a = op.attrs
+    args = a["args"]
+    if len(args) > 3:
+        raise CompileError(f"pointwise {a['fn']} with {len(args)} operands; the CUDA task takes at most 3")
+    ip, fp = [0] * 8, [0.0] * 4
+    form = a.get("form")
+    for j, (kind, val) in enumerate(args):
+        if kind == "in":
+            ip[j] = val
+        else:
+            ip[j] = -1
+            if form == "int":
+                ip[5 + j] = int(val)
+            elif form == "f64":
+                ip[5 + j] = float_bits(val)
+            else:
+                fp[j] = float(val)
+    ip[3], ip[4] = len(args) | _FN_IDS[a["fn"]] << 8, float_bits(a.get("extra", 0.0))
+    return ip, fp
+
+
+def silu_mul_fast(op: OpInfo) -> bool:
+    """The 16-byte-vector bf16 silu_mul of pointwise.cuh (variant 1) for 2-d bf16 gate, up and
+    output of the output's shape, unit stride along the last dim, offsets and row strides
+    multiples of 8 elements and tile column bounds multiples of 8."""
+    if op.ndim != 2:
+        return False
+    M, N = op.out_shape
+    for v in op.inputs:
+        if (v.ndim != 2 or list(v.shape) != [M, N] or v.strides[1] != 1 or v.dtype != torch.bfloat16 or v.offset % 8
+                or (M > 1 and v.strides[0] % 8)):
+            return False
+    g = op.grid[1]
+    return op.out_dtype == torch.bfloat16 and all((i * N // g) % 8 == 0 for i in range(g + 1))
+
+
+def _pointwise_task(op: OpInfo) -> str:
+    return f"mpk::pointwise_tile<{_POINTWISE_FORMS[op.attrs.get('form')]}>"
+
+
+# the float64 form keeps float64 exact
+POINTWISE_GPU = GpuSpec(params=_pointwise_params, task=_pointwise_task, float64_exact=True)
+SILU_MUL_GPU = GpuSpec(variant=lambda op: int(silu_mul_fast(op)),
+                       vector_inputs=lambda op: all_inputs(op) if silu_mul_fast(op) else ())
+
+
 def _pointwise_regions(sig: OpSig, rect):
     return [broadcast_region(s, sig.out_shape, rect) for s in sig.in_shapes]
 
@@ -112,7 +171,7 @@ def _pointwise_cpu(sig: OpSig, rect, xs):
 
 
 register(OpDef(
-    kind="pointwise", type_id=1, input_regions=_pointwise_regions, cpu=_pointwise_cpu,
+    kind="pointwise", type_id=1, input_regions=_pointwise_regions, cpu=_pointwise_cpu, gpu=POINTWISE_GPU,
     doc="out = fn(args…); args are ['in', i] (tensor input i, broadcast) or ['c', value]; with no tensor "
         "operand, 'cast' of a constant fills the output and 'arange' counts",
 ))
@@ -123,6 +182,6 @@ def _silu_mul_cpu(sig: OpSig, rect, xs):
 
 
 register(OpDef(
-    kind="silu_mul", type_id=2, input_regions=_pointwise_regions, cpu=_silu_mul_cpu,
+    kind="silu_mul", type_id=2, input_regions=_pointwise_regions, cpu=_silu_mul_cpu, gpu=SILU_MUL_GPU,
     doc="out = silu(a) * b (the gate·up product of SwiGLU MLPs)",
 ))

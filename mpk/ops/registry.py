@@ -7,7 +7,9 @@ An ``OpDef`` says, for one kind, everything the later stages need and nothing ab
 * ``cpu``: the tile computed with PyTorch from exactly those input slices (the CPU
   interpreter passes nothing else, so a kernel cannot read outside its declared regions);
 * partition hints (``split_order``, ``min_tile_elems``, ``long_tasks``) and ``data_dependent``
-  (JIT launch).
+  (JIT launch);
+* ``gpu``: what the CUDA code generator needs (mpk.ops.gpu.GpuSpec: parameters, task or
+  template instantiation, gating, shared memory, vector loads).
 
 Both the compiler and the executors read op kinds through this registry; the tables carry the
 kind's ``type_id`` and the op's attrs.
@@ -21,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from mpk.ir.regions import Rect
+from mpk.ops.gpu import GpuSpec
 from mpk.ir.views import Shape
 
 
@@ -57,6 +60,7 @@ class OpDef:
     # its tasks take several µs however small their tile (a chain of dependent loads: paged
     # attention), so a narrow op of this kind holds its workers long (partition.py)
     long_tasks: bool = False
+    gpu: GpuSpec | None = None  # None: no CUDA task (codegen refuses the kind)
     doc: str = ""
 
 

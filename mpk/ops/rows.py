@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mpk.ops.gpu import CTYPES, DTYPE_SIZE, ELEMENT_CTYPES, GpuSpec, OpInfo, all_inputs
 from mpk.ops.registry import OpDef, OpSig, all_but_last, register, rows_region
 
 # A row at least this long is a task's work by itself: its reduce tiles hold one row each, and
@@ -26,6 +27,76 @@ REDUCE_FNS = {
     "amin": lambda x, k: torch.amin(x, dim=-1, keepdim=k),
     "argmin": lambda x, k: torch.argmin(x, dim=-1, keepdim=k),
 }
+
+
+# --- the CUDA side (cuda/mpk_tasks/rows.cuh, sort.cuh) ------------------------------------------
+
+NORM_VECS = 4  # rows.cuh: kNormVecs (8-element vectors per thread, 256 threads)
+_REDUCE_IDS = {name: i for i, name in enumerate(REDUCE_FNS)}
+
+
+def row_vector_ctype(op: OpInfo) -> str | None:
+    """The element type of a reduce or softmax op's CTA-per-row variant (rows.cuh: reduce_rows,
+    softmax_rows) when its rows are long (≥ ``LONG_ROW`` elements) and read in whole 16-byte
+    words — float, half or bfloat16, unit stride, the offset, the other strides and the length
+    multiples of a word (and, for softmax, an output of one of those types); else None, and the
+    op's task is the general one-warp-per-row form."""
+    x = op.inputs[0]
+    ctype = CTYPES.get(x.dtype)
+    if ctype is None or x.ndim == 0:
+        return None
+    vec = 16 // DTYPE_SIZE[ctype]
+    ok = (x.shape[-1] >= LONG_ROW and x.shape[-1] % vec == 0 and x.strides[-1] == 1 and x.offset % vec == 0
+          and all(st % vec == 0 for n, st in zip(x.shape[:-1], x.strides[:-1]) if n > 1))
+    if op.kind == "softmax":
+        ok = ok and op.out_dtype in CTYPES
+    return ctype if ok else None
+
+
+def _row_vector_inputs(op: OpInfo) -> tuple[int, ...]:
+    return all_inputs(op) if row_vector_ctype(op) else ()
+
+
+def _reduce_task(op: OpInfo) -> str:
+    """The typed CTA-per-row template where row_vector_ctype allows it (the reduction a template
+    argument), else the general task."""
+    ctype = row_vector_ctype(op)
+    return f"mpk::reduce_rows<{ctype}, {_REDUCE_IDS[op.attrs['fn']]}>" if ctype else "mpk::task_reduce"
+
+
+def _softmax_task(op: OpInfo) -> str:
+    ctype = row_vector_ctype(op)
+    return f"mpk::softmax_rows<{ctype}, {CTYPES.get(op.out_dtype)}>" if ctype else "mpk::task_softmax"
+
+
+def _sort_task(op: OpInfo) -> str:
+    """sort_rows over the input's element type (typed loads, no per-entry dtype switch)."""
+    return f"mpk::sort_rows<{ELEMENT_CTYPES[op.inputs[0].dtype]}>"
+
+
+def rms_norm_fast(op: OpInfo) -> bool:
+    """The CTA-per-row bf16 norm of rows.cuh (variant 1) for 2-d bf16 rows with unit stride,
+    16-byte alignment, a bf16 weight and length ≤ 8192 (a multiple of 8)."""
+    if op.ndim != 2 or len(op.inputs) != 2 or op.attrs.get("norm_dtype") != "bfloat16":
+        return False
+    x, w = op.inputs
+    n = x.shape[1]
+    return (all(d == torch.bfloat16 for d in (x.dtype, w.dtype, op.out_dtype)) and x.ndim == 2 and w.ndim == 1
+            and x.strides[1] == 1 and w.strides[0] == 1 and n % 8 == 0 and n <= NORM_VECS * 8 * 256
+            and all(v % 8 == 0 for v in (x.offset, x.stride(0), w.offset)))
+
+
+REDUCE_GPU = GpuSpec(params=lambda op: ([int(op.attrs["keepdim"]), _REDUCE_IDS[op.attrs["fn"]]], []),
+                     task=_reduce_task, vector_inputs=_row_vector_inputs)
+SOFTMAX_GPU = GpuSpec(params=lambda op: ([int(op.attrs.get("log", False))], []), task=_softmax_task,
+                      vector_inputs=_row_vector_inputs)
+SORT_GPU = GpuSpec(params=lambda op: ([int(op.attrs["descending"])], []), task=_sort_task, float64_exact=True)
+LAYER_NORM_GPU = GpuSpec(params=lambda op: ([int(op.attrs["has_weight"]), int(op.attrs["has_bias"])],
+                                            [op.attrs["eps"]]))
+RMS_NORM_GPU = GpuSpec(
+    params=lambda op: ([int(op.attrs["has_weight"]), op.dtype_code(getattr(torch, op.attrs["norm_dtype"]))],
+                       [op.attrs["eps"]]),
+    variant=lambda op: int(rms_norm_fast(op)), vector_inputs=lambda op: all_inputs(op) if rms_norm_fast(op) else ())
 
 
 def _reduce_regions(sig: OpSig, rect):
@@ -46,7 +117,7 @@ def _reduce_min_tile(sig: OpSig) -> int:
 
 
 register(OpDef(
-    kind="reduce", type_id=10, input_regions=_reduce_regions, cpu=_reduce_cpu,
+    kind="reduce", type_id=10, input_regions=_reduce_regions, cpu=_reduce_cpu, gpu=REDUCE_GPU,
     min_tile_elems=_reduce_min_tile, doc="out = fn(x, dim=-1, keepdim)",
 ))
 
@@ -62,7 +133,7 @@ def _softmax_cpu(sig: OpSig, rect, xs):
 
 
 register(OpDef(
-    kind="softmax", type_id=11, input_regions=_row_regions, cpu=_softmax_cpu,
+    kind="softmax", type_id=11, input_regions=_row_regions, cpu=_softmax_cpu, gpu=SOFTMAX_GPU,
     splittable=all_but_last, min_tile_elems=256, doc="out = softmax(x, dim=-1), or its log where attrs['log']",
 ))
 
@@ -72,7 +143,7 @@ def _cumsum_cpu(sig: OpSig, rect, xs):
 
 
 register(OpDef(
-    kind="cumsum", type_id=16, input_regions=_row_regions, cpu=_cumsum_cpu,
+    kind="cumsum", type_id=16, input_regions=_row_regions, cpu=_cumsum_cpu, gpu=GpuSpec(),
     splittable=all_but_last, min_tile_elems=256, doc="out = cumsum(x, dim=-1) (integers exactly, in 64 bits)",
 ))
 
@@ -88,7 +159,7 @@ def _sort_cpu(sig: OpSig, rect, xs):
 
 
 register(OpDef(
-    kind="sort", type_id=17, input_regions=_row_regions, cpu=_sort_cpu,
+    kind="sort", type_id=17, input_regions=_row_regions, cpu=_sort_cpu, gpu=SORT_GPU,
     splittable=all_but_last, min_tile_elems=1,
     doc="out = the indices of x's first k entries (k = out.shape[-1]) in a stable sort of each row, "
         "descending where attrs['descending']; NaN sorts as the largest value",
@@ -104,7 +175,7 @@ def _layer_norm_cpu(sig: OpSig, rect, xs):
 
 
 register(OpDef(
-    kind="layer_norm", type_id=12, input_regions=_row_regions, cpu=_layer_norm_cpu,
+    kind="layer_norm", type_id=12, input_regions=_row_regions, cpu=_layer_norm_cpu, gpu=LAYER_NORM_GPU,
     splittable=all_but_last, min_tile_elems=256,
     doc="out = layer_norm(x, [weight], [bias], eps) over the last dim",
 ))
@@ -120,7 +191,7 @@ def _rms_norm_cpu(sig: OpSig, rect, xs):
 
 
 register(OpDef(
-    kind="rms_norm", type_id=13, input_regions=_row_regions, cpu=_rms_norm_cpu,
+    kind="rms_norm", type_id=13, input_regions=_row_regions, cpu=_rms_norm_cpu, gpu=RMS_NORM_GPU,
     splittable=all_but_last, min_tile_elems=256,
     doc="y = x·rsqrt(mean(x²)+eps) in compute_dtype, cast to norm_dtype, times [weight]",
 ))
@@ -138,7 +209,7 @@ def _rope_cpu(sig: OpSig, rect, xs):
 
 
 register(OpDef(
-    kind="rope", type_id=14, input_regions=_row_regions, cpu=_rope_cpu,
+    kind="rope", type_id=14, input_regions=_row_regions, cpu=_rope_cpu, gpu=GpuSpec(),
     splittable=all_but_last, min_tile_elems=256,
     doc="out = x·cos + rotate_half(x)·sin (rotate_half(x) = cat(-x[half:], x[:half]))",
 ))

@@ -17,6 +17,14 @@ from mpk.frontend import fuse_patterns, lower
 from mpk.ops import get_op
 
 
+def op_forms(graph) -> list[str]:
+    """Each op's kind, a matmul's named by its form (mpk.ops.linalg.op_form: ``rms_norm_matmul``,
+    ``matmul_silu_mul``, …), in graph order."""
+    from mpk.ops.linalg import op_form
+
+    return [op_form(op.kind, op.attrs) for op in graph.ops]
+
+
 def trace_graph(fn, args):
     """fn(*args) → OpGraph through the real frontend (make_fx gives the ATen graph)."""
     gm = make_fx(fn, tracing_mode="fake")(*args)

@@ -24,7 +24,7 @@ from mpk.testing.decode import (
     norm_fusions,
     random_page_table,
 )
-from mpk.testing.graphs import relative_error
+from mpk.testing.graphs import op_forms, relative_error
 from mpk.testing.parity import compare_logits, decode_logits, hf_logits, hf_twin
 
 pytestmark = pytest.mark.gpu
@@ -86,17 +86,17 @@ class _GateUp(torch.nn.Module):
 @pytest.mark.parametrize("m,inter,k,tiles", [(1, 520, 2048, 0), (16, 300, 96, 0), (5, 1000, 2400, 3), (3, 200, 80, 0),
                                              (4, 1536, 256, 32), (2, 240, 512, 15), (3, 1088, 256, 8)])
 def test_silu_epilogue_linear_matches_float64(m, inter, k, tiles):
-    """The gate·up projection with SiLU·mul as its epilogue (matmul_silu, variant 1, or the
+    """The gate·up projection with SiLU·mul as its epilogue (matmul_silu_mul, variant 1, or the
     general task) against a float64 projection rounded to bf16, then SiLU·mul with the same
     roundings."""
     mod = _GateUp(inter, k)
     x = torch.randn(m, k, device=DEV).bfloat16()
-    out = _gpu_compile(mod, **({"partition": {"matmul_silu": [1, tiles]}} if tiles else {}))(x)
+    out = _gpu_compile(mod, **({"partition": {"matmul": [1, tiles]}} if tiles else {}))(x)
     h = (x.double() @ mod.w.double().T).bfloat16().float()
     ref = (torch.nn.functional.silu(h[:, :inter]).bfloat16().float() * h[:, inter:]).double()
     assert relative_error(out, ref) <= BF16_TOL
-    kinds = [op.kind for op in COMPILED[-1].graph.ops]
-    assert kinds == ["matmul_silu"] and linear_variant(COMPILED[-1].tables, 0) == int(k % 32 == 0)
+    kinds = op_forms(COMPILED[-1].graph)
+    assert kinds == ["matmul_silu_mul"] and linear_variant(COMPILED[-1].tables, 0) == int(k % 32 == 0)
 
 
 class _NormLinear(torch.nn.Module):
@@ -121,7 +121,7 @@ class _NormLinear(torch.nn.Module):
                                               (4, 300, 1024, 0, True), (3, 1000, 1344, 3, True),
                                               (2, 150, 80, 0, False), (3, 200, 80, 0, True)])
 def test_rms_norm_fused_linear_matches_float64(m, n, k, tiles, silu):
-    """The RMSNorm fused into the projection after it (rms_matmul; with silu the gate·up
+    """The RMSNorm fused into the projection after it (rms_norm_matmul; with silu the gate·up
     projection and its SiLU·mul too): variant 1 bit for bit the unfused pair (rms_norm
     variant 1, then the projection, same tiles), and either variant within a bf16 rounding of
     its definition with the norm's roundings and a float64 product (rows of odd counts, x
@@ -130,14 +130,14 @@ def test_rms_norm_fused_linear_matches_float64(m, n, k, tiles, silu):
 
     mod = _NormLinear(n, k, silu)
     x = (3 * torch.randn(m, k, device=DEV)).bfloat16()
-    projection = "matmul_silu" if silu else "matmul"
-    out = _gpu_compile(mod, fuse_norm_prologue=True, **({"partition": {"rms_matmul": [1, tiles]}} if tiles else {}))(x)
-    kinds = [op.kind for op in COMPILED[-1].graph.ops]
+    projection = "matmul_silu_mul" if silu else "matmul"
+    out = _gpu_compile(mod, fuse_norm_prologue=True, **({"partition": {"matmul": [1, tiles]}} if tiles else {}))(x)
+    kinds = op_forms(COMPILED[-1].graph)
     variant = int(k % 64 == 0)
-    assert kinds == ["rms_matmul"] and linear_variant(COMPILED[-1].tables, 0) == variant
+    assert kinds == ["rms_norm_" + projection] and linear_variant(COMPILED[-1].tables, 0) == variant
     if variant:  # the general task adds Σx² in order, the norm task in a tree: rstd may differ in its last bit
-        unfused = _gpu_compile(mod, fuse_norm_prologue=False, **({"partition": {projection: [1, tiles]}} if tiles else {}))(x)
-        assert [op.kind for op in COMPILED[-1].graph.ops] == ["rms_norm", projection]
+        unfused = _gpu_compile(mod, fuse_norm_prologue=False, **({"partition": {"matmul": [1, tiles]}} if tiles else {}))(x)
+        assert op_forms(COMPILED[-1].graph) == ["rms_norm", projection]
         assert torch.equal(out, unfused)
     h = rms_rows(x.float(), mod.g, 1e-6, torch.bfloat16).double() @ mod.w.double().T
     if silu:
@@ -176,7 +176,7 @@ class _ResidualNormLinear(torch.nn.Module):
 def test_norm_split_between_projections_matches_float64(m, n, k, out, tiles, silu, computed_w2):
     """fuse_norm_stats: the residual projection writes h, h·g and sums of h² over groups of 16
     or 8 columns (matmul_norm_stats; mpk.ops.linalg.stats_group picks, the test checks which),
-    the projection after the norm scales its sums by rstd from them (norm_stats_matmul). h
+    the projection after the norm scales its sums by rstd from them (norm_stats_matmul[_silu_mul]). h
     within a bf16 rounding of its float64 definition, the projection within a bf16 rounding of
     float64 rms_norm(h) @ w2 (of the kernel's h), through the bandwidth-grade linear (1, 16
     rows; 16-, 24-, 32- and 48-column tiles; uneven tiles of passes with a partial last pass)
@@ -184,10 +184,11 @@ def test_norm_split_between_projections_matches_float64(m, n, k, out, tiles, sil
     mod = _ResidualNormLinear(n, k, out, silu, computed_w2)
     a = torch.randn(m, k, device=DEV).bfloat16()
     r = (4 * torch.randn(m, n, device=DEV)).bfloat16()
-    h, y = _gpu_compile(mod, fuse_norm_stats=True, **({"partition": {"matmul_norm_stats": tiles}} if tiles else {}))(a, r)
+    part = {"partition": {"matmul_norm_stats_default": tiles}} if tiles else {}
+    h, y = _gpu_compile(mod, fuse_norm_stats=True, **part)(a, r)
     t = COMPILED[-1].tables
     graph = COMPILED[-1].graph
-    kinds = [op.kind for op in graph.ops]
+    kinds = [k.removesuffix("_silu_mul") for k in op_forms(graph)]
     assert kinds.count("matmul_norm_stats") == kinds.count("norm_stats_matmul") == 1 and "rms_norm" not in kinds
     assert graph.buffers[graph.ops[kinds.index("matmul_norm_stats")].output].shape[-1] == stats_group(m, n, default_num_workers())
     assert linear_variant(t, kinds.index("matmul_norm_stats")) == int(k % 32 == 0)
@@ -671,7 +672,7 @@ def test_compiled_decode_matches_eager(family, page_size, batch, options, shape,
     step = _gpu_compile(model, **options)
     kv_e, kv_m = against_eager_and_float32(model, step, batch, 128, page_size, 8, [1 + 5 * b for b in range(batch)])
     _caches_agree(kv_e, kv_m)
-    kinds = [op.kind for op in COMPILED[-1].graph.ops]
+    kinds = [k.removesuffix("_silu_mul") for k in op_forms(COMPILED[-1].graph)]
     fused = options.get("fuse_rope_attention", True) and cfg.heads // cfg.kv_heads <= 6
     assert kinds.count("rope_attn_partial" if fused else "rope_append") == cfg.layers
     assert kinds.count("attn_merge") == (0 if splits <= 1 else cfg.layers)  # one chunk: written directly
@@ -683,10 +684,10 @@ def test_compiled_decode_matches_eager(family, page_size, batch, options, shape,
     assert all(linear_variant(COMPILED[-1].tables, i) for i, k in enumerate(kinds) if "norm_stats" in k)
     norms = 1 if split else 2 * cfg.layers + 1
     if prologue:
-        assert "rms_norm" not in kinds and kinds.count("rms_matmul") == norms
-        assert all(linear_variant(COMPILED[-1].tables, i) for i, k in enumerate(kinds) if k == "rms_matmul")
+        assert "rms_norm" not in kinds and kinds.count("rms_norm_matmul") == norms
+        assert all(linear_variant(COMPILED[-1].tables, i) for i, k in enumerate(kinds) if k == "rms_norm_matmul")
     else:
-        assert "rms_matmul" not in kinds and kinds.count("rms_norm") == norms
+        assert "rms_norm_matmul" not in kinds and kinds.count("rms_norm") == norms
 
 
 def _caches_agree(kv_eager: PagedKVCache, kv_step: PagedKVCache) -> None:

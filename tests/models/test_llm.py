@@ -29,7 +29,7 @@ from mpk.testing.decode import (
     norm_fusions,
     random_page_table,
 )
-from mpk.testing.graphs import relative_error
+from mpk.testing.graphs import op_forms, relative_error
 from mpk.testing.parity import compare_logits, decode_logits, hf_logits, hf_twin
 
 pytest.importorskip("transformers")
@@ -112,9 +112,8 @@ def test_cuda_chunks_use_the_python_chunk_length():
 def test_default_chunk_counts():
     """default_splits: one chunk (no merge op) for a cache under 2 · MIN_CHUNK positions; a
     wave of tasks with chunks of 2 · MIN_CHUNK; half a wave with chunks of MIN_CHUNK where
-    that is more and a sequence short of the capacity fills them (the choices session 48
-    measured: 4 chunks at batch 1 for a 640-position cache, 8 and 4 at batches 1 and 4 for
-    2112 positions)."""
+    that is more and a sequence short of the capacity fills them (4 chunks at batch 1 for a
+    640-position cache, 8 and 4 at batches 1 and 4 for 2112 positions)."""
     from mpk.frontend.fused_ops import default_splits
 
     assert default_splits(1, 8, 64 + 64) == default_splits(16, 2, 2 * MIN_CHUNK) == 1
@@ -512,7 +511,8 @@ def test_token_id_outside_the_vocabulary_is_named():
 
 # tiles that split query heads off their groups (rope_append [1, 3, 1] over 4 heads in groups
 # of 2: the middle tile appends no kv head) and several rows / chunks per tile
-ODD_TILES = {"rope_append": [1, 3, 1], "attn_partial": [2, 1, 1, 1, 1], "attn_merge": [2, 3, 1], "matmul_silu": [2, 3]}
+ODD_TILES = {"rope_append": [1, 3, 1], "attn_partial": [2, 1, 1, 1, 1], "attn_merge": [2, 3, 1],
+             **{name: [2, 3] for name in ("matmul_silu_mul_default", "matmul_silu_mul_default_1")}}
 # the fused rope + attention with several rows and chunks per tile (the appending last chunk
 # shares its tile with another chunk, and both kv heads share one)
 ODD_FUSED = {"rope_attn_partial": [2, 1, 1, 1, 1], "attn_merge": [2, 3, 1]}
@@ -547,7 +547,7 @@ def test_compiled_decode_matches_eager(family, page_size, prologue, partition, f
             assert relative_error(out, ref) <= 1e-5
             assert relative_error(mpk_kv.cache, eager_kv.cache) <= 1e-6
             tokens = ref.argmax(-1)
-    kinds = [op.kind for op in COMPILED[-1].graph.ops]
+    kinds = op_forms(COMPILED[-1].graph)
     assert kinds.count("attn_merge") == (0 if splits <= 1 else cfg.layers)
     if fuse_rope:
         assert kinds.count("rope_attn_partial") == cfg.layers
@@ -558,11 +558,12 @@ def test_compiled_decode_matches_eager(family, page_size, prologue, partition, f
     # the prologue option, qkv and the head take their RMSNorm as a prologue
     assert "silu_mul" not in kinds
     if prologue:  # every RMSNorm runs inside the projection after it (gate·up: with its SiLU·mul)
-        assert kinds.count("matmul") == 2 * cfg.layers and kinds.count("rms_matmul") == 2 * cfg.layers + 1
-        assert "rms_norm" not in kinds and "matmul_silu" not in kinds
+        assert kinds.count("matmul") == 2 * cfg.layers and kinds.count("rms_norm_matmul") == cfg.layers + 1
+        assert kinds.count("rms_norm_matmul_silu_mul") == cfg.layers
+        assert "rms_norm" not in kinds and "matmul_silu_mul" not in kinds
     else:
-        assert kinds.count("matmul") == 3 * cfg.layers + 1 and "rms_matmul" not in kinds
-        assert kinds.count("matmul_silu") == cfg.layers
+        assert kinds.count("matmul") == 3 * cfg.layers + 1 and not any(k.startswith("rms_norm_matmul") for k in kinds)
+        assert kinds.count("matmul_silu_mul") == cfg.layers
 
 
 @pytest.mark.parametrize("family,fuse_rope", [("llama", True), ("qwen3", False)])
@@ -582,7 +583,8 @@ def test_arguments_that_start_inside_their_storage(family, fuse_rope):
     ("llama", 1, 256, {"fuse_norm_stats": True}), ("qwen3", 3, 256, {"fuse_norm_stats": True}),
     # uneven tiles of 16-column groups, rows split over tiles, the consumer over rows and columns
     ("qwen3", 4, 256, {"fuse_norm_stats": True,
-                       "partition": {"matmul_norm_stats": [1, 2, 3, 1], "norm_stats_matmul": [2, 3]}}),
+                       "partition": {**{f"matmul_norm_stats_default{s}": [1, 2, 3, 1] for s in ("", "_1", "_2", "_3")},
+                                     **{f"norm_stats_matmul_default{s}": [2, 3] for s in ("", "_1", "_2", "_3")}}}),
     # 12 workers: 8-column groups (tiles of 16 and 24 columns, where 16-column groups gave 16 and 32)
     ("llama", 2, 256, {"fuse_norm_stats": True, "num_workers": 12}),
     # "auto" (the default) splits the norms of more than 4 KiB of x (3 × 1024 bf16: 6 KiB,
@@ -592,8 +594,8 @@ def test_arguments_that_start_inside_their_storage(family, fuse_rope):
     ("llama", 1, 256, {"fuse_norm_prologue": False}), ("qwen3", 3, 1024, {"fuse_norm_stats": False})])
 def test_norm_split_between_projections_in_a_decode_step(family, batch, hidden, options):
     """fuse_norm_stats on a bf16 decode step (CPU interpreter): an RMSNorm after a residual
-    projection is split between that projection (matmul_norm_stats) and the one after it
-    (norm_stats_matmul) — every one with True (only the first layer's input norm, after the
+    projection is split between that projection (matmul_norm_stats: a norm_stats epilogue) and
+    the one after it (norm_stats_matmul: a norm_stats prologue) — every one with True (only the first layer's input norm, after the
     embedding, stays), by default ("auto") those of more than 4 KiB of x. Over 4 steps the
     logits are as close to a float32 twin's (same weights and tokens) as mpk's eager bf16
     path's are — largest and median relative error within 1.5× of the eager path's (the split
@@ -609,15 +611,15 @@ def test_norm_split_between_projections_in_a_decode_step(family, batch, hidden, 
                          options={"executor": "cpu", "num_workers": 16, **options})
     eager_kv, mpk_kv = against_eager_and_float32(model, step, batch, 32, 4, 4, [1 + 4 * b for b in range(batch)])
     assert torch.equal(mpk_kv.cache[0], eager_kv.cache[0])
-    kinds = [op.kind for op in COMPILED[-1].graph.ops]
+    graph = COMPILED[-1].graph
+    kinds = [k.removesuffix("_silu_mul") for k in op_forms(graph)]  # the prologues, with SiLU·mul or not
     prologue, split = norm_fusions(options, batch, hidden)
     assert kinds.count("matmul_norm_stats") == kinds.count("norm_stats_matmul") == (2 * cfg.layers if split else 0)
-    graph = COMPILED[-1].graph
-    groups = {graph.buffers[op.output].shape[-1] for op in graph.ops if op.kind == "matmul_norm_stats"}
+    groups = {graph.buffers[op.output].shape[-1] for op, k in zip(graph.ops, kinds) if k == "matmul_norm_stats"}
     assert groups <= ({8} if options.get("num_workers") == 12 else {16})
-    norm = "rms_matmul" if prologue else "rms_norm"
+    norm = "rms_norm_matmul" if prologue else "rms_norm"
     assert kinds.count(norm) == (1 if split else 2 * cfg.layers + 1)
-    assert "rms_norm" not in kinds or "rms_matmul" not in kinds
+    assert "rms_norm" not in kinds or "rms_norm_matmul" not in kinds
 
 
 @pytest.mark.parametrize("family,batch,options", [("llama", 1, {}), ("qwen3", 5, {}),
@@ -641,9 +643,9 @@ def test_inspection_compiles_the_graph_the_backend_runs(family, batch, options):
     ran = COMPILED[-1]
     assert mine.graph.describe() == ran.graph.describe()
     assert mine.tables.to_bytes() == ran.tables.to_bytes()
-    kinds = [op.kind for op in mine.graph.ops]
+    kinds = [k.removesuffix("_silu_mul") for k in op_forms(mine.graph)]  # the prologues, with SiLU·mul or not
     prologue, split = norm_fusions(options, batch, cfg.hidden)
-    norm = "rms_matmul" if prologue else "rms_norm"
+    norm = "rms_norm_matmul" if prologue else "rms_norm"
     assert kinds.count(norm) == (1 if split else 2 * cfg.layers + 1)
     assert kinds.count("norm_stats_matmul") == (2 * cfg.layers if split else 0) and "silu_mul" not in kinds
     assert "layers.1.gate_up" in mine.graph.describe()
@@ -671,7 +673,8 @@ def test_o_projection_avoids_the_workers_of_a_narrow_attention(batch):
     compiled = COMPILED[-1]
     ops, t = compiled.graph.ops, compiled.tables
     attention = [op.id for op in ops if op.kind == "rope_attn_partial"]
-    assert attention and all(ops[a + 1].kind == "matmul" for a in attention)  # the o projection
+    forms = op_forms(compiled.graph)
+    assert attention and all(forms[a + 1] == "matmul" for a in attention)  # the o projection
     aot = [i for i in range(len(t.tasks)) if not t.tasks["flags"][i] & FLAG_JIT]  # task ids are in linear order
     op_of = t.tasks["op"]
     for a in attention:

@@ -12,7 +12,7 @@ import torch
 
 from mpk.backend import COMPILED
 from mpk.testing.decode import random_decode_step, random_decoder
-from mpk.testing.graphs import relative_error
+from mpk.testing.graphs import op_forms, relative_error
 from mpk.testing.toy_models import LLAMA, QWEN3, Config, GeluMLPBlock, randomize
 
 TOL = 1e-5
@@ -102,10 +102,10 @@ class _FusedGateUpMLP(torch.nn.Module):
         return x + self.down(torch.nn.functional.silu(h[:, : self.inter]) * h[:, self.inter:])
 
 
-@pytest.mark.parametrize("partition", [{}, {"matmul_silu": [2, 5]}])
+@pytest.mark.parametrize("partition", [{}, {"matmul_silu_mul_default": [2, 5]}])
 def test_gate_up_projection_takes_silu_mul_as_epilogue(partition):
-    """gate·up projection + SiLU·mul of its halves → one matmul_silu op (no silu_mul, no gate·up
-    buffer), equal to eager in fp32 for the default tiling and tiles that split rows and columns."""
+    """gate·up projection + SiLU·mul of its halves → one matmul with the silu_mul epilogue (no
+    silu_mul op, no gate·up buffer), equal to eager in fp32 for the default tiling and tiles that split rows and columns."""
     g = torch.Generator().manual_seed(7 + len(partition))
     mlp = randomize(_FusedGateUpMLP(24, 40), g)
     x = torch.randn(3, 24, generator=g)
@@ -113,12 +113,12 @@ def test_gate_up_projection_takes_silu_mul_as_epilogue(partition):
         out = _compile(mlp, partition=partition)(x)
         ref = mlp(x)
     assert relative_error(out, ref) <= TOL
-    kinds = [op.kind for op in COMPILED[-1].graph.ops]
-    assert kinds.count("matmul_silu") == 1 and "silu_mul" not in kinds
+    kinds = op_forms(COMPILED[-1].graph)
+    assert kinds.count("matmul_silu_mul") == 1 and "silu_mul" not in kinds
 
 
 @pytest.mark.parametrize("silu", [False, True])
-def test_rms_norm_mm_in_bf16_equals_the_unfused_norm_and_projection(silu):
+def test_rms_norm_matmul_in_bf16_equals_the_unfused_norm_and_projection(silu):
     """The fused RMSNorm + projection keeps the unfused pair's roundings: in bf16 its output
     equals rms_norm then the projection [+ SiLU·mul] exactly, and its float64 definition
     within one bf16 rounding (units of the reference's largest |value|), on rows whose rstd is
@@ -128,10 +128,10 @@ def test_rms_norm_mm_in_bf16_equals_the_unfused_norm_and_projection(silu):
     x = (5 * torch.randn(m, k, generator=g)).bfloat16()
     w = (1 + 0.2 * torch.randn(k, generator=g)).bfloat16()
     b = (torch.randn(k, 2 * n if silu else n, generator=g) / k ** 0.5).bfloat16()
-    out = torch.ops.mpk.rms_norm_mm(x, w, 1e-6, torch.float32, torch.bfloat16, b, silu)
+    out = torch.ops.mpk.rms_norm_matmul(x, w, 1e-6, torch.float32, torch.bfloat16, b, silu)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     norm = torch.ops.mpk.rms_norm(x, w, 1e-6, torch.float32, torch.bfloat16)
-    unfused = torch.ops.mpk.mm_silu_mul(norm, b) if silu else norm @ b
+    unfused = torch.ops.mpk.matmul_silu_mul(norm, b) if silu else norm @ b
     assert torch.equal(out, unfused)
     xd = x.double()
     h = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16().double() * w.double()
@@ -167,13 +167,13 @@ def test_norm_prologue_fuses_only_what_a_task_keeps_on_chip(rows, k, fused):
         out = _compile(mod, fuse_norm_prologue=True)(x)
         ref = mod(x)
     assert relative_error(out, ref) <= TOL
-    kinds = [op.kind for op in COMPILED[-1].graph.ops]
-    assert kinds == (["rms_matmul"] if fused else ["rms_norm", "matmul"])
+    kinds = op_forms(COMPILED[-1].graph)
+    assert kinds == (["rms_norm_matmul"] if fused else ["rms_norm", "matmul"])
 
 
 @pytest.mark.parametrize("silu,group", [(False, 16), (True, 16), (False, 8), (True, 8)])
 def test_norm_split_between_projections_matches_float64(silu, group):
-    """mm_norm_stats + norm_stats_mm (an RMSNorm split between the residual projection before
+    """matmul_norm_stats + norm_stats_matmul (an RMSNorm split between the residual projection before
     it and the projection after it) against float64: h = r + a @ w within a bf16 rounding, the
     packed sums (groups of 16 or 8 columns) equal to Σh² of the rounded h (fp32, relative 1e-6),
     and the projection within a bf16 rounding of its float64 definition with the op's roundings
@@ -187,7 +187,7 @@ def test_norm_split_between_projections_matches_float64(silu, group):
     r = (4 * torch.randn(m, n, generator=g)).bfloat16()
     nw = (1 + 0.2 * torch.randn(n, generator=g)).bfloat16()
     b = (torch.randn(n, 2 * out if silu else out, generator=g) / n ** 0.5).bfloat16()
-    packed = torch.ops.mpk.mm_norm_stats(a, w, r, nw, group)
+    packed = torch.ops.mpk.matmul_norm_stats(a, w, r, nw, group)
     assert packed.shape == (3, m, n // group, group) and packed.dtype == torch.bfloat16
     h, hg, sums = norm_stats_parts(packed)
     h64 = a.double() @ w.double() + r.double()
@@ -197,7 +197,7 @@ def test_norm_split_between_projections_matches_float64(silu, group):
     ref_sums = h.double().pow(2).view(m, n // group, group).sum(-1)
     assert ((group_sums - ref_sums).abs() / ref_sums).max() <= 1e-6
     assert torch.count_nonzero(sums.contiguous().view(torch.float32).view(m, n // group, group // 2)[..., 1:]) == 0
-    y = torch.ops.mpk.norm_stats_mm(packed, b, 1e-6, silu)
+    y = torch.ops.mpk.norm_stats_matmul(packed, b, 1e-6, silu)
     assert y.shape == (m, out) and y.dtype == torch.bfloat16
     hd = h.double()  # the op's roundings: h·g and (with silu) gate, up and silu(gate) to bf16
     ref = torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-6) * (hg.double() @ b.double())
@@ -206,9 +206,9 @@ def test_norm_split_between_projections_matches_float64(silu, group):
         ref = torch.nn.functional.silu(ref[:, :out]).bfloat16().double() * ref[:, out:]
     assert relative_error(y.double(), ref) <= 2 ** -8
     with pytest.raises(ValueError, match=r"float32 \[5, 512\]; expected a 2-byte dtype"):
-        torch.ops.mpk.mm_norm_stats(a.float(), w.float(), r.float(), nw.float(), group)
+        torch.ops.mpk.matmul_norm_stats(a.float(), w.float(), r.float(), nw.float(), group)
     with pytest.raises(ValueError, match=r"group=4; expected one of \(16, 8\)"):
-        torch.ops.mpk.mm_norm_stats(a, w, r, nw, 4)
+        torch.ops.mpk.matmul_norm_stats(a, w, r, nw, 4)
 
 
 @pytest.mark.parametrize("rows,n,workers,group", [

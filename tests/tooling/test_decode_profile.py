@@ -40,7 +40,8 @@ def _trace(rng: random.Random, workers: int, stamps: bool):
         hops.append((end_ready, ready_gate, gate_open))
     ops = {t: 0 for t in range(workers)} | {workers + t: 1 for t in range(workers)} | {2 * workers: -1}
     tables = SimpleNamespace(tasks={t: {"op": op} for t, op in ops.items()},
-                             meta={"ops": [{"kind": "matmul"}, {"kind": "rms_matmul"}]})
+                             meta={"ops": [{"kind": "matmul", "attrs": {}},
+                                            {"kind": "matmul", "attrs": {"prologue": "rms_norm"}}]})
     rng.shuffle(events)  # the trace lists workers' records in no particular order
     return events, tables, ends, hops
 
@@ -51,7 +52,7 @@ def test_stages_rows_and_late_hops(stamps: bool):
     workers = rng.randint(4, 12)
     events, tables, ends, hops = _trace(rng, workers, stamps)
     rows = decode_latency.stages(events, tables, first=0, count=2)
-    assert [r["kind"] for r in rows] == ["matmul", "rms_matmul"] and [r["tasks"] for r in rows] == [workers] * 2
+    assert [r["kind"] for r in rows] == ["matmul", "rms_norm_matmul"] and [r["tasks"] for r in rows] == [workers] * 2
     op1 = sorted((e for e in events if e["args"]["task"] >= workers and e["args"]["task"] < 2 * workers),
                  key=lambda e: e["ts"])
     assert rows[1]["start_spread"] == pytest.approx(op1[-1]["ts"] - op1[0]["ts"], abs=0.006)

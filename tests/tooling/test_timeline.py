@@ -19,7 +19,7 @@ from mpk.executors.timeline import OTHER, PALETTE, breakdown, timeline_svg
 def synthetic_trace(rng: random.Random, sms: int = 24) -> tuple[dict, list[tuple[str, str]]]:
     """Stages of ops one after another, each op's tiles on distinct SMs with random starts and
     durations, dummy tasks between them. Returns the trace and the (op, kind) stages."""
-    kinds = ["rms_matmul", "rope_attn_partial", "matmul", "matmul_silu", "matmul"]
+    kinds = ["rms_norm_matmul", "rope_attn_partial", "matmul", "matmul_silu_mul", "matmul"]
     stages = [(f"op{i}", k) for i, k in enumerate(kinds * 2)]
     events, t = [], rng.uniform(0.0, 3.0)
     for op, kind in stages:

@@ -175,7 +175,7 @@ def test_sorting_more_than_shared_memory_holds_is_refused_by_name():
     compile_module(Sort(), (torch.randn(4, 2048),))  # a row of 2048 sorts whole
 
 
-# Cases whose every op keeps float64 on the GPU (codegen.FLOAT64_EXACT: elementwise functions in
+# Cases whose every op keeps float64 on the GPU (GpuSpec.float64_exact: elementwise functions in
 # double, copies and indexing through double); reductions, softmax and scans compute in float32
 F64_CASES = ("abs_log", "sin_cos", "reciprocal", "erf_log1p_expm1", "rounding", "sign", "maximum_minimum", "clamp",
              "comparisons", "where", "activations", "stack", "pixel_shuffle", "made_in_forward", "sorting",

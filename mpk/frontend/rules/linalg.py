@@ -26,9 +26,35 @@ def _mm(L, node, a: View, b: View):
     return L.emit("matmul", [a, b])
 
 
-@handles(mpk_ops.mm_silu_mul.default)
-def _mm_silu_mul(L, node, x: View, b: View):
-    return L.emit("matmul_silu", [x, b])
+# The fused forms: one kind, its prologue and epilogue in the attrs (mpk.ops.linalg).
+
+@handles(mpk_ops.matmul_silu_mul.default)
+def _matmul_silu_mul(L, node, x: View, b: View):
+    return L.emit("matmul", [x, b], {"epilogue": "silu_mul"})
+
+
+def _silu_epilogue(silu_mul) -> dict:
+    return {"epilogue": "silu_mul"} if silu_mul else {}
+
+
+@handles(mpk_ops.rms_norm_matmul.default)
+def _rms_norm_matmul(L, node, x: View, weight: View, eps, compute_dtype, norm_dtype, b: View, silu_mul=False):
+    return L.emit("matmul", [x, b, weight], {"prologue": "rms_norm", "eps": float(eps),
+                                             "compute_dtype": str(compute_dtype)[6:],
+                                             "norm_dtype": str(norm_dtype)[6:], **_silu_epilogue(silu_mul)})
+
+
+@handles(mpk_ops.matmul_norm_stats.default)
+def _matmul_norm_stats(L, node, a: View, b: View, r: View, g: View, group=16):
+    return L.emit("matmul", [a, b, r, g], {"epilogue": "norm_stats"})  # the group size is the output's last dim
+
+
+@handles(mpk_ops.norm_stats_matmul.default)
+def _norm_stats_matmul(L, node, packed: View, b: View, eps, silu_mul=False):
+    _, M, groups, width = packed.shape
+    hg, sums = (packed.then(("slice", 0, i, i + 1, 1)).then(("reshape", (M, groups * width))) for i in (1, 2))
+    return L.emit("matmul", [hg, b, sums], {"prologue": "norm_stats", "eps": float(eps), "group": width,
+                                            **_silu_epilogue(silu_mul)})
 
 
 @handles(aten.addmm.default)

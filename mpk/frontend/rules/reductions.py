@@ -218,24 +218,6 @@ def _rms_norm(L, node, x: View, weight, eps, compute_dtype, norm_dtype):
                                     "norm_dtype": str(norm_dtype)[6:]})
 
 
-@handles(mpk_ops.rms_norm_mm.default)
-def _rms_norm_mm(L, node, x: View, weight: View, eps, compute_dtype, norm_dtype, b: View, silu=False):
-    return L.emit("rms_matmul", [x, b, weight], {"eps": float(eps), "compute_dtype": str(compute_dtype)[6:],
-                                                 "norm_dtype": str(norm_dtype)[6:], "silu": bool(silu)})
-
-
-@handles(mpk_ops.mm_norm_stats.default)
-def _mm_norm_stats(L, node, a: View, b: View, r: View, g: View, group=16):
-    return L.emit("matmul_norm_stats", [a, b, r, g])  # the group size is the output's last dim
-
-
-@handles(mpk_ops.norm_stats_mm.default)
-def _norm_stats_mm(L, node, packed: View, b: View, eps, silu=False):
-    _, M, groups, width = packed.shape
-    hg, sums = (packed.then(("slice", 0, i, i + 1, 1)).then(("reshape", (M, groups * width))) for i in (1, 2))
-    return L.emit("norm_stats_matmul", [hg, b, sums], {"eps": float(eps), "silu": bool(silu), "group": width})
-
-
 @handles(mpk_ops.rope.default)
 def _rope(L, node, x: View, cos: View, sin: View):
     if x.shape[-1] % 2:
