@@ -38,7 +38,8 @@ class CompileOptions:
     """
     executor     "gpu" (persistent kernel) | "cpu" (reference interpreter). Default: gpu when
                  CUDA is available, else cpu with a one-time warning.
-    partition    {op name or op kind: tiles per output dim (list) or {dim: tiles}}.
+    partition    {op name or op kind: tiles per output dim (list) or {dim: tiles}}; the kind
+                 "matmul" covers every fused projection form, an op name picks one op.
     fallback     "error" (default): unsupported ops raise; "eager": they run in PyTorch.
     fuse_norm_prologue  compute an RMSNorm inside the projection that consumes it (the matmul
                  reads x, normalizes its rows on chip and multiplies; also the gate·up
