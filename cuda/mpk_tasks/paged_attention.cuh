@@ -445,14 +445,10 @@ struct MmaHeadStates {
   }
 };
 
-#ifdef MPK_ATTN_SCALAR  // A/B switch (benchmarks): the CUDA-core states for every type
-template <int kPer, int kG, typename T>
-using AttnStates = HeadStates<kPer, kG, T>;
-#else
+// 16-bit K/V with a small group take the tensor-core states; the rest the CUDA-core ones.
 template <int kPer, int kG, typename T>
 using AttnStates = std::conditional_t<sizeof(T) == 2 && kG <= 8 && kPer <= 4, MmaHeadStates<kPer, kG, T>,
                                       HeadStates<kPer, kG, T>>;
-#endif
 
 // Which positions chunk ch of C reads from the cache, and how the warps split them: the
 // sequence's cache positions (under kRope all but the token being decoded, which the last
