@@ -37,6 +37,7 @@ from mpk.errors import BadInputError, ExecutorUnavailableError, MpkError, Watchd
 from mpk.executors import cuda_driver as drv
 from mpk.executors.build import build_cubin
 from mpk.executors.codegen import aligned_inputs, dynamic_smem_bytes, generate
+from mpk.ops.linalg import op_form
 
 THREADS = 256
 PROFILE_WORDS = 5  # runtime/mpk_runtime/types.cuh: ProfileRecord, in 8-byte words
@@ -594,7 +595,8 @@ class GpuExecutor:
                 task, sm = int(task_sm) & 0xFFFFFFFF, int(task_sm) >> 32
                 args = {"task": task, "worker": w}
                 op = int(self.t.tasks[task]["op"])
-                kind = self.t.meta["ops"][op]["kind"] if op >= 0 else "dummy"
+                meta = self.t.meta["ops"][op] if op >= 0 else None
+                kind = op_form(meta["kind"], meta.get("attrs", {})) if meta else "dummy"  # a timeline tells the forms apart
                 if op >= 0:
                     args["op"] = self.t.meta["ops"][op]["name"]
                 args.update({k: (int(v) - t0) / 1e3 for k, v in (("ready", ready), ("gate", gate)) if v})

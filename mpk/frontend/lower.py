@@ -18,11 +18,7 @@ from torch.fx.node import map_arg
 
 from mpk.errors import UnsupportedOpError
 from mpk.frontend.rules import lookup, no_rule_reason
-from mpk.frontend.values import (
-    Unavailable,
-    Unsupported,
-    refuse_unavailable,
-)
+from mpk.frontend.values import Unavailable, Unsupported, refuse_unavailable
 from mpk.ir.opgraph import GraphOutput, OpGraph
 from mpk.ir.views import View, identity_view
 

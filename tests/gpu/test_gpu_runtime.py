@@ -29,13 +29,7 @@ from mpk.errors import ExecutorUnavailableError, OptionError
 from mpk.executors import Interpreter
 from mpk.executors.timeline import breakdown, timeline_svg
 from mpk.testing.decode import random_decode_step, random_decoder
-from mpk.testing.graphs import (
-    compile_with,
-    random_partition,
-    random_program,
-    relative_error,
-    trace_graph,
-)
+from mpk.testing.graphs import compile_with, random_partition, random_program, relative_error, trace_graph
 from mpk.testing.random_graphs import force_jit, random_dag, stamp_graph, stamp_inputs
 from mpk.testing.toy_models import LLAMA, QWEN3, Config, GeluMLPBlock, randomize
 

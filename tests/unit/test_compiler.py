@@ -18,12 +18,7 @@ from mpk.errors import ExecutorUnavailableError, ScheduleError
 from mpk.executors import Interpreter
 from mpk.inspection import compile_module
 from mpk.testing.decode import random_decoder
-from mpk.testing.graphs import (
-    check_dependencies,
-    compile_with,
-    relative_error,
-    trace_graph,
-)
+from mpk.testing.graphs import check_dependencies, compile_with, relative_error, trace_graph
 from mpk.testing.toy_models import QWEN3
 
 
