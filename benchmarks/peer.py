@@ -233,7 +233,7 @@ def _event_times_ms(fn: Callable[[], object], warmup: int, iters: int) -> list[f
 def time_step(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
     """Median ms per call of ``fn`` (each call timed with its own CUDA events), after warm-up."""
     if iters < 20:
-        raise ValueError(f"iters={iters}: BENCHMARKS.md asks for the median of >= 20 steps")
+        raise ValueError(f"iters={iters}: the timing is the median of >= 20 steps")
     return statistics.median(_event_times_ms(fn, warmup, iters))
 
 

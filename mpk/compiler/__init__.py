@@ -1,4 +1,4 @@
-"""OpGraph → task graph → tables (DESIGN.md §1 steps 1–7)."""
+"""OpGraph → task graph → tables (steps 1–7 of docs/architecture.md)."""
 
 from mpk.compiler.pipeline import CompiledGraph, CompileStats, compile_graph
 from mpk.compiler.tables import TABLES_VERSION, Tables

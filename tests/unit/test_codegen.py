@@ -296,8 +296,7 @@ def test_generated_cuda_compiles_for_sm90a(name, tables, tmp_path, monkeypatch):
 def test_decode_step_kernel_has_no_register_spills(tmp_path, name, batch, layers):
     """ptxas reports no spills for decode steps' persistent kernels (the benchmark's own trace):
     local-memory traffic on a task's way in costs every hop (a Rect returned by value and
-    copied through local memory, with spills around it — 58 bytes in the kernel, 56 in the
-    dispatch for qwen3-0.6b's batch-1 step — made decode steps 5–9% slower on an H200)."""
+    copied through local memory, with spills around it, slows every task)."""
     import importlib.util
     import pathlib
     import re

@@ -1,4 +1,4 @@
-"""Property tests over random op DAGs and random partitions (DESIGN.md §5).
+"""Property tests over random op DAGs and random partitions (docs/architecture.md, the CPU interpreter).
 
 A random program of tensor ops is traced through the real frontend, compiled with a random
 partition, and checked: (1) every producer→consumer element overlap is ordered by events

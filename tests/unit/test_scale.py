@@ -1,7 +1,6 @@
 """Scale: compiler steps 1–7 for a Qwen3-8B-shaped decode step (36 layers, batch 1, a
-1024-entry static cache) on the CI machine. The issue's bound is 10 s; measured ≈1.1 s on a
-2-core CPU machine (see the closing note). Tracing (torch.export on meta tensors) is not part
-of the bound and is timed separately."""
+1024-entry static cache) on the CI machine, within 10 s. Tracing (torch.export on meta tensors)
+is not part of the bound and is timed separately."""
 
 from __future__ import annotations
 
