@@ -11,19 +11,25 @@ key>.cubin``: the first covers the generated source, every ``.cuh`` header of th
 same sources share cubins), the flags and the target architecture, the second nvcc's version, so a second
 identical build reads the cubin without compiling, and a machine without nvcc (a driver-only
 deployment given a prebuilt cache) takes a cubin of the same source built by any nvcc. Beside each
-cubin its SHA-256 (``.sha256``); a cached file that is not a whole ELF image or whose bytes differ
-from that digest (an interrupted or damaged copy of the cache) is rebuilt, not loaded.
+cubin its SHA-256 (``.sha256``); a cached file that is not a whole ELF image, has no valid digest
+beside it, or whose bytes differ from that digest (an interrupted or damaged copy of the cache) is
+rebuilt, not loaded. The cache directory must be the user's (or root's) and not writable by others
+unless sticky, since whoever can write it chooses the code the GPU runs. nvcc runs in a process group
+of its own, killed whole (ptxas and cicc with it) on a timeout (``$MPK_NVCC_TIMEOUT_S``, default
+600 s) or an interrupt; temporaries an hour old (a build killed midway) are removed by the next build.
 ``$MPK_NVCC_FLAGS`` (whitespace-separated) adds flags to every build, e.g. the ``-D`` switches
 of the CUDA headers for an experiment (``-DMPK_MAX_SPINS=…``); they are part of the key.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -93,22 +99,129 @@ def _whole_elf(path: Path) -> bool:
 
 
 def _intact(cubin: Path) -> bool:
-    """A whole ELF image whose bytes match the digest written beside it when it was built (a
-    cubin without a digest beside it is taken on the ELF check alone)."""
+    """A whole ELF image whose bytes match the 64-hex-digit digest written beside it when it was
+    built (a cubin without one, as an older mpk left them, is rebuilt: nothing vouches for it)."""
     if not _whole_elf(cubin):
         return False
     try:
         want = cubin.with_suffix(".sha256").read_text().strip()
-    except FileNotFoundError:
-        return True
-    except OSError:
+        got = hashlib.sha256(cubin.read_bytes()).hexdigest()
+    except (OSError, UnicodeDecodeError):
         return False
-    return hashlib.sha256(cubin.read_bytes()).hexdigest() == want
+    return len(want) == 64 and got == want
 
 
 def _cache_error(out_dir: Path, e: OSError) -> BuildError:
     return BuildError(f"the cubin cache {out_dir} ($MPK_CACHE_DIR, default ~/.cache/mpk) is not a writable "
                       f"directory: {e}")
+
+
+def _check_cache_dir(out_dir: Path) -> None:
+    """BuildError unless ``out_dir`` (when it exists) is a directory owned by this user (or root)
+    that others cannot write, or can only add to (the sticky bit): a cubin from the cache runs
+    on the GPU unchecked, so whoever can replace one chooses the code."""
+    try:
+        st = out_dir.stat()
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise _cache_error(out_dir, e) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise BuildError(f"the cubin cache {out_dir} ($MPK_CACHE_DIR, default ~/.cache/mpk) is not a writable "
+                         "directory: it is a file; expected a directory (made if absent)")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise BuildError(f"the cubin cache {out_dir} is owned by uid {st.st_uid}, not by you (uid {os.geteuid()}): "
+                         "its owner could replace the cubins mpk loads; expected a directory of your own (set "
+                         "$MPK_CACHE_DIR to one, or chown it)")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise BuildError(f"the cubin cache {out_dir} is writable by others (mode {stat.S_IMODE(st.st_mode):#o}): any "
+                         f"of them could replace the cubins mpk loads; expected it writable by you alone (run "
+                         f"`chmod go-w {out_dir}`)")
+
+
+def _not_a_file(path: Path) -> BuildError | None:
+    """A BuildError naming ``path`` if something other than a plain file (a directory, say) is
+    there, which no build could replace."""
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        kind = "symbolic link" if path.is_symlink() else "directory" if path.is_dir() else "special file"
+        return BuildError(f"{path} in the cubin cache is a {kind}; expected a plain file (remove it)")
+    return None
+
+
+def _open_lock(out_dir: Path) -> int:
+    """The cache's lock file, opened without following a symbolic link (one planted there would
+    make this build create or append to the file it points at)."""
+    lock = out_dir / ".lock"
+    try:
+        return os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        why = "a symbolic link, refused" if e.errno == errno.ELOOP else e.strerror
+        raise BuildError(f"the cubin cache's lock file {lock} cannot be opened ({why}); expected a plain file "
+                         "(remove it)") from None
+
+
+STALE_TMP_S = 3600  # a temporary this old is no live build's (nvcc_timeout() is at most this, see there)
+
+
+def _remove_stale_temporaries(out_dir: Path, keep: Path) -> None:
+    """Remove ``*.tmp`` cubins and their digests that builds killed midway (SIGKILL) left behind;
+    called under the lock."""
+    now = time.time()
+    for p in (*out_dir.glob("*.tmp"), *out_dir.glob("*.tmp.sha256")):
+        try:
+            if p != keep and p.is_file() and not p.is_symlink() and now - p.stat().st_mtime > STALE_TMP_S:
+                p.unlink()
+        except OSError:
+            pass  # another builder removed it first
+
+
+DEFAULT_NVCC_TIMEOUT_S = 600.0
+
+
+def nvcc_timeout(timeout_s: float | None = None) -> float:
+    """Seconds one nvcc run may take: ``timeout_s``, else ``$MPK_NVCC_TIMEOUT_S``, else 600
+    (a full-size decode step builds in ~10 s); at most ``STALE_TMP_S``, so a live build's
+    temporary is never taken for a stale one."""
+    where = "timeout_s"
+    if timeout_s is None and os.environ.get("MPK_NVCC_TIMEOUT_S", "").strip():
+        where, raw = "$MPK_NVCC_TIMEOUT_S", os.environ["MPK_NVCC_TIMEOUT_S"].strip()
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            timeout_s = raw  # type: ignore[assignment]
+    t = DEFAULT_NVCC_TIMEOUT_S if timeout_s is None else timeout_s
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= STALE_TMP_S:
+        raise BuildError(f"{where}={t!r}; expected a number of seconds in (0, {STALE_TMP_S}]")
+    return float(t)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill nvcc's whole process group (cicc, ptxas: they would otherwise compile on) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.communicate(timeout=10)
+    except (subprocess.TimeoutExpired, ValueError, OSError):
+        pass
+
+
+def run_nvcc(cmd: list[str], src: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    """Run nvcc in a process group of its own (a terminal's Ctrl-C reaches this process, which
+    then ends the group, not a half-dead build); on a timeout or an interrupt the whole group is
+    killed before the BuildError / KeyboardInterrupt propagates."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise BuildError(f"nvcc did not finish building {src} within {timeout_s:g} s (its process group was "
+                         "killed); expected a build within the limit: raise $MPK_NVCC_TIMEOUT_S") from None
+    except BaseException:
+        _kill_group(proc)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _headers_digest(dirs: tuple[Path, ...] | None = None) -> str:
@@ -141,17 +254,19 @@ def nvcc_flags(arch: str = "sm_90a", debug: bool = False, tile_kernel: bool = Fa
 
 
 def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_kernel: bool = False,
-                progress: bool | None = None) -> Path:
+                progress: bool | None = None, timeout_s: float | None = None) -> Path:
     """Compile ``source`` to a cubin for ``arch``; returns the cached cubin's path.
     ``tile_kernel``: also build the test wrapper ``mpk_tile_kernel``. ``progress``: say on
     stderr when nvcc runs and how long it took (a full-size decode step takes ~10 s;
-    default: when stderr is a terminal)."""
+    default: when stderr is a terminal). ``timeout_s``: nvcc's limit (``nvcc_timeout``)."""
+    timeout = nvcc_timeout(timeout_s)
     flags = nvcc_flags(arch, debug, tile_kernel)
     # nvcc also takes flags from these variables: they are part of what was built
     env_flags = [os.environ.get(v, "") for v in NVCC_ENV_FLAGS]
     headers = include_dirs()
     key = hashlib.sha256("\0".join([source, _headers_digest(headers), " ".join(flags), *env_flags]).encode()).hexdigest()[:32]
     out_dir = cache_dir()
+    _check_cache_dir(out_dir)
     if nvcc_path() is None:  # no compiler: a cubin of this source from any nvcc, newest first
         found = sorted(out_dir.glob(f"{key}-*.cubin"), key=lambda p: p.stat().st_mtime, reverse=True)
         for cubin in found:
@@ -161,12 +276,15 @@ def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_ker
     cubin = out_dir / f"{key}-{hashlib.sha256(nvcc_version().encode()).hexdigest()[:8]}.cubin"
     if _intact(cubin):
         return cubin
+    for path in (cubin, cubin.with_suffix(".sha256"), cubin.with_suffix(".cu")):
+        if (bad := _not_a_file(path)) is not None:
+            raise bad
     say = sys.stderr.isatty() if progress is None else progress
     if say and cubin.exists():
         print(f"mpk: {cubin} is damaged (cut short, or not the bytes that were built); rebuilding it",
               file=sys.stderr, flush=True)
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        out_dir.mkdir(parents=True, exist_ok=True, mode=0o755)  # never group-writable, whatever the umask
         # the source under its final name (the cubin's line info names it; identical content
         # whoever writes it), the cubin under a name of this build alone, renamed when whole:
         # concurrent builders of one key never see a partial file
@@ -188,11 +306,11 @@ def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_ker
     start = time.perf_counter()
     cmd = [nvcc_path() or "nvcc", *flags, *includes, "-o", str(tmp), str(src)]
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True)
+        res = run_nvcc(cmd, src, timeout)
         if say:
             print(f"mpk: nvcc {'finished' if res.returncode == 0 else 'failed'} in {time.perf_counter() - start:.1f} s",
                   file=sys.stderr, flush=True)
-        if res.returncode == -signal.SIGINT:  # Ctrl-C reached nvcc too: the user's interrupt, not a build error
+        if res.returncode == -signal.SIGINT:  # someone interrupted nvcc itself: the user's interrupt, not a build error
             raise KeyboardInterrupt
         if res.returncode < 0:
             raise BuildError(f"nvcc was killed by {signal.Signals(-res.returncode).name} building {src} (out of "
@@ -206,11 +324,19 @@ def build_cubin(source: str, arch: str = "sm_90a", debug: bool = False, tile_ker
             os.chmod(f, 0o644)
         # nvcc's bytes differ from run to run: of concurrent builders of one key the first to
         # finish keeps its cubin and digest, the others drop theirs (the pair never mixes)
-        with (out_dir / ".lock").open("a") as lock:
+        lock = _open_lock(out_dir)
+        try:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            _remove_stale_temporaries(out_dir, tmp)
             if not _intact(cubin):
-                tmp_digest.replace(cubin.with_suffix(".sha256"))
-                tmp.replace(cubin)
+                try:
+                    tmp_digest.replace(cubin.with_suffix(".sha256"))
+                    tmp.replace(cubin)
+                except OSError as e:
+                    raise BuildError(f"cannot put the built cubin at {e.filename or cubin} ({e.strerror}); expected "
+                                     "a plain file or nothing there") from None
+        finally:
+            os.close(lock)
     finally:
         tmp.unlink(missing_ok=True)
         tmp_digest.unlink(missing_ok=True)

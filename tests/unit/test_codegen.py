@@ -559,13 +559,13 @@ def test_second_identical_build_skips_nvcc(tmp_path, monkeypatch, capsys):
     assert f"nvcc is building the megakernel for sm_90a (once; cached as {first})" in err
     assert re.search(r"nvcc finished in \d+\.\d s", err)
     calls = []
-    real_run = subprocess.run
+    real_popen = subprocess.Popen
 
-    def spy(cmd, *a, **k):
+    def spy(cmd, *a, **k):  # (subprocess.run starts its process through Popen too)
         calls.append(cmd)
-        return real_run(cmd, *a, **k)
+        return real_popen(cmd, *a, **k)
 
-    monkeypatch.setattr(build.subprocess, "run", spy)
+    monkeypatch.setattr(build.subprocess, "Popen", spy)
     assert build.build_cubin(src, progress=True) == first
     assert not any("nvcc" in str(c[0]) and "--version" not in c for c in calls)
     assert capsys.readouterr().err == ""
