@@ -16,6 +16,11 @@ from mpk.errors import OptionError
 EXECUTORS = ("gpu", "cpu")
 FALLBACKS = ("error", "eager")
 DEFAULT_SCHEDULER_SMS = DEFAULT_SCHEDULER_CTAS  # the SMs the default num_workers leaves to scheduler CTAs
+# num_workers and scheduler_ctas for the cpu executor, which simulates the workers: the tables
+# hold one int32 queue offset per worker and every op defaults to a wave of num_workers tasks, so
+# a count far past any GPU's SMs (132 on an H100/H200) only grows the graph; the gpu executor
+# takes at most the device's SMs (one CTA per SM)
+MAX_CPU_CTAS = 1024
 
 _warned_cpu_default = False
 
@@ -69,6 +74,8 @@ class CompileOptions:
                  num_workers + scheduler_ctas exceed the device's SMs.
     scheduler_ctas  CTAs of scheduler warps (4 each) that hand out JIT tasks; None (default):
                  4 when the graph has JIT tasks, else 0. A graph with JIT tasks needs >= 1.
+                 At most the device's SMs with executor "gpu" (num_workers + scheduler_ctas
+                 when both are given), at most MAX_CPU_CTAS (1024) each with "cpu".
     seed         schedule seed of the cpu executor (which legal order it picks).
     check_races  cpu executor: track every element read/written (default True).
     timeout_s    gpu executor: watchdog limit per launch in seconds (default 30).
@@ -117,9 +124,12 @@ class CompileOptions:
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None) -> "CompileOptions":
         global _warned_cpu_default
+        if options is not None and not isinstance(options, Mapping):
+            raise OptionError(f"options={options!r}; expected a dict of option names to values, e.g. "
+                              "{'executor': 'cpu', 'num_workers': 8}")
         opts = dict(options or {})
         known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(opts) - known)
+        unknown = sorted((k for k in opts if k not in known), key=repr)
         if unknown:
             raise OptionError(f"unknown mpk option(s) {unknown}; valid options: {sorted(known)}")
         if "executor" not in opts:
@@ -131,12 +141,14 @@ class CompileOptions:
                     warnings.warn("mpk: CUDA is not available; running compiled graphs on the CPU reference "
                                   "interpreter (options={'executor': 'cpu'} silences this)", stacklevel=3)
                     _warned_cpu_default = True
-        if opts["executor"] not in EXECUTORS:
+        # (isinstance first: `in` compares with ==, which an array answers elementwise)
+        if not isinstance(opts["executor"], str) or opts["executor"] not in EXECUTORS:
             raise OptionError(f"executor={opts['executor']!r}; expected one of {EXECUTORS}")
-        if opts.get("fallback", "error") not in FALLBACKS:
+        if not isinstance(opts.get("fallback", "error"), str) or opts.get("fallback", "error") not in FALLBACKS:
             raise OptionError(f"fallback={opts['fallback']!r}; expected one of {FALLBACKS}")
         n = opts.get("num_workers")
         check_counts(1 if n is None else n, opts.get("scheduler_ctas"))
+        _check_cta_bounds(opts["executor"], n, opts.get("scheduler_ctas"))
         for flag in ("sync", "fuse_norm_prologue", "fuse_rope_attention", "check_races"):
             if not isinstance(opts.get(flag, False), bool):
                 raise OptionError(f"{flag}={opts[flag]!r}; expected True or False")
@@ -149,13 +161,58 @@ class CompileOptions:
         for path in ("debug_dir", "profile_dir"):
             if not isinstance(opts.get(path), (str, os.PathLike, type(None))):
                 raise OptionError(f"{path}={opts[path]!r}; expected a directory path (str or os.PathLike) or None")
-            if opts.get(path) is not None and os.path.exists(opts[path]) and not os.path.isdir(opts[path]):
+            try:
+                name = None if opts.get(path) is None else os.fspath(opts[path])
+                if isinstance(name, str) and "\0" in name:  # os.path.exists says False; makedirs would raise
+                    raise ValueError("embedded null character")
+                is_file = name is not None and os.path.exists(name) and not os.path.isdir(name)
+            except (TypeError, ValueError) as e:  # a NUL in the name, a __fspath__ returning no path
+                raise OptionError(f"{path}={opts[path]!r} is not a usable path ({e}); expected a directory path") from None
+            if is_file:
                 raise OptionError(f"{path}={os.fspath(opts[path])!r} is a file; expected a directory (made if absent)")
         stats = opts.get("fuse_norm_stats", "auto")
-        if not (isinstance(stats, bool) or stats == "auto"):
+        if not (isinstance(stats, bool) or (isinstance(stats, str) and stats == "auto")):
             raise OptionError(f"fuse_norm_stats={stats!r}; expected True, False or 'auto'")
         part = opts.get("partition", {})
         if not isinstance(part, Mapping):
             raise OptionError(f"partition={part!r}; expected a dict mapping op name or kind to tile counts")
+        for name, spec in part.items():
+            _check_partition_spec(name, spec)
         opts["partition"] = dict(part)
         return cls(**opts)
+
+
+def _check_cta_bounds(executor: str, num_workers: int | None, scheduler_ctas: int | None) -> None:
+    """OptionError unless the counts fit the launch: the device's SMs for the gpu executor
+    (when CUDA is here to say how many), MAX_CPU_CTAS for the cpu executor."""
+    sms = device_sms() if executor == "gpu" else None
+    limit, what = (sms, f"the device's {sms} SMs (one CTA each)") if sms else \
+        (MAX_CPU_CTAS, f"mpk.options.MAX_CPU_CTAS ({MAX_CPU_CTAS}) with the {executor} executor")
+    for name, v in (("num_workers", num_workers), ("scheduler_ctas", scheduler_ctas)):
+        if v is not None and v > limit:
+            raise OptionError(f"{name}={v}; expected at most {what}")
+    if sms and num_workers is not None and scheduler_ctas is not None and num_workers + scheduler_ctas > sms:
+        raise OptionError(f"num_workers={num_workers} + scheduler_ctas={scheduler_ctas} is more than {what}; "
+                          f"expected a sum of at most {sms}")
+
+
+def _check_partition_spec(name: object, spec: object) -> None:
+    """OptionError unless a partition entry is an op name or kind mapped to tile counts: a list
+    of positive ints (one per output dim) or a dict of dims (ints, or digit strings as JSON
+    writes them) to positive ints. The compiler bounds each count by its dim's size."""
+    if not isinstance(name, str):
+        raise OptionError(f"partition key {name!r}; expected an op name or op kind (a str)")
+
+    def count(n: object) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+    def dim(d: object) -> bool:
+        return (isinstance(d, int) and not isinstance(d, bool)) or (isinstance(d, str) and d.lstrip("-").isdigit())
+
+    if isinstance(spec, Mapping):
+        ok = all(dim(d) and count(n) for d, n in spec.items())
+    else:
+        ok = isinstance(spec, (list, tuple)) and all(count(n) for n in spec)
+    if not ok:
+        raise OptionError(f"partition[{name!r}]={spec!r}; expected a list of tile counts (ints >= 1), one per "
+                          "output dim, or a dict dim -> tile count")

@@ -52,13 +52,19 @@ def _override_grid(op: Op, sig: OpSig, spec: PartitionSpec) -> tuple[int, ...]:
         raise CompileError(f"partition for op {op.name!r} ({op.kind}) has {len(spec)} entries; its output "
                            f"{sig.out_shape} has {ndim} dims (give one tile count per dim, or a dict dim -> count)")
     splittable = get_op(op.kind).splittable(sig)
+    seen: dict[int, object] = {}
     for d, n in items:
+        given = d
         if isinstance(d, str) and d.lstrip("-").isdigit():  # JSON object keys are strings
             d = int(d)
-        if not isinstance(d, int) or not -ndim <= d < ndim:
-            raise CompileError(f"partition for op {op.name!r}: dim {d} out of range for output {sig.out_shape}")
+        if not isinstance(d, int) or isinstance(d, bool) or not -ndim <= d < ndim:
+            raise CompileError(f"partition for op {op.name!r}: dim {d!r} out of range for output {sig.out_shape}")
         d %= ndim
-        if not isinstance(n, int) or not 1 <= n <= sig.out_shape[d]:
+        if d in seen:  # {0: 2, -2: 3} for a 2-d output: which count was meant is unclear
+            raise CompileError(f"partition for op {op.name!r}: dims {seen[d]!r} and {given!r} are both dim {d} of "
+                               f"output {sig.out_shape}; expected each dim once")
+        seen[d] = given
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= sig.out_shape[d]:
             raise CompileError(f"partition for op {op.name!r}: {n!r} tiles for dim {d} of size "
                                f"{sig.out_shape[d]}; expected an int in [1, {sig.out_shape[d]}]")
         if n > 1 and not splittable[d]:

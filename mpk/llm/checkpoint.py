@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,8 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, devic
     from tqdm import tqdm
 
     check_model_args(dtype, max_len, num_splits)
+    if not isinstance(path, (str, os.PathLike)):
+        raise MpkError(f"path={path!r}; expected a checkpoint directory (str or os.PathLike)")
     path = Path(path)
     if not path.is_dir():
         raise MpkError(f"{path} is not a directory; expected a checkpoint directory holding config.json and "
@@ -161,9 +164,11 @@ def _count_non_finite(t: torch.Tensor, chunk: int = 1 << 26) -> int:
 def _index_files(index: Path) -> list[str]:
     """The shard files a ``model.safetensors.index.json`` maps tensors to."""
     try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (json.JSONDecodeError, AttributeError) as e:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as e:
         raise MpkError(f"{index} is not a JSON object ({e})") from None
+    except OSError as e:
+        raise MpkError(f"{index} cannot be read ({e.strerror}); expected a JSON file mapping tensors to shards") from None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise MpkError(f"{index} has no weight_map of tensor names to shard files; expected "
                        '{"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors", ...}}')

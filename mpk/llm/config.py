@@ -25,6 +25,36 @@ _DEFAULTS = {
 }
 
 
+# Upper bounds of a config's sizes, each far above every Llama / Qwen3 checkpoint's, so a
+# corrupt or hostile config is refused before anything is allocated for it
+MAX_SIZES = {"hidden_size": 1 << 20, "intermediate_size": 1 << 22, "vocab_size": 1 << 24,
+             "num_attention_heads * head_dim": 1 << 20, "head_dim": 1024, "num_hidden_layers": 1024,
+             "max_position_embeddings": 1 << 22}
+_SIZE_WHY = {"hidden_size": "a weight's rows are indexed with int32 in the task tables",
+             "intermediate_size": "a weight's rows are indexed with int32 in the task tables",
+             "vocab_size": "the LM head's rows are indexed with int32 in the task tables",
+             "num_attention_heads * head_dim": "the q projection's rows are indexed with int32",
+             "head_dim": "the attention kernels hold a head in on-chip memory",
+             "num_hidden_layers": "each layer is a module and a set of ops in the compiled graph",
+             "max_position_embeddings": "the rope table of that many positions is built on loading; "
+                                        "4M positions already take 2 GB"}
+
+
+def _check_sliding_fields(where: str, config: dict[str, Any]) -> None:
+    """ConfigError naming the field unless the sliding-window fields have the types
+    transformers reads (``layer_types`` a list of strings, the rest ints or null)."""
+    types = config.get("layer_types")
+    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+        raise ConfigError(f"{where}: layer_types {types!r}; expected a list of strings such as "
+                          '["full_attention", ...] or null')
+    for key in ("max_window_layers", "sliding_window"):
+        v = config.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ConfigError(f"{where}: {key} {v!r}; expected an int >= 0 or null")
+    if not isinstance(config.get("use_sliding_window", False), (bool, type(None))):
+        raise ConfigError(f"{where}: use_sliding_window {config['use_sliding_window']!r}; expected true or false")
+
+
 def _sliding_layers(config: dict[str, Any]) -> list[int]:
     """The layers a HF config gives sliding-window attention: ``layer_types``, else Qwen3's
     ``use_sliding_window`` from layer ``max_window_layers`` on, as transformers derives them
@@ -43,8 +73,11 @@ def _sliding_layers(config: dict[str, Any]) -> list[int]:
 def _positive(where: str, config: dict[str, Any], key: str, kind: type = int) -> Any:
     """config[key] as a positive int (or float), else a ConfigError naming it."""
     v = config[key]
-    ok = (isinstance(v, int) and not isinstance(v, bool)) if kind is int else \
-        (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+    try:
+        ok = (isinstance(v, int) and not isinstance(v, bool)) if kind is int else \
+            (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+    except OverflowError:  # an int past float's range (JSON integers are unbounded)
+        ok = False
     if not ok or v <= 0:
         raise ConfigError(f"{where}: {key} {v!r}; expected a positive {'integer' if kind is int else 'number'}")
     return kind(v)
@@ -134,16 +167,19 @@ class LLMConfig:
             path = path / "config.json" if path.is_dir() else path
             where = str(path)
             try:
-                config = json.loads(path.read_text())
+                config = json.loads(path.read_text(encoding="utf-8"))
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{where} is not valid JSON: {e}") from None
+            except UnicodeDecodeError as e:  # a binary file (weights saved under the config's name, say)
+                raise ConfigError(f"{where} is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); "
+                                  "expected a Hugging Face config.json") from None
             except OSError as e:
                 raise ConfigError(f"{where} cannot be read ({e.strerror}); expected a Hugging Face config.json "
                                   "(or a checkpoint directory holding one)") from None
             if not isinstance(config, dict):
                 raise ConfigError(f"{where} holds a {type(config).__name__}; expected a JSON object")
         model_type = config.get("model_type")
-        if model_type not in FAMILIES:
+        if not isinstance(model_type, str) or model_type not in FAMILIES:
             raise ConfigError(f"{where}: model_type {model_type!r} is not supported; "
                               f"expected one of {sorted(FAMILIES)}")
         missing = [k for k in _REQUIRED if config.get(k) is None]
@@ -153,7 +189,7 @@ class LLMConfig:
         if config.get("attention_bias") or config.get("mlp_bias"):
             raise ConfigError(f"{where}: projection biases (attention_bias / mlp_bias) are not supported")
         act = config.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):  # transformers' two names of x·sigmoid(x)
+        if not isinstance(act, str) or act not in ("silu", "swish"):  # transformers' two names of x·sigmoid(x)
             raise ConfigError(f"{where}: hidden_act {act!r} is not supported; expected 'silu' (or 'swish')")
         tied = config.get("tie_word_embeddings", False)
         if not isinstance(tied, bool):
@@ -166,6 +202,7 @@ class LLMConfig:
         config = _DEFAULTS[model_type] | config
         for key in _REQUIRED:
             _positive(where, config, key)
+        _check_sliding_fields(where, config)
         sliding = _sliding_layers(config)
         if sliding:
             raise ConfigError(f"{where}: layers {few([str(i) for i in sliding])} use sliding-window attention, "
@@ -187,6 +224,14 @@ class LLMConfig:
             raise ConfigError(f"{where}: head_dim {head_dim} is odd; rotary embeddings rotate pairs of dims")
         eps = _positive(where, config, "rms_norm_eps", float)
         max_position = _positive(where, config, "max_position_embeddings")
+        sizes = {"hidden_size": config["hidden_size"], "intermediate_size": config["intermediate_size"],
+                 "vocab_size": config["vocab_size"], "num_attention_heads * head_dim": heads * head_dim,
+                 "head_dim": head_dim, "num_hidden_layers": config["num_hidden_layers"],
+                 "max_position_embeddings": max_position}
+        for key, v in sizes.items():
+            if v > MAX_SIZES[key]:
+                raise ConfigError(f"{where}: {key} {v} is more than {MAX_SIZES[key]}; expected at most that "
+                                  f"({_SIZE_WHY[key]})")
         theta, scaling = _rope_settings(where, config)
         cfg = cls(family=model_type, hidden=config["hidden_size"], inter=config["intermediate_size"],
                   layers=config["num_hidden_layers"], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
