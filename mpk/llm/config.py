@@ -28,7 +28,7 @@ _DEFAULTS = {
 # Upper bounds of a config's sizes, each far above every Llama / Qwen3 checkpoint's, so a
 # corrupt or hostile config is refused before anything is allocated for it
 MAX_SIZES = {"hidden_size": 1 << 20, "intermediate_size": 1 << 22, "vocab_size": 1 << 24,
-             "num_attention_heads * head_dim": 1 << 20, "head_dim": 1024, "num_hidden_layers": 1024,
+             "num_attention_heads * head_dim": 1 << 20, "num_attention_heads": 1 << 20, "head_dim": 1024, "num_hidden_layers": 1024,
              "max_position_embeddings": 1 << 22}
 _SIZE_WHY = {"hidden_size": "a weight's rows are indexed with int32 in the task tables",
              "intermediate_size": "a weight's rows are indexed with int32 in the task tables",
@@ -36,8 +36,15 @@ _SIZE_WHY = {"hidden_size": "a weight's rows are indexed with int32 in the task 
              "num_attention_heads * head_dim": "the q projection's rows are indexed with int32",
              "head_dim": "the attention kernels hold a head in on-chip memory",
              "num_hidden_layers": "each layer is a module and a set of ops in the compiled graph",
+             "num_attention_heads": "the q projection's rows are indexed with int32",
              "max_position_embeddings": "the rope table of that many positions is built on loading; "
                                         "4M positions already take 2 GB"}
+
+
+def _at_most(where: str, key: str, v: int) -> None:
+    if key in MAX_SIZES and v > MAX_SIZES[key]:
+        raise ConfigError(f"{where}: {key} {v} is more than {MAX_SIZES[key]}; expected at most that "
+                          f"({_SIZE_WHY[key]})")
 
 
 def _check_sliding_fields(where: str, config: dict[str, Any]) -> None:
@@ -202,6 +209,7 @@ class LLMConfig:
         config = _DEFAULTS[model_type] | config
         for key in _REQUIRED:
             _positive(where, config, key)
+            _at_most(where, key, config[key])  # before anything sized by it (the layer list below)
         _check_sliding_fields(where, config)
         sliding = _sliding_layers(config)
         if sliding:
@@ -224,14 +232,10 @@ class LLMConfig:
             raise ConfigError(f"{where}: head_dim {head_dim} is odd; rotary embeddings rotate pairs of dims")
         eps = _positive(where, config, "rms_norm_eps", float)
         max_position = _positive(where, config, "max_position_embeddings")
-        sizes = {"hidden_size": config["hidden_size"], "intermediate_size": config["intermediate_size"],
-                 "vocab_size": config["vocab_size"], "num_attention_heads * head_dim": heads * head_dim,
-                 "head_dim": head_dim, "num_hidden_layers": config["num_hidden_layers"],
+        sizes = {"head_dim": head_dim, "num_attention_heads * head_dim": heads * head_dim,
                  "max_position_embeddings": max_position}
         for key, v in sizes.items():
-            if v > MAX_SIZES[key]:
-                raise ConfigError(f"{where}: {key} {v} is more than {MAX_SIZES[key]}; expected at most that "
-                                  f"({_SIZE_WHY[key]})")
+            _at_most(where, key, v)
         theta, scaling = _rope_settings(where, config)
         cfg = cls(family=model_type, hidden=config["hidden_size"], inter=config["intermediate_size"],
                   layers=config["num_hidden_layers"], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
