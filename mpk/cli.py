@@ -1,6 +1,7 @@
 """``mpk`` command line. ``mpk inspect TARGET`` compiles a model (without running it) and
 reports its task graph: per-op task counts, events before/after fusion, dummy-task share,
-JIT/AOT counts; it writes the tables, DOT (SVG with graphviz), JSON and a summary.
+JIT/AOT counts; it writes the tables, DOT (SVG with graphviz), JSON and a summary. With
+``--verify`` it also runs the compiler's happens-before check and prints its result.
 
 TARGET is a preset (see ``mpk inspect --help``) or ``path/to/file.py:factory`` where
 ``factory()`` returns ``(module, example_args)``.

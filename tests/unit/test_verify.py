@@ -100,10 +100,8 @@ def _caught(tables, expected: set, op_names: list[str]) -> VerifyError:
     return err
 
 
-def test_dropped_edge_is_named(planted):
-    """(a) one dependency edge dropped after depend (one not implied by the task's other edges)."""
-    real = pipeline.depend
-
+def _dropping_one_edge(real, dropped: set):
+    """depend, then the first edge not implied by its task's other edges dropped."""
     def depend(tg):
         real(tg)
         for t in range(tg.num_tasks):
@@ -111,11 +109,15 @@ def test_dropped_edge_is_named(planted):
                 rest = tuple(q for q in tg.preds[t] if q != p)
                 if not _reaches(tg.preds[:t] + [rest], p, t):
                     tg.preds[t] = rest
-                    planted.dropped.add((p, t))
+                    dropped.add((p, t))
                     return tg
         raise AssertionError("no edge to drop")
+    return depend
 
-    planted.mp.setattr(pipeline, "depend", depend)
+
+def test_dropped_edge_is_named(planted):
+    """(a) one dependency edge dropped after depend (one not implied by the task's other edges)."""
+    planted.mp.setattr(pipeline, "depend", _dropping_one_edge(pipeline.depend, planted.dropped))
     tables = planted.compile(_chain, CHAIN_ARGS, CHAIN_PARTITION)
     err = _caught(tables, planted.linear(planted.dropped), ["mm", "relu", "add", "softmax"])
     assert err.pairs == planted.linear(planted.dropped)
@@ -359,3 +361,18 @@ def test_qwen3_8b_decode_step_verifies_within_bound():
     print(f"\nqwen3-8b decode: {report.summary()} ({seconds:.2f} s)")
     assert report.tasks == len(compiled.tables.tasks) > 36 * 500
     assert seconds < 10.0
+
+
+def test_inspect_verify_prints_the_result(tmp_path, capsys, monkeypatch):
+    """``mpk inspect --verify``: one line with the tasks and element ranges verified, or the
+    unordered pair (exit status 1)."""
+    from mpk.cli import main
+
+    argv = ["inspect", "qwen3-toy", "--layers", "1", "--workers", "8", "--verify"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "verified: happens-before holds for" in out and "element ranges" in out
+    monkeypatch.setattr(pipeline, "depend", _dropping_one_edge(pipeline.depend, set()))
+    assert main([*argv, "--out", str(tmp_path / "b")]) == 1
+    out = capsys.readouterr().out
+    assert "verify: FAILED: happens-before check failed" in out and "no event path orders" in out
