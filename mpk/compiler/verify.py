@@ -51,12 +51,17 @@ def strided_intervals(strides, offset: int, rect: Rect) -> tuple[np.ndarray, np.
     """[lo, hi) flat offsets of the elements ``rect`` covers in a strided view (strides ≥ 0):
     dims sorted by stride, those that continue one another merged, the innermost stride-1 run
     one interval, one interval per index of the rest."""
-    if any(b <= a for a, b in rect):
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    base = offset + sum(a * s for (a, _), s in zip(rect, strides))
-    dims = sorted(((b - a, s) for (a, b), s in zip(rect, strides) if b - a > 1 and s != 0), key=lambda d: d[1])
+    base = offset
+    dims = []
+    for (a, b), s in zip(rect, strides):
+        if b <= a:
+            return _EMPTY, _EMPTY
+        base += a * s
+        if b - a > 1 and s:
+            dims.append((s, b - a))
+    dims.sort()
     merged: list[list[int]] = []
-    for n, s in dims:
+    for s, n in dims:
         if merged and merged[-1][1] * merged[-1][0] == s:
             merged[-1][0] *= n
         else:
@@ -64,10 +69,15 @@ def strided_intervals(strides, offset: int, rect: Rect) -> tuple[np.ndarray, np.
     run = 1
     if merged and merged[0][1] == 1:
         run = merged.pop(0)[0]
+    if not merged:
+        return np.array([base], np.int64), np.array([base + run], np.int64)
     starts = np.array([base], np.int64)
     for n, s in merged:
         starts = (starts[:, None] + np.arange(n, dtype=np.int64) * s).ravel()
     return starts, starts + run
+
+
+_EMPTY = np.zeros(0, np.int64)
 
 
 def _expand(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -257,18 +267,23 @@ def verify(tables: Tables, max_pairs: int = 1000) -> VerifyReport:
                 r = op_keys[o][i].reads(op.sig, rect)
             if r is not None:
                 reads.append((t, op.inputs[i], i if i in op_keys[o] else None, r))
+    memo: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # many tiles read one region (all of x)
     for t, v, ki, r in reads:
         b, strides, off = views[v]
         sp = spaces.get(b)
         if sp is None or not sp.w:
             continue  # nothing writes it (weights, plain inputs)
-        if ki is not None:
-            lo, hi = strided_intervals(tuple(prod(sp.shape[j + 1:]) for j in range(len(sp.shape))), 0, r)
-        elif b in keyed:
-            lo, hi = whole(b)
-        else:
-            lo, hi = strided_intervals(strides, off, r)
-        sp.r.append((lo, hi, t))
+        key = (v, ki is not None, r)
+        got = memo.get(key)
+        if got is None:
+            if ki is not None:
+                got = strided_intervals(tuple(prod(sp.shape[j + 1:]) for j in range(len(sp.shape))), 0, r)
+            elif b in keyed:
+                got = whole(b)
+            else:
+                got = strided_intervals(strides, off, r)
+            memo[key] = got
+        sp.r.append((got[0], got[1], t))
 
     def ordered(w: np.ndarray, r: np.ndarray) -> np.ndarray:
         """Whether task w has finished whenever task r starts (elementwise)."""
@@ -282,7 +297,7 @@ def verify(tables: Tables, max_pairs: int = 1000) -> VerifyReport:
             continue
         wlo = np.concatenate([x[0] for x in sp.w])
         whi = np.concatenate([x[1] for x in sp.w])
-        wt = np.concatenate([np.full(len(x[0]), x[2], np.int64) for x in sp.w])
+        wt = np.repeat(np.array([x[2] for x in sp.w], np.int64), [len(x[0]) for x in sp.w])
         ranges += len(wlo)
         cuts = np.unique(np.concatenate([wlo, whi]))
         s0, s1 = np.searchsorted(cuts, wlo), np.searchsorted(cuts, whi)
@@ -305,7 +320,7 @@ def verify(tables: Tables, max_pairs: int = 1000) -> VerifyReport:
             continue
         rlo = np.concatenate([x[0] for x in sp.r])
         rhi = np.concatenate([x[1] for x in sp.r])
-        rt = np.concatenate([np.full(len(x[0]), x[2], np.int64) for x in sp.r])
+        rt = np.repeat(np.array([x[2] for x in sp.r], np.int64), [len(x[0]) for x in sp.r])
         ranges += len(rlo)
         k0 = np.maximum(np.searchsorted(cuts, rlo, "right") - 1, 0)
         k1 = np.minimum(np.searchsorted(cuts, rhi, "left"), len(cuts) - 1)

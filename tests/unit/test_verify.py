@@ -355,12 +355,13 @@ def test_qwen3_8b_decode_step_verifies_within_bound():
     ns = argparse.Namespace(layers=None, batch=1, seq=1, cache_len=1024)
     model, args = PRESETS["qwen3-8b-decode"](ns)
     compiled = compile_module(model, args, {"num_workers": 128})
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     report = verify(compiled.tables)
-    seconds = time.perf_counter() - t0
-    print(f"\nqwen3-8b decode: {report.summary()} ({seconds:.2f} s)")
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    print(f"\nqwen3-8b decode: {report.summary()} ({seconds:.2f} s wall, {cpu:.2f} s CPU)")
     assert report.tasks == len(compiled.tables.tasks) > 36 * 500
-    assert seconds < 10.0
+    # CPU time: the CI machine's cores are shared with other jobs, which stretch wall time
+    assert cpu < 10.0
 
 
 def test_inspect_verify_prints_the_result(tmp_path, capsys, monkeypatch):
