@@ -196,15 +196,16 @@ def verify(tables: Tables, max_pairs: int = 1000) -> VerifyReport:
     anc_tasks = np.unpackbits(anc[tables.end_event], bitorder="little")[:n] if n else np.zeros(0, np.uint8)
     missing = np.nonzero(anc_tasks == 0)[0]
     bnames = [b["name"] for b in tables.meta["buffers"]]
+    task_op, task_tile = tasks["op"].tolist(), tasks["tile"].tolist()
 
     def rect_of(t: int) -> Rect:
-        op = ops[int(tasks["op"][t])]
-        return tile_rect(op.grid, op.bounds, int(tasks["tile"][t]))
+        op = ops[task_op[t]]
+        return tile_rect(op.grid, op.bounds, task_tile[t])
 
     def describe(t: int) -> str:
-        if tasks["op"][t] < 0:
+        if task_op[t] < 0:
             return f"task {t} (dummy)"
-        op = ops[int(tasks["op"][t])]
+        op = ops[task_op[t]]
         return f"task {t} (op {op.name!r}, {op.kind}, tile {rect_of(t)})"
 
     if len(missing):
@@ -241,7 +242,7 @@ def verify(tables: Tables, max_pairs: int = 1000) -> VerifyReport:
     contiguous = {}
     reads: list[tuple[int, int, int | None, Rect]] = []  # (task, view, key input or None, rect)
     for t in range(n):
-        o = int(tasks["op"][t])
+        o = task_op[t]
         if o < 0:
             continue
         op = ops[o]
