@@ -1,6 +1,7 @@
 """``mpk`` command line. ``mpk inspect TARGET`` compiles a model (without running it) and
 reports its task graph: per-op task counts, events before/after fusion, dummy-task share,
-JIT/AOT counts; it writes the tables, DOT (SVG with graphviz), JSON and a summary.
+JIT/AOT counts; it writes the tables, DOT (SVG with graphviz), JSON and a summary. With
+``--verify`` it also runs the compiler's happens-before check and prints its result.
 
 TARGET is a preset (see ``mpk inspect --help``) or ``path/to/file.py:factory`` where
 ``factory()`` returns ``(module, example_args)``.
@@ -21,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from mpk.errors import MpkError
+from mpk.errors import MpkError, VerifyError
 from mpk.llm import SHAPES
 from mpk.ops.paged import PAGE_SIZES, is_page_size
 
@@ -118,12 +119,16 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
         if not (isinstance(made, (tuple, list)) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
             raise MpkError(f"{ns.target} returned {type(made).__name__}; expected (module, example_args)")
         model, args = made
-    options: dict[str, Any] = {"num_workers": ns.workers}
+    options: dict[str, Any] = {"num_workers": ns.workers, "verify": ns.verify}
     if ns.partition:
         options["partition"] = ns.partition
     t0 = time.perf_counter()
     print(f"tracing and compiling {ns.target} …", file=sys.stderr)
-    compiled = compile_module(model, args, options)
+    try:
+        compiled = compile_module(model, args, options)
+    except VerifyError as e:
+        print(f"verify: FAILED: {e}")
+        return 1
     print(compiled.stats.summary())
     print(f"total (trace + compile): {time.perf_counter() - t0:.2f} s")
     paths = dump(compiled, ns.out, ns.target.replace("/", "_").replace(":", "_").replace(".py", ""))
@@ -199,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=count(1), help="presets: batch size (default 1)")
     p.add_argument("--seq", type=count(1), help="prefill presets (llama-toy, qwen3-toy): sequence length (default 8)")
     p.add_argument("--cache-len", type=count(1), help="decode presets: cache length (default 1024)")
+    p.add_argument("--verify", action="store_true", help="run the compiler's happens-before check on the tables and "
+                                                         "print its result")
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("timeline", help="draw a profiled launch's trace (profile_dir) as an SVG, time per task kind")
     p.add_argument("trace", help="a trace JSON written by GpuExecutor.trace or the profile_dir option")

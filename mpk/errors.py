@@ -23,6 +23,19 @@ class CompileError(MpkError):
     """The compiler found the graph or a partition override inconsistent."""
 
 
+class VerifyError(CompileError):
+    """The tables' event graph does not order two tasks that touch one element (a reader after
+    every writer of what it reads, writers of one element one after the other). ``writer`` and
+    ``reader`` are the first such pair's linear task ids (for two writers: the earlier and the
+    later one), ``buffer`` its buffer's name, ``element`` an element both touch, ``pairs``
+    every unordered (writer, reader) pair found."""
+
+    def __init__(self, message: str, writer: int = -1, reader: int = -1, buffer: str = "",
+                 element: tuple = (), pairs: frozenset = frozenset()):
+        super().__init__(message)
+        self.writer, self.reader, self.buffer, self.element, self.pairs = writer, reader, buffer, element, pairs
+
+
 class ExecutorUnavailableError(MpkError):
     """The requested executor cannot run on this machine / in this build."""
 

@@ -68,13 +68,17 @@ def unsupported_report(failures) -> str:
 
 
 def compile_tables(gm: GraphModule, opts: CompileOptions, param_flags: list[bool] | None = None,
-                   input_names: list[str] | None = None) -> CompiledGraph | list:
+                   input_names: list[str] | None = None, check: bool | None = None) -> CompiledGraph | list:
     """Pattern fusion, lowering and the compiler on one functionalized ATen graph: its
-    CompiledGraph, or the nodes that cannot lower as (node, reason) pairs."""
+    CompiledGraph, or the nodes that cannot lower as (node, reason) pairs. ``check``: run the
+    happens-before check (default: for the cpu executor, or with the ``verify`` option)."""
     fuse_patterns(gm, opts.optional_fusions(), opts.partition_workers)
     failures = find_unsupported(gm, opts.fuse_rope_attention)
     if failures:
         return failures
     graph = lower(gm, param_flags, input_names, opts.fuse_rope_attention, opts.partition_workers)
+    # the happens-before check runs on every compile for the CPU interpreter (whose random
+    # schedules alone can miss a missing order) and on request for the GPU kernel
     return compile_graph(graph, opts.partition_workers, opts.partition, {"executor": opts.executor},
-                         scheduler_ctas=opts.scheduler_ctas, fill_sms=opts.fill_sms)
+                         scheduler_ctas=opts.scheduler_ctas, fill_sms=opts.fill_sms,
+                         check=(opts.executor == "cpu" or opts.verify) if check is None else check)

@@ -34,7 +34,9 @@ def compile_module(model: torch.nn.Module, args: Sequence[Any],
     and compile it to tables, running nothing: the graph the backend would run. ``options`` as
     for torch.compile; ``debug_dir`` dumps the graph there (``dump``). The whole graph must
     lower: an unsupported op is an ``UnsupportedOpError`` listing every one, and
-    ``fallback='eager'`` (parts run in PyTorch) has nothing to run here and is refused."""
+    ``fallback='eager'`` (parts run in PyTorch) has nothing to run here and is refused. The
+    happens-before check (mpk.compiler.verify) runs with ``verify=True``; its report is
+    ``stats.verified``."""
     from torch._dynamo.eval_frame import remove_from_cache
     from torch._dynamo.exc import BackendCompilerFailed
 
@@ -45,7 +47,7 @@ def compile_module(model: torch.nn.Module, args: Sequence[Any],
     found: list[CompiledGraph] = []
 
     def fw_compiler(gm, flags, names):
-        compiled = compile_tables(gm, opts, flags, names)
+        compiled = compile_tables(gm, opts, flags, names, check=opts.verify)
         if not isinstance(compiled, CompiledGraph):
             raise UnsupportedOpError(unsupported_report(compiled) + "\nmpk inspect needs the whole graph lowered.")
         found.append(compiled)

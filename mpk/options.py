@@ -78,6 +78,9 @@ class CompileOptions:
                  when both are given), at most MAX_CPU_CTAS (1024) each with "cpu".
     seed         schedule seed of the cpu executor (which legal order it picks).
     check_races  cpu executor: track every element read/written (default True).
+    verify       gpu executor: run the compiler's happens-before check (mpk.compiler.verify)
+                 on the tables before building the kernel (default False; compiles for the
+                 cpu executor always run it).
     timeout_s    gpu executor: watchdog limit per launch in seconds (default 30).
     sync         gpu executor: wait for each launch under the watchdog (default True); False
                  returns at once with outputs ordered on the current stream (decode loops and
@@ -96,6 +99,7 @@ class CompileOptions:
     scheduler_ctas: int | None = None
     seed: int = 0
     check_races: bool = True
+    verify: bool = False
     timeout_s: float = 30.0
     sync: bool = True
     profile_dir: str | None = None
@@ -149,7 +153,7 @@ class CompileOptions:
         n = opts.get("num_workers")
         check_counts(1 if n is None else n, opts.get("scheduler_ctas"))
         _check_cta_bounds(opts["executor"], n, opts.get("scheduler_ctas"))
-        for flag in ("sync", "fuse_norm_prologue", "fuse_rope_attention", "check_races"):
+        for flag in ("sync", "fuse_norm_prologue", "fuse_rope_attention", "check_races", "verify"):
             if not isinstance(opts.get(flag, False), bool):
                 raise OptionError(f"{flag}={opts[flag]!r}; expected True or False")
         t = opts.get("timeout_s", 30.0)

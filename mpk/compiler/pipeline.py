@@ -17,6 +17,7 @@ from mpk.compiler.place import place
 from mpk.compiler.prune import prune
 from mpk.compiler.tables import Tables, emit
 from mpk.compiler.taskgraph import DUMMY, TaskGraph
+from mpk.compiler.verify import VerifyReport, verify
 from mpk.ir.opgraph import OpGraph
 
 
@@ -38,6 +39,7 @@ class CompileStats:
     num_barriers: int
     seconds: dict[str, float] = field(default_factory=dict)
     placement: dict[str, int] = field(default_factory=dict)  # the tables' meta["placement"]
+    verified: VerifyReport | None = None  # the happens-before check's result, when it ran
 
     @property
     def dummy_share(self) -> float:
@@ -54,6 +56,10 @@ class CompileStats:
             f"placement: {self.placement.get('num_workers')} workers, {self.placement.get('scheduler_ctas')} "
             f"scheduler CTAs ({self.placement.get('scheduler_warps')} scheduler warps)",
             "compile time: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.seconds.items()),
+        ]
+        if self.verified is not None:
+            lines.append(self.verified.summary())
+        lines += [
             "tasks per op:",
         ]
         for name, n in self.tasks_per_op.items():
@@ -72,12 +78,13 @@ class CompiledGraph:
 def compile_graph(graph: OpGraph, num_workers: int = 128,
                   partition: Mapping[str, PartitionSpec] | None = None,
                   options: Mapping[str, Any] | None = None, scheduler_ctas: int | None = None,
-                  fill_sms: int | None = None) -> CompiledGraph:
+                  fill_sms: int | None = None, check: bool = False) -> CompiledGraph:
     """Run compiler steps 1–7 on ``graph``; deterministic in its inputs. ``num_workers`` sizes
     the default partitioning and is the launch's worker count, unless ``fill_sms`` is given:
     then every one of those SMs not taken by scheduler CTAs is a worker; ``scheduler_ctas``
     (None: 4 when the graph has JIT tasks, else 0) the launch's scheduler CTAs
-    (mpk.compiler.place)."""
+    (mpk.compiler.place). ``check`` runs the happens-before check (mpk.compiler.verify) on the
+    tables, raising VerifyError; its report lands in ``stats.verified``."""
     seconds: dict[str, float] = {}
 
     def timed(name, fn, *args):
@@ -96,6 +103,7 @@ def compile_graph(graph: OpGraph, num_workers: int = 128,
     timed("place", place, tg, num_workers, scheduler_ctas, fill_sms)
     tables = timed("emit", emit, tg, dict(options or {}, num_workers=num_workers, scheduler_ctas=scheduler_ctas,
                                           fill_sms=fill_sms))
+    verified = timed("verify", verify, tables) if check else None
     num_dummy = sum(1 for o in tg.task_op if o == DUMMY)
     jit = sum(tg.jit)
     stats = CompileStats(
@@ -106,5 +114,6 @@ def compile_graph(graph: OpGraph, num_workers: int = 128,
         events_before_fusion=tg.events_before_fusion, events_after_fusion=tg.events_after_fusion,
         events_after_normalization=len(tg.events), num_jit_tasks=jit, num_aot_tasks=tg.num_tasks - jit,
         num_barriers=sum(tg.barrier), seconds=seconds, placement=dict(tables.meta["placement"]),
+        verified=verified,
     )
     return CompiledGraph(graph, tg, tables, stats)

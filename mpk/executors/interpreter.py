@@ -77,6 +77,47 @@ class Interpreter:
                         meta["ops"][i]["attrs"])
             self.ops.append(_Op(meta["ops"][i]["name"], op_by_type_id(int(o["type_id"])), sig, ins, out, grid, bounds))
         self._index_cache: dict[int, torch.Tensor] = {}
+        self.planned: dict[int, torch.Tensor] | None = None  # built at the first run, outside fake-tensor tracing
+
+    def _plan_inplace(self) -> None:
+        """Which elements of graph inputs tasks write in place (``OpDef.inplace_writes``), per
+        buffer, and in key spaces for inputs addressed through run-time data (``key_spaces``):
+        a read of such an element before its writer ran is a race like any other."""
+        self.keys: list[dict[int, Any]] = []  # per op: input index -> KeySpace
+        self.key_shape: dict[int, tuple[int, ...]] = {}  # buffer -> its key space's shape
+        for op in self.ops:
+            ks = {k.input: k for k in (op.opdef.key_spaces(op.sig) if op.opdef.key_spaces else [])}
+            self.keys.append(ks)
+            for k in ks.values():
+                self.key_shape.setdefault(self.views[op.inputs[k.input]][0], tuple(k.shape))
+        self.planned: dict[int, torch.Tensor] = {}  # buffer -> planned in-place writer per element (-1: none)
+        for tid, rec in enumerate(self.t.tasks):
+            if rec["op"] < 0:
+                continue
+            for b, ids in self._inplace_ids(tid):
+                size = math.prod(self.key_shape.get(b, self.buf_shape[b]))
+                self.planned.setdefault(b, torch.full((size,), -1, dtype=torch.int64))[ids] = tid
+
+    def _key_ids(self, b: int, rect: Rect | None) -> torch.Tensor:
+        shape = self.key_shape[b]
+        if rect is None:
+            return torch.arange(math.prod(shape))
+        return torch.arange(math.prod(shape)).view(shape)[tuple(slice(a, c) for a, c in rect)].reshape(-1)
+
+    def _inplace_ids(self, tid: int) -> list[tuple[int, torch.Tensor]]:
+        """(buffer, element or key ids) task ``tid`` writes in place."""
+        op_id = int(self.t.tasks[tid]["op"])
+        op = self.ops[op_id]
+        if op.opdef.inplace_writes is None:
+            return []
+        out = []
+        for i, r in op.opdef.inplace_writes(op.sig, op.tile_rect(int(self.t.tasks[tid]["tile"]))):
+            b = self.views[op.inputs[i]][0]
+            if b in self.key_shape:
+                out.append((b, self._key_ids(b, r if i in self.keys[op_id] else None)))
+            else:
+                out.append((b, self._element_ids(op.inputs[i])[tuple(slice(a, c) for a, c in r)].reshape(-1)))
+        return out
 
     # --- helpers ---------------------------------------------------------------------------
     def _bind(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -123,6 +164,8 @@ class Interpreter:
             rest, i = divmod(rest, s)
             coord.append(i)
         coord = tuple(reversed(coord))
+        if buffer in self.planned and int(self.planned[buffer][flat]) >= 0:
+            return f"element {coord}, written in place by {self._describe_task(int(self.planned[buffer][flat]))}"
         for tid, rec in enumerate(self.t.tasks):
             if rec["op"] >= 0 and self.ops[int(rec["op"])].output == buffer:
                 rect = self.ops[int(rec["op"])].tile_rect(int(rec["tile"]))
@@ -138,16 +181,42 @@ class Interpreter:
         op = self.ops[int(rec["op"])]
         rect = op.tile_rect(int(rec["tile"]))
         index = tuple(slice(a, b) for a, b in rect)
+        if writer is not None:
+            # in-place writes are recorded first, so a task reading what it appends itself is no race
+            for b, ids in self._inplace_ids(tid):
+                prev = writer[b][ids]
+                if bool(((prev >= 0) & (prev != tid)).any()):
+                    other = int(prev[(prev >= 0) & (prev != tid)][0])
+                    raise RaceError(f"race in iteration {iteration}: {self._describe_task(tid)} and "
+                                    f"{self._describe_task(other)} both write buffer "
+                                    f"{self.t.meta['buffers'][b]['name']!r} in place")
+                writer[b][ids] = tid
+        keys = self.keys[int(rec["op"])]
         slices: list[torch.Tensor | None] = []
-        for v, region in zip(op.inputs, op.opdef.input_regions(op.sig, rect)):
+        for i, (v, region) in enumerate(zip(op.inputs, op.opdef.input_regions(op.sig, rect))):
             if region is None:
                 slices.append(None)
                 continue
             sl = tuple(slice(a, b) for a, b in region)
             buf = self.views[v][0]
-            if writer is not None and writer[buf] is not None:
+            if writer is not None and buf in self.key_shape and buf in self.planned:
+                # the op's own keyed read, or (any other read of the buffer) the whole key space
+                kr = keys[i].reads(op.sig, rect) if i in keys else None
+                ids = self._key_ids(buf, kr) if kr is not None or i not in keys else torch.zeros(0, dtype=torch.int64)
+                plan = self.planned[buf][ids]
+                late = (plan >= 0) & (writer[buf][ids] < 0)
+                if bool(late.any()):
+                    key = tuple(int(c) for c in torch.unravel_index(ids[late.nonzero()[0, 0]], self.key_shape[buf]))
+                    raise RaceError(
+                        f"race in iteration {iteration}: {self._describe_task(tid)} read buffer "
+                        f"{self.t.meta['buffers'][buf]['name']!r} at key {key} of its key space "
+                        f"{self.key_shape[buf]} (OpDef.key_spaces), which {self._describe_task(int(plan[late][0]))} writes in place, "
+                        f"before that task ran")
+            elif writer is not None and writer[buf] is not None:
                 ids = self._element_ids(v)[sl].reshape(-1)
                 unwritten = writer[buf][ids] < 0
+                if buf in self.planned:  # an input: only elements a task writes in place must wait
+                    unwritten &= self.planned[buf][ids] >= 0
                 if bool(unwritten.any()):
                     flat = int(ids[unwritten.nonzero()[0, 0]])
                     raise RaceError(
@@ -176,6 +245,8 @@ class Interpreter:
         rng = random.Random(seed)
         tasks, events = self.t.tasks, self.t.events
         bufs = self._bind(args)
+        if self.planned is None:
+            self._plan_inplace()
         num_tasks = len(tasks)
         jit = (tasks["flags"] & FLAG_JIT) != 0
         queues = self.queues
@@ -192,6 +263,8 @@ class Interpreter:
             if self.check_races:
                 writer = [None if r["role"] == ROLE_INPUT else torch.full((b.numel(),), -1, dtype=torch.int64)
                           for r, b in zip(self.t.buffers, bufs)]
+                for b, plan in self.planned.items():
+                    writer[b] = torch.full_like(plan, -1)
             released = [False] * num_tasks
             done = 0
             heads = [0] * self.num_workers
@@ -237,7 +310,7 @@ class Interpreter:
                                     f"tasks that trigger it; {len(wrong)} event(s) affected)")
             if writer is not None:
                 for b, w in enumerate(writer):
-                    if w is not None and bool((w < 0).any()):
+                    if w is not None and b not in self.planned and bool((w < 0).any()):
                         raise RaceError(f"iteration {k}: buffer {self.t.meta['buffers'][b]['name']!r} has "
                                         f"{int((w < 0).sum())} elements no task wrote")
         return self._outputs(bufs)

@@ -35,8 +35,9 @@ from typing import Callable
 import torch
 
 from mpk.errors import BAD_POSITION, BadInputError, bad_input_message
+from mpk.ir.views import Shape
 from mpk.ops.gpu import DTYPE_SIZE, GpuSpec, OpInfo, Params, all_inputs, check_contiguous, index_ctype, one_ctype
-from mpk.ops.registry import OpDef, OpSig, register
+from mpk.ops.registry import KeySpace, OpDef, OpSig, register
 from mpk.ops.rows import rotate_half
 
 LOG2E = 1.4426950408889634
@@ -240,6 +241,29 @@ def kv_heads_of_tile(h0: int, h1: int, heads: int, kv_heads: int) -> range:
     return range(-(-h0 // group), -(-h1 // group))
 
 
+# The cache as the happens-before check sees it: the page table is run-time data, so a tile's
+# cache accesses are named by (layer, sequence, kv head, position) keys, the position being
+# 0 for the positions cached before this step and 1 for the one this step appends. Each
+# sequence owns its pages, so distinct keys are distinct cache rows.
+CACHE_KEY_DIMS = ("layer", "sequence", "kv head", "position (0: cached before the step, 1: appended by it)")
+
+
+def _cache_keys(sig: OpSig, cache_input: int) -> Shape:
+    cache = sig.in_shapes[cache_input]
+    return (cache[0], sig.in_shapes[0][0], cache[3], 2)
+
+
+def _rope_append_writes(sig: OpSig, rect):
+    (b0, b1), (h0, h1) = rect[0], rect[1]
+    kvs = kv_heads_of_tile(h0, h1, sig.attrs["heads"], sig.attrs["kv_heads"])
+    layer = sig.attrs["layer"]
+    return [(5, ((layer, layer + 1), (b0, b1), (kvs.start, kvs.stop), (1, 2)))] if len(kvs) else []
+
+
+def _rope_append_keys(sig: OpSig):
+    return [KeySpace(5, _cache_keys(sig, 5), CACHE_KEY_DIMS, lambda sig, rect: None)]
+
+
 def _rope_append_cpu(sig: OpSig, rect, xs):
     return _rope_rows(sig.attrs, sig.out_dtype, rect[0], rect[1], xs, append=True)
 
@@ -274,6 +298,7 @@ def _rope_rows(a: dict, dtype: torch.dtype, rows, heads, xs, append: bool) -> to
 register(OpDef(
     kind="rope_append", type_id=15, input_regions=_rope_append_regions, cpu=_rope_append_cpu, gpu=ROPE_APPEND_GPU,
     splittable=lambda sig: (True, True, False), split_order=lambda sig: [1, 0], min_tile_elems=1,
+    inplace_writes=_rope_append_writes, key_spaces=_rope_append_keys,
     doc="q = rope(qk_norm(q)); cache[len−1] ← (rope(qk_norm(k)), v) for the kv heads the tile owns",
 ))
 
@@ -320,6 +345,30 @@ def _partial_regions(sig: OpSig, rect):
             ((0, sig.in_shapes[2][0]),), ((0, sig.in_shapes[3][0]),), ((0, sig.in_shapes[4][0]),)]
 
 
+def _partial_keys(sig: OpSig):
+    # any chunk may hold the last position (chunk_bounds depends on the run-time length)
+    layer = sig.attrs["layer"]
+    return [KeySpace(1, _cache_keys(sig, 1), CACHE_KEY_DIMS,
+                     lambda sig, rect: ((layer, layer + 1), rect[0], rect[1], (0, 2)))]
+
+
+def _appends(sig: OpSig, rect) -> bool:
+    """Whether a rope_attn_partial tile appends its kv heads' k/v: it holds the last chunk."""
+    final, C, _ = _chunks(sig)
+    return final or rect[2][1] == C
+
+
+def _rope_attn_writes(sig: OpSig, rect):
+    layer = sig.attrs["layer"]
+    return [(5, ((layer, layer + 1), rect[0], rect[1], (1, 2)))] if _appends(sig, rect) else []
+
+
+def _rope_attn_keys(sig: OpSig):
+    layer = sig.attrs["layer"]
+    return [KeySpace(5, _cache_keys(sig, 5), CACHE_KEY_DIMS,
+                     lambda sig, rect: ((layer, layer + 1), rect[0], rect[1], (0, 2 if _appends(sig, rect) else 1)))]
+
+
 def _partial_cpu(sig: OpSig, rect, xs):
     q, cache, indptr, indices, last = xs
     a = sig.attrs
@@ -359,7 +408,7 @@ def _chunk_order(sig: OpSig) -> list[int]:
 register(OpDef(
     kind="attn_partial", type_id=31, input_regions=_partial_regions, cpu=_partial_cpu, gpu=ATTN_PARTIAL_GPU,
     splittable=_chunk_splits, split_order=_chunk_order,
-    min_tile_elems=1, long_tasks=True,
+    min_tile_elems=1, long_tasks=True, key_spaces=_partial_keys,
     doc="partial (O, lse) of G query heads over one KV chunk of a paged sequence (final: O, one chunk)",
 ))
 
@@ -388,7 +437,7 @@ register(OpDef(
     kind="rope_attn_partial", type_id=33, input_regions=_rope_append_regions, cpu=_rope_attn_cpu,
     gpu=ROPE_ATTN_PARTIAL_GPU,
     splittable=_chunk_splits, split_order=_chunk_order,
-    min_tile_elems=1, long_tasks=True,
+    min_tile_elems=1, long_tasks=True, inplace_writes=_rope_attn_writes, key_spaces=_rope_attn_keys,
     doc="rope_append and attn_partial in one task: rotate the group's q, append k/v (last chunk), attend",
 ))
 

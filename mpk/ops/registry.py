@@ -62,6 +62,28 @@ class OpDef:
     long_tasks: bool = False
     gpu: GpuSpec | None = None  # None: no CUDA task (codegen refuses the kind)
     doc: str = ""
+    # What a tile writes into its inputs in place (graph inputs: the KV-cache append), as
+    # (input index, rect) pairs: a rect of the input view, or of its key space when
+    # ``key_spaces`` names one for that input. The compiler's happens-before check
+    # (mpk.compiler.verify) and the interpreter's race tracking read it; dependency analysis
+    # does not, so the op must be ordered after such a write by what else it reads.
+    inplace_writes: Callable[[OpSig, Rect], list[tuple[int, Rect]]] | None = None
+    key_spaces: Callable[[OpSig], list["KeySpace"]] | None = None
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """Coordinates for an input a tile addresses through run-time data (the paged KV cache: the
+    page table picks page and slot), where no rect of the input says which elements a tile
+    touches. The op's reads and in-place writes of that input are rects of ``shape`` instead
+    (``reads``: the rect a tile reads, None: nothing). Keys must reach distinct elements for
+    every input the op accepts, and every op addressing one buffer this way must use the same
+    space; any plain access to that buffer counts as touching the whole space."""
+
+    input: int
+    shape: Shape
+    dims: tuple[str, ...]
+    reads: Callable[[OpSig, Rect], Rect | None]
 
 
 REGISTRY: dict[str, OpDef] = {}

@@ -1,5 +1,7 @@
-"""Graph-level test helpers: FX graphs traced and compiled straight to tables, random
-partitions, and an element-level dependency oracle independent of the compiler's rect analysis."""
+"""Graph-level test helpers: FX graphs traced and compiled straight to tables (with the
+compiler's happens-before check, mpk.compiler.verify), random partitions, and an element-level
+dependency oracle. The oracle enumerates elements and task ancestor sets, so it only fits small
+graphs; it stays as an implementation independent of the check, to test the check against."""
 
 from __future__ import annotations
 
@@ -83,8 +85,10 @@ def task_reachability(tables: Tables) -> list[set[int]]:
 
 def check_dependencies(tables: Tables) -> int:
     """Oracle: every (writer, reader) pair whose elements overlap is ordered by events.
-    Works on element ids from the tables' strided views, not on the compiler's rects.
-    Returns the number of overlapping pairs checked."""
+    Works on element ids from the tables' strided views, not on the compiler's rects, and
+    shares no code with mpk.compiler.verify (which supersedes it outside tests: it scales and
+    also covers in-place writes, unordered writers and the iteration's end). Returns the
+    number of overlapping pairs checked."""
     from mpk.executors.interpreter import Interpreter
 
     interp = Interpreter(tables, check_races=False, validate_tables=False)
@@ -114,7 +118,7 @@ def check_dependencies(tables: Tables) -> int:
 
 
 def compile_with(graph, partition=None, num_workers=8):
-    return compile_graph(graph, num_workers=num_workers, partition=partition)
+    return compile_graph(graph, num_workers=num_workers, partition=partition, check=True)
 
 
 def _rms(x, w):

@@ -1,8 +1,9 @@
 """Property tests over random op DAGs and random partitions (docs/architecture.md, the CPU interpreter).
 
 A random program of tensor ops is traced through the real frontend, compiled with a random
-partition, and checked: (1) every producer→consumer element overlap is ordered by events
-(element-level oracle, independent of the compiler's region analysis); (2) the tables'
+partition, and checked: (1) every producer→consumer element overlap is ordered by events (the
+compiler's happens-before check, run by ``compile_with``, and the element-level oracle, both
+independent of the compiler's region analysis); (2) the tables'
 structural invariants (one dependent / one triggering event per task, contiguous launch ranges,
 topological order); (3) under 20 random schedules the interpreter, race detector on, matches
 eager PyTorch.
@@ -42,6 +43,7 @@ def test_random_programs(seed):
     compiled = compile_with(graph, partition=random_partition(graph, rng), num_workers=rng.randint(1, 6))
     tables = compiled.tables
     validate(tables)
+    assert compiled.stats.verified is not None and compiled.stats.verified.tasks == len(tables.tasks)
     outputs = {op.output for op in graph.ops}
     chained = any(v.buffer in outputs for op in graph.ops for v in op.inputs)
     assert (check_dependencies(tables) > 0) == chained  # the oracle saw every producer→consumer pair

@@ -426,3 +426,74 @@ def test_rect_to_intervals_round_trip(args):
         assert torch.equal(back, want)
     else:
         assert torch.equal(back, want) or len(intervals) == 1
+
+
+# --------------------------------------------------------------------------- every view kind
+
+
+@st.composite
+def kind_chains(draw) -> tuple[tuple[int, ...], list[tuple], regions.Rect]:
+    """(base, steps, rect): 1-5 steps of every kind the frontend emits — slices with steps 1-3,
+    select (a length-1 slice then the squeezing reshape, as rules/views.py lowers it), expand,
+    permute, split / merge reshapes — and a sub-rect of the result."""
+    base = tuple(draw(st.lists(st.sampled_from([1, 2, 3, 4, 6]), min_size=1, max_size=4)))
+    shape, steps = base, []
+    for _ in range(draw(st.integers(1, 5))):
+        kinds = ["permute", "slice", "reshape"] + (["select"] if len(shape) > 1 else []) + (
+            ["expand"] if 1 in shape else [])
+        kind = draw(st.sampled_from(kinds))
+        if kind == "permute":
+            perm = tuple(draw(st.permutations(range(len(shape)))))
+            new_steps, shape = [("permute", perm)], tuple(shape[p] for p in perm)
+        elif kind in ("slice", "select"):
+            dim = draw(st.integers(0, len(shape) - 1))
+            if kind == "select":
+                i = draw(st.integers(0, shape[dim] - 1))
+                out = shape[:dim] + shape[dim + 1:]
+                new_steps, shape = [("slice", dim, i, i + 1, 1), ("reshape", out)], out
+            else:
+                start = draw(st.integers(0, shape[dim] - 1))
+                stop = draw(st.integers(start + 1, shape[dim]))
+                st_ = draw(st.integers(1, 3))
+                new_steps = [("slice", dim, start, stop, st_)]
+                shape = shape[:dim] + (-(-(stop - start) // st_),) + shape[dim + 1:]
+        elif kind == "expand":
+            new = tuple(draw(st.integers(1, 3)) if n == 1 else n for n in shape)
+            new_steps, shape = [("expand", new)], new
+        else:
+            new = draw(factorizations(prod(shape)))
+            new_steps, shape = [("reshape", new)], new
+        steps += new_steps
+    return base, steps, draw(sub_rects(shape))
+
+
+@SETTINGS
+@given(kind_chains())
+@example(((6,), [("slice", 0, 1, 6, 3)], ((0, 2),)))
+@example(((2, 6), [("slice", 1, 0, 1, 1), ("reshape", (2,))], ((1, 2),)))  # x[:, 0]
+@example(((4, 6), [("permute", (1, 0)), ("slice", 1, 1, 4, 2)], ((2, 5), (0, 2))))
+def test_every_view_kind_maps_back_exactly(args):
+    """``View.base_regions`` (what depend intersects) and the tables' strided form (what the
+    happens-before check maps rects through) against brute-force enumeration of the buffer
+    elements a rect of the view touches."""
+    from mpk.compiler.verify import strided_intervals
+
+    base, steps, rect = args
+    views = build_views(base, steps)
+    view = views[-1]
+    note(f"base={base} steps={steps} rect={rect}")
+    want_ids = torch_chain(base, steps)[_slices(rect)]
+    want = _mask_of(base, want_ids)
+    with spy_fallbacks() as fallbacks:
+        pieces = view.base_regions(rect)
+    got = _covered(base, pieces)
+    assert not (want & ~got).any(), f"ids read but not covered: {(want & ~got).nonzero().flatten().tolist()}"
+    if _exactness_expected(views, pieces) and not fallbacks:
+        assert torch.equal(got, want), f"pieces {pieces} over-cover"
+    res = view.strided()
+    if res is not None:
+        lo, hi = strided_intervals(res[0], res[1], rect)
+        flat = torch.zeros(prod(base), dtype=torch.bool)
+        for a, b in zip(lo.tolist(), hi.tolist()):
+            flat[a:b] = True
+        assert torch.equal(flat, want), f"strided intervals {list(zip(lo.tolist(), hi.tolist()))}"
