@@ -7,6 +7,8 @@
 
 #include <type_traits>
 
+#include "mpk_runtime/types.cuh"  // the status rows' layout, which the tasks' own waits write too
+
 namespace mpk {
 
 constexpr int kMaxDims = 8;
@@ -449,17 +451,64 @@ __device__ __forceinline__ void init_gate_share() {
 #define MPK_MAX_SPINS (1LL << 26)
 #endif
 
+// What the tasks' own waits need of the launch, in shared memory, set at kernel entry (the tile
+// kernel leaves the pointers null: nothing watches it): the host-mapped abort flag, this
+// worker's host-mapped status row, the launch's epoch, the task the worker runs, and whether a
+// wait inside that task was abandoned.
+struct LaunchShared {
+  volatile int* abort_flag;
+  volatile int* status;
+  int epoch;
+  int task;
+  int abandoned;  // set by task_wait_backoff on abort: the worker leaves after the task, owing no arrival
+};
+
+__device__ __forceinline__ LaunchShared& launch_shared() {
+  __shared__ LaunchShared s;
+  return s;
+}
+
+// The launch's epoch (the kernels set it at entry, before their first barrier).
+__device__ __forceinline__ int& launch_epoch() { return launch_shared().epoch; }
+
+// A wait inside a task body, as its status row names it.
+enum TaskWait : int { kWaitMbarrier = 1, kWaitBusy = 2 };
+constexpr long long kTaskWaitCheck = 1024;  // polls between two back-offs of such a wait
+
+// The back-off of a wait inside a task, every kTaskWaitCheck polls: tell the watchdog which
+// task waits and on what, and return true when the watchdog stopped this launch (the caller
+// stops waiting; the worker then leaves after the task). Out of line: only back-offs call it.
+__device__ __noinline__ bool task_wait_backoff(int what, long long polls) {
+  LaunchShared& l = launch_shared();
+  if (l.status) {
+    l.status[kStTask] = l.task;
+    l.status[kStEvent] = what;
+    l.status[kStSpins] = static_cast<int>(polls / kTaskWaitCheck);
+    l.status[kStState] = kStateInTask;
+  }
+  if (l.abort_flag == nullptr || *l.abort_flag < l.epoch) return false;
+  l.abandoned = 1;
+  if (l.status) l.status[kStState] = kStateAborted;
+  return true;
+}
+
 // Waits until the phase of the shared-memory mbarrier at ``bar`` that ``token`` (the state an
-// arrival returned) belongs to has completed. The copies counted there always land, so only a
-// bug could make this spin for ever: debug builds trap.
-__device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned long long token) {
-  unsigned done = 0;
-  for (long long polls = 0; !done; ++polls) {
+// arrival returned) belongs to has completed; false if the wait was abandoned (the launch was
+// stopped: the caller finishes its task without the barrier's data, whose results nobody uses).
+// The copies counted there always land, so only a bug could make this spin for ever: debug
+// builds trap. Each try_wait suspends for a while, so the back-off needs no sleep.
+__device__ __forceinline__ bool mbarrier_wait(unsigned bar, unsigned long long token) {
+  for (long long polls = 1;; ++polls) {
+    unsigned done;
     asm volatile("{ .reg .pred p; mbarrier.try_wait.shared.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                  : "=r"(done) : "r"(bar), "l"(token) : "memory");
+    if (done) return true;
+    if (polls % kTaskWaitCheck == 0) {
+      if (task_wait_backoff(kWaitMbarrier, polls)) return false;
 #ifdef MPK_DEBUG
-    if (polls > MPK_MAX_SPINS) __trap();
+      if (polls > MPK_MAX_SPINS) __trap();
 #endif
+    }
   }
 }
 
@@ -559,12 +608,6 @@ __device__ mpk::BadInputRecord* mpk_bad_input;  // the host-mapped record, set o
 __device__ int mpk_bad_input_claim;             // the latest epoch whose report was taken
 }
 namespace mpk {
-
-// The launch's epoch (the kernels set it at entry, before their first barrier).
-__device__ __forceinline__ int& launch_epoch() {
-  __shared__ int epoch;
-  return epoch;
-}
 
 __device__ __noinline__ void report_bad_input(int code, int out_buffer, long long row, long long value,
                                               long long limit) {

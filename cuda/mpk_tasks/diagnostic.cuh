@@ -21,8 +21,16 @@ __device__ void task_stamp(const OpC& c, const Rect& r, const TaskEnv& env) {
     const long long busy = c.iparam[0] > 0 ? static_cast<long long>((t * 2654435761ULL) % (c.iparam[0] + 1)) : 0;
     if (busy > 0) {
       const unsigned long long t0 = globaltimer_ns();
-      while (globaltimer_ns() - t0 < static_cast<unsigned long long>(busy)) {
+      bool stopped = false;
+      for (long long polls = 1; globaltimer_ns() - t0 < static_cast<unsigned long long>(busy); ++polls) {
+        // a busy time past the watchdog's limit is a hang on purpose (runtime tests): its back-off
+        // names the task and leaves when the launch is stopped
+        if (polls % kTaskWaitCheck == 0 && task_wait_backoff(kWaitBusy, polls)) {
+          stopped = true;
+          break;
+        }
       }
+      if (stopped) return;
     }
     const long long end = static_cast<long long>(atomicAdd(clock, 1ULL));
     if (run < static_cast<unsigned long long>(iters)) {

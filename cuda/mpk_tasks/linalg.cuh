@@ -239,7 +239,9 @@ __device__ __noinline__ void linear_bf16(const OpC& c, const Rect& r, const Task
   const long long part = kStatsOut ? c.out_shape[1] * N : 0;  // kStatsOut: elements of one of the 3 parts
   constexpr int kPerThread = (kLinRows * kOut + kThreadsPerTask - 1) / kThreadsPerTask;  // epilogue outputs per thread
   if (warp == 0) {  // its first weights, copied by warps 1–7
-    if (lane == 0) mbarrier_wait(gate_share_bar(), share_token);
+    // abandoned only when the launch was stopped: the task then runs on to its end (every warp
+    // reaches its barriers) and the worker leaves without its arrival
+    if (lane == 0) (void)mbarrier_wait(gate_share_bar(), share_token);
     __syncwarp();
 #pragma unroll
     for (int u = 0; u < kLinUnroll; ++u)

@@ -121,3 +121,45 @@ class MappedHostBuffer:
     def __del__(self):
         if getattr(self, "host", None) and self.host.value:
             _lib().cuMemFreeHost(self.host)
+
+
+CUDA_ERROR_NOT_READY = 600
+CU_STREAM_NON_BLOCKING = 1
+
+
+class Stream:
+    """A driver stream that does not synchronise with the legacy default stream: the watchdog
+    copies a hung launch's device state on it while the launch still runs."""
+
+    def __init__(self):
+        self.handle = ctypes.c_void_p()
+        check(_lib().cuStreamCreate(ctypes.byref(self.handle), CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+
+    def query(self) -> bool:
+        """Whether all work issued to the stream has completed."""
+        result = _lib().cuStreamQuery(self.handle)
+        if result == CUDA_ERROR_NOT_READY:
+            return False
+        check(result, "cuStreamQuery")
+        return True
+
+    def __del__(self):
+        if getattr(self, "handle", None) and self.handle.value:
+            _lib().cuStreamDestroy_v2(self.handle)
+
+
+def copy_to_host_async(dst_host: int, src: int, nbytes: int, stream: Stream) -> None:
+    """Device → pinned host memory, asynchronously on ``stream``."""
+    check(_lib().cuMemcpyDtoHAsync_v2(ctypes.c_void_p(dst_host), ctypes.c_uint64(src), ctypes.c_size_t(nbytes),
+                                      stream.handle), "cuMemcpyDtoHAsync")
+
+
+def current_context() -> int:
+    ctx = ctypes.c_void_p()
+    check(_lib().cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    return ctx.value or 0
+
+
+def set_current_context(ctx: int) -> None:
+    """Make ``ctx`` current on the calling thread (a new thread starts with none)."""
+    check(_lib().cuCtxSetCurrent(ctypes.c_void_p(ctx)), "cuCtxSetCurrent")

@@ -1,11 +1,13 @@
 """The GPU executor: tables → generated CUDA → cubin (cached) → one cooperative launch.
 
 ``GpuExecutor(tables).run(args, iterations=k)`` binds the inputs, runs k iterations of the
-task graph inside ONE persistent kernel and returns the graph outputs. While the kernel runs
-the host watches it: past ``timeout_s`` it raises ``WatchdogTimeout`` with each stuck worker's
-task, queue positions and the unfired events it waits on (counts read from device memory).
-The kernel's wait loops observe an abort flag the watchdog sets, so the kernel exits and the
-process stays usable (the graph's intermediate buffers then hold partial results).
+task graph inside ONE persistent kernel and returns the graph outputs. Every launch, waited on
+or not, is watched by the executor's watchdog thread (mpk/executors/watchdog.py): past
+``timeout_s`` it reads what each worker and scheduler waits on, sets the abort flag that
+every wait loop of the kernel observes, so the kernel exits and the process stays usable (the
+graph's intermediate buffers then hold partial results), and files its report
+(mpk/executors/report.py); the next call of the executor (``launch``, ``run``, ``wait``,
+``outputs``) raises it as ``WatchdogTimeout``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import json
 import operator
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -33,15 +34,17 @@ from mpk.compiler.tables import (
     validate_placement,
     view_of,
 )
-from mpk.errors import BadInputError, ExecutorUnavailableError, MpkError, WatchdogTimeout, bad_input_message
+from mpk.errors import BadInputError, ExecutorUnavailableError, MpkError, bad_input_message
 from mpk.executors import cuda_driver as drv
 from mpk.executors.build import build_cubin
 from mpk.executors.codegen import aligned_inputs, dynamic_smem_bytes, generate
+from mpk.executors.report import STATUS_WORDS, ReportTables, Snapshot, format_report
+from mpk.executors.watchdog import Watchdog
 from mpk.ops.linalg import op_form
 
 THREADS = 256
 PROFILE_WORDS = 5  # runtime/mpk_runtime/types.cuh: ProfileRecord, in 8-byte words
-STATUS_WORDS = 8  # runtime/mpk_runtime/types.cuh: StatusWord
+SNAPSHOT_WAIT_S = 1.0  # how long the watchdog waits for its copy of a hung launch's device state
 EVENT_HAS_JIT, EVENT_ALL_JIT, EVENT_LOCAL_JIT = 2, 4, 8
 # What executors dropped while their last launch ran still own (module, mapped status words,
 # buffers), with that launch's done-event: kept until the event completes, since the kernel
@@ -58,18 +61,12 @@ def _release_dropped() -> None:
 _KEYS = (torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.stride, operator.attrgetter("dtype"))
 
 
-# a worker's status word 0 (WorkerState in runtime/mpk_runtime/types.cuh)
-STATE_WAITING_AOT, STATE_IDLE = 1, 2
-STATES = {0: "starting", STATE_WAITING_AOT: "waiting for its AOT task", STATE_IDLE: "idle (no AOT work left)",
-          3: "exited", 4: "aborted"}
-
-
 class _Args(ctypes.Structure):
     """Mirror of mpk::RuntimeArgs (runtime/mpk_runtime/types.cuh); unknown fields are refused."""
 
     _fields_ = [(n, ctypes.c_void_p) for n in (
         "tasks", "events", "counters", "aot_offsets", "aot_entries", "task_infos", "jit_events", "mailbox",
-        "jit_values", "jit_seq", "jit_head", "done", "status", "abort_flag", "profile", "profile_count")] + [
+        "jit_values", "jit_seq", "jit_head", "done", "status", "abort_flag", "profile", "profile_count", "running")] + [
         (n, ctypes.c_int) for n in (
         "profile_capacity", "num_workers", "num_schedulers", "active_schedulers", "num_tasks", "num_events",
         "num_jit_events", "start_jit_index", "start_event", "end_event", "iterations", "any_jit", "jit_capacity",
@@ -181,6 +178,69 @@ class HostLayout:
         return [self.aot_entries[off[w]: off[w + 1], 0].tolist() for w in range(self.num_workers)]
 
 
+def _query(done: torch.cuda.Event, device: int):
+    """``done.query`` callable from any thread (the watchdog's makes the device current first)."""
+
+    def query() -> bool:
+        if torch.cuda.current_device() != device:
+            torch.cuda.set_device(device)
+        return done.query()
+
+    return query
+
+
+class _GpuProbe:
+    """What the watchdog does to a launch of one executor (mpk/executors/watchdog.py: Probe),
+    holding what it needs of the executor but not the executor, so that dropping the executor
+    ends its watchdog. A launch is (epoch, iterations)."""
+
+    def __init__(self, ex: GpuExecutor):
+        self.h_status, self.h_abort, self.num_workers, self.timeout_s = ex.h_status, ex.h_abort, ex.num_workers, \
+            ex.timeout_s
+        self.tables = ReportTables.from_tables(ex.t, ex.layout.worker_queues(),
+                                               ex.layout.jit_events[: ex.layout.num_jit_events, 0].tolist())
+        n_events = len(ex.t.events)
+        self.d_zero, self.d_running = ex.d_zero, ex.d_running  # held: the copies read them
+        self.counters_ptr, self.n_events = ex.zero_ptr["counters"], n_events
+        # pinned host memory the copies land in: the running words, then the counters
+        self.h_device = drv.MappedHostBuffer(2 * (self.num_workers + max(1, n_events)))
+        self.context = drv.current_context()
+        self.stream = drv.Stream()
+
+    def snapshot(self, launch: tuple[int, int]) -> Snapshot:
+        """The status rows as the hung launch left them, and its counters and running words read
+        from device memory on a stream of its own while it still runs (the copy engine does not
+        wait for the kernel; bounded by SNAPSHOT_WAIT_S all the same)."""
+        epoch, _ = launch
+        status = self.h_status.array.reshape(-1, STATUS_WORDS).copy()
+        snap = Snapshot(epoch=epoch, status=status, num_workers=self.num_workers)
+        drv.set_current_context(self.context)
+        W, host = self.num_workers, self.h_device.host.value
+        drv.copy_to_host_async(host, self.d_running.data_ptr(), 8 * W, self.stream)
+        drv.copy_to_host_async(host + 8 * W, self.counters_ptr, 8 * self.n_events, self.stream)
+        deadline = time.monotonic() + SNAPSHOT_WAIT_S
+        while not self.stream.query():
+            if time.monotonic() > deadline:
+                return snap  # the report says the counters are the waiters' last view
+            time.sleep(0.0005)
+        words = self.h_device.array.view(np.int64)
+        snap.running, snap.counters = words[:W].copy(), words[W: W + self.n_events].copy()
+        return snap
+
+    def abort(self, launch: tuple[int, int]) -> None:
+        """Stop this launch and any queued before it; launches queued after it run (the flag holds
+        the latest stopped launch's number and is never reset, so no reset races a queued launch)."""
+        epoch, _ = launch
+        self.h_abort.array[0] = max(int(self.h_abort.array[0]), epoch)
+
+    def report(self, launch: tuple[int, int], snap: Snapshot | Exception, exited: bool) -> str:
+        epoch, iterations = launch
+        if isinstance(snap, Exception):  # the rows are host memory: only the device copy can fail
+            snap = Snapshot(epoch=epoch, status=self.h_status.array.reshape(-1, STATUS_WORDS).copy(),
+                            num_workers=self.num_workers)
+        return format_report(self.tables, snap, timeout_s=self.timeout_s, iterations=iterations, exited=exited)
+
+
 class GpuExecutor:
     """Runs ``tables`` as one persistent kernel on the current CUDA device, with the tables'
     placement: ``tables.num_workers`` worker CTAs, each running its queue of AOT tasks, and
@@ -271,6 +331,8 @@ class GpuExecutor:
         # 40 bytes); the module's pointer to it is written once
         self.h_bad_input = drv.MappedHostBuffer(10)
         self.epoch = self.checked_epoch = 0  # launches so far; the latest whose report was raised
+        # per worker, the task it last started, (epoch << 32) | task: not reset (the epoch says whose)
+        self.d_running = torch.zeros(W, **i64)
         ptr = torch.tensor([self.h_bad_input.device_ptr], dtype=torch.int64, device=dev)
         drv.copy_device_async(self.module.global_ptr("mpk_bad_input")[0], ptr.data_ptr(), 8,
                               torch.cuda.current_stream(dev).cuda_stream)
@@ -314,6 +376,8 @@ class GpuExecutor:
                                       int(v["offset"]), t.buffers[b]["role"] == ROLE_INPUT))
         self.args = self._make_args()  # passed by value at launch (a __grid_constant__ parameter)
         self._launch_params = drv.param_array([self.args])
+        self.probe = _GpuProbe(self)
+        self._watchdog = Watchdog(self.timeout_s, self.probe)
 
     def _make_args(self) -> _Args:
         """The kernel's arguments, built once: a launch sets only ``iterations`` and ``epoch``
@@ -326,7 +390,7 @@ class GpuExecutor:
             jit_values=self.d_jit_values.data_ptr(), jit_seq=z["jit_seq"], jit_head=z["jit_head"], done=z["done"],
             status=self.h_status.device_ptr, abort_flag=self.h_abort.device_ptr,
             profile=self.d_profile.data_ptr() if self.d_profile is not None else None,
-            profile_count=z["profile_count"], profile_capacity=self.profile_capacity,
+            profile_count=z["profile_count"], running=self.d_running.data_ptr(), profile_capacity=self.profile_capacity,
             num_workers=self.num_workers, num_schedulers=self.num_schedulers,
             active_schedulers=self.active_schedulers, num_tasks=len(self.t.tasks), num_events=len(self.t.events),
             num_jit_events=self.num_jit_events, start_jit_index=self.start_jit_index,
@@ -397,6 +461,7 @@ class GpuExecutor:
     def _launch(self, args: Sequence[torch.Tensor], iterations: int) -> torch.cuda.Event:
         if not isinstance(iterations, int) or not 1 <= iterations < 2 ** 31:
             raise ValueError(f"iterations={iterations!r}; expected an integer in [1, 2^31)")
+        self._watchdog.check()  # an earlier launch not waited on hung
         self.check_inputs()  # a report of an earlier launch not waited on
         if _DROPPED:
             _release_dropped()
@@ -419,6 +484,7 @@ class GpuExecutor:
         done.record(stream)
         self._last_done = done
         done.mpk_epoch = self.epoch  # the launch the watchdog stops if this one hangs
+        self._watchdog.watch(self.epoch, _query(done, self.device.index), (self.epoch, iterations))
         return done
 
     def _offset(self, name: str) -> int:
@@ -434,14 +500,9 @@ class GpuExecutor:
         return self.outputs()
 
     def wait(self, done: torch.cuda.Event, iterations: int = 1) -> None:
-        start = time.monotonic()
-        deadline = start + self.timeout_s
-        while not done.query():
-            now = time.monotonic()
-            if now > deadline:
-                raise WatchdogTimeout(self._abort_and_report(done, iterations))
-            if now - start > 0.002:  # short launches are polled, long ones slept on
-                time.sleep(0.0005)
+        """Block until the launch of ``done`` ends; ``WatchdogTimeout`` if the watchdog stopped
+        it (or an earlier launch). ``iterations`` is unused (the launch recorded its own)."""
+        self._watchdog.wait(getattr(done, "mpk_epoch", self.epoch), done.query)
         torch.cuda.synchronize(self.device)  # surfaces any device-side fault of the launch
         self.check_inputs()
 
@@ -463,6 +524,7 @@ class GpuExecutor:
                             f"the launch skipped it, and its outputs are not valid")
 
     def outputs(self) -> list[Any]:
+        self._watchdog.check()  # a launch that hung has no outputs to hand out
         out = []
         for plan in self._output_plan:
             if len(plan) == 1:  # a constant
@@ -495,6 +557,7 @@ class GpuExecutor:
             self._run_tile_kernel(op, args)
 
     def _run_tile_kernel(self, op: int, args: Sequence[torch.Tensor]) -> None:
+        self._watchdog.check()
         self.check_inputs()
         stream = torch.cuda.current_stream(self.device)
         if self._last_done is not None:  # a launch still running reads the buffer table _bind rewrites
@@ -512,58 +575,6 @@ class GpuExecutor:
         done = getattr(self, "_last_done", None)
         if done is not None and not sys.is_finalizing() and not done.query():
             _DROPPED.append((done, list(vars(self).values())))
-
-    # --- watchdog ------------------------------------------------------------------------------
-    def _abort_and_report(self, done: torch.cuda.Event, iterations: int) -> str:
-        status = self.h_status.array.reshape(-1, STATUS_WORDS).copy()
-        # stop this launch and any queued before it; launches queued after it run (the flag
-        # holds the latest stopped launch's number and is never reset)
-        self.h_abort.array[0] = max(int(self.h_abort.array[0]), getattr(done, "mpk_epoch", self.epoch))
-        deadline = time.monotonic() + 10.0
-        while not done.query() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        exited = done.query()
-        lines = [f"mpk watchdog: the persistent kernel did not finish within {self.timeout_s:.1f} s "
-                 f"({len(self.t.tasks)} tasks, {iterations} iteration(s), {self.num_workers} workers, "
-                 f"{self.num_schedulers} schedulers)."]
-        counters = None
-        # a launch queued after this one has reset the counters (and a copy on the launch stream
-        # would wait for that launch, which may hang too): read them only where none was
-        later = getattr(done, "mpk_epoch", self.epoch) < self.epoch
-        if exited and not later:
-            side = torch.cuda.Stream(self.device)  # ordered after nothing the stream still holds
-            with torch.cuda.stream(side):
-                counters = self.d_zero[self._offset("counters"): self._offset("counters") + len(self.t.events)].cpu()
-            counters = counters.numpy()
-        waited: dict[int, list[int]] = {}
-        for w in range(self.num_workers):
-            st = status[w]
-            if st[0] == STATE_WAITING_AOT:
-                task, e = int(st[1]), int(st[2])
-                waited.setdefault(e, []).append(w)
-                lines.append(f"  worker {w}: stuck before task {task} ({self._describe(task)}), AOT position "
-                             f"{int(st[5])}, JIT queue head {int(st[6])}; waits on event {e} "
-                             f"({int(st[3])}/{int(st[4])} arrivals)")
-        idle = sum(1 for w in range(self.num_workers) if status[w][0] == STATE_IDLE)
-        others = Counter(STATES.get(int(status[w][0]), f"in unknown state {int(status[w][0])}")
-                         for w in range(self.num_workers) if status[w][0] not in (STATE_WAITING_AOT, STATE_IDLE))
-        lines.append(f"  {idle} worker(s) idle with no AOT work left; others: "
-                     + (", ".join(f"{n} {state}" for state, n in sorted(others.items())) or "none"))
-        if counters is not None:
-            lines.append("  unfired events with waiting workers (counters read from device memory after abort):")
-            for e, ws in sorted(waited.items()):
-                n = int(self.t.events[e]["num_triggers"])
-                lines.append(f"    event {e}: counter {int(counters[e])}, fires at multiples of {n}; "
-                             f"workers {ws[:8]}{' …' if len(ws) > 8 else ''}")
-            lines.append("  the kernel observed the abort flag and exited: the process and its CUDA context "
-                         "stay usable (intermediate buffers hold partial results).")
-        elif exited:
-            lines.append("  the kernel observed the abort flag and exited (a launch queued after it runs next; its "
-                         "own wait reports it if it hangs too): the process and its CUDA context stay usable.")
-        else:
-            lines.append("  the kernel did not exit within 10 s of the abort request (a task itself does not "
-                         "terminate); the CUDA context may be unusable until the process exits.")
-        return "\n".join(lines)
 
     def _describe(self, task: int) -> str:
         op = int(self.t.tasks[task]["op"])

@@ -218,10 +218,12 @@ struct AotCursor {
   __device__ __forceinline__ void landed() { staged = ask != nullptr; }
 };
 
-// What a worker waiting for an AOT task's event tells the watchdog (host-mapped status words).
-__device__ __forceinline__ void publish_aot_wait(volatile int* status, int task, int event, unsigned long long have,
-                                                 unsigned long long need, long long aot_pos, unsigned long long jit_head) {
-  status[kStState] = kStateWaitingAot;
+// What a worker waiting for an AOT task's event tells the watchdog (host-mapped status words):
+// ``state`` is kStateWaitingAot before it takes the task, kStateGate at a started task's gate.
+__device__ __forceinline__ void publish_aot_wait(volatile int* status, int state, int task, int event,
+                                                 unsigned long long have, unsigned long long need, long long aot_pos,
+                                                 unsigned long long jit_head) {
+  status[kStState] = state;
   status[kStTask] = task;
   status[kStEvent] = event;
   status[kStCountLo] = static_cast<int>(have);
@@ -258,7 +260,7 @@ __device__ __forceinline__ bool wait_gate(InputGate* g) {
     unsigned long long* const counter = g->counter;
     const unsigned long long need = g->need;
     while ((have = load_acquire(counter)) < need) {
-      if ((spin.polls & 1023) == 1023) publish_aot_wait(g->status, g->task, g->event, have, need, g->aot_pos, 0);
+      if ((spin.polls & 1023) == 1023) publish_aot_wait(g->status, kStateGate, g->task, g->event, have, need, g->aot_pos, 0);
       if (spin.pause(*g->args, g->status)) {
         g->status[kStState] = kStateAborted;
         open = 0;
@@ -356,7 +358,8 @@ __device__ TaskInfo next_task(const RuntimeArgs& a, int w, AotCursor& aot, unsig
         return aot.consume(a);
       }
       if ((spin.polls & 1023) == 1023) {
-        publish_aot_wait(status, aot.head.info.task, aot.head.dep, have, aot.need(), aot.pos(), jit_head);
+        publish_aot_wait(status, kStateWaitingAot, aot.head.info.task, aot.head.dep, have, aot.need(), aot.pos(),
+                         jit_head);
       }
     } else {
       pending.flush(a);
@@ -394,7 +397,7 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
   unsigned n_profiled = 0;
   unsigned long long t0 = 0, t_ready = 0;  // t_ready: MPK_HOP_STAMPS
   OpSlots slots;
-  bool abandoned = false;  // a gated task's wait was abandoned: leave
+  bool abandoned = false;  // a wait of the latest task (its gate or one inside it) was abandoned: leave
   if (threadIdx.x == 0) {
     aot.start(a);
     local_slot() = LocalTask{};
@@ -414,6 +417,11 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
       }
       s_task = t;
       s_gated = s_gate.counter != nullptr;
+      // the task in hand, for the watchdog: in shared memory for the waits inside it, and in device
+      // memory (a plain store, long done when the task's arrival releases) for the report
+      launch_shared().task = t.task;
+      if (t.task != kExit)
+        a.running[w] = (static_cast<unsigned long long>(a.epoch) << 32) | static_cast<unsigned>(t.task);
       cp_async_wait_all();  // the prefetches landed (or must not land on a slot being staged)
       int slot = slots.find(t.op);
       s_staged = slot >= 0;
@@ -456,6 +464,12 @@ __device__ void worker_loop(const RuntimeArgs& a, int w) {
         // counters only grow: later tasks on this event that need no more start ungated
         aot.seen_event = s_gate.event;
         aot.seen_need = s_gate.seen;
+      }
+      // a wait inside the task was abandoned (the launch was stopped): its results are not
+      // complete, so it owes no arrival
+      if (launch_shared().abandoned) {
+        abandoned = true;
+        continue;
       }
       aot.landed();
       const unsigned long long t1 = a.profile ? globaltimer_ns() : 0;
@@ -523,6 +537,14 @@ __device__ void scheduler_loop(const RuntimeArgs& a, int s) {
     const unsigned done = lane == 0 ? dev_atomic_u32(*a.done).load(cuda::memory_order_relaxed) : 0u;
     const unsigned fired = __ballot_sync(0xffffffffu, open && v >= k);
     if (fired == 0) {
+      if (lane == 0 && (spin.polls & 1023) == 1023) {  // lane 0 holds the window's first (unhandled) slot
+        status[kStTask] = cursor;
+        status[kStEvent] = ev.event;
+        status[kStCountLo] = static_cast<int>(v);
+        status[kStNeedLo] = static_cast<int>(k);
+        status[kStAotPos] = static_cast<int>(handled);
+        status[kStState] = kStateSchedWaiting;
+      }
       int stop = lane == 0 && (done || spin.pause(a, status));
       if (__shfl_sync(0xffffffffu, stop, 0)) {
         if (lane == 0) status[kStState] = kStateExited;
@@ -579,7 +601,15 @@ extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1)
     const int* from = reinterpret_cast<const int*>(&args);
     int* to = reinterpret_cast<int*>(&mpk::shared_args());
     for (int i = threadIdx.x; i < static_cast<int>(sizeof(mpk::RuntimeArgs) / 4); i += blockDim.x) to[i] = from[i];
-    if (threadIdx.x == 0) mpk::launch_epoch() = a.epoch;
+    if (threadIdx.x == 0) {
+      mpk::LaunchShared& l = mpk::launch_shared();
+      l.abort_flag = a.abort_flag;
+      l.status = static_cast<int>(blockIdx.x) < a.num_workers ? a.status + static_cast<long long>(blockIdx.x) * mpk::kStatusWords
+                                                             : nullptr;
+      l.epoch = a.epoch;
+      l.task = -1;
+      l.abandoned = 0;
+    }
     mpk_stage_buffers();
     mpk::init_gate_share();
     __syncthreads();
@@ -597,7 +627,7 @@ extern "C" __global__ void __launch_bounds__(mpk::kThreads, 1)
 // Test wrapper: every tile of one op, one CTA per tile, no scheduling (task families alone).
 // Built only on request: it doubles ptxas time.
 extern "C" __global__ void __launch_bounds__(mpk::kThreads) mpk_tile_kernel(int op, int epoch) {
-  if (threadIdx.x == 0) mpk::launch_epoch() = epoch;
+  if (threadIdx.x == 0) mpk::launch_shared() = mpk::LaunchShared{nullptr, nullptr, epoch, -1, 0};
   mpk_stage_buffers();
   mpk::init_gate_share();
   __syncthreads();

@@ -26,9 +26,15 @@ constexpr unsigned kEventHasJit = 2u;
 constexpr unsigned kEventAllJit = 4u;
 constexpr unsigned kEventLocalJit = 8u;
 
-// Worker status words published to host-mapped memory while a worker waits (watchdog).
+// Status words published to host-mapped memory from the back-off branch of a wait (watchdog;
+// mpk/executors/report.py reads them). A worker waiting for its AOT head (kStateWaitingAot) or
+// at a started task's gate (kStateGate): task, event, counter, needed count, AOT position, JIT
+// head. A wait inside a task body (kStateInTask): task, TaskWait code (mpk_tasks/common.cuh).
+// A scheduler warp (kStateSchedWaiting): JIT event index of its window's first slot, that
+// event, the iteration it last fired in (mailbox), the iteration awaited, the handled mask.
 enum StatusWord : int { kStState, kStTask, kStEvent, kStCountLo, kStNeedLo, kStAotPos, kStJitHead, kStSpins, kStatusWords };
-enum WorkerState : int { kStateStarting = 0, kStateWaitingAot = 1, kStateIdle = 2, kStateExited = 3, kStateAborted = 4 };
+enum WorkerState : int { kStateStarting = 0, kStateWaitingAot = 1, kStateIdle = 2, kStateExited = 3, kStateAborted = 4,
+                         kStateGate = 5, kStateInTask = 6, kStateSchedWaiting = 7 };
 
 // An event as its triggering tasks need it: arriving, deciding whether the arrival fired it,
 // and telling the schedulers need no further lookup.
@@ -87,6 +93,7 @@ struct RuntimeArgs {
   volatile int* abort_flag;          // host-mapped: the latest launch (epoch) the watchdog stopped
   ProfileRecord* profile;            // null unless profiling: profile_capacity per worker
   unsigned long long* profile_count;
+  unsigned long long* running;       // per worker: (epoch << 32) | task, stored when the worker starts a task
   int profile_capacity;
   int num_workers;
   int num_schedulers;                // scheduler warps launched

@@ -3,8 +3,8 @@
 Task families alone (tile-kernel wrapper) and the whole persistent kernel against eager PyTorch
 and the CPU interpreter on the op-level test graphs; a random-DAG stress of 10^5 tasks for
 100 iterations in one launch with per-task stamps checked on the host; every worker count;
-the watchdog's report on a planted never-firing event; the profiler's trace; the tables'
-placement is the one the kernel runs."""
+the watchdog's report on a planted never-firing event and on a launch nobody waits on that
+hangs inside a task; the profiler's trace; the tables' placement is the one the kernel runs."""
 
 from __future__ import annotations
 
@@ -208,6 +208,46 @@ def test_watchdog_stops_only_the_launch_it_waited_on():
     clock, runs, log = stamp_inputs(good, 1, DEV)
     _gpu(good).run([clock, runs, log])
     _check_stamps(preds, log, runs, 1)
+
+
+def test_an_unwatched_launch_that_hangs_is_stopped_and_reported_at_the_next_call():
+    """sync=False (``run(wait=False)``, a decode loop's call): nothing waits on the launch, yet
+    the executor's watchdog thread stops it within timeout_s + 5 s — its tasks busy-spin for up
+    to 18 s, and the spin's back-off leaves on the abort flag — and files a report naming the
+    task a worker is stuck in; the executor's next call raises it, and a healthy graph runs
+    afterwards."""
+    import time
+
+    from mpk.errors import WatchdogTimeout
+
+    preds = [()] * 8
+    # tile t spins (t · 2654435761) mod (busy_ns + 1) ns (cuda/mpk_tasks/diagnostic.cuh): t · 2.65 s here
+    tables = stamp_graph(preds, 1, busy_ns=10 ** 15)
+    timeout_s = 2.0
+    ex = _gpu(tables, timeout_s=timeout_s)
+    args = stamp_inputs(tables, 1, DEV)
+    t0 = time.monotonic()
+    ex.run(args, wait=False)
+    done = ex._last_done
+    assert time.monotonic() - t0 < timeout_s, "run(wait=False) returned only after the launch"
+    while not done.query():  # the kernel left through the abort path, with nobody waiting on it
+        assert time.monotonic() - t0 < timeout_s + 5, "the watchdog did not stop the launch"
+        time.sleep(0.01)
+    with pytest.raises(WatchdogTimeout) as info:
+        ex.launch(args)  # the next call raises the report (before launching anything)
+    took = time.monotonic() - t0
+    assert timeout_s <= took < timeout_s + 5
+    msg = str(info.value)
+    assert "did not finish within 2.0 s" in msg and "stay usable" in msg
+    longest = int(np.nonzero((tables.tasks["op"] == 0) & (tables.tasks["tile"] == 7))[0][0])  # it spins 18.6 s
+    op = tables.meta["ops"][0]
+    assert f"inside task {longest} (op {op['name']!r} ({op['kind']}) tile 7), waiting on a busy spin in its body" in msg
+    torch.cuda.synchronize()  # nothing else of the launch is left on the stream
+    ex.outputs()  # the report was raised once: the executor's calls go on
+    good = stamp_graph(preds, 2)
+    clock, runs, log = stamp_inputs(good, 2, DEV)
+    _gpu(good).run([clock, runs, log], iterations=2)
+    _check_stamps(preds, log, runs, 2)
 
 
 @pytest.mark.parametrize("hop_stamps", [False, True])
