@@ -7,10 +7,10 @@ interpreter). See ``mpk.options.CompileOptions`` for the options.
 
 from mpk.backend import mpk_backend
 from mpk.errors import (BadInputError, CompileError, ConfigError, DeadlockError, ExecutorUnavailableError, MpkError,
-                        OptionError, RaceError, UnsupportedOpError, WatchdogTimeout)
+                        OptionError, RaceError, UnsupportedOpError, VerifyError, WatchdogTimeout)
 from mpk.options import CompileOptions
 
 __version__ = "0.1.0"
 __all__ = ["mpk_backend", "CompileOptions", "MpkError", "OptionError", "UnsupportedOpError", "CompileError",
-           "ExecutorUnavailableError", "DeadlockError", "RaceError", "BadInputError", "ConfigError", "WatchdogTimeout",
-           "__version__"]
+           "ExecutorUnavailableError", "DeadlockError", "RaceError", "BadInputError", "ConfigError", "VerifyError",
+           "WatchdogTimeout", "__version__"]

@@ -82,9 +82,10 @@ class CompileOptions:
                  on the tables before building the kernel (default False; compiles for the
                  cpu executor always run it).
     timeout_s    gpu executor: watchdog limit per launch in seconds (default 30).
-    sync         gpu executor: wait for each launch under the watchdog (default True); False
-                 returns at once with outputs ordered on the current stream (decode loops and
-                 benchmarks: the host prepares step k+1 while step k runs; no watchdog).
+    sync         gpu executor: wait for each launch (default True); False returns at once with
+                 outputs ordered on the current stream (decode loops and benchmarks: the host
+                 prepares step k+1 while step k runs). Either way the watchdog aborts a launch
+                 that outlives timeout_s and the next call raises its report.
     profile_dir  gpu executor: write a Chrome/Perfetto trace of each launch there.
     """
 
