@@ -55,7 +55,7 @@ from mpk.compiler.place import MAX_WORKERS_PER_SCHEDULER, SCHED_WARPS_PER_CTA, p
 from mpk.compiler.taskgraph import TaskGraph
 from mpk.errors import CompileError
 from mpk.ir.views import View
-from mpk.ops import get_op
+from mpk.ops import OpSig, get_op
 
 TABLES_VERSION = 2
 MAX_DIMS = 8
@@ -262,6 +262,36 @@ def buffer_layouts(tables: Tables) -> tuple[list[tuple[int, ...]], list[torch.dt
     """Every buffer's shape and dtype, in buffer order."""
     return ([tuple(int(s) for s in b["shape"][: b["ndim"]]) for b in tables.buffers],
             [DTYPES[b["dtype"]] for b in tables.buffers])
+
+
+@dataclass(frozen=True)
+class OpLayout:
+    """One op as the tables hold it: its input view ids, output buffer, grid, each dim's tile
+    boundaries, and its signature (input view shapes, output shape and dtype, attrs)."""
+
+    inputs: list[int]
+    output: int
+    grid: tuple[int, ...]
+    bounds: list[tuple[int, ...]]
+    sig: OpSig
+
+
+def op_layouts(tables: Tables) -> list[OpLayout]:
+    """Every op's ``OpLayout``, in op order (what the executors and the verifier read per op)."""
+    views, out = tables.views, []
+    for i, o in enumerate(tables.ops):
+        ins = [int(x) for x in tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]]
+        grid = tuple(int(g) for g in o["grid"][: int(o["ndim"])])
+        bounds, pos = [], int(o["bounds_offset"])
+        for g in grid:
+            bounds.append(tuple(int(b) for b in tables.bounds[pos: pos + g + 1]))
+            pos += g + 1
+        buf = tables.buffers[int(o["output"])]
+        sig = OpSig(tuple(tuple(int(s) for s in views[v]["shape"][: views[v]["ndim"]]) for v in ins),
+                    tuple(int(s) for s in buf["shape"][: buf["ndim"]]), DTYPES[int(buf["dtype"])],
+                    tables.meta["ops"][i]["attrs"])
+        out.append(OpLayout(ins, int(o["output"]), grid, bounds, sig))
+    return out
 
 
 def check_argument(tables: Tables, buffer: int, arg: object, shape: tuple[int, ...], dtype: torch.dtype) -> None:

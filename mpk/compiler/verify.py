@@ -29,7 +29,7 @@ from math import prod
 
 import numpy as np
 
-from mpk.compiler.tables import DTYPES, Tables
+from mpk.compiler.tables import Tables, op_layouts
 from mpk.errors import VerifyError
 from mpk.ir.regions import Rect, tile_rect
 from mpk.ops import OpSig, op_by_type_id
@@ -123,24 +123,8 @@ class _Space:
 
 
 def _ops(tables: Tables) -> list[_Op]:
-    ops = []
-    views = tables.views
-    for i, o in enumerate(tables.ops):
-        ins = [int(x) for x in tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]]
-        nd = int(o["ndim"])
-        grid = tuple(int(g) for g in o["grid"][:nd])
-        bounds, pos = [], int(o["bounds_offset"])
-        for g in grid:
-            bounds.append(tuple(int(b) for b in tables.bounds[pos: pos + g + 1]))
-            pos += g + 1
-        out = int(o["output"])
-        buf = tables.buffers[out]
-        sig = OpSig(tuple(tuple(int(s) for s in views[v]["shape"][: views[v]["ndim"]]) for v in ins),
-                    tuple(int(s) for s in buf["shape"][: buf["ndim"]]), DTYPES[int(buf["dtype"])],
-                    tables.meta["ops"][i]["attrs"])
-        m = tables.meta["ops"][i]
-        ops.append(_Op(m["name"], m["kind"], op_by_type_id(int(o["type_id"])), sig, ins, out, grid, bounds))
-    return ops
+    return [_Op(m["name"], m["kind"], op_by_type_id(int(o["type_id"])), lay.sig, lay.inputs, lay.output, lay.grid,
+                lay.bounds) for o, m, lay in zip(tables.ops, tables.meta["ops"], op_layouts(tables))]
 
 
 def _reachability(tables: Tables) -> np.ndarray:

@@ -26,7 +26,8 @@ from typing import Any, Sequence
 
 import torch
 
-from mpk.compiler.tables import FLAG_JIT, ROLE_INPUT, Tables, buffer_layouts, check_argument, validate, view_of
+from mpk.compiler.tables import (FLAG_JIT, ROLE_INPUT, Tables, buffer_layouts, check_argument, op_layouts, validate,
+                                 view_of)
 from mpk.errors import DeadlockError, ExecutorUnavailableError, RaceError, ScheduleError
 from mpk.ir.regions import Rect, tile_rect
 from mpk.ops import OpDef, OpSig, op_by_type_id
@@ -63,19 +64,8 @@ class Interpreter:
         self.buf_shape, self.buf_dtype = buffer_layouts(tables)
         self.views = [(int(v["buffer"]), tuple(int(s) for s in v["shape"][: v["ndim"]]),
                        tuple(int(s) for s in v["strides"][: v["ndim"]]), int(v["offset"])) for v in tables.views]
-        self.ops: list[_Op] = []
-        for i, o in enumerate(tables.ops):
-            ins = [int(x) for x in tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]]
-            nd = int(o["ndim"])
-            grid = tuple(int(g) for g in o["grid"][:nd])
-            bounds, pos = [], int(o["bounds_offset"])
-            for g in grid:
-                bounds.append(tuple(int(b) for b in tables.bounds[pos: pos + g + 1]))
-                pos += g + 1
-            out = int(o["output"])
-            sig = OpSig(tuple(self.views[v][1] for v in ins), self.buf_shape[out], self.buf_dtype[out],
-                        meta["ops"][i]["attrs"])
-            self.ops.append(_Op(meta["ops"][i]["name"], op_by_type_id(int(o["type_id"])), sig, ins, out, grid, bounds))
+        self.ops = [_Op(m["name"], op_by_type_id(int(o["type_id"])), lay.sig, lay.inputs, lay.output, lay.grid,
+                        lay.bounds) for o, m, lay in zip(tables.ops, meta["ops"], op_layouts(tables))]
         self._index_cache: dict[int, torch.Tensor] = {}
         self.planned: dict[int, torch.Tensor] | None = None  # built at the first run, outside fake-tensor tracing
 
