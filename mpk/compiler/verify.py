@@ -127,6 +127,14 @@ def _ops(tables: Tables) -> list[_Op]:
                 lay.bounds) for o, m, lay in zip(tables.ops, tables.meta["ops"], op_layouts(tables))]
 
 
+def _flat(accesses: list[tuple[np.ndarray, np.ndarray, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One space's accesses (interval starts, ends, task) as flat arrays of starts, ends and the
+    task of each interval."""
+    lo = np.concatenate([x[0] for x in accesses])
+    hi = np.concatenate([x[1] for x in accesses])
+    return lo, hi, np.repeat(np.array([x[2] for x in accesses], np.int64), [len(x[0]) for x in accesses])
+
+
 def _reachability(tables: Tables) -> np.ndarray:
     """anc[e]: bitset (little bit order, packed) over tasks of the tasks that have finished
     whenever event e has fired in an iteration."""
@@ -280,9 +288,7 @@ def verify(tables: Tables, max_pairs: int = 1000) -> VerifyReport:
         sp = spaces[b]
         if not sp.w:
             continue
-        wlo = np.concatenate([x[0] for x in sp.w])
-        whi = np.concatenate([x[1] for x in sp.w])
-        wt = np.repeat(np.array([x[2] for x in sp.w], np.int64), [len(x[0]) for x in sp.w])
+        wlo, whi, wt = _flat(sp.w)
         ranges += len(wlo)
         cuts = np.unique(np.concatenate([wlo, whi]))
         s0, s1 = np.searchsorted(cuts, wlo), np.searchsorted(cuts, whi)
@@ -299,13 +305,12 @@ def verify(tables: Tables, max_pairs: int = 1000) -> VerifyReport:
                 keep = a < c
                 a, c = a[keep], c[keep]
                 pairs_checked += len(a)
-                for x, y in zip(a[~(ordered(a, c) | ordered(c, a))].tolist(), c[~(ordered(a, c) | ordered(c, a))].tolist()):
+                loose = ~(ordered(a, c) | ordered(c, a))
+                for x, y in zip(a[loose].tolist(), c[loose].tolist()):
                     bad.setdefault((x, y), ("write", sp, int(cuts[s])))
         if not sp.r:
             continue
-        rlo = np.concatenate([x[0] for x in sp.r])
-        rhi = np.concatenate([x[1] for x in sp.r])
-        rt = np.repeat(np.array([x[2] for x in sp.r], np.int64), [len(x[0]) for x in sp.r])
+        rlo, rhi, rt = _flat(sp.r)
         ranges += len(rlo)
         k0 = np.maximum(np.searchsorted(cuts, rlo, "right") - 1, 0)
         k1 = np.minimum(np.searchsorted(cuts, rhi, "left"), len(cuts) - 1)
