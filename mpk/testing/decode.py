@@ -96,20 +96,20 @@ def against_eager_and_float32(model, step, batch: int, max_len: int, page_size: 
     eager path's are (largest and median error relative to the largest |logit| within 1.5× the
     eager path's: bf16 rounding of different summation orders) and top-1 agreement ≥ 99% with
     the eager path where its logits are decisive (few positions may hold none). Returns the
-    (eager, compiled) caches."""
+    (eager, compiled, float32 twin's) caches."""
     from mpk.llm import PagedKVCache
     from mpk.testing.parity import compare_logits
 
     twin = float32_twin(model)
     kv_eager, kv_step = PagedKVCache(model, batch, max_len, page_size), PagedKVCache(model, batch, max_len, page_size)
+    kv_twin = PagedKVCache(twin, batch, max_len, page_size)
     tokens = torch.randint(0, model.cfg.vocab, (steps, batch), device=model.embed.device)
-    refs, outs, truth = lockstep([(model, kv_eager), (step, kv_step), (twin, PagedKVCache(twin, batch, max_len, page_size))],
-                                 tokens, first_grow)
+    refs, outs, truth = lockstep([(model, kv_eager), (step, kv_step), (twin, kv_twin)], tokens, first_grow)
     ours, eager = compare_logits(outs, truth), compare_logits(refs, truth)
     assert ours["max_rel"] <= 1.5 * eager["max_rel"] and ours["median_rel"] <= 1.5 * eager["median_rel"], (ours, eager)
     stats = compare_logits(outs, refs)
     assert stats["decisive_share"] == 0 or stats["top1_decisive"] >= 0.99, stats
-    return kv_eager, kv_step
+    return kv_eager, kv_step, kv_twin
 
 
 def norm_fusions(options: dict, batch: int, hidden: int) -> tuple[bool, bool]:

@@ -609,7 +609,7 @@ def test_norm_split_between_projections_in_a_decode_step(family, batch, hidden, 
     model = DecoderLM(cfg, torch.bfloat16).randomize(seed=random.randrange(1 << 30))
     step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
                          options={"executor": "cpu", "num_workers": 16, **options})
-    eager_kv, mpk_kv = against_eager_and_float32(model, step, batch, 32, 4, 4, [1 + 4 * b for b in range(batch)])
+    eager_kv, mpk_kv, _ = against_eager_and_float32(model, step, batch, 32, 4, 4, [1 + 4 * b for b in range(batch)])
     assert torch.equal(mpk_kv.cache[0], eager_kv.cache[0])
     graph = COMPILED[-1].graph
     kinds = [k.removesuffix("_silu_mul") for k in op_forms(graph)]  # the prologues, with SiLU·mul or not
