@@ -46,12 +46,12 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return UNIT_ROUNDOFF[dtype]
 
 
-def rounding_bound(dtype: torch.dtype, gains: int | Iterable[float] = 1, k: int = 0,
+def rounding_bound(dtype: torch.dtype, gains: float | Iterable[float] = 1, k: int = 0,
                    acc: torch.dtype = torch.float32) -> float:
     """The bound on ``relative_error`` of a result whose way holds roundings to ``dtype`` with
-    the given gains (an int n: n roundings of gain 1) and a ``k``-term sum in ``acc`` (module
+    the given gains (a number: their sum, n for n roundings of gain 1) and a ``k``-term sum in ``acc`` (module
     docstring: the derivation)."""
-    total = float(gains) if isinstance(gains, int) else float(sum(gains))
+    total = float(gains) if isinstance(gains, (int, float)) else float(sum(gains))
     return unit_roundoff(dtype) * total + k * unit_roundoff(acc)
 
 
