@@ -40,9 +40,14 @@ static_assert(kGemmRows * 8 == 4 * kThreadsPerTask, "a thread copies 4 chunks of
 // 1024 >> 4 in 32–45, base offset 0 (addr's group is 1024-aligned), swizzle mode 1 (128 B) in 62–63.
 // A k step of 16 elements within the 128-byte row advances the start address by 32 bytes; the
 // hardware applies the swizzle to the resulting address, as the copies did.
-__device__ __forceinline__ unsigned long long gmma_desc(unsigned addr) {
+__host__ __device__ constexpr unsigned long long gmma_desc(unsigned addr) {
   return static_cast<unsigned long long>((addr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
+
+// Where the copies put 16-byte chunk `chunk` (k 8·chunk … 8·chunk + 7 of the stage) of operand row
+// `row` in its 1024-aligned tile: rows of 128 bytes, the chunk at chunk ^ (row % 8) (the swizzle
+// the descriptors name; 8 threads copying a row's chunks also hit distinct banks).
+__host__ __device__ constexpr int gemm_chunk_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -122,9 +127,9 @@ __device__ __forceinline__ void gemm_task(const OpC& c, const Rect& r, const Tas
   const unsigned smem_addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group = warp >> 2;
   // Copies: thread t moves 16-byte chunk t % 8 of rows t / 8 + 32i (i < 4) of both operands, 8
-  // threads a 128-byte row (coalesced); rows 32 apart share their swizzle, so one offset serves.
+  // threads a 128-byte row (coalesced).
   const int chunk = threadIdx.x & 7, row0 = threadIdx.x >> 3;
-  char* const dst = smem + row0 * 128 + ((chunk ^ (row0 & 7)) << 4);
+  char* const dst = smem + gemm_chunk_offset(row0, chunk);  // + 32·128·i: rows 32 apart share their swizzle
   const int ksteps = static_cast<int>((K + kGemmK - 1) / kGemmK);
 
   for (long long m0 = r.lo[0]; m0 < r.hi[0]; m0 += kGemmRows) {
