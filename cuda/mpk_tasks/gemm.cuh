@@ -16,7 +16,7 @@
 // Rows and columns outside the tile, and k past K, are zero-filled (nothing outside the tile's
 // declared input regions is read: another task may still be writing it); K must be a multiple
 // of 8 (whole 16-byte chunks). The epilogue stores from the accumulators: alpha·acc +
-// beta·bias (bias any float dtype, broadcast through its view), or silu(gate)·up with each
+// beta·bias (bias of type T, at most 2-d, broadcast by zero strides), or silu(gate)·up with each
 // factor rounded to the output type first, as the unfused projection and silu_mul would.
 #pragma once
 #include "pointwise.cuh"  // silu_times: the SiLU·mul epilogue
@@ -106,7 +106,9 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long l
 // The matmul op's tensor-core task (codegen names the instantiation: T the operands' and output's
 // type, kGlu the SiLU·mul epilogue). Inputs: x [M, K] and W as b = Wᵀ [K, N] (kGlu: [K, 2N], gate
 // then up), both unit-stride along K with 16-byte aligned rows; plain: optional input 2 the bias
-// (broadcast to the output), fparam[0] alpha, fparam[1] beta; kGlu: fparam[0] scales both halves.
+// (T, at most 2-d, broadcast to the output), fparam[0] alpha, fparam[1] beta; kGlu: fparam[0]
+// scales both halves. Inlined, as is the dispatch of a graph that uses it (GpuSpec.in_kernel):
+// ptxas serializes warpgroup MMAs inside any function the kernel calls.
 template <typename T, bool kGlu>
 __device__ __forceinline__ void gemm_task(const OpC& c, const Rect& r, const TaskEnv& env) {
   if (!acquire_inputs(env)) return;
@@ -120,7 +122,15 @@ __device__ __forceinline__ void gemm_task(const OpC& c, const Rect& r, const Tas
   const long long lda = a.stride[0], ldw = b.stride[1];
   T* out = static_cast<T*>(env.buffers[c.out_buffer]);
   const float alpha = c.fparam[0], beta = c.fparam[1];
-  const ViewC* bias = !kGlu && c.num_inputs > 2 ? &c.in[2] : nullptr;
+  // the bias (a decoder layer's residual): its element (row, col) at row·bs0 + col·bs1
+  const T* bias = nullptr;
+  long long bs0 = 0, bs1 = 0;
+  if (!kGlu && c.num_inputs > 2) {
+    const ViewC& v = c.in[2];
+    bias = static_cast<const T*>(env.buffers[v.buffer]) + v.offset;
+    if (v.ndim >= 1) bs1 = v.shape[v.ndim - 1] == 1 ? 0 : v.stride[v.ndim - 1];
+    if (v.ndim == 2) bs0 = v.shape[0] == 1 ? 0 : v.stride[0];
+  }
 
   char* smem = reinterpret_cast<char*>(norm_tile());
   smem += (1024u - (static_cast<unsigned>(__cvta_generic_to_shared(smem)) & 1023u)) & 1023u;
@@ -207,10 +217,7 @@ __device__ __forceinline__ void gemm_task(const OpC& c, const Rect& r, const Tas
               v[e] = silu_times(round_to(kDtype, acc * alpha), round_to(kDtype, up * alpha), kDtype);
             } else {
               v[e] = acc * alpha;
-              if (bias != nullptr && col + e < n_end) {
-                const long long idx[2] = {row, col + e};
-                v[e] += beta * load_f(env.buffers[bias->buffer], bias->dtype, view_index(*bias, idx, 2));
-              }
+              if (bias != nullptr && col + e < n_end) v[e] += beta * to_f(bias[row * bs0 + (col + e) * bs1]);
             }
           }
           T* o = out + row * N + col;

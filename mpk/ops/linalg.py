@@ -356,9 +356,9 @@ def _gemm_cols(epilogue: str | None) -> int:
 
 def gemm_blockers(op: OpInfo) -> list[str]:
     """Why a matmul cannot take the tensor-core GEMM of gemm.cuh, in words; empty when it can. It
-    needs a 2-d x [M, K] @ Wᵀ, plain (bias of any float dtype) or with the SiLU·mul epilogue, x,
-    W and the output all bf16 or all fp16, unit stride along K, 16-byte aligned rows and
-    K % 8 == 0 (whole 16-byte copies). The prologues and the norm_stats epilogue stay on the
+    needs a 2-d x [M, K] @ Wᵀ, plain (a bias of the output's dtype, at most 2-d) or with the
+    SiLU·mul epilogue, x, W and the output all bf16 or all fp16, unit stride along K, 16-byte
+    aligned rows and K % 8 == 0 (whole 16-byte copies). The prologues and the norm_stats epilogue stay on the
     decode linear: the frontend fuses them only into decode-sized projections (NORM_TILE_BYTES
     of activations, at most 16 rows), and a larger input keeps its RMSNorm an op of its own."""
     pro, epi = linear_form(op.attrs)
@@ -380,6 +380,8 @@ def gemm_blockers(op: OpInfo) -> list[str]:
         why.append(f"K = {K} is not a multiple of 8 (16-byte copies)")
     if any(v % 8 for v in (a.offset, a.stride(0), b.offset, b.stride(1))):
         why.append("rows of x or W are not 16-byte aligned")
+    if epi is None and len(op.inputs) > 2 and (op.inputs[2].dtype != op.out_dtype or op.inputs[2].ndim > 2):
+        why.append("its bias (residual) is not a matrix or vector of the output's dtype")
     return why
 
 

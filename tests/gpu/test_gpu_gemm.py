@@ -53,7 +53,7 @@ class _Plain(torch.nn.Module):
     (300, 1000, 776, torch.bfloat16, "residual", None),
     (2049, 256, 4096, torch.bfloat16, None, None),
     (40, 520, 1032, torch.float16, "residual", None),
-    (600, 701, 136, torch.bfloat16, "residual", [2, 2]),
+    (600, 703, 136, torch.bfloat16, "residual", [2, 2]),
     (129, 130, 264, torch.float16, "addmm", None),
 ])
 def test_gemm_matches_float64(m, n, k, dtype, extra, tiles):
