@@ -223,3 +223,23 @@ def test_gemm_descriptors_read_the_swizzled_stage(tmp_path):
                 assert _canonical_sw128_k(desc_a[g, kk], row, chunk) == base + offset[64 * g + row, 2 * kk + chunk]
         for row, chunk in itertools.product(range(128), range(2)):
             assert _canonical_sw128_k(desc_b[kk], row, chunk) == base + 128 * 128 + offset[row, 2 * kk + chunk]
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_gemm_benchmark_prebuilds_its_cases(tmp_path):
+    """``gemm_tflops.py --prebuild`` traces each projection of the chosen shapes at each row
+    count on the CPU and builds its kernel (the tensor-core GEMM) into $MPK_CACHE_DIR, for the
+    device run to find."""
+    import os
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))  # this checkout's mpk
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "gemm_tflops.py"), "--prebuild", "--models", "tiny",
+                          "--rows", "32"], capture_output=True, text=True, timeout=900,
+                         env=os.environ | {"MPK_CACHE_DIR": str(tmp_path), "PYTHONPATH": path})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "built 4 cubins" in res.stdout and len(list(tmp_path.glob("*.cubin"))) == 4
+    assert all("mpk::gemm_task<__nv_bfloat16, false>" in p.read_text() for p in tmp_path.glob("*.cu"))
