@@ -3,8 +3,8 @@
 Default tile counts aim at one wave over the workers (``num_workers`` tasks per op) and follow
 the op kind's split order (a matmul splits N first so each weight column is streamed once),
 never making tiles smaller than the kind's ``min_tile_elems``; a kind may pick its grid itself
-(``default_grid``: a matmul on the tensor cores splits both dims into whole MMA tiles). A user override gives the tile
-count per output dim, by op name or by op kind.
+(``default_grid``: a matmul on the tensor cores splits both dims into whole MMA tiles). A user
+override gives the tile count per output dim, by op name or by op kind.
 
 One exception, for placement: an op right after a *narrow* op of long tasks whose output it
 reads (a kind with ``long_tasks``, num_workers/4 to num_workers/2 tasks: decode attention of 8

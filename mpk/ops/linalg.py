@@ -339,9 +339,10 @@ def matmul_rows(op: OpInfo) -> int:
 # --- the tensor-core GEMM (cuda/mpk_tasks/gemm.cuh) -----------------------------------------------
 
 # A matmul of more rows than the decode linear takes in a tile (LINEAR_ROWS: a decode step's
-# batch) runs on the tensor cores. Below 64 rows its 128-row MMA tiles are half padding, but the
-# only other task for such an op is the general one (one thread per output element), far slower
-# still; at most LINEAR_ROWS rows keep the decode linear and its partitioning.
+# batch) runs on the tensor cores. Below 64 rows most of its 128-row MMA tile is padding (the
+# MMAs, not the weights' stream, then set its pace), but the only other task for such an op is
+# the general one (one thread per output element), far slower still; at most LINEAR_ROWS rows
+# keep the decode linear and its partitioning.
 GEMM_MIN_ROWS = LINEAR_ROWS + 1
 GEMM_ROWS = 128  # gemm.cuh: kGemmRows, a sub-tile's output rows (two warpgroups × the MMA's 64)
 GEMM_COLS = 128  # gemm.cuh: kGemmCols, a sub-tile's MMA columns (output columns; half of them with silu_mul)
@@ -358,13 +359,14 @@ def gemm_blockers(op: OpInfo) -> list[str]:
     """Why a matmul cannot take the tensor-core GEMM of gemm.cuh, in words; empty when it can. It
     needs a 2-d x [M, K] @ Wᵀ, plain (a bias of the output's dtype, at most 2-d) or with the
     SiLU·mul epilogue, x, W and the output all bf16 or all fp16, unit stride along K, 16-byte
-    aligned rows and K % 8 == 0 (whole 16-byte copies). The prologues and the norm_stats epilogue stay on the
-    decode linear: the frontend fuses them only into decode-sized projections (NORM_TILE_BYTES
-    of activations, at most 16 rows), and a larger input keeps its RMSNorm an op of its own."""
+    aligned rows and K % 8 == 0 (whole 16-byte copies). The prologues and the norm_stats
+    epilogue stay on the decode linear: the frontend fuses them only into decode-sized
+    projections (NORM_TILE_BYTES of activations, at most 16 rows), and a larger input keeps its
+    RMSNorm an op of its own."""
     pro, epi = linear_form(op.attrs)
     if pro or epi == "norm_stats":
-        return [f"its {pro or epi} {'prologue' if pro else 'epilogue'} runs on the decode linear only (≤ 16 rows a "
-                "tile; larger inputs keep the RMSNorm an op of its own)"]
+        return [(f"its {pro or epi} {'prologue' if pro else 'epilogue'} runs on the decode linear only (≤ 16 rows a "
+                 "tile; larger inputs keep the RMSNorm an op of its own)")]
     if op.ndim != 2:
         return ["not a 2-d x @ Wᵀ (batched)"]
     a, b = op.inputs[:2]
@@ -409,6 +411,7 @@ def _matmul_grid(sig: OpSig, workers: int) -> tuple[int, ...] | None:
     if (len(sig.out_shape) != 2 or pro or epi == "norm_stats" or sig.out_dtype not in GEMM_DTYPES
             or sig.out_shape[0] < GEMM_MIN_ROWS):
         return None
+
     def cdiv(a: int, b: int) -> int:
         return -(-a // b)
 

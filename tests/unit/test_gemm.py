@@ -78,9 +78,13 @@ def test_gemm_takes_fp16_and_names_what_keeps_a_projection_off_it():
         assert "or the tensor-core GEMM (bf16 or fp16, more rows)" in str(caught[0].message)
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _makespan(m: int, n: int, cols: int, grid: tuple[int, int]) -> int:
     """Sub-tiles of the largest tile of ``grid`` (the balanced split's ceiling in each dim)."""
-    return -(-(-(-m // grid[0])) // GEMM_ROWS) * -(-(-(-n // grid[1])) // cols)
+    return _cdiv(_cdiv(m, grid[0]), GEMM_ROWS) * _cdiv(_cdiv(n, grid[1]), cols)
 
 
 @pytest.mark.parametrize("m,n,epilogue,workers,want", [
