@@ -3,6 +3,7 @@
 #include "attention.cuh"
 #include "data_movement.cuh"
 #include "diagnostic.cuh"
+#include "gemm.cuh"
 #include "linalg.cuh"
 #include "paged_attention.cuh"
 #include "pointwise.cuh"

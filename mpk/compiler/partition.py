@@ -2,8 +2,9 @@
 
 Default tile counts aim at one wave over the workers (``num_workers`` tasks per op) and follow
 the op kind's split order (a matmul splits N first so each weight column is streamed once),
-never making tiles smaller than the kind's ``min_tile_elems``. A user override gives the tile
-count per output dim, by op name or by op kind.
+never making tiles smaller than the kind's ``min_tile_elems``; a kind may pick its grid itself
+(``default_grid``: a matmul on the tensor cores splits both dims into whole MMA tiles). A user
+override gives the tile count per output dim, by op name or by op kind.
 
 One exception, for placement: an op right after a *narrow* op of long tasks whose output it
 reads (a kind with ``long_tasks``, num_workers/4 to num_workers/2 tasks: decode attention of 8
@@ -127,6 +128,9 @@ def _narrow_producer_tasks(graph: OpGraph, op: Op, sig: OpSig, tiles: list[OpTil
 
 
 def _default_grid(opdef, sig: OpSig, num_workers: int) -> tuple[int, ...]:
+    own = opdef.default_grid(sig, num_workers) if opdef.default_grid is not None else None
+    if own is not None:
+        return own
     splittable = opdef.splittable(sig)
     grid = [1] * len(sig.out_shape)
     budget = max(1, min(num_workers, prod(sig.out_shape) // max(1, min_tile_elems(opdef, sig))))

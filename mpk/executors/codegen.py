@@ -24,7 +24,7 @@ from mpk.ops import get_op
 from mpk.ops.attention import MAX_HEAD_DIM
 from mpk.ops.gpu import OpInfo, ViewInfo
 from mpk.ops.linalg import linear_blockers as _linear_blockers
-from mpk.ops.linalg import linear_fast
+from mpk.ops.linalg import linear_fast, linear_path
 from mpk.ops.paged import ATTN_SECOND_SLOT_BYTES, ATTN_SECOND_SLOT_MIN_STEPS  # noqa: F401  (tests read them here)
 from mpk.ops.paged import attention_steps as _attention_steps
 from mpk.ops.pointwise import silu_mul_fast
@@ -100,6 +100,11 @@ def linear_blockers(tables: Tables, op: int) -> list[str]:
 def linear_variant(tables: Tables, op: int) -> int:
     """1 when matmul ``op`` takes the bandwidth-grade linear of linalg.cuh, else 0 (the general task)."""
     return int(linear_fast(op_info(tables, op)))
+
+
+def matmul_path(tables: Tables, op: int) -> str:
+    """The task matmul ``op`` runs: "gemm" (tensor cores), "linear" (decode) or "general" (mpk.ops.linalg.linear_path)."""
+    return linear_path(op_info(tables, op))
 
 
 def rms_norm_variant(tables: Tables, op: int) -> int:
@@ -239,8 +244,8 @@ def generate(tables: Tables) -> str:
     slow = slow_linears(tables)
     if slow:
         warnings.warn(f"mpk: {len(slow)} projection(s) run the general CUDA matmul task (one thread per output, "
-                      f"far from memory bandwidth), not the decode linear (bf16, ≤ 16 rows a tile):\n  {listed(slow)}",
-                      PerformanceWarning, stacklevel=2)
+                      f"far from memory bandwidth), not the decode linear (bf16, ≤ 16 rows a tile) or the tensor-core "
+                      f"GEMM (bf16 or fp16, more rows):\n  {listed(slow)}", PerformanceWarning, stacklevel=2)
     coarse = float32_computed(tables)
     if coarse:
         warnings.warn(f"mpk: {len(coarse)} op(s) on float64 tensors compute in float32 on the GPU (elementwise "
@@ -249,11 +254,13 @@ def generate(tables: Tables) -> str:
     ops: list[str] = []
     kinds: dict[int, str] = {}
     instances: dict[int, list[str]] = {}  # type id -> the template instantiations, by variant
+    in_kernel = False  # some task must be compiled into the kernel function itself (GpuSpec.in_kernel)
     for i, o in enumerate(tables.ops):
         meta = tables.meta["ops"][i]
         kind = meta["kind"]
         info = op_info(tables, i)
         spec = _gpu(info)
+        in_kernel = in_kernel or (spec.in_kernel is not None and spec.in_kernel(info))
         if o["num_inputs"] > MAX_INPUTS:
             raise CompileError(f"op {meta['name']!r} has {o['num_inputs']} inputs; CUDA tasks take {MAX_INPUTS}")
         if spec.check is not None:
@@ -282,6 +289,9 @@ def generate(tables: Tables) -> str:
             f"{_arr([int(x) for x in ip], 8, _int)},{_arr(fp, 4, _float)}}}")
         kinds[int(o["type_id"])] = kind
     in_constant = len(ops) * OPC_BYTES <= CONSTANT_BUDGET
+    # The dispatch is a function of its own (short kernel code around it), unless a task's
+    # warpgroup MMAs must sit in the kernel function: ptxas serializes them in any function it calls.
+    linkage = "__forceinline__" if in_kernel else "__noinline__"
     space = "__constant__" if in_constant else "__device__"
     used = len(ops) * OPC_BYTES if in_constant else 0
     bspace = "__constant__" if used + 8 * len(tables.buffers) <= CONSTANT_BUDGET else "__device__"
@@ -294,7 +304,7 @@ def generate(tables: Tables) -> str:
         fetch = ("__device__ __forceinline__ void mpk_prefetch_op(int, int, int, int) {}  // the table is in the "
                  "constant bank\n\n"
                  "// Task dispatch over the op types of this graph (the variant is decided inside each task).\n"
-                 "__device__ __noinline__ void mpk_execute_task(int op, int tile, int, bool, mpk::InputGate* gate) {\n"
+                 f"__device__ {linkage} void mpk_execute_task(int op, int tile, int, bool, mpk::InputGate* gate) {{\n"
                  "  const mpk::OpC& c = mpk_gen::kOps[op];\n")
     else:
         fetch = ("__device__ __forceinline__ mpk::OpC& mpk_op_slot(int slot) {\n"
@@ -305,7 +315,7 @@ def generate(tables: Tables) -> str:
                  "mpk::prefetch_op(mpk_op_slot(slot), mpk_gen::kOps[op], first, step); }\n\n"
                  "// Task dispatch over the op types of this graph (the variant is decided inside each task).\n"
                  "// staged: shared slot ``slot`` already holds op's constants; else they are copied there first.\n"
-                 "__device__ __noinline__ void mpk_execute_task(int op, int tile, int slot, bool staged, "
+                 f"__device__ {linkage} void mpk_execute_task(int op, int tile, int slot, bool staged, "
                  "mpk::InputGate* gate) {\n"
                  "  if (!staged) mpk::stage_op(mpk_op_slot(slot), mpk_gen::kOps[op]);\n"
                  "  const mpk::OpC& c = mpk_op_slot(slot);\n")

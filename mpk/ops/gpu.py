@@ -91,7 +91,10 @@ class GpuSpec:
       buffers must be 16-byte aligned);
     * ``check``: raises CompileError where the task cannot run the op at all;
     * ``slow_path``: why the op runs a path far slower than the kind's best, where that matters
-      (a model-sized projection on the general matmul task), as "(what, which): why"; else None.
+      (a model-sized projection on the general matmul task), as "(what, which): why"; else None;
+    * ``in_kernel``: the op's task must be compiled into the kernel function itself, not into a
+      function it calls (warpgroup MMAs: ptxas serializes them inside a called function), so a
+      graph holding such an op gets its task dispatch inlined into the kernel.
     """
 
     params: Callable[[OpInfo], Params] = no_params
@@ -103,6 +106,7 @@ class GpuSpec:
     vector_inputs: Callable[[OpInfo], tuple[int, ...]] | None = None
     check: Callable[[OpInfo], None] | None = None
     slow_path: Callable[[OpInfo], str | None] | None = None
+    in_kernel: Callable[[OpInfo], bool] | None = None
 
 
 # --- helpers shared by the specs ---------------------------------------------------------------

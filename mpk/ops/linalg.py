@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from mpk.errors import BAD_TOKEN, BadInputError, bad_input_message
-from mpk.ops.gpu import GpuSpec, OpInfo, Params, all_inputs
+from mpk.ops.gpu import CTYPES, GpuSpec, OpInfo, Params, all_inputs
 from mpk.ops.registry import OpDef, OpSig, broadcast_region, register
 from mpk.ops.rows import NORM_VECS
 
@@ -331,9 +331,100 @@ def linear_blockers(op: OpInfo) -> list[str]:
     return why
 
 
+def matmul_rows(op: OpInfo) -> int:
+    """M: the rows of a matmul's product (of its [3, M, N/G, G] output with the norm_stats epilogue)."""
+    return op.out_shape[1] if linear_form(op.attrs)[1] == "norm_stats" else op.out_shape[-2]
+
+
+# --- the tensor-core GEMM (cuda/mpk_tasks/gemm.cuh) -----------------------------------------------
+
+# A matmul of more rows than the decode linear takes in a tile (LINEAR_ROWS: a decode step's
+# batch) runs on the tensor cores. Below 64 rows most of its 128-row MMA tile is padding (the
+# MMAs, not the weights' stream, then set its pace), but the only other task for such an op is
+# the general one (one thread per output element), far slower still; at most LINEAR_ROWS rows
+# keep the decode linear and its partitioning.
+GEMM_MIN_ROWS = LINEAR_ROWS + 1
+GEMM_ROWS = 128  # gemm.cuh: kGemmRows, a sub-tile's output rows (two warpgroups × the MMA's 64)
+GEMM_COLS = 128  # gemm.cuh: kGemmCols, a sub-tile's MMA columns (output columns; half of them with silu_mul)
+GEMM_SMEM_BYTES = 4 * 2 * GEMM_ROWS * 64 * 2 + 1024  # gemm.cuh: kGemmSmemBytes (4 stages of 64 k of x and W, alignment)
+GEMM_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _gemm_cols(epilogue: str | None) -> int:
+    """Output columns of a GEMM sub-tile: with silu_mul its MMA columns are 64 gate and 64 up."""
+    return GEMM_COLS // 2 if epilogue == "silu_mul" else GEMM_COLS
+
+
+def gemm_blockers(op: OpInfo) -> list[str]:
+    """Why a matmul cannot take the tensor-core GEMM of gemm.cuh, in words; empty when it can. It
+    needs a 2-d x [M, K] @ Wᵀ, plain (a bias of the output's dtype, at most 2-d) or with the
+    SiLU·mul epilogue, x, W and the output all bf16 or all fp16, unit stride along K, 16-byte
+    aligned rows and K % 8 == 0 (whole 16-byte copies). The prologues and the norm_stats
+    epilogue stay on the decode linear: the frontend fuses them only into decode-sized
+    projections (NORM_TILE_BYTES of activations, at most 16 rows), and a larger input keeps its
+    RMSNorm an op of its own."""
+    pro, epi = linear_form(op.attrs)
+    if pro or epi == "norm_stats":
+        return [(f"its {pro or epi} {'prologue' if pro else 'epilogue'} runs on the decode linear only (≤ 16 rows a "
+                 "tile; larger inputs keep the RMSNorm an op of its own)")]
+    if op.ndim != 2:
+        return ["not a 2-d x @ Wᵀ (batched)"]
+    a, b = op.inputs[:2]
+    dtypes = {a.dtype, b.dtype, op.out_dtype}
+    K = a.shape[1]
+    why = []
+    if len(dtypes) != 1 or op.out_dtype not in GEMM_DTYPES:
+        names = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        why.append(f"its operands and output are {names}, not all bfloat16 or all float16")
+    if a.strides[1] != 1 or b.strides[0] != 1:
+        why.append("x or W is strided along K")
+    if K % 8:
+        why.append(f"K = {K} is not a multiple of 8 (16-byte copies)")
+    if any(v % 8 for v in (a.offset, a.stride(0), b.offset, b.stride(1))):
+        why.append("rows of x or W are not 16-byte aligned")
+    if epi is None and len(op.inputs) > 2 and (op.inputs[2].dtype != op.out_dtype or op.inputs[2].ndim > 2):
+        why.append("its bias (residual) is not a matrix or vector of the output's dtype")
+    return why
+
+
+def linear_path(op: OpInfo) -> str:
+    """The task that runs a matmul: ``"gemm"`` (tensor cores, more than LINEAR_ROWS rows),
+    ``"linear"`` (the bandwidth-grade decode linear) or ``"general"`` (one thread per output)."""
+    if matmul_rows(op) >= GEMM_MIN_ROWS and not gemm_blockers(op):
+        return "gemm"
+    if not linear_blockers(op):
+        return "linear"
+    return "general"
+
+
 def linear_fast(op: OpInfo) -> bool:
-    """Whether a matmul takes the bandwidth-grade linear (nothing in ``linear_blockers``)."""
-    return not linear_blockers(op)
+    """Whether a matmul takes the bandwidth-grade linear (``linear_path``)."""
+    return linear_path(op) == "linear"
+
+
+def _matmul_grid(sig: OpSig, workers: int) -> tuple[int, ...] | None:
+    """A tensor-core matmul's tiles: whole GEMM sub-tiles (128 rows × 128 output columns, 64 with
+    silu_mul) in both dims, at most ``workers`` tiles, the most sub-tiles of any tile (a wave's
+    length) the fewest possible, then the fewest tiles; None for a matmul the GEMM does not take
+    by its signature (the split order then: N first)."""
+    pro, epi = linear_form(sig.attrs)
+    if (len(sig.out_shape) != 2 or pro or epi == "norm_stats" or sig.out_dtype not in GEMM_DTYPES
+            or sig.out_shape[0] < GEMM_MIN_ROWS):
+        return None
+
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    (M, N), cols = sig.out_shape, _gemm_cols(epi)
+    best = None
+    for gm in range(1, min(cdiv(M, GEMM_ROWS), workers) + 1):
+        per_row = cdiv(cdiv(M, gm), GEMM_ROWS)  # sub-tiles down the tallest tile
+        per_col = cdiv(cdiv(N, min(cdiv(N, cols), workers // gm)), cols)
+        gn = cdiv(N, per_col * cols)  # the fewest column tiles with that many sub-tiles across
+        key = (per_row * per_col, gm * gn, -gn)
+        if best is None or key < best[0]:
+            best = key, (gm, gn)
+    return best[1]
 
 
 def _matmul_params(op: OpInfo) -> Params:
@@ -359,42 +450,52 @@ _LINEAR_FLAGS = {("prologue", "rms_norm"): "mpk::kNormPrologue", ("prologue", "n
 
 
 def _matmul_task(op: OpInfo) -> str:
-    """``mpk::linear_task<form, fast>``: the form's LinearForm flags from the op's prologue /
-    epilogue, and whether it takes the bandwidth-grade path (``linear_fast``)."""
+    """``mpk::gemm_task<T, silu>`` on the tensor cores (``linear_path``), else
+    ``mpk::linear_task<form, fast>``: the form's LinearForm flags from the op's prologue /
+    epilogue, and whether it takes the bandwidth-grade path."""
     pro, epi = linear_form(op.attrs)
+    if linear_path(op) == "gemm":
+        return f"mpk::gemm_task<{CTYPES[op.out_dtype]}, {'true' if epi == 'silu_mul' else 'false'}>"
     form = " | ".join(_LINEAR_FLAGS[k, v] for k, v in (("prologue", pro), ("epilogue", epi)) if v) or "mpk::kPlain"
     return f"mpk::linear_task<{form}, {'true' if linear_fast(op) else 'false'}>"
 
 
 def _matmul_smem(op: OpInfo) -> int:
-    """The rms_norm prologue's tile of normalised activations (fast path only: norm_tile)."""
-    if linear_form(op.attrs)[0] != "rms_norm" or not linear_fast(op):
+    """The GEMM's pipeline stages, or the rms_norm prologue's tile of normalised activations
+    (decode linear only: norm_tile)."""
+    path = linear_path(op)
+    if path == "gemm":
+        return GEMM_SMEM_BYTES
+    if linear_form(op.attrs)[0] != "rms_norm" or path != "linear":
         return 0
     return op.tile_extent(0) * op.inputs[0].shape[1] * 2
 
 
 def _matmul_vector_inputs(op: OpInfo) -> tuple[int, ...]:
-    return all_inputs(op) if linear_fast(op) else ()
+    path = linear_path(op)
+    return (0, 1) if path == "gemm" else all_inputs(op) if path == "linear" else ()
 
 
 def _matmul_slow(op: OpInfo) -> str | None:
-    """Why a projection of at least ``SLOW_LINEAR_MIN_BYTES`` of weights runs the general task."""
+    """Why a projection of at least ``SLOW_LINEAR_MIN_BYTES`` of weights runs the general task:
+    what keeps it off the GEMM (more than LINEAR_ROWS rows) or off the decode linear."""
     shape = list(op.inputs[1].shape)  # Wᵀ: [..., K, N]
-    if math.prod(shape) * op.inputs[1].dtype.itemsize < SLOW_LINEAR_MIN_BYTES:
+    if math.prod(shape) * op.inputs[1].dtype.itemsize < SLOW_LINEAR_MIN_BYTES or linear_path(op) != "general":
         return None
-    why = linear_blockers(op)
+    why = gemm_blockers(op) if matmul_rows(op) >= GEMM_MIN_ROWS else linear_blockers(op)
     out_in = "×".join(map(str, shape[:-2] + shape[:-3:-1]))  # as nn.Linear holds it: out × in
     return f"({form_name(op.attrs)}, weight {out_in}): {'; '.join(why)}" if why else None
 
 
-# the fast path loads its first weights before the gate; the general one waits for it first
+# the fast path loads its first weights before the gate; the general one and the GEMM wait for it first
 MATMUL_GPU = GpuSpec(params=_matmul_params, task=_matmul_task, self_gated=True, smem_bytes=_matmul_smem,
-                     vector_inputs=_matmul_vector_inputs, slow_path=_matmul_slow)
+                     vector_inputs=_matmul_vector_inputs, slow_path=_matmul_slow,
+                     in_kernel=lambda op: linear_path(op) == "gemm")
 
 
 MATMUL = register(OpDef(
     kind="matmul", type_id=20, input_regions=_matmul_regions, cpu=_matmul_cpu, splittable=_matmul_splittable,
-    split_order=_matmul_order, min_tile_elems=_matmul_min_tile, gpu=MATMUL_GPU,
+    split_order=_matmul_order, min_tile_elems=_matmul_min_tile, default_grid=_matmul_grid, gpu=MATMUL_GPU,
     doc="out = alpha·(a @ b) + beta·bias; a [..., M, K], b [..., K, N], bias broadcast to out. With a prologue "
         "(attrs['prologue']): rms_norm — out = rms_norm(x, w) @ b with rms_norm's roundings (rstd = rsqrt(mean(x²) "
         "+ eps) in compute_dtype, x·rstd cast to norm_dtype, times w, cast to the output dtype): x [M, K], b [K, N], "

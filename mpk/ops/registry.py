@@ -6,8 +6,8 @@ An ``OpDef`` says, for one kind, everything the later stages need and nothing ab
 * ``input_regions``: for an output tile, the rect of each input view it reads (None: not read);
 * ``cpu``: the tile computed with PyTorch from exactly those input slices (the CPU
   interpreter passes nothing else, so a kernel cannot read outside its declared regions);
-* partition hints (``split_order``, ``min_tile_elems``, ``long_tasks``) and ``data_dependent``
-  (JIT launch);
+* partition hints (``split_order``, ``min_tile_elems``, ``long_tasks``, ``default_grid``) and
+  ``data_dependent`` (JIT launch);
 * ``gpu``: what the CUDA code generator needs (mpk.ops.gpu.GpuSpec: parameters, task or
   template instantiation, gating, shared memory, vector loads).
 
@@ -56,6 +56,9 @@ class OpDef:
     # default partitioning keeps tiles at least this large (output elements; a function of the
     # op's signature where the work per element varies, as a reduction's row length)
     min_tile_elems: int | Callable[[OpSig], int] = 1024
+    # the kind's own default grid over (sig, workers) where the split above does not suit its task
+    # (a tensor-core matmul: whole MMA tiles in both output dims); None from it: the split above
+    default_grid: Callable[[OpSig, int], tuple[int, ...] | None] | None = None
     data_dependent: bool = False
     # its tasks take several µs however small their tile (a chain of dependent loads: paged
     # attention), so a narrow op of this kind holds its workers long (partition.py)

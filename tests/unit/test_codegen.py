@@ -191,19 +191,21 @@ GATE_UP_DOWN, ALL_FOUR = ["2048×512", "512×1024"], ["2048×512", "512×1024", 
 @pytest.mark.parametrize("dtype, batch, reason, named", [
     (torch.float16, 2, "its operands are float16, not bfloat16", GATE_UP_DOWN),
     (torch.float32, 1, "its operands are float32, not bfloat16", ALL_FOUR),
-    (torch.bfloat16, 24, "a tile holds 24 rows (at most 16: the batch of a decode step)", GATE_UP_DOWN),
+    (torch.float32, 24, "its operands and output are float32, not all bfloat16 or all float16", ALL_FOUR),
 ])
 def test_projections_off_the_decode_linear_are_named_in_a_warning(dtype, batch, reason, named):
-    """A decode step the bandwidth-grade linear cannot take (its dtype, its batch) still
-    compiles, but the build warns, naming why and each projection of ≥ 1 MiB of weights (in
-    16-bit types gate·up, 2048×512, and down, 512×1024, not the 768×512 qkv or the 512×512 o;
-    in float32 all four); a bf16 step of batch ≤ 16 builds without the warning."""
+    """A decode step neither the bandwidth-grade linear (≤ 16 rows) nor the tensor-core GEMM
+    (more rows) can take (its dtype) still compiles, but the build warns, naming why and each
+    projection of ≥ 1 MiB of weights (in 16-bit types gate·up, 2048×512, and down, 512×1024,
+    not the 768×512 qkv or the 512×512 o; in float32 all four); a bf16 step builds without the
+    warning at batch 16 (the decode linear) and 24 (the GEMM)."""
     from mpk.errors import PerformanceWarning
 
     shape = dict(hidden=512, inter=1024, heads=8)
     with warnings.catch_warnings():
         warnings.simplefilter("error", PerformanceWarning)
-        generate(_compiled_decode_tables("qwen3", torch.bfloat16, 16, **shape))
+        for rows in (16, 24):
+            generate(_compiled_decode_tables("qwen3", torch.bfloat16, rows, **shape))
     tables = _compiled_decode_tables("qwen3", dtype, batch, **shape)
     with pytest.warns(PerformanceWarning) as caught:
         generate(tables)
