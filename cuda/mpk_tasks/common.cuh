@@ -592,12 +592,12 @@ __device__ bool wait_gate(InputGate* gate);  // block-wide; false: the wait was 
 
 // A graph input holding a value its task cannot take (a token id outside the embedding table, a
 // page table whose sequence does not count the token being decoded, or whose entries lie outside
-// kv_indices, a page or the cache): the task skips that work, so nothing is read or written out
-// of bounds, and reports it. The first report of a launch lands in a host-mapped record that
-// the executor raises as BadInputError after the launch (mpk/executors/gpu.py:
-// BAD_INPUT_CODES); its epoch names the launch.
+// kv_indices, a page or the cache, a qo_indptr out of order or past the token rows): the task
+// skips that work, so nothing is read or written out of bounds, and reports it. The first report
+// of a launch lands in a host-mapped record that the executor raises as BadInputError after the
+// launch (mpk.errors.BAD_INPUTS words each code); its epoch names the launch.
 enum BadInputCode : int { kBadTokenId = 1, kBadPosition = 2, kBadPageSpan = 3, kBadLastPageLen = 4, kBadPage = 5,
-                          kBadIndex = 6 };
+                          kBadIndex = 6, kBadQoIndptr = 7, kBadQoLen = 8, kBadRowPosition = 9 };
 struct BadInputRecord {
   int epoch, code, out_buffer, unused;
   long long row, value, limit;
