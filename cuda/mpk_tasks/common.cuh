@@ -12,7 +12,12 @@
 namespace mpk {
 
 constexpr int kMaxDims = 8;
-constexpr int kMaxInputs = 8;
+// Input views an op's constants hold: 8, or more where the generated source says so for its
+// graph (mpk.executors.codegen: WIDE_INPUTS), so that other graphs keep the smaller constants.
+#ifndef MPK_MAX_INPUTS
+#define MPK_MAX_INPUTS 8
+#endif
+constexpr int kMaxInputs = MPK_MAX_INPUTS;
 
 // dtype codes: the order of mpk.compiler.tables.DTYPES
 enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kF64 = 3, kI64 = 4, kI32 = 5, kI16 = 6, kI8 = 7, kU8 = 8, kBool = 9 };
