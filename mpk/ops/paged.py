@@ -257,8 +257,8 @@ def qo_rows(qo_indptr: torch.Tensor, lens: torch.Tensor, tokens: int) -> tuple[t
     a padding row), for sequences of lengths ``lens`` (``checked_lens``); else BadInputError
     naming the first bad entry: qo_indptr must start at 0, never decrease and end within the
     rows (code 7, the first entry at fault), and no sequence may have more new rows than its
-    length (code 8). (The CUDA tasks check the same: qo_fault in
-    cuda/mpk_tasks/paged_attention.cuh.)"""
+    length (code 8). (The CUDA tasks check the same: qo_ok and ragged_row in
+    cuda/mpk_tasks/paged_table.cuh.)"""
     qo = qo_indptr.long()
     fault = qo > tokens  # an entry at fault: past the rows, entry 0 not 0, or below the entry before it
     fault[0] |= qo[0] != 0
@@ -538,7 +538,7 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """States of token rows ``q`` [R, KV, G, D] over keys/values [KV, n, D] (float32), row r
     over the first ``valid[r]`` of the n positions (0: the empty state)."""
-    R, n = q.shape[0], k.shape[-2]
+    n = k.shape[-2]
     o, lse = q.new_zeros(q.shape[:-1] + v.shape[-1:]), q.new_full(q.shape[:-1], -math.inf)
     if n == 0:
         return o, lse
