@@ -75,8 +75,14 @@ BAD_INPUTS = {1: ("token id", "the embedding table's {limit} rows [0, {limit})")
               5: ("kv_indices entry (a page id)", "the cache's {limit} pages [0, {limit})"),
               6: ("index (gather / index_select / x[idx])",
                   "the {limit} entries of the dim it indexes, [0, {limit}) (x[idx] also takes [-{limit}, 0)); "
-                  "the row is the element's row-major position in the result")}
-BAD_TOKEN, BAD_POSITION, BAD_INDEX = 1, 2, 6
+                  "the row is the element's row-major position in the result"),
+              7: ("qo_indptr entry", "0…{limit} (the step's token rows), or breaks qo_indptr's order (it must start "
+                  "at 0 and never decrease)"),
+              8: ("new-row count (qo_indptr[row + 1] − qo_indptr[row])",
+                  "0…{limit}, the sequence's length in the page table (which must count the step's new rows)"),
+              9: ("position of a new row (its sequence's length − its new rows + its index among them)",
+                  "the rope table's {limit} positions [0, {limit}): a sequence must stay within the model's max_len")}
+BAD_TOKEN, BAD_POSITION, BAD_INDEX, BAD_QO_INDPTR, BAD_QO_LEN, BAD_ROW_POSITION = 1, 2, 6, 7, 8, 9
 
 
 def bad_input_message(code: int, value: int, row: object, limit: int) -> str:

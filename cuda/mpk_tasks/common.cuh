@@ -12,7 +12,12 @@
 namespace mpk {
 
 constexpr int kMaxDims = 8;
-constexpr int kMaxInputs = 8;
+// Input views an op's constants hold: 8, or more where the generated source says so for its
+// graph (mpk.executors.codegen: WIDE_INPUTS), so that other graphs keep the smaller constants.
+#ifndef MPK_MAX_INPUTS
+#define MPK_MAX_INPUTS 8
+#endif
+constexpr int kMaxInputs = MPK_MAX_INPUTS;
 
 // dtype codes: the order of mpk.compiler.tables.DTYPES
 enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kF64 = 3, kI64 = 4, kI32 = 5, kI16 = 6, kI8 = 7, kU8 = 8, kBool = 9 };
@@ -592,12 +597,12 @@ __device__ bool wait_gate(InputGate* gate);  // block-wide; false: the wait was 
 
 // A graph input holding a value its task cannot take (a token id outside the embedding table, a
 // page table whose sequence does not count the token being decoded, or whose entries lie outside
-// kv_indices, a page or the cache): the task skips that work, so nothing is read or written out
-// of bounds, and reports it. The first report of a launch lands in a host-mapped record that
-// the executor raises as BadInputError after the launch (mpk/executors/gpu.py:
-// BAD_INPUT_CODES); its epoch names the launch.
+// kv_indices, a page or the cache, a qo_indptr out of order or past the token rows): the task
+// skips that work, so nothing is read or written out of bounds, and reports it. The first report
+// of a launch lands in a host-mapped record that the executor raises as BadInputError after the
+// launch (mpk.errors.BAD_INPUTS words each code); its epoch names the launch.
 enum BadInputCode : int { kBadTokenId = 1, kBadPosition = 2, kBadPageSpan = 3, kBadLastPageLen = 4, kBadPage = 5,
-                          kBadIndex = 6 };
+                          kBadIndex = 6, kBadQoIndptr = 7, kBadQoLen = 8, kBadRowPosition = 9 };
 struct BadInputRecord {
   int epoch, code, out_buffer, unused;
   long long row, value, limit;

@@ -14,110 +14,11 @@
 // keeps each task's instructions few: the persistent kernel holds every task family, and a
 // task whose code is not in the instruction cache pays for fetching it.
 #pragma once
-#include "common.cuh"
+#include "paged_table.cuh"
 
 namespace mpk {
 
 constexpr float kLog2e = 1.4426950408889634f;
-
-// Where sequence b's pages start in kv_indices, and its length.
-struct SeqSpan {
-  long long first_page, len;
-};
-
-// The tests a task applies to a page table before following it; host code too (a CPU test
-// checks them against mpk.ops.paged.checked_lens). span_fault: what is wrong with sequence b's
-// span (p0, p1: its kv_indptr entries; tail: its kv_last_page_len; n: kv_indices' length) — a
-// kv_indptr entry outside kv_indices or below the one before it (kBadPageSpan, naming the
-// entry), a last page holding not 1…page_size positions (kBadLastPageLen) — with the row, value
-// and limit its report names; code 0: nothing. page_ok: the cache has the page.
-struct SpanFault {
-  int code;
-  long long row, value, limit;
-};
-__host__ __device__ __forceinline__ SpanFault span_fault(long long b, long long p0, long long p1, long long tail,
-                                                         long long n, int page_size) {
-  if (p0 < 0 || p0 > n) return {kBadPageSpan, b, p0, n};
-  if (p1 < p0 || p1 > n) return {kBadPageSpan, b + 1, p1, n};
-  if (p1 > p0 && (tail < 1 || tail > page_size)) return {kBadLastPageLen, b, tail, page_size};
-  return {0, 0, 0, 0};
-}
-__host__ __device__ __forceinline__ bool page_ok(long long page, long long num_pages) {
-  return static_cast<unsigned long long>(page) < static_cast<unsigned long long>(num_pages);
-}
-
-// The reports, out of line: the tasks' code holds only the tests and one call each (a task
-// whose code grows pays for fetching it in every layer).
-__device__ __noinline__ void report_span_fault(long long b, long long p0, long long p1, long long tail, long long n,
-                                               int page_size, int out_buffer) {
-  const SpanFault f = span_fault(b, p0, p1, tail, n, page_size);
-  report_bad_input(f.code, out_buffer, f.row, f.value, f.limit);
-}
-
-// Sequence b's span. I: the page table's integer type (int or long long; codegen checks that
-// its three tensors share it). A span with a fault is reported and taken as empty, so
-// that every entry of kv_indices a task looks up (for a position below len) is the sequence's.
-template <typename I>
-__device__ __forceinline__ SeqSpan seq_span(const TaskEnv& env, const ViewC& indptr, const ViewC& indices,
-                                            const ViewC& last, long long b, int page_size, int out_buffer) {
-  // three independent loads: one round trip
-  const I* ip = static_cast<const I*>(env.buffers[indptr.buffer]) + indptr.offset;
-  const long long p0 = ip[b * indptr.stride[0]], p1 = ip[(b + 1) * indptr.stride[0]];
-  const long long tail = static_cast<const I*>(env.buffers[last.buffer])[last.offset + b * last.stride[0]];
-  if (span_fault(b, p0, p1, tail, indices.shape[0], page_size).code != 0) {
-    report_span_fault(b, p0, p1, tail, indices.shape[0], page_size, out_buffer);
-    return SeqSpan{0, 0};
-  }
-  return SeqSpan{p0, p1 == p0 ? 0 : (p1 - p0 - 1) * page_size + tail};
-}
-
-// A sequence's page table, its pages from kv_indices[first_page] on: pages(t) is the page of
-// position t. Built once per sequence, so that a loop holds the row's address in registers (the
-// cp.async asm's memory clobbers would otherwise make it reload the buffer table, then the
-// address, every step: a chain of dependent loads before each lookup).
-template <typename I>
-struct SeqPages {
-  const I* row;
-  long long stride;
-  int shift;
-  __device__ __forceinline__ SeqPages(const TaskEnv& env, const ViewC& indices, long long first_page, int shift_)
-      : row(static_cast<const I*>(env.buffers[indices.buffer]) + indices.offset + first_page * indices.stride[0]),
-        stride(indices.stride[0]),
-        shift(shift_) {}
-  __device__ __forceinline__ I operator()(long long t) const { return row[(t >> shift) * stride]; }
-};
-
-template <typename I>
-__device__ __forceinline__ long long page_of(const TaskEnv& env, const ViewC& indices, long long first_page,
-                                             long long t, int shift) {
-  return SeqPages<I>(env, indices, first_page, shift)(t);
-}
-
-// seq_span out of line, for a tile's sequences after its first (batch ≥ 2): a call each,
-// against code that every attention task fetches.
-template <typename I>
-__device__ __noinline__ SeqSpan next_span(const TaskEnv& env, const ViewC& indptr, const ViewC& indices,
-                                          const ViewC& last, long long b, int page_size, int out_buffer) {
-  return seq_span<I>(env, indptr, indices, last, b, page_size, out_buffer);
-}
-
-// Reports the first entry of a sequence's pages (kv_indices[first_page …], len positions) that
-// the cache does not have, naming its index in kv_indices. A task that met one (page_ok false)
-// reads page 0 in its place or skips the append, and calls this after its loop (each lane that
-// met one; the launch keeps the first report).
-template <typename I>
-__device__ __noinline__ void report_bad_page(SeqPages<I> pages, long long first_page, long long len,
-                                             long long num_pages, int out_buffer) {
-  for (long long t = 0; t < len; t += 1LL << pages.shift) {
-    const long long page = pages(t);
-    if (!page_ok(page, num_pages)) {
-      report_bad_input(kBadPage, out_buffer, first_page + (t >> pages.shift), page, num_pages);
-      return;
-    }
-  }
-}
-
-__device__ __forceinline__ int log2_pow2(int x) { return 31 - __clz(x); }
 
 // One warp's head row of qkv, lane l holding dims l + 32·i (so the rotate-half partner of a dim
 // sits in the same lane): loaded, then qk-normed (with HF's roundings) and rotated by RoPE.
@@ -185,15 +86,26 @@ __device__ __forceinline__ long long rope_position(const SeqSpan& s, const ViewC
   return -1;
 }
 
-// inputs: qkv [B, (H+2KV)·D], cos_sin [P, D] (cos | sin), kv_indptr, kv_indices,
-// kv_last_page_len, kv_cache, q_norm [D], k_norm [D] (when iparam[4]); output q [B, H, D].
-// iparam: heads, kv_heads, head_dim, page_size, qk_norm, layer; fparam[0] eps.
+// A ragged row's position as rope reads it, or −1 past the cos/sin table (reported, as
+// rope_position does for decode).
+__device__ __forceinline__ long long row_position(long long pos, const ViewC& cs, int out_buffer, long long t) {
+  if (pos < cs.shape[0]) return pos;
+  report_bad_input(kBadRowPosition, out_buffer, t, pos, cs.shape[0]);
+  return -1;
+}
+
+// inputs: qkv [T, (H+2KV)·D], cos_sin [P, D] (cos | sin), kv_indptr, kv_indices,
+// kv_last_page_len, kv_cache, q_norm [D], k_norm [D] (when iparam[4]), then qo_indptr
+// (kRagged); output q [T, H, D]. iparam: heads, kv_heads, head_dim, page_size, qk_norm, layer;
+// fparam[0] eps. Decode: row b is sequence b at its last position; kRagged: each row's sequence
+// by binary search over qo_indptr (ragged_row), whose order every warp checks first; a padding
+// row gets a zero q and appends nothing.
 // A tile covers query heads [h0, h1) and appends the k/v of the kv heads whose group starts
-// in it (mpk/ops/paged.py: kv_heads_of_tile). One warp per (sequence, head); lane l holds dims
+// in it (mpk/ops/paged.py: kv_heads_of_tile). One warp per (row, head); lane l holds dims
 // l + 32·i, so the rotate-half partner of a dim sits in the same lane. Two round trips: the
 // page-table entries, then the row, the norm weight, cos/sin and the page at the token's
 // position together.
-template <int kPer, typename T, typename I>
+template <int kPer, typename T, typename I, bool kRagged = false>
 __device__ __noinline__ void rope_append_impl(const OpC& c, const Rect& r, const TaskEnv& env) {
   constexpr int D = 32 * kPer;
   const ViewC &qkv = c.in[0], &cs = c.in[1], &indptr = c.in[2], &indices = c.in[3], &last = c.in[4],
@@ -205,6 +117,9 @@ __device__ __noinline__ void rope_append_impl(const OpC& c, const Rect& r, const
   const int kv0 = (h0 + group - 1) / group, kv1 = (h1 + group - 1) / group;
   const int per_row = (h1 - h0) + 2 * (kv1 - kv0);
   const int rows = static_cast<int>(r.hi[0] - r.lo[0]) * per_row;
+  if constexpr (kRagged) {
+    if (!qo_ok<I>(env, c.in[qk_norm ? 8 : 6], c.out_shape[0], c.out_buffer)) return;
+  }
   for (int job = threadIdx.x >> 5; job < rows; job += blockDim.x >> 5) {
     const long long b = r.lo[0] + job / per_row;
     const int j = job % per_row, jj = j - (h1 - h0);
@@ -214,9 +129,26 @@ __device__ __noinline__ void rope_append_impl(const OpC& c, const Rect& r, const
                    static_cast<long long>(head) * D;
     const T* wn = norm ? static_cast<const T*>(env.buffers[c.in[head < H ? 6 : 7].buffer]) + c.in[head < H ? 6 : 7].offset
                        : nullptr;
-    const SeqSpan s = seq_span<I>(env, indptr, indices, last, b, page_size, c.out_buffer);
-    const long long pos = rope_position(s, cs, c.out_buffer, b);
-    if (pos < 0) continue;
+    SeqSpan s;
+    long long pos;
+    if constexpr (kRagged) {
+      const RaggedRow row = ragged_row<I>(env, indptr, indices, last, c.in[qk_norm ? 8 : 6], b, page_size,
+                                          c.out_buffer);
+      s = row.span;
+      pos = row.pos >= 0 ? row_position(row.pos, cs, c.out_buffer, b) : -1;
+      if (pos < 0) {  // padding (or a row not followed): zero q, no append
+        if (head < H) {
+          T* out = static_cast<T*>(env.buffers[c.out_buffer]) + (b * H + head) * static_cast<long long>(D);
+#pragma unroll
+          for (int i = 0; i < kPer; ++i) out[(threadIdx.x & 31) + 32 * i] = from_f<T>(0.f);
+        }
+        continue;
+      }
+    } else {
+      s = seq_span<I>(env, indptr, indices, last, b, page_size, c.out_buffer);
+      pos = rope_position(s, cs, c.out_buffer, b);
+      if (pos < 0) continue;
+    }
     RopeRow<kPer, T> x;
     x.load_consts(wn, rotate ? static_cast<const T*>(env.buffers[cs.buffer]) + cs.offset + pos * cs.stride[0] : nullptr);
     x.load(row);
@@ -477,6 +409,20 @@ __device__ __forceinline__ ChunkSplit split_chunk(const SeqSpan& s, long long ch
   return k;
 }
 
+// The ragged form's chunk (mpk.ops.paged: _ragged_partial_cpu): chunk ch of C of a sequence's
+// first m positions (m: the position of its segment's last row in the tile, + 1), cut at the
+// row's own limit lim (its position + 1; 0: a padding row), split over the warps as split_chunk.
+__device__ __forceinline__ ChunkSplit split_rows_chunk(long long m, long long lim, long long ch, int C, int kU) {
+  constexpr int warps = kAttnWarps;
+  const long long used = min(static_cast<long long>(C), max(1LL, m / kMinChunk));
+  const long long t0 = ch < used ? ch * m / used : m;
+  ChunkSplit k;
+  k.t1 = max(t0, min(lim, ch < used ? (ch + 1) * m / used : m));
+  k.ku = static_cast<int>(min(static_cast<long long>(kU), max(1LL, (k.t1 - t0 + warps - 1) / warps)));
+  k.base = t0 + (threadIdx.x >> 5) * k.ku;
+  return k;
+}
+
 // What attn_partial reads before its gate, for the tile's first sequence and chunk: the page
 // table is a graph input no task writes.
 struct AttnStart {
@@ -484,6 +430,18 @@ struct AttnStart {
   long long page;      // the page of this lane's position (lane % ku) in its warp's first step
   long long new_page;  // kRope, warps G and G + 1: the page the new token's k / v go to
 };
+// kRagged: and the first row's chunking length m and limit lim (split_rows_chunk)
+struct RaggedStart : AttnStart {
+  long long m, lim;
+};
+template <bool kRagged>
+using AttnStartOf = std::conditional_t<kRagged, RaggedStart, AttnStart>;
+
+// m and lim of a ragged row in a tile whose rows end at tile_end (split_rows_chunk).
+__device__ __forceinline__ void ragged_extent(const RaggedRow& row, long long tile_end, long long& m, long long& lim) {
+  lim = row.pos + 1;
+  m = row.pos < 0 ? 0 : row.span.len - max(0LL, row.rows_end - tile_end);
+}
 
 // attn_partial — inputs: q [B, H, D], kv_cache, kv_indptr, kv_indices, kv_last_page_len;
 // iparam: layer, page_size; fparam[0] scale. kRope (rope_attn_partial) — rope_append's inputs
@@ -501,14 +459,20 @@ struct AttnStart {
 // slot (long chunks) while it attends to the step in the other; the page-table entries of the
 // step a slot takes next are loaded during the current one (the first steps' copies go out
 // before kRope's rotations, under their loads).
+// kRagged (the ragged form, mpk.ops.paged; no kRope): the tile's rows are token rows, each
+// attended on its own as above over its chunk of its segment (split_rows_chunk); output
+// states [T, KV, C, G, D+1] (kFinal [T, KV, G, D]); a padding row gets the empty state.
+// attn_prefill (paged_prefill.cuh) is the ragged form's block-of-rows task on the tensor
+// cores; this one takes what it does not (fp32, head dim 256, groups over 16, one-row tiles).
 // A warp's states are AttnStates: on the tensor cores for 16-bit caches. (The first step's
 // copies are not issued before the task's gate, into the wait for the qkv projection: that made
 // large-batch steps slower.) kSlot: the phase timer's slot.
 // kFinal (one chunk per sequence): the output is O itself, [B, KV, G, D] of T — attn_merge's
 // result for a single state (its weight is 2^0 = 1), so no merge op follows.
-template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal, int kSlot = kAttnPhaseSlot>
+template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal, bool kRagged = false,
+          int kSlot = kAttnPhaseSlot>
 __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, const TaskEnv& env,
-                                               const AttnStart& first) {
+                                               const AttnStartOf<kRagged>& first) {
   constexpr int D = 32 * kPer;
   constexpr int kRowBytes = D * static_cast<int>(sizeof(T)), kU = kAttnStep<kPer, T>, kPieces = kRowBytes / 16;
   static_assert(2 * kU * kPieces == 256, "a step's copies are 8 rounds of the warp's 32 lanes");
@@ -550,14 +514,27 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   const long long ch0 = kFinal ? 0 : r.lo[2];
   for (long long b = r.lo[0]; b < r.hi[0]; ++b) {
     const bool at_first = b == r.lo[0];  // the sequence whose page table attn_partial read before the gate
-    const SeqSpan span = at_first ? first.span : next_span<I>(env, indptr, indices, last, b, page_size, c.out_buffer);
+    SeqSpan span;
+    long long m = 0, lim = 0;  // kRagged: the row's chunking length and limit
+    if constexpr (kRagged) {
+      span = first.span;
+      m = first.m;
+      lim = first.lim;
+      if (!at_first) {
+        const RaggedRow row = ragged_row<I>(env, indptr, indices, last, c.in[5], b, page_size, c.out_buffer);
+        span = row.span;
+        ragged_extent(row, r.hi[0], m, lim);
+      }
+    } else {
+      span = at_first ? first.span : next_span<I>(env, indptr, indices, last, b, page_size, c.out_buffer);
+    }
     const SeqPages<I> pages(env, indices, span.first_page, shift);
     for (long long kvh = r.lo[1]; kvh < r.hi[1]; ++kvh) {
       const T* head_base = kvbase + kvh * cache.stride[3];
       const long long v_at = cache.stride[1];
       for (long long ch = ch0; ch < (kFinal ? 1 : r.hi[2]); ++ch) {
         const bool fresh = kRope && ch == C - 1;  // this tile appends the new token and attends to it
-        const ChunkSplit k = split_chunk(span, ch, C, kRope, kU);
+        const ChunkSplit k = kRagged ? split_rows_chunk(m, lim, ch, C, kU) : split_chunk(span, ch, C, kRope, kU);
         const long long t1 = k.t1;
         const int ku = k.ku, stride = warps * ku;
         long long base = k.base;
@@ -704,16 +681,29 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
 // (test_fused_rope_attention_matches_eager[1-128-0-True-True]), although the gates opened on
 // all of the producer's arrivals and the SASS polled, invalidated L1 and passed the barrier
 // before the loads; cause not found.
-template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal>
+// kRagged: qo_indptr's order is checked (each warp, qo_ok) and the first row looked up before
+// the gate too; a qo_indptr at fault leaves the task after its gate.
+template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal, bool kRagged = false>
 __device__ __forceinline__ void attn_partial(const OpC& c, const Rect& r, const TaskEnv& env) {
   constexpr int kU = kAttnStep<kPer, T>;
   const ViewC &indptr = c.in[2], &indices = c.in[3], &last = c.in[4];
   const int C = kFinal ? 1 : static_cast<int>(c.out_shape[2]);
   const int page_size = static_cast<int>(c.iparam[1]), shift = log2_pow2(page_size);
   const long long ch0 = kFinal ? 0 : r.lo[2];
-  AttnStart first;
-  first.span = seq_span<I>(env, indptr, indices, last, r.lo[0], page_size, c.out_buffer);
-  const ChunkSplit k = split_chunk(first.span, ch0, C, kRope, kU);
+  AttnStartOf<kRagged> first;
+  bool ok = true;
+  ChunkSplit k;
+  if constexpr (kRagged) {
+    ok = qo_ok<I>(env, c.in[5], c.out_shape[0], c.out_buffer);
+    const RaggedRow row = ok ? ragged_row<I>(env, indptr, indices, last, c.in[5], r.lo[0], page_size, c.out_buffer)
+                             : RaggedRow{SeqSpan{0, 0}, -1, 0};
+    first.span = row.span;
+    ragged_extent(row, r.hi[0], first.m, first.lim);
+    k = split_rows_chunk(first.m, first.lim, ch0, C, kU);
+  } else {
+    first.span = seq_span<I>(env, indptr, indices, last, r.lo[0], page_size, c.out_buffer);
+    k = split_chunk(first.span, ch0, C, kRope, kU);
+  }
   const long long at = k.base + (threadIdx.x & 31) % k.ku;  // this lane's position of the first step
   first.page = at < k.t1 ? page_of<I>(env, indices, first.span.first_page, at, shift) : 0;
   // warps kG and kG + 1 append k and v in the sequence's last chunk, which may be a later chunk
@@ -722,13 +712,13 @@ __device__ __forceinline__ void attn_partial(const OpC& c, const Rect& r, const 
   const long long pos = kRope && warp >= kG && warp < kG + 2 ? rope_position(first.span, c.in[1], c.out_buffer, r.lo[0])
                                                               : -1;
   first.new_page = pos >= 0 ? page_of<I>(env, indices, first.span.first_page, pos, shift) : 0;
-  if (!acquire_inputs(env)) return;
-  attn_partial_impl<kPer, kG, T, I, kRope, kFinal>(c, r, env, first);
+  if (!acquire_inputs(env) || !ok) return;
+  attn_partial_impl<kPer, kG, T, I, kRope, kFinal, kRagged>(c, r, env, first);
 #ifdef MPK_ATTN_WARM_RERUN
   // diagnostic (benchmarks/linear_phases.py --warm-rerun): the same work again, its code and
   // data now warm, timed in its own phase slot; idempotent (the same k/v appended, the same
   // output written)
-  attn_partial_impl<kPer, kG, T, I, kRope, kFinal, kAttnWarmSlot>(c, r, env, first);
+  attn_partial_impl<kPer, kG, T, I, kRope, kFinal, kRagged, kAttnWarmSlot>(c, r, env, first);
 #endif
 }
 

@@ -12,7 +12,8 @@ import torch
 
 from mpk.ir.regions import full_rect
 from mpk.ops import OpSig, get_op
-from mpk.ops.paged import MIN_CHUNK, PAGE_SIZES, is_page_size
+from mpk.errors import BadInputError
+from mpk.ops.paged import MIN_CHUNK, PAGE_SIZES, is_page_size, rows_per_tile
 
 
 def _run_whole(kind: str, inputs: list[torch.Tensor], out_dtype: torch.dtype, **attrs) -> torch.Tensor:
@@ -169,7 +170,7 @@ def _(q, k, v, attn_mask, is_causal, scale, enable_gqa):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
-# --- decode over the paged KV cache (mpk.ops.paged documents the layout) ----------------------
+# --- attention over the paged KV cache (mpk.ops.paged documents the layout and both forms) ------
 
 def _cache_dims(kv_cache: torch.Tensor) -> tuple[int, int]:
     if len(kv_cache.shape) != 6 or kv_cache.shape[1] != 2:
@@ -198,9 +199,31 @@ def check_paged(kv_cache, layer: int, batch: int, kv_indptr, kv_indices, kv_last
     return page_size, head_dim
 
 
+def check_qo_indptr(qo_indptr, kv_indptr, kv_last_page_len) -> None:
+    """The ragged form's static checks (anything with ``.shape`` and ``.dtype``): qo_indptr
+    [B + 1], B the page table's batch, in the page table's integer type (the tasks read them as
+    one type). A BadInputError (a ValueError) names what is wrong; its entries are checked where
+    they are read (``mpk.ops.paged.qo_rows``)."""
+    want = (kv_last_page_len.shape[0] + 1,)
+    if tuple(qo_indptr.shape) != want:
+        raise BadInputError(f"qo_indptr has shape {tuple(qo_indptr.shape)}; expected {want}: one row offset per "
+                            f"sequence of the page table's batch of {want[0] - 1}, and the end")
+    if qo_indptr.dtype != kv_indptr.dtype or qo_indptr.dtype not in (torch.int32, torch.int64):
+        raise BadInputError(f"qo_indptr is {str(qo_indptr.dtype)[6:]}; expected the page table's integer type "
+                            f"{str(kv_indptr.dtype)[6:]} (int32 or int64)")
+
+
+def _batch(rows: int, kv_last_page_len, qo_indptr) -> int:
+    """The page table's batch: one sequence per row in decode, its own in the ragged form."""
+    return rows if qo_indptr is None else kv_last_page_len.shape[0]
+
+
 def rope_append_attrs(qkv, kv_cache, kv_indptr, kv_indices, kv_last_page_len, q_norm, k_norm, layer, heads,
-                      kv_heads, eps) -> dict:
-    page_size, head_dim = check_paged(kv_cache, layer, qkv.shape[0], kv_indptr, kv_indices, kv_last_page_len)
+                      kv_heads, eps, qo_indptr=None) -> dict:
+    batch = _batch(qkv.shape[0], kv_last_page_len, qo_indptr)
+    page_size, head_dim = check_paged(kv_cache, layer, batch, kv_indptr, kv_indices, kv_last_page_len)
+    if qo_indptr is not None:
+        check_qo_indptr(qo_indptr, kv_indptr, kv_last_page_len)
     if not 1 <= kv_heads <= heads or heads % kv_heads or kv_heads != kv_cache.shape[3]:
         raise ValueError(f"heads {heads}, kv_heads {kv_heads}; expected kv_heads = the cache's {kv_cache.shape[3]} "
                          "and heads a multiple of it")
@@ -209,18 +232,23 @@ def rope_append_attrs(qkv, kv_cache, kv_indptr, kv_indices, kv_last_page_len, q_
                          f"head_dim {head_dim} = {(heads + 2 * kv_heads) * head_dim}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm: expected both (per-head qk-norm) or neither")
-    return dict(layer=layer, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
-                eps=eps, qk_norm=q_norm is not None)
+    attrs = dict(layer=layer, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
+                 eps=eps, qk_norm=q_norm is not None)
+    return attrs if qo_indptr is None else {**attrs, "ragged": True}
 
 
 def paged_attention_dims(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, layer: int,
-                         num_splits: int) -> tuple[int, int, int]:
+                         num_splits: int, qo_indptr=None) -> tuple[int, int, int]:
     """(page_size, head_dim, kv_heads) of a paged attention, after checking its cache, page
-    table, q [B, H, D] (anything with ``.shape``) and ``num_splits``; a ValueError names the bad one."""
-    page_size, head_dim = check_paged(kv_cache, layer, q.shape[0], kv_indptr, kv_indices, kv_last_page_len)
+    table, q [T, H, D] (anything with ``.shape``; decode: T = B), qo_indptr (the ragged form)
+    and ``num_splits``; a ValueError names the bad one."""
+    batch = _batch(q.shape[0], kv_last_page_len, qo_indptr)
+    page_size, head_dim = check_paged(kv_cache, layer, batch, kv_indptr, kv_indices, kv_last_page_len)
+    if qo_indptr is not None:
+        check_qo_indptr(qo_indptr, kv_indptr, kv_last_page_len)
     KV = kv_cache.shape[3]
     if len(q.shape) != 3 or q.shape[1] % KV or q.shape[2] != head_dim:
-        raise ValueError(f"q is {tuple(q.shape)}; expected [B, a multiple of kv_heads {KV}, head_dim {head_dim}]")
+        raise ValueError(f"q is {tuple(q.shape)}; expected [T, a multiple of kv_heads {KV}, head_dim {head_dim}]")
     if num_splits < 0:
         raise ValueError(f"num_splits {num_splits}; expected ≥ 0 (0: the compiler picks)")
     return page_size, head_dim, KV
@@ -229,14 +257,20 @@ def paged_attention_dims(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, l
 @torch.library.custom_op("mpk::rope_append", mutates_args=("kv_cache",))
 def rope_append(qkv: torch.Tensor, cos_sin: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                 kv_last_page_len: torch.Tensor, kv_cache: torch.Tensor, q_norm: torch.Tensor | None,
-                k_norm: torch.Tensor | None, layer: int, heads: int, kv_heads: int, eps: float) -> torch.Tensor:
-    """Split a fused qkv row, apply per-head qk-norm (when given) and RoPE at each sequence's
-    last position, append that token's k and v to layer ``layer`` of the paged cache (in
-    place) and return the rotated q [B, heads, head_dim]."""
+                k_norm: torch.Tensor | None, layer: int, heads: int, kv_heads: int, eps: float,
+                qo_indptr: torch.Tensor | None = None) -> torch.Tensor:
+    """Split fused qkv rows [T, (heads + 2·kv_heads)·head_dim], apply per-head qk-norm (when
+    given) and RoPE at each row's position, append the rows' k and v to layer ``layer`` of the
+    paged cache (in place) and return the rotated q [T, heads, head_dim]. Without
+    ``qo_indptr`` (decode) row b is sequence b's new token at its last position; with it
+    (prefill, mixed batches) sequence b's new rows are qo_indptr[b]…qo_indptr[b+1] − 1 at the
+    end of its length, and rows from qo_indptr[B] on are padding (zero q, no append):
+    mpk.ops.paged documents the ragged form."""
     attrs = rope_append_attrs(qkv, kv_cache, kv_indptr, kv_indices, kv_last_page_len, q_norm, k_norm, layer, heads,
-                              kv_heads, eps)
+                              kv_heads, eps, qo_indptr)
     inputs = [qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache]
     inputs += [q_norm, k_norm] if q_norm is not None else []
+    inputs += [qo_indptr] if qo_indptr is not None else []
     sig = OpSig(tuple(tuple(t.shape) for t in inputs), (qkv.shape[0], heads, attrs["head_dim"]), qkv.dtype, attrs)
     whole = [t.cpu() if i != 5 else t for i, t in enumerate(inputs)]
     cache_slice = kv_cache[layer:layer + 1]
@@ -249,7 +283,8 @@ def rope_append(qkv: torch.Tensor, cos_sin: torch.Tensor, kv_indptr: torch.Tenso
 
 
 @rope_append.register_fake
-def _(qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache, q_norm, k_norm, layer, heads, kv_heads, eps):
+def _(qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache, q_norm, k_norm, layer, heads, kv_heads, eps,
+      qo_indptr=None):
     return qkv.new_empty((qkv.shape[0], heads, kv_cache.shape[5]))
 
 
@@ -270,24 +305,31 @@ def default_splits(batch: int, kv_heads: int, max_len: int, workers: int = 128) 
 
 @torch.library.custom_op("mpk::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                    kv_last_page_len: torch.Tensor, layer: int, scale: float, num_splits: int) -> torch.Tensor:
-    """Decode attention of q [B, H, D] (one new token per sequence) over layer ``layer`` of the
-    paged cache; GQA when H is a multiple of the cache's kv heads. ``num_splits`` KV chunks per
-    sequence at most (a sequence uses one per ``MIN_CHUNK`` positions; 0: chosen by the compiler)
-    are attended separately and merged with ⊕."""
-    page_size, _, KV = paged_attention_dims(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, layer, num_splits)
-    B, H, D = q.shape
+                    kv_last_page_len: torch.Tensor, layer: int, scale: float, num_splits: int,
+                    qo_indptr: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [T, H, D] over layer ``layer`` of the paged cache; GQA when H is a
+    multiple of the cache's kv heads. Without ``qo_indptr`` (decode) row b is sequence b's new
+    token and attends to its whole length; with it (prefill, mixed batches) sequence b's rows
+    qo_indptr[b]…qo_indptr[b+1] − 1 are its newest positions, each attending causally up to its
+    own, and rows from qo_indptr[B] on are padding (zero output): mpk.ops.paged documents the
+    ragged form. ``num_splits`` KV chunks per sequence at most (a sequence uses one per
+    ``MIN_CHUNK`` positions; 0: chosen by the compiler) are attended separately and merged with ⊕."""
+    page_size, _, KV = paged_attention_dims(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, layer, num_splits,
+                                            qo_indptr)
+    T, H, D = q.shape
     C = max(1, num_splits)
     attrs = dict(layer=layer, scale=scale, page_size=page_size)
     tables = [t.cpu() for t in (kv_indptr, kv_indices, kv_last_page_len)]
     ins = [q.cpu(), kv_cache[layer:layer + 1].cpu()] + tables
-    shapes = tuple(tuple(t.shape) for t in [q, kv_cache, kv_indptr, kv_indices, kv_last_page_len])
-    psig = OpSig(shapes, (B, KV, C, H // KV, D + 1), torch.float32, attrs)
+    if qo_indptr is not None:
+        attrs |= {"ragged": True, "rows": rows_per_tile(T, H // KV)}
+        ins.append(qo_indptr.cpu())
+    psig = OpSig(tuple(tuple(t.shape) for t in ins), (T, KV, C, H // KV, D + 1), torch.float32, attrs)
     states = get_op("attn_partial").cpu(psig, full_rect(psig.out_shape), ins)
-    msig = OpSig((psig.out_shape,), (B, H, D), q.dtype, {})
+    msig = OpSig((psig.out_shape,), (T, H, D), q.dtype, {})
     return get_op("attn_merge").cpu(msig, full_rect(msig.out_shape), [states]).to(q.device)
 
 
 @paged_attention.register_fake
-def _(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, layer, scale, num_splits):
+def _(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, layer, scale, num_splits, qo_indptr=None):
     return q.new_empty(q.shape)

@@ -1,5 +1,6 @@
-"""Decode over a paged KV cache: ``rope_append``, ``attn_partial``, the two fused
-(``rope_attn_partial``) and ``attn_merge``.
+"""Attention over a paged KV cache: ``rope_append``, ``attn_partial``, the two fused
+(``rope_attn_partial``) and ``attn_merge``, in two forms — decode (one new token per sequence)
+and ragged (any number per sequence: prefill, chunked prefill, mixed batches).
 
 The cache of all layers is one tensor ``kv_cache [L, 2, num_pages, kv_heads, page_size, D]``
 (k then v; HND pages). Which pages a sequence owns is a block-sparse (BSR) row as in
@@ -25,6 +26,30 @@ and ``O`` is the softmax-weighted mean of v (already normalised). The empty set 
 ``(O = 0, lse = −inf)``, the identity of ⊕. ``merge_states`` is the one Python definition;
 ``cuda/mpk_tasks/paged_attention.cuh: attn_merge_impl`` is the CUDA one, tested against it
 through paged attention with more chunks than positions.
+
+**The ragged form** (``attrs['ragged']``; the ops' last input ``qo_indptr`` [B + 1], in the
+page table's integer type; FlashInfer's layout) takes T token rows: sequence b's new rows are
+t ∈ [qo_indptr[b], qo_indptr[b+1]); qo_indptr[0] = 0, it never decreases and qo_indptr[B] ≤ T.
+The page table already counts the new rows (n_b ≥ qo_len_b), and row t sits at position
+p_t = n_b − qo_indptr[b+1] + t: ``rope_append`` rotates row t's q and k at p_t (qk-norm first)
+and writes its k/v to slot p_t; attention row t attends to positions 0…p_t (causal inside the
+new rows, the whole cached prefix; GQA as in decode). Rows t ≥ qo_indptr[B] are padding (a
+token-count bucket larger than the step): no append, zero q and output (states (0, −inf)); a
+sequence with no new rows is untouched. ``qo_rows`` checks qo_indptr against the page table
+(BadInputError codes 7–9 of mpk.errors.BAD_INPUTS, which the CUDA tasks report alike) and maps
+rows to (sequence, position). Decode is the form without ``qo_indptr``: T = B, row b is
+sequence b's last position (its code paths and rope fusion are the ones above).
+
+A ragged attention tile covers a block of rows, kv heads and chunks; its rows fall into
+segments, the rows of one sequence each, and chunk c of a segment covers
+``chunk_bounds(p_last + 1, c, C, False)`` of its positions (p_last: the position of the
+segment's last row in the tile), each row masked to ≤ p_t. States are [T, KV, C, G, D + 1]
+(final: [T, KV, G, D]). A tile holds at least ``rows_per_tile`` rows (``attrs['rows']``). There
+is no rope fusion: a row attends to k/v that other rows append, in other tiles. Which rows those
+are is run-time data, so an attention tile over kv head j reads q of *every* row for j's query
+heads (its input region): that orders it after every rope_append tile appending kv head j. The
+happens-before check sees the cache in key spaces by token row (``CACHE_KEY_DIMS``; in decode a
+row is its sequence).
 """
 
 from __future__ import annotations
@@ -34,7 +59,14 @@ from typing import Callable
 
 import torch
 
-from mpk.errors import BAD_POSITION, BadInputError, bad_input_message
+from mpk.errors import (
+    BAD_POSITION,
+    BAD_QO_INDPTR,
+    BAD_QO_LEN,
+    BAD_ROW_POSITION,
+    BadInputError,
+    bad_input_message,
+)
 from mpk.ir.views import Shape
 from mpk.ops.gpu import DTYPE_SIZE, GpuSpec, OpInfo, Params, all_inputs, check_contiguous, index_ctype, one_ctype
 from mpk.ops.registry import KeySpace, OpDef, OpSig, register
@@ -66,24 +98,44 @@ def attention_steps(op: OpInfo) -> int:
     page_size, dim = cache.shape[4], cache.shape[5]
     step = 2048 // (dim * cache.dtype.itemsize)  # kAttnStep
     slots = math.prod(indices.shape)
-    positions = slots // max(1, out[0]) * page_size
+    positions = slots // max(1, op.inputs[4].shape[0]) * page_size  # kv_last_page_len: [batch]
     longest = max(-(-positions // chunks), min(positions, 2 * MIN_CHUNK - 1))
     return -(-longest // (8 * step))
 
 
+# The ragged form's tensor-core task (attn_prefill) stages a CTA-wide K/V step of this many bytes
+# (K and V rows of 8192 / D positions) in the scratch area and the next step's in dynamic shared
+# memory, so that one step's copies fly while the warps attend to the other.
+PREFILL_STAGE_BYTES = 32768
+PREFILL_MAX_GROUP = 16  # attn_prefill packs a block of ⌊16 / G⌋ rows' G heads into the MMA's 16 rows
+
+
 def _attention_smem(op: OpInfo) -> int:
+    if op.attrs.get("ragged") and _prefill_block(op):
+        return PREFILL_STAGE_BYTES
     return ATTN_SECOND_SLOT_BYTES if attention_steps(op) >= ATTN_SECOND_SLOT_MIN_STEPS else 0
 
 
+def _prefill_block(op: OpInfo) -> bool:
+    """Whether a ragged attention op's tasks run a block of rows at a time on the tensor cores
+    (attn_prefill: 16-bit K/V of head dim 64 or 128, G ≤ ``PREFILL_MAX_GROUP``, tiles of
+    several rows); else each row on its own (attn_partial's loop, per row)."""
+    cache, G = op.inputs[1], op.inputs[0].shape[1] // op.inputs[1].shape[3]
+    return (op.attrs["rows"] > 1 and cache.dtype.itemsize == 2 and cache.shape[5] in (64, 128)
+            and G <= PREFILL_MAX_GROUP)
+
+
 def _rope_append_task(op: OpInfo) -> str:
-    D, views = op.attrs["head_dim"], op.inputs
+    D, views, ragged = op.attrs["head_dim"], op.inputs, bool(op.attrs.get("ragged", False))
     if D % 64 or D > 256:
         raise op.error(f"rope_append needs a head dim that is a multiple of 64 and at most 256, got {D}")
-    ctype = one_ctype(op, [views[i] for i in (0, 1, 5, *range(6, len(views)))], True)
+    floats = len(views) - ragged  # qo_indptr (ragged) last
+    ctype = one_ctype(op, [views[i] for i in (0, 1, 5, *range(6, floats))], True)
     for what, i in (("qkv", 0), ("cos_sin", 1), ("kv_cache", 5), ("q_norm", 6), ("k_norm", 7)):
-        if i < len(views):
+        if i < floats:
             check_contiguous(op, what, views[i], 1)
-    return f"mpk::rope_append_impl<{D // 32}, {ctype}, {index_ctype(op, list(views[2:5]))}>"
+    index = index_ctype(op, list(views[2:5]) + ([views[-1]] if ragged else []))
+    return f"mpk::rope_append_impl<{D // 32}, {ctype}, {index}{', true' if ragged else ''}>"
 
 
 def _attn_partial_task(op: OpInfo) -> str:
@@ -91,6 +143,8 @@ def _attn_partial_task(op: OpInfo) -> str:
     cache = views[_CACHE_INPUT[op.kind]]
     kv, D = cache.shape[3], cache.shape[5]
     heads = op.attrs["heads"] if fused else views[0].shape[1]
+    if op.attrs.get("ragged") and _prefill_block(op):
+        return _attn_prefill_task(op)
     if D not in (64, 128, 256) or (heads // kv) * D > ATTN_REGS * 32:
         raise op.error(f"paged attention with head dim {D} and {heads // kv} query heads per kv head has no CUDA "
                        f"variant (head dim 64, 128 or 256, group × head dim ≤ {ATTN_REGS * 32})")
@@ -103,16 +157,33 @@ def _attn_partial_task(op: OpInfo) -> str:
     for what, v in zip(("qkv", "cos_sin", "q_norm", "k_norm") if fused else ("q",), rope_views):
         check_contiguous(op, what, v, 1 if fused else D // 32)
     check_contiguous(op, "kv_cache", cache, 16 // DTYPE_SIZE[ctype])  # rows are copied in 16-byte pieces
-    index = index_ctype(op, list(views[2:5]))
-    # the task reads its first sequence's page table before its gate opens (attn_partial in
-    # paged_attention.cuh): a table the graph computes could still be in the making
-    computed = [what for what, v in zip(("kv_indptr", "kv_indices", "kv_last_page_len"), views[2:5])
-                if not v.graph_input]
+    index = _page_table_ctype(op)
+    ragged = ", true" if op.attrs.get("ragged") else ""  # attn_partial's kRagged: each row on its own
+    return (f"mpk::attn_partial<{D // 32}, {heads // kv}, {ctype}, {index}, {'true' if fused else 'false'}, "
+            f"{'true' if final else 'false'}{ragged}>")
+
+
+def _page_table_ctype(op: OpInfo) -> str:
+    """The C type of an attention op's page table (and qo_indptr), which its tasks read before
+    their gate opens (attn_partial in paged_attention.cuh): a table the graph computes could
+    still be in the making, so they must be graph inputs."""
+    views = op.inputs
+    names = ("kv_indptr", "kv_indices", "kv_last_page_len") + (("qo_indptr",) if op.attrs.get("ragged") else ())
+    tables = views[2:2 + len(names)]
+    computed = [what for what, v in zip(names, tables) if not v.graph_input]
     if computed:
         raise op.error(f"paged attention reads {', '.join(computed)} before its inputs are ready, so they must be "
                        "graph inputs; this graph computes them — pass the page table in as tensors")
-    return (f"mpk::attn_partial<{D // 32}, {heads // kv}, {ctype}, {index}, {'true' if fused else 'false'}, "
-            f"{'true' if final else 'false'}>")
+    return index_ctype(op, list(tables))
+
+
+def _attn_prefill_task(op: OpInfo) -> str:
+    q, cache = op.inputs[0], op.inputs[1]
+    D, G, final = cache.shape[5], q.shape[1] // cache.shape[3], bool(op.attrs.get("final", False))
+    ctype = one_ctype(op, [cache, q], final)
+    check_contiguous(op, "q", q, 2)  # read in 32-bit words (MMA operand pairs)
+    check_contiguous(op, "kv_cache", cache, 16 // DTYPE_SIZE[ctype])  # rows are copied in 16-byte pieces
+    return f"mpk::attn_prefill<{D // 32}, {G}, {ctype}, {_page_table_ctype(op)}, {'true' if final else 'false'}>"
 
 
 def _attn_merge_task(op: OpInfo) -> str:
@@ -120,6 +191,10 @@ def _attn_merge_task(op: OpInfo) -> str:
     if D not in (64, 128, 256):
         raise op.error(f"attn_merge with head dim {D}; the CUDA task takes 64, 128 or 256")
     return f"mpk::attn_merge_impl<{D // 32}, {one_ctype(op, [], True)}>"
+
+
+def _attn_vector_inputs(op: OpInfo) -> tuple[int, ...]:
+    return (0, 1) if op.attrs.get("ragged") else all_inputs(op)  # (ragged: q and the cache)
 
 
 def _attrs_params(ints: tuple[str, ...], floats: tuple[str, ...]) -> Callable[[OpInfo], Params]:
@@ -130,7 +205,7 @@ ROPE_APPEND_GPU = GpuSpec(params=_attrs_params(("heads", "kv_heads", "head_dim",
                                                ("eps",)), task=_rope_append_task)
 # the attention tasks read their first sequence's page table before the gate (self-gated)
 ATTN_PARTIAL_GPU = GpuSpec(params=_attrs_params(("layer", "page_size"), ("scale",)), task=_attn_partial_task,
-                           self_gated=True, smem_bytes=_attention_smem, vector_inputs=all_inputs)
+                           self_gated=True, smem_bytes=_attention_smem, vector_inputs=_attn_vector_inputs)
 ROPE_ATTN_PARTIAL_GPU = GpuSpec(params=_attrs_params(("layer", "page_size", "heads", "kv_heads", "qk_norm"),
                                                      ("scale", "eps")),
                                 task=_attn_partial_task, self_gated=True, smem_bytes=_attention_smem,
@@ -177,6 +252,34 @@ def checked_lens(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page
     return seq_lens(kv_indptr, kv_last_page_len, page_size)
 
 
+def qo_rows(qo_indptr: torch.Tensor, lens: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ragged form's rows: (sequence, position) of each of the ``tokens`` rows (int64; −1 for
+    a padding row), for sequences of lengths ``lens`` (``checked_lens``); else BadInputError
+    naming the first bad entry: qo_indptr must start at 0, never decrease and end within the
+    rows (code 7, the first entry at fault), and no sequence may have more new rows than its
+    length (code 8). (The CUDA tasks check the same: qo_fault in
+    cuda/mpk_tasks/paged_attention.cuh.)"""
+    qo = qo_indptr.long()
+    fault = qo > tokens  # an entry at fault: past the rows, entry 0 not 0, or below the entry before it
+    fault[0] |= qo[0] != 0
+    fault[1:] |= qo[1:] < qo[:-1]
+    bad = torch.nonzero(fault).flatten()
+    if len(bad):
+        i = int(bad[0])
+        raise BadInputError(bad_input_message(BAD_QO_INDPTR, int(qo[i]), i, tokens))
+    counts = qo[1:] - qo[:-1]
+    bad = torch.nonzero(counts > lens).flatten()
+    if len(bad):
+        b = int(bad[0])
+        raise BadInputError(bad_input_message(BAD_QO_LEN, int(counts[b]), b, int(lens[b])))
+    seq = torch.full((tokens,), -1, dtype=torch.int64)
+    pos = torch.full((tokens,), -1, dtype=torch.int64)
+    used = int(qo[-1])
+    seq[:used] = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    pos[:used] = lens[seq[:used]] - qo[seq[:used] + 1] + torch.arange(used)
+    return seq, pos
+
+
 def token_slots(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, b: int, positions: torch.Tensor,
                 page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(page id, slot in page) of the given positions of sequence ``b``."""
@@ -213,8 +316,9 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 
 # --- rope_append ------------------------------------------------------------------------------
-# inputs: qkv [B, (H + 2·KV)·D], cos_sin [max_pos, D] (cos | sin halves), kv_indptr [B+1],
-# kv_indices [N], kv_last_page_len [B], kv_cache, then q_norm [D] and k_norm [D] if qk_norm.
+# inputs: qkv [T, (H + 2·KV)·D], cos_sin [max_pos, D] (cos | sin halves), kv_indptr [B+1],
+# kv_indices [N], kv_last_page_len [B], kv_cache, then q_norm [D] and k_norm [D] if qk_norm,
+# then qo_indptr [B+1] if ragged (decode: T = B); output q [T, H, D]. Tiles split rows and heads.
 
 def _rope_append_regions(sig: OpSig, rect):
     (b0, b1) = rect[0]
@@ -242,10 +346,12 @@ def kv_heads_of_tile(h0: int, h1: int, heads: int, kv_heads: int) -> range:
 
 
 # The cache as the happens-before check sees it: the page table is run-time data, so a tile's
-# cache accesses are named by (layer, sequence, kv head, position) keys, the position being
-# 0 for the positions cached before this step and 1 for the one this step appends. Each
-# sequence owns its pages, so distinct keys are distinct cache rows.
-CACHE_KEY_DIMS = ("layer", "sequence", "kv head", "position (0: cached before the step, 1: appended by it)")
+# cache accesses are named by (layer, token row, kv head, position) keys, the position being 0
+# for what the row's sequence cached before this step and 1 for the slot the row appends
+# (decode: a row is its sequence). Each sequence owns its pages and each new row of a sequence
+# its own slot, so distinct appended keys are distinct cache rows; the cached ones nobody
+# writes in the step. A ragged attention tile reads every row's keys of its kv heads.
+CACHE_KEY_DIMS = ("layer", "row", "kv head", "position (0: cached before the step, 1: appended by it)")
 
 
 def _cache_keys(sig: OpSig, cache_input: int) -> Shape:
@@ -265,14 +371,17 @@ def _rope_append_keys(sig: OpSig):
 
 
 def _rope_append_cpu(sig: OpSig, rect, xs):
-    return _rope_rows(sig.attrs, sig.out_dtype, rect[0], rect[1], xs, append=True)
+    return _rope_rows(sig.attrs, sig.out_dtype, rect[0], rect[1], xs, append=True, tokens=sig.out_shape[0])
 
 
-def _rope_rows(a: dict, dtype: torch.dtype, rows, heads, xs, append: bool) -> torch.Tensor:
-    """Rotated (and qk-normed) q of query heads ``heads`` for the sequences ``rows``, in
-    ``dtype``; with ``append``, the k/v of the kv heads whose group starts in ``heads`` are
-    written to the cache slot of each sequence's last position (xs: rope_append's inputs)."""
-    qkv, cos_sin, indptr, indices, last, cache, *norms = xs
+def _rope_rows(a: dict, dtype: torch.dtype, rows, heads, xs, append: bool, tokens: int = 0) -> torch.Tensor:
+    """Rotated (and qk-normed) q of query heads ``heads`` for the token rows ``rows`` (of
+    ``tokens``), in ``dtype``; with ``append``, the k/v of the kv heads whose group starts in
+    ``heads`` are written to each row's cache slot (xs: rope_append's inputs). Decode: row b is
+    sequence b at its last position; ragged: ``qo_rows`` (padding rows: zero q, no append)."""
+    qkv, cos_sin, indptr, indices, last, cache, *rest = xs
+    ragged = bool(a.get("ragged", False))
+    norms = rest[:-1] if ragged else rest
     H, KV, D, ps = a["heads"], a["kv_heads"], a["head_dim"], a["page_size"]
     (b0, b1), (h0, h1) = rows, heads
     kvs = kv_heads_of_tile(h0, h1, H, KV) if append else range(0)
@@ -280,34 +389,42 @@ def _rope_rows(a: dict, dtype: torch.dtype, rows, heads, xs, append: bool) -> to
     q, k, v = x[:, h0:h1], x[:, H + kvs.start:H + kvs.stop], x[:, H + KV + kvs.start:H + KV + kvs.stop]
     if a["qk_norm"]:
         q, k = rms_rows(q, norms[0], a["eps"], dtype), rms_rows(k, norms[1], a["eps"], dtype)
-    pos = checked_lens(indptr, indices, last, ps, cache.shape[2])[b0:b1] - 1
-    bad = torch.nonzero((pos < 0) | (pos >= cos_sin.shape[0])).flatten()
-    if len(bad):  # the GPU tasks report the same (BadInputCode kBadPosition)
-        raise BadInputError("rope_append: " + bad_input_message(BAD_POSITION, int(pos[bad[0]]), b0 + int(bad[0]),
+    lens = checked_lens(indptr, indices, last, ps, cache.shape[2])
+    if ragged:
+        seq, pos = (r[b0:b1] for r in qo_rows(rest[-1], lens, tokens))
+        code = BAD_ROW_POSITION  # the GPU tasks report the same (BadInputCode kBadRowPosition)
+    else:
+        seq, pos = torch.arange(b0, b1), lens[b0:b1] - 1
+        code = BAD_POSITION  # (kBadPosition)
+    live = seq >= 0
+    bad = torch.nonzero(live & ((pos < 0) | (pos >= cos_sin.shape[0]))).flatten()
+    if len(bad):
+        raise BadInputError("rope_append: " + bad_input_message(code, int(pos[bad[0]]), b0 + int(bad[0]),
                                                                 cos_sin.shape[0]))
-    cs = cos_sin[pos].float()
+    cs = cos_sin[torch.where(live, pos, 0)].float()
     cos, sin = torch.cat([cs[:, : D // 2]] * 2, -1)[:, None], torch.cat([cs[:, D // 2:]] * 2, -1)[:, None]
     q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-    for i, b in enumerate(range(b0, b1) if append else ()):
-        page, slot = token_slots(indptr, indices, b, pos[i:i + 1], ps)
+    for i in torch.nonzero(live).flatten().tolist() if append else ():
+        page, slot = token_slots(indptr, indices, int(seq[i]), pos[i:i + 1], ps)
         cache[0, 0, page[0], kvs.start:kvs.stop, slot[0]] = k[i].to(cache.dtype)
         cache[0, 1, page[0], kvs.start:kvs.stop, slot[0]] = v[i].to(cache.dtype)
-    return q.to(dtype)
+    return torch.where(live[:, None, None], q, 0.0).to(dtype)
 
 
 register(OpDef(
     kind="rope_append", type_id=15, input_regions=_rope_append_regions, cpu=_rope_append_cpu, gpu=ROPE_APPEND_GPU,
     splittable=lambda sig: (True, True, False), split_order=lambda sig: [1, 0], min_tile_elems=1,
     inplace_writes=_rope_append_writes, key_spaces=_rope_append_keys,
-    doc="q = rope(qk_norm(q)); cache[len−1] ← (rope(qk_norm(k)), v) for the kv heads the tile owns",
+    doc="q = rope(qk_norm(q)); cache[p] ← (rope(qk_norm(k)), v) for the kv heads the tile owns (p: each row's "
+        "position; decode: len − 1)",
 ))
 
 
 # --- attn_partial -----------------------------------------------------------------------------
-# inputs: q [B, H, D], kv_cache, kv_indptr, kv_indices, kv_last_page_len;
-# output: states [B, KV, C, G, D + 1] float32 (O in [..., :D], lse in [..., D]); with attrs
-# ``final`` (one chunk per sequence) O itself, [B, KV, G, D] in q's dtype: what attn_merge would
-# make of the one state (⊕ with the identity), bit for bit.
+# inputs: q [T, H, D], kv_cache, kv_indptr, kv_indices, kv_last_page_len, then qo_indptr if
+# ragged (decode: T = B); output: states [T, KV, C, G, D + 1] float32 (O in [..., :D], lse in
+# [..., D]); with attrs ``final`` (one chunk per sequence) O itself, [T, KV, G, D] in q's dtype:
+# what attn_merge would make of the one state (⊕ with the identity), bit for bit.
 
 MIN_CHUNK = 128  # positions: cuda/mpk_tasks/paged_attention.cuh's kMinChunk
 PAGE_SIZES = "a power of two in 1…256"  # the page sizes the paged tasks take, as error messages say it
@@ -330,6 +447,19 @@ def chunk_bounds(n: int, c: int, C: int, rope: bool) -> tuple[int, int]:
     return (c * m // used, (c + 1) * m // used) if c < used else (m, m)
 
 
+DECODE_ROWS = 16  # a ragged step of at most this many token rows is taken for a batch of decodes
+MMA_ROWS = 128  # query rows (token rows × group) of a ragged tile on the tensor cores: 8 warps × the MMA's 16
+
+
+def rows_per_tile(tokens: int, group: int) -> int:
+    """R, the fewest token rows a ragged attention tile holds (``attrs['rows']``). A step of up
+    to ``DECODE_ROWS`` rows is mostly decodes, whose rows share no K/V: one row a tile spreads
+    them over the most workers. A prefill's rows share their sequence's K/V: R·G = ``MMA_ROWS``
+    query rows take one K/V row from memory for all of them, filling the task's 8 warps' MMA
+    rows."""
+    return 1 if tokens <= DECODE_ROWS else max(1, MMA_ROWS // group)
+
+
 def _chunks(sig: OpSig) -> tuple[bool, int, int]:
     """(final, C, G) of an attn_partial / rope_attn_partial signature."""
     final = bool(sig.attrs.get("final", False))
@@ -340,16 +470,22 @@ def _partial_regions(sig: OpSig, rect):
     (b0, b1), (k0, k1) = rect[0], rect[1]
     G, D, layer = _chunks(sig)[2], sig.in_shapes[0][2], sig.attrs["layer"]
     cache = sig.in_shapes[1]
-    return [((b0, b1), (k0 * G, k1 * G), (0, D)),
-            ((layer, layer + 1),) + tuple((0, n) for n in cache[1:]),
-            ((0, sig.in_shapes[2][0]),), ((0, sig.in_shapes[3][0]),), ((0, sig.in_shapes[4][0]),)]
+    rows = _all_rows(sig, rect)
+    return [(rows, (k0 * G, k1 * G), (0, D)),
+            ((layer, layer + 1),) + tuple((0, n) for n in cache[1:])] + [((0, n[0]),) for n in sig.in_shapes[2:]]
+
+
+def _all_rows(sig: OpSig, rect) -> tuple[int, int]:
+    """The token rows whose appends a tile's attention may read: its own (decode: its
+    sequences), or every row (ragged: which rows share a sequence is run-time data)."""
+    return (0, sig.out_shape[0]) if sig.attrs.get("ragged") else rect[0]
 
 
 def _partial_keys(sig: OpSig):
     # any chunk may hold the last position (chunk_bounds depends on the run-time length)
     layer = sig.attrs["layer"]
     return [KeySpace(1, _cache_keys(sig, 1), CACHE_KEY_DIMS,
-                     lambda sig, rect: ((layer, layer + 1), rect[0], rect[1], (0, 2)))]
+                     lambda sig, rect: ((layer, layer + 1), _all_rows(sig, rect), rect[1], (0, 2)))]
 
 
 def _appends(sig: OpSig, rect) -> bool:
@@ -370,6 +506,8 @@ def _rope_attn_keys(sig: OpSig):
 
 
 def _partial_cpu(sig: OpSig, rect, xs):
+    if sig.attrs.get("ragged"):
+        return _ragged_partial_cpu(sig, rect, xs)
     q, cache, indptr, indices, last = xs
     a = sig.attrs
     final, C, G = _chunks(sig)
@@ -396,19 +534,82 @@ def _partial_cpu(sig: OpSig, rect, xs):
     return out.to(sig.out_dtype) if final else out
 
 
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """States of token rows ``q`` [R, KV, G, D] over keys/values [KV, n, D] (float32), row r
+    over the first ``valid[r]`` of the n positions (0: the empty state)."""
+    R, n = q.shape[0], k.shape[-2]
+    o, lse = q.new_zeros(q.shape[:-1] + v.shape[-1:]), q.new_full(q.shape[:-1], -math.inf)
+    if n == 0:
+        return o, lse
+    s = torch.einsum("rkgd,knd->rkgn", q, k) * (scale * LOG2E)
+    s = s.masked_fill((torch.arange(n)[None, :] >= valid[:, None])[:, None, None, :], -math.inf)
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    p = torch.exp2(s - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    some = denom > 0
+    o = torch.where(some, (p @ v) / torch.where(some, denom, torch.ones_like(denom)), o)
+    lse = torch.where(some, m + torch.log2(torch.where(some, denom, torch.ones_like(denom))), -math.inf).squeeze(-1)
+    return o, lse
+
+
+def _ragged_partial_cpu(sig: OpSig, rect, xs):
+    """The ragged form's tile (module docstring): q holds every row of the tile's heads."""
+    q, cache, indptr, indices, last, qo_indptr = xs
+    a = sig.attrs
+    final, C, G = _chunks(sig)
+    (r0, r1), (k0, k1) = rect[0], rect[1]
+    lens = checked_lens(indptr, indices, last, a["page_size"], cache.shape[2])
+    seq, pos = qo_rows(qo_indptr, lens, sig.out_shape[0])
+    out = torch.zeros(tuple(h - lo for lo, h in rect), dtype=torch.float32)
+    if not final:
+        out[..., -1] = -math.inf  # padding rows and empty chunks: the empty state
+    t = r0
+    while t < r1:  # the tile's segments: rows [t, end) of sequence b
+        b, end = int(seq[t]), t + 1
+        while end < r1 and int(seq[end]) == b:
+            end += 1
+        if b >= 0:
+            rows = q[t:end, : (k1 - k0) * G].float().unflatten(1, (k1 - k0, G))  # q: the tile's heads
+            for j, c in enumerate(range(1) if final else range(*rect[2])):
+                t0, t1 = chunk_bounds(int(pos[end - 1]) + 1, c, C, False)
+                page, slot = token_slots(indptr, indices, b, torch.arange(t0, t1), a["page_size"])
+                kk = cache[0, 0, page, k0:k1, slot].transpose(0, 1).float()
+                vv = cache[0, 1, page, k0:k1, slot].transpose(0, 1).float()
+                o, lse = attend_rows(rows, kk, vv, (pos[t:end] + 1 - t0).clamp(0, t1 - t0), a["scale"])
+                if final:
+                    out[t - r0:end - r0] = o
+                else:
+                    out[t - r0:end - r0, :, j, :, :-1], out[t - r0:end - r0, :, j, :, -1] = o, lse
+        t = end
+    return out.to(sig.out_dtype) if final else out
+
+
 def _chunk_splits(sig: OpSig) -> tuple[bool, ...]:
-    """Tiles split sequences, kv heads and chunks; never a group's heads or a head's dims."""
+    """Tiles split rows, kv heads and chunks; never a group's heads or a head's dims."""
     return (True, True, False, False) if sig.attrs.get("final") else (True, True, True, False, False)
 
 
 def _chunk_order(sig: OpSig) -> list[int]:
-    return [0, 1] if sig.attrs.get("final") else [0, 1, 2]
+    """Decode: sequences first. Ragged: kv heads and chunks first, rows last, so that with
+    ``_partial_min_tile`` a tile holds at least ``attrs['rows']`` rows."""
+    final = bool(sig.attrs.get("final"))
+    if sig.attrs.get("ragged"):
+        return [1, 0] if final else [1, 2, 0]
+    return [0, 1] if final else [0, 1, 2]
+
+
+def _partial_min_tile(sig: OpSig) -> int:
+    """Decode: one state. Ragged: ``attrs['rows']`` rows' states of one kv head and chunk."""
+    G, width = _chunks(sig)[2], sig.out_shape[-1]
+    return sig.attrs["rows"] * G * width if sig.attrs.get("ragged") else 1
 
 
 register(OpDef(
     kind="attn_partial", type_id=31, input_regions=_partial_regions, cpu=_partial_cpu, gpu=ATTN_PARTIAL_GPU,
     splittable=_chunk_splits, split_order=_chunk_order,
-    min_tile_elems=1, long_tasks=True, key_spaces=_partial_keys,
+    min_tile_elems=_partial_min_tile, long_tasks=True, key_spaces=_partial_keys,
     doc="partial (O, lse) of G query heads over one KV chunk of a paged sequence (final: O, one chunk)",
 ))
 

@@ -1,5 +1,6 @@
-"""Rules for decode over the paged KV cache: ``mpk.rope_append`` (qk-norm, RoPE and the KV
-append, in place) and ``mpk.paged_attention`` (split-KV partials and their ⊕ merge)."""
+"""Rules for attention over the paged KV cache: ``mpk.rope_append`` (qk-norm, RoPE and the KV
+append, in place) and ``mpk.paged_attention`` (split-KV partials and their ⊕ merge), in the
+decode form and the ragged one (``qo_indptr``: prefill, mixed batches; mpk.ops.paged)."""
 
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ MAX_FUSED_GROUP = 6  # cuda/mpk_tasks/paged_attention.cuh: the G q heads + k + v
 
 
 def _q_only_attended(node, layer: int, group: int) -> bool:
-    """The q output of the rope_append ``node`` is read by exactly one paged attention, of the
-    same layer, whose group fits the fused task."""
+    """The q output of the (decode-form) rope_append ``node`` is read by exactly one decode-form
+    paged attention, of the same layer, whose group fits the fused task."""
     q_nodes = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
     users = [u for q in q_nodes for u in q.users]
     if len(q_nodes) != 1 or len(users) != 1 or users[0].target is not mpk_ops.paged_attention.default:
@@ -59,27 +60,31 @@ def _q_only_attended(node, layer: int, group: int) -> bool:
     attn = users[0]
     q_arg = attn.args[0] if attn.args else attn.kwargs.get("q")
     attn_layer = attn.args[5] if len(attn.args) > 5 else attn.kwargs.get("layer")
-    return q_arg is q_nodes[0] and attn_layer == layer and group <= MAX_FUSED_GROUP
+    ragged = (attn.args[8] if len(attn.args) > 8 else attn.kwargs.get("qo_indptr")) is not None
+    return q_arg is q_nodes[0] and attn_layer == layer and group <= MAX_FUSED_GROUP and not ragged
 
 
 def _rope_append(L, node, qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache, q_norm, k_norm,
-                 layer, heads, kv_heads, eps):
+                 layer, heads, kv_heads, eps, qo_indptr=None):
     from mpk.frontend.fused_ops import rope_append_attrs
 
     cache_val = node.kwargs["_all_bases"][0].meta["val"]
     qkv_val = node.kwargs["qkv"].meta["val"]
     try:
-        attrs = rope_append_attrs(qkv_val, cache_val, kv_indptr, kv_indices, kv_last_page_len, q_norm, k_norm, layer,
-                                  heads, kv_heads, eps)
+        attrs = rope_append_attrs(qkv_val, cache_val, node.kwargs["kv_indptr"].meta["val"], kv_indices,
+                                  kv_last_page_len, q_norm, k_norm, layer, heads, kv_heads, eps,
+                                  None if qo_indptr is None else node.kwargs["qo_indptr"].meta["val"])
     except ValueError as exc:
         raise Unsupported(str(exc)) from None
     ins = [qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, _whole_input(L, kv_cache, "kv_cache")]
     ins += [q_norm, k_norm] if q_norm is not None else []
+    ins += [qo_indptr] if qo_indptr is not None else []
     if (kv_cache.buffer, layer) in L.attended:
         raise Unsupported(f"rope_append writes layer {layer} of a cache that an earlier paged_attention of this "
                           "graph reads; append before attending")
     shape = (qkv.shape[0], heads, attrs["head_dim"])
-    if L.fuse_rope_attention and _q_only_attended(node, layer, heads // kv_heads):
+    # the ragged form is never fused: a row attends to k/v that other rows append, in other tiles
+    if L.fuse_rope_attention and qo_indptr is None and _q_only_attended(node, layer, heads // kv_heads):
         q = DeferredRope(tuple(ins), attrs, shape, qkv_val.dtype)
         L.appended_q[(kv_cache.buffer, layer)] = q
     else:
@@ -107,22 +112,35 @@ def _auto_functionalized(L, node, op, **kwargs):
     return (out, *new_bases)
 
 
-@handles(mpk_ops.paged_attention.default)
-def _paged_attention(L, node, q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, layer, scale, num_splits):
-    from mpk.frontend.fused_ops import default_splits, paged_attention_dims
+def _fake(node, index: int, name: str):
+    """The fake tensor of argument ``index`` (keyword ``name``) of the call ``node``."""
+    return (node.args[index] if len(node.args) > index else node.kwargs[name]).meta["val"]
 
-    try:
-        page_size, _, KV = paged_attention_dims(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, layer,
-                                                num_splits)
+
+@handles(mpk_ops.paged_attention.default)
+def _paged_attention(L, node, q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, layer, scale, num_splits,
+                     qo_indptr=None):
+    from mpk.frontend.fused_ops import default_splits, paged_attention_dims
+    from mpk.ops.paged import rows_per_tile
+
+    try:  # (the page table's fake tensors: the ragged form's checks compare dtypes, which views lack)
+        page_size, _, KV = paged_attention_dims(q, kv_cache, _fake(node, 2, "kv_indptr"), kv_indices,
+                                                kv_last_page_len, layer, num_splits,
+                                                None if qo_indptr is None else _fake(node, 8, "qo_indptr"))
     except ValueError as exc:
         raise Unsupported(str(exc)) from None
-    B, H, D = q.shape
+    B, H, D = q.shape  # (ragged: B counts token rows)
     cache = _whole_input(L, kv_cache, "kv_cache")
-    if isinstance(q, DeferredRope) and tuple(q.inputs[2:6]) != (kv_indptr, kv_indices, kv_last_page_len, cache):
+    if isinstance(q, DeferredRope) and (qo_indptr is not None or
+                                        tuple(q.inputs[2:6]) != (kv_indptr, kv_indices, kv_last_page_len, cache)):
         rope = q  # other page tables or another cache than the append's: the two stay apart
         q = rope.emit(L)
         L.appended_q[(rope.inputs[5].buffer, layer)] = q.buffer
-    C = num_splits or default_splits(B, KV, kv_indices.shape[0] * page_size // max(1, B), L.num_workers)
+    batch = B if qo_indptr is None else kv_last_page_len.shape[0]
+    # ragged: a tile holds rows_per_tile rows, so the chunks are sized to blocks of rows
+    rows = 1 if qo_indptr is None else rows_per_tile(B, H // KV)
+    C = num_splits or default_splits(-(-B // rows), KV, kv_indices.shape[0] * page_size // max(1, batch),
+                                     L.num_workers)
     attrs = dict(layer=layer, scale=float(scale), page_size=page_size)
     # The cache is written in place by rope_append, invisibly to the dependency analysis; what
     # orders attention after the append is reading the q that same rope_append wrote (the tile
@@ -134,6 +152,8 @@ def _paged_attention(L, node, q, kv_cache, kv_indptr, kv_indices, kv_last_page_l
     shape = (B, KV, H // KV, D) if final else (B, KV, C, H // KV, D + 1)
     dtype = L.meta().dtype if final else torch.float32
     attrs["final"] = final
+    if qo_indptr is not None:
+        attrs |= {"ragged": True, "rows": rows}
 
     def merged(states: View) -> View:
         return states.then(("reshape", (B, H, D))) if final else \
@@ -147,5 +167,5 @@ def _paged_attention(L, node, q, kv_cache, kv_indptr, kv_indices, kv_last_page_l
         raise Unsupported(f"paged_attention over layer {layer} must read the q returned by that layer's "
                           "rope_append (which appends the step's k/v); nothing else orders it after the append")
     L.attended.add(key)
-    return merged(L.emit("attn_partial", [q, cache, kv_indptr, kv_indices, kv_last_page_len], attrs, shape=shape,
-                         dtype=dtype))
+    tables = [kv_indptr, kv_indices, kv_last_page_len] + ([qo_indptr] if qo_indptr is not None else [])
+    return merged(L.emit("attn_partial", [q, cache, *tables], attrs, shape=shape, dtype=dtype))
