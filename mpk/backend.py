@@ -47,8 +47,9 @@ _TRACE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("mpk_trace_on
 @contextlib.contextmanager
 def trace_only() -> Iterator[None]:
     """Within it, calling a compiled model compiles its graph (when Dynamo has none for these
-    inputs) and raises ``TracedOnly`` instead of running it: no executor is built, no input is
-    written. A set of graphs can be traced first and their kernels built together
+    inputs) and raises ``TracedOnly`` at its first mpk graph instead of running it: no executor
+    is built, no input is written (with ``fallback="eager"``, the eager parts before that graph
+    do run). A set of graphs can be traced first and their kernels built together
     (``mpk.llm.buckets``); Dynamo keeps each graph, so a later call outside runs it."""
     token = _TRACE_ONLY.set(True)
     try:

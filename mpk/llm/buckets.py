@@ -3,8 +3,8 @@ so steps of any number of new tokens (prefill chunks, decodes, both in one step)
 recompiling, and ``prefill``, which feeds prompts through them.
 
 mpk compiles static shapes: each bucket of T rows is its own graph (and kernel). A step of
-n new tokens runs the smallest bucket T ≥ n, rows n … T − 1 padding (token 0, which the paged
-ops neither append nor attend for); a step of one token per sequence runs the decode form
+n new tokens runs the smallest bucket T ≥ n, rows n … T − 1 padding (token 0; the paged ops
+append nothing for them and give them zero attention output); a step of one token per sequence runs the decode form
 (``qo_indptr`` None), the decode benchmark's graph. ``TokenBuckets.compile`` traces every
 graph first, then builds their kernels together (parallel nvcc through the cubin cache, as
 ``benchmarks/prebuild_decode.py`` does).

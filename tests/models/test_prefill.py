@@ -256,6 +256,28 @@ def test_more_graphs_than_dynamos_recompile_limit(ran_rows):
     assert len(COMPILED) == start + 4 and ran_rows == [4, 2, 1]  # (one token: the decode graph, batch 1)
 
 
+def test_gpu_compile_traces_every_graph_then_builds_them_together(monkeypatch):
+    """With the GPU executor, compile() traces the buckets and the decode form without running
+    anything (no executor, no CUDA needed) and hands all their generated sources to one parallel
+    build (here captured instead of run by nvcc)."""
+    import warnings
+
+    from mpk.executors import build
+
+    built: list[list[str]] = []
+    monkeypatch.setattr(build, "prebuild", lambda sources, **kw: built.append(sources) or [])
+    cfg = small("qwen3", layers=1, head_dim=64)  # (the GPU's paged attention takes head dims 64, 128, 256)
+    model = DecoderLM(cfg, torch.bfloat16, max_len=64)
+    kv = PagedKVCache(model, 2, 64, 16)
+    steps = TokenBuckets(model, kv, buckets=[4, 16], options={"executor": "gpu", "num_workers": 16})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (PerformanceWarning: projections of more rows than a decode step's)
+        report = steps.compile()
+    assert list(report.trace_s) == ["T=4", "T=16", "decode"]
+    assert len(built) == 1 and len(built[0]) == 3 and all("mpk_execute_task" in src for src in built[0])
+    assert len(set(built[0])) == 3
+
+
 def test_qo_indptr_follows_grow():
     """grow(n) returns the step's new tokens and writes their rows into qo_indptr in place (its
     address fixed); reset(b) takes sequence b's out; a decode loop's grow(1) writes it once."""
