@@ -5,6 +5,7 @@
 #include "diagnostic.cuh"
 #include "linalg.cuh"
 #include "paged_attention.cuh"
+#include "paged_prefill.cuh"
 #include "pointwise.cuh"
 #include "rows.cuh"
 #include "sort.cuh"

@@ -129,25 +129,26 @@ __device__ __noinline__ void rope_append_impl(const OpC& c, const Rect& r, const
                    static_cast<long long>(head) * D;
     const T* wn = norm ? static_cast<const T*>(env.buffers[c.in[head < H ? 6 : 7].buffer]) + c.in[head < H ? 6 : 7].offset
                        : nullptr;
-    SeqSpan s;
-    long long pos;
-    if constexpr (kRagged) {
-      const RaggedRow row = ragged_row<I>(env, indptr, indices, last, c.in[qk_norm ? 8 : 6], b, page_size,
-                                          c.out_buffer);
-      s = row.span;
-      pos = row.pos >= 0 ? row_position(row.pos, cs, c.out_buffer, b) : -1;
-      if (pos < 0) {  // padding (or a row not followed): zero q, no append
-        if (head < H) {
-          T* out = static_cast<T*>(env.buffers[c.out_buffer]) + (b * H + head) * static_cast<long long>(D);
-#pragma unroll
-          for (int i = 0; i < kPer; ++i) out[(threadIdx.x & 31) + 32 * i] = from_f<T>(0.f);
-        }
-        continue;
+    long long pos = -1;
+    const SeqSpan s = [&] {
+      if constexpr (kRagged) {
+        const RaggedRow row = ragged_row<I>(env, indptr, indices, last, c.in[qk_norm ? 8 : 6], b, page_size,
+                                            c.out_buffer);
+        pos = row.pos >= 0 ? row_position(row.pos, cs, c.out_buffer, b) : -1;
+        return row.span;
+      } else {
+        const SeqSpan span = seq_span<I>(env, indptr, indices, last, b, page_size, c.out_buffer);
+        pos = rope_position(span, cs, c.out_buffer, b);
+        return span;
       }
-    } else {
-      s = seq_span<I>(env, indptr, indices, last, b, page_size, c.out_buffer);
-      pos = rope_position(s, cs, c.out_buffer, b);
-      if (pos < 0) continue;
+    }();
+    if (pos < 0) {
+      if (kRagged && head < H) {  // padding (or a row not followed): zero q, no append
+        T* out = static_cast<T*>(env.buffers[c.out_buffer]) + (b * H + head) * static_cast<long long>(D);
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) out[(threadIdx.x & 31) + 32 * i] = from_f<T>(0.f);
+      }
+      continue;
     }
     RopeRow<kPer, T> x;
     x.load_consts(wn, rotate ? static_cast<const T*>(env.buffers[cs.buffer]) + cs.offset + pos * cs.stride[0] : nullptr);
@@ -514,20 +515,21 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
   const long long ch0 = kFinal ? 0 : r.lo[2];
   for (long long b = r.lo[0]; b < r.hi[0]; ++b) {
     const bool at_first = b == r.lo[0];  // the sequence whose page table attn_partial read before the gate
-    SeqSpan span;
     long long m = 0, lim = 0;  // kRagged: the row's chunking length and limit
-    if constexpr (kRagged) {
-      span = first.span;
-      m = first.m;
-      lim = first.lim;
-      if (!at_first) {
+    const SeqSpan span = [&] {
+      if constexpr (kRagged) {
+        if (at_first) {
+          m = first.m;
+          lim = first.lim;
+          return first.span;
+        }
         const RaggedRow row = ragged_row<I>(env, indptr, indices, last, c.in[5], b, page_size, c.out_buffer);
-        span = row.span;
         ragged_extent(row, r.hi[0], m, lim);
+        return row.span;
+      } else {
+        return at_first ? first.span : next_span<I>(env, indptr, indices, last, b, page_size, c.out_buffer);
       }
-    } else {
-      span = at_first ? first.span : next_span<I>(env, indptr, indices, last, b, page_size, c.out_buffer);
-    }
+    }();
     const SeqPages<I> pages(env, indices, span.first_page, shift);
     for (long long kvh = r.lo[1]; kvh < r.hi[1]; ++kvh) {
       const T* head_base = kvbase + kvh * cache.stride[3];

@@ -107,7 +107,7 @@ def attention_steps(op: OpInfo) -> int:
 # (K and V rows of 8192 / D positions) in the scratch area and the next step's in dynamic shared
 # memory, so that one step's copies fly while the warps attend to the other.
 PREFILL_STAGE_BYTES = 32768
-PREFILL_MAX_GROUP = 16  # attn_prefill packs a block of ⌊16 / G⌋ rows' G heads into the MMA's 16 rows
+PREFILL_MAX_GROUP = 8  # attn_prefill packs a block of ⌊8 / G⌋ rows' G heads into a warp's 8 MMA rows
 
 
 def _attention_smem(op: OpInfo) -> int:
@@ -448,15 +448,15 @@ def chunk_bounds(n: int, c: int, C: int, rope: bool) -> tuple[int, int]:
 
 
 DECODE_ROWS = 16  # a ragged step of at most this many token rows is taken for a batch of decodes
-MMA_ROWS = 128  # query rows (token rows × group) of a ragged tile on the tensor cores: 8 warps × the MMA's 16
+MMA_ROWS = 64  # query rows (token rows × group) of a ragged tile on the tensor cores: 8 warps × 8 (attn_prefill)
 
 
 def rows_per_tile(tokens: int, group: int) -> int:
     """R, the fewest token rows a ragged attention tile holds (``attrs['rows']``). A step of up
     to ``DECODE_ROWS`` rows is mostly decodes, whose rows share no K/V: one row a tile spreads
     them over the most workers. A prefill's rows share their sequence's K/V: R·G = ``MMA_ROWS``
-    query rows take one K/V row from memory for all of them, filling the task's 8 warps' MMA
-    rows."""
+    query rows fill the tensor-core task's 8 warps (attn_prefill), which read each K/V row once
+    for all of them."""
     return 1 if tokens <= DECODE_ROWS else max(1, MMA_ROWS // group)
 
 
