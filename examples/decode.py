@@ -1,17 +1,18 @@
 """Greedy decoding with a Llama/Qwen3 model compiled by mpk: one megakernel launch per step.
 
     python examples/decode.py --model path/to/hf-checkpoint --prompt "The capital of France is" --steps 32
-    python examples/decode.py --model path/to/hf-checkpoint --prompt-ids 1 2 3 --steps 32
+    python examples/decode.py --model path/to/hf-checkpoint --prompt-ids 1 2 3 --steps 32 --chunk 2
     python examples/decode.py --random qwen3-tiny --steps 16       # random weights, no download
 
 ``--model`` takes a local Hugging Face directory (config.json + *.safetensors, Llama or Qwen3
 family). ``--prompt`` tokenizes text with the checkpoint's own tokenizer (transformers'
 ``AutoTokenizer``, local files only) and prints the completion as text. With ``--model``
 generation stops at an end-of-sequence id: those the checkpoint's generation_config.json
-names, and with ``--prompt`` the tokenizer's. The prompt is fed one token per step through the same
-compiled decode step (its logits are ignored until the prompt is consumed), then the arg-max
-token is appended. Prints the generated ids and the mean step time; ``--check`` also runs mpk's
-eager path on the same tokens and reports the largest logit difference.
+names, and with ``--prompt`` the tokenizer's. The prompt is prefilled in one step (``--chunk N``:
+steps of at most N tokens), a graph compiled for that many tokens (``mpk.llm.TokenBuckets``);
+then each arg-max token is appended by a decode step, a second graph. Prints the generated ids,
+the compile, prefill and mean decode step times; ``--check`` also runs mpk's eager path on the
+same tokens and reports the largest logit difference.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tqdm import tqdm
 
 from mpk.cli import count, page_size
 from mpk.errors import MpkError
-from mpk.llm import DecoderLM, LLMConfig, PagedKVCache, load_pretrained
+from mpk.llm import DecoderLM, LLMConfig, PagedKVCache, TokenBuckets, load_pretrained, prefill
 
 RANDOM = {
     "qwen3-tiny": LLMConfig(family="qwen3", hidden=256, inter=512, layers=2, heads=8, kv_heads=2, head_dim=64,
@@ -70,6 +71,8 @@ def main(argv=None) -> int:
     prompt.add_argument("--prompt-ids", type=int, nargs="+", default=[1, 2, 3, 4])
     prompt.add_argument("--prompt", help="text, tokenized by the checkpoint's tokenizer (needs --model)")
     ap.add_argument("--steps", type=count(1), default=16, help="tokens to generate")
+    ap.add_argument("--chunk", type=count(1), default=None,
+                    help="prefill the prompt in steps of at most this many tokens (default: all in one step)")
     ap.add_argument("--page-size", type=page_size, default=16)
     ap.add_argument("--executor", choices=["gpu", "cpu"], default="gpu" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--check", action="store_true", help="compare each step with mpk's eager path")
@@ -115,40 +118,53 @@ def _run(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     bad = [t for t in args.prompt_ids if not 0 <= t < model.cfg.vocab]
     if bad:
         raise SystemExit(f"prompt ids {bad} are outside the vocabulary [0, {model.cfg.vocab})")
-    step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False, options={"executor": args.executor})
-    kv = PagedKVCache(model, 1, max_len, args.page_size)
-    ref_kv = PagedKVCache(model, 1, max_len, args.page_size) if args.check else None
-    tokens, generated, times, worst, shown = list(args.prompt_ids), [], [], 0.0, ""
+    prompt = list(args.prompt_ids)
+    bucket = min(args.chunk or len(prompt), len(prompt))  # the prefill graph's rows: one (padded) chunk
+    steps = TokenBuckets(model, PagedKVCache(model, 1, max_len, args.page_size), buckets=[bucket],
+                         options={"executor": args.executor})
+    ref = TokenBuckets(model, PagedKVCache(model, 1, max_len, args.page_size), buckets=[bucket], eager=True) \
+        if args.check else None
+    report = steps.compile()
+    generated, times, worst, shown = [], [], 0.0, ""
+
+    def difference(logits: torch.Tensor, expected: torch.Tensor) -> float:
+        return float((logits.float() - expected.float()).abs().max() / expected.float().abs().max())
+
     with torch.no_grad():
+        start = time.perf_counter()
+        logits = prefill(steps, [prompt], args.chunk)[0]
+        nxt = int(logits.argmax(-1))
+        prefill_s = time.perf_counter() - start
+        if ref is not None:
+            worst = difference(logits, prefill(ref, [prompt], args.chunk)[0])
         # a progress bar on a terminal where no text streams (token ids: nothing shows until the end)
-        for i in tqdm(range(max_len - 1), desc="decoding", unit="step", leave=False,
+        for i in tqdm(range(args.steps), desc="decoding", unit="step", leave=False,
                       disable=True if tokenizer is not None else None):
-            kv.grow(1)
-            tok = torch.tensor([tokens[i]], device=device)
-            start = time.perf_counter()
-            logits = step(tok, *kv.args())
-            nxt = int(logits.argmax(-1))
-            times.append(time.perf_counter() - start)
-            if ref_kv is not None:
-                ref_kv.grow(1)
-                ref = model(tok, *ref_kv.args()).float()
-                worst = max(worst, float((logits.float() - ref).abs().max() / ref.abs().max()))
-            if i + 1 >= len(args.prompt_ids):
-                generated.append(nxt)
-                tokens.append(nxt)
-                if tokenizer is not None:  # the text so far, as it grows
-                    text = tokenizer.decode(generated, skip_special_tokens=True)
-                    print(text[len(shown):], end="", flush=True, file=sys.stderr)
-                    shown = text
-                if nxt in eos:
-                    break
+            if i:  # the token generated last goes in; the first came from the prefill
+                start = time.perf_counter()
+                logits = steps.step([[generated[-1]]])[0]
+                nxt = int(logits.argmax(-1))
+                times.append(time.perf_counter() - start)
+                if ref is not None:
+                    worst = max(worst, difference(logits, ref.step([[generated[-1]]])[0]))
+            generated.append(nxt)
+            if tokenizer is not None:  # the text so far, as it grows
+                text = tokenizer.decode(generated, skip_special_tokens=True)
+                print(text[len(shown):], end="", flush=True, file=sys.stderr)
+                shown = text
+            if nxt in eos:
+                break
     if tokenizer is not None:
         print(file=sys.stderr)
     print(f"generated ids: {generated}")
     if tokenizer is not None:
         print(f"text: {tokenizer.decode(args.prompt_ids + generated, skip_special_tokens=True)}")
-    warm = f", {1e3 * sum(times[1:]) / (len(times) - 1):.2f} ms/step after the first" if len(times) > 1 else ""
-    print(f"{len(times)} step(s){warm} (first: {times[0]:.1f} s, trace + compile + build)")
+    steps_done = -(-len(prompt) // bucket)
+    print(f"compile: {report}")
+    print(f"prefill: {len(prompt)} token(s) in {steps_done} step(s), {prefill_s:.2f} s")
+    if times:
+        warm = f", {1e3 * sum(times[1:]) / (len(times) - 1):.2f} ms/step after the first" if len(times) > 1 else ""
+        print(f"decode: {len(times)} step(s){warm} (first: {1e3 * times[0]:.1f} ms)")
     if args.check:
         print(f"largest logit difference vs mpk eager, relative to max |logit|: {worst:.2e}")
     return 0

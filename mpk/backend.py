@@ -7,10 +7,12 @@ Registered as the ``mpk`` entry point of ``torch_dynamo_backends``, so
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch.fx import GraphModule
@@ -28,6 +30,32 @@ from mpk.options import CompileOptions
 # model) keeps it alive: a runner holds its executor's GPU buffers and last arguments.
 COMPILED: list[CompiledGraph] = []
 RUNNERS: weakref.WeakValueDictionary[int, Callable] = weakref.WeakValueDictionary()
+
+
+class TracedOnly(Exception):
+    """Raised by a call of an mpk-compiled graph inside ``trace_only()``: the graph is compiled
+    (``compiled``), nothing ran."""
+
+    def __init__(self, compiled: CompiledGraph):
+        super().__init__("an mpk graph was called inside trace_only(); it was compiled, not run")
+        self.compiled = compiled
+
+
+_TRACE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("mpk_trace_only", default=False)
+
+
+@contextlib.contextmanager
+def trace_only() -> Iterator[None]:
+    """Within it, calling a compiled model compiles its graph (when Dynamo has none for these
+    inputs) and raises ``TracedOnly`` at its first mpk graph instead of running it: no executor
+    is built, no input is written (with ``fallback="eager"``, the eager parts before that graph
+    do run). A set of graphs can be traced first and their kernels built together
+    (``mpk.llm.buckets``); Dynamo keeps each graph, so a later call outside runs it."""
+    token = _TRACE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _TRACE_ONLY.reset(token)
 
 
 def mpk_backend(gm: GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None):
@@ -103,6 +131,8 @@ def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
         state: dict[str, GpuExecutor] = {}
 
         def run(*args):
+            if _TRACE_ONLY.get():
+                raise TracedOnly(compiled)
             # Built on first call: the compiler runs under fake tensors, the executor needs real ones.
             if "ex" not in state:
                 state["ex"] = GpuExecutor(compiled.tables, timeout_s=opts.timeout_s,
@@ -124,6 +154,8 @@ def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
         interp = Interpreter(compiled.tables, check_races=opts.check_races)
 
         def run(*args):
+            if _TRACE_ONLY.get():
+                raise TracedOnly(compiled)
             return interp.run(args, seed=opts.seed)
 
     run.compiled = compiled  # type: ignore[attr-defined]

@@ -1,10 +1,11 @@
-"""Llama and Qwen3 decoders written to be traced: the config, the model, checkpoint loading and
-the paged KV cache's page table."""
+"""Llama and Qwen3 decoders written to be traced: the config, the model, checkpoint loading,
+the paged KV cache's page table, and the model compiled for token-count buckets (prefill)."""
 
+from mpk.llm.buckets import CompileReport, TokenBuckets, default_buckets, prefill
 from mpk.llm.checkpoint import load_pretrained
 from mpk.llm.config import FAMILIES, SHAPES, LLMConfig, rope_inv_freq, rope_table
 from mpk.llm.kv_cache import PagedKVCache
 from mpk.llm.model import DecoderLM
 
 __all__ = ["FAMILIES", "SHAPES", "LLMConfig", "DecoderLM", "PagedKVCache", "load_pretrained", "rope_inv_freq",
-           "rope_table"]
+           "rope_table", "TokenBuckets", "CompileReport", "default_buckets", "prefill"]

@@ -1,5 +1,6 @@
 """``PagedKVCache``: the host-side page allocator and the BSR page table (``kv_indptr``,
-``kv_indices``, ``kv_last_page_len``) a decode step reads."""
+``kv_indices``, ``kv_last_page_len``) a step reads, with ``qo_indptr``, the rows of a ragged
+step's new tokens."""
 
 from __future__ import annotations
 
@@ -32,12 +33,14 @@ def _indices(value: Any) -> list[int] | None:
 
 
 class PagedKVCache:
-    """Host-side page allocator and the BSR page table a decode step reads.
+    """Host-side page allocator and the BSR page table a step reads.
 
-    Pages are handed out in order from a free list; ``grow()`` counts one new token per
-    sequence (allocating a page when the last one is full) and writes the table tensors in
-    place, so their addresses stay fixed across steps (CUDA graphs and mpk's bound buffers
-    rely on that).
+    Pages are handed out in order from a free list; ``grow(n)`` counts the next step's new
+    tokens (allocating pages as the last one fills) and writes the table tensors in place, so
+    their addresses stay fixed across steps (CUDA graphs and mpk's bound buffers rely on
+    that). ``qo_indptr`` [batch + 1] int32 holds the rows of the last ``grow``'s tokens: a
+    decode step (``grow(1)``) ignores it, a ragged step (``DecoderLM.forward(..., qo_indptr)``)
+    reads it.
     """
 
     def __init__(self, model: DecoderLM, batch: int, max_len: int, page_size: int):
@@ -57,14 +60,18 @@ class PagedKVCache:
         self.kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
         self.kv_indices = torch.zeros(num_pages, dtype=torch.int32, device=dev)
         self.kv_last_page_len = torch.zeros(batch, dtype=torch.int32, device=dev)
+        self.qo_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
+        self.new = [0] * batch  # the last grow's counts: qo_indptr's host side
+        self._qo_written = np.zeros(batch + 1, np.int32)
         self.reset()
 
     def reset(self, seqs: int | list[int] | None = None) -> None:
         """Empty sequences ``seqs`` (an index or a list; default: every one), their pages back to
         the free list, keeping the cache tensor and the table tensors (and their addresses): the
         next prompt needs no second cache, and a finished sequence's slot can take a new prompt
-        while the others decode on. A step writes one token of every sequence, so ``grow`` the
-        emptied ones before the next step."""
+        while the others decode on. A decode step writes one token of every sequence, so ``grow``
+        the emptied ones before the next one (a ragged step leaves a sequence without new tokens
+        alone)."""
         if seqs is None:
             num_pages = self.batch * self.pages_per_seq
             # Pages interleaved across sequences, so a sequence's pages are not contiguous (the
@@ -72,6 +79,7 @@ class PagedKVCache:
             self.free = [p for i in range(self.pages_per_seq) for p in range(i, num_pages, self.pages_per_seq)][::-1]
             self.owned = np.zeros((self.batch, self.pages_per_seq), np.int32)  # row b: sequence b's pages in order
             self.lens = [0] * self.batch
+            self.new = [0] * self.batch
         else:
             chosen = _indices(seqs)
             if chosen is None or not all(0 <= b < self.batch for b in chosen) or len(set(chosen)) < len(chosen):
@@ -80,11 +88,15 @@ class PagedKVCache:
             for b in chosen:
                 self.free.extend(self.owned[b, : -(-self.lens[b] // self.page_size)][::-1].tolist())
                 self.lens[b] = 0
+                self.new[b] = 0
         self._write()
 
-    def grow(self, n: int | list[int] = 1) -> None:
-        """Count ``n`` more tokens in every sequence, or ``n[b]`` in sequence b (the next decode
-        step writes each sequence's last token). A refused grow changes nothing."""
+    def grow(self, n: int | list[int] = 1) -> int:
+        """Count ``n`` more tokens in every sequence, or ``n[b]`` in sequence b (0: none), and
+        make them the next step's new rows: a decode step writes each sequence's last token, a
+        ragged step the ``n[b]`` tokens of sequence b from row ``qo_indptr[b]`` on. Returns
+        their total, the rows a ragged step needs (its tokens tensor may be longer: padding).
+        A refused grow changes nothing."""
         counts = list(n) if isinstance(n, (list, tuple)) else [n] * self.batch
         if len(counts) != self.batch or not all(is_count(k) for k in counts):
             raise ValueError(f"grow({n!r}); expected a count ≥ 0 (an int) or one per sequence ({self.batch})")
@@ -96,9 +108,13 @@ class PagedKVCache:
             self.lens[b] += k
             for i in range(have, -(-self.lens[b] // self.page_size)):
                 self.owned[b, i] = self.free.pop()
+        self.new = counts
         self._write()
+        return sum(counts)
 
     def args(self) -> tuple[torch.Tensor, ...]:
+        """(cache, kv_indptr, kv_indices, kv_last_page_len): a decode step's arguments after the
+        tokens; a ragged step adds ``qo_indptr``."""
         return self.cache, self.kv_indptr, self.kv_indices, self.kv_last_page_len
 
     def _write(self) -> None:
@@ -107,10 +123,16 @@ class PagedKVCache:
         indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
         flat = np.concatenate([self.owned[b, :k] for b, k in enumerate(pages)]).astype(np.int32)
         last = np.where(lens > 0, (lens - 1) % self.page_size + 1, 0).astype(np.int32)
+        qo = np.concatenate([[0], np.cumsum(self.new)]).astype(np.int32)
+        # a decode loop's qo_indptr never changes: no copy for it each step
+        writes = [(self.kv_indptr, indptr), (self.kv_indices[: len(flat)], flat), (self.kv_last_page_len, last)]
+        if not np.array_equal(qo, self._qo_written):
+            writes.append((self.qo_indptr, qo))
+            self._qo_written = qo
         # From pinned host memory, asynchronously: a blocking copy would wait for the steps still
         # queued on the stream (sync=False), stalling the host each step. The caching host
         # allocator keeps each staging block until its copy has run.
-        for dst, src in ((self.kv_indptr, indptr), (self.kv_indices[: len(flat)], flat), (self.kv_last_page_len, last)):
+        for dst, src in writes:
             host = torch.from_numpy(src)
             if dst.is_cuda:
                 host = host.pin_memory()

@@ -1,0 +1,230 @@
+"""Token-count buckets: a ``DecoderLM`` compiled once per step size over one ``PagedKVCache``,
+so steps of any number of new tokens (prefill chunks, decodes, both in one step) run without
+recompiling, and ``prefill``, which feeds prompts through them.
+
+mpk compiles static shapes: each bucket of T rows is its own graph (and kernel). A step of
+n new tokens runs the smallest bucket T ≥ n, rows n … T − 1 padding (token 0; the paged ops
+append nothing for them and give them zero attention output); a step of one token per sequence runs the decode form
+(``qo_indptr`` None), the decode benchmark's graph. ``TokenBuckets.compile`` traces every
+graph first, then builds their kernels together (parallel nvcc through the cubin cache, as
+``benchmarks/prebuild_decode.py`` does).
+
+Every bucket is a Dynamo cache entry of ``DecoderLM.forward``: ``compile`` raises Dynamo's
+``recompile_limit`` (8 by default) while it traces, and steps run under the
+``fail_on_recompile`` stance, so a step that would compile (new shapes, or after
+``torch._dynamo.reset()`` / ``torch.compiler.reset()``, which drop every graph) raises instead
+of silently tracing in the loop; call ``compile`` again after a reset.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from mpk.errors import BadInputError, MpkError, OptionError
+from mpk.llm.config import is_count
+from mpk.llm.kv_cache import PagedKVCache
+from mpk.llm.model import LOGITS, DecoderLM
+
+
+def default_buckets(max_num_batched_tokens: int) -> list[int]:
+    """1, 2, 4, … below ``max_num_batched_tokens``, then ``max_num_batched_tokens`` itself."""
+    if not is_count(max_num_batched_tokens, 1):
+        raise OptionError(f"max_num_batched_tokens={max_num_batched_tokens!r}; expected an int ≥ 1")
+    sizes, t = [], 1
+    while t < max_num_batched_tokens:
+        sizes.append(t)
+        t *= 2
+    return sizes + [max_num_batched_tokens]
+
+
+@dataclass
+class CompileReport:
+    """What ``TokenBuckets.compile`` did: the graphs it traced ("decode" or "T=<rows>") with the
+    seconds each took (Dynamo, AOTAutograd, mpk's compiler), and the seconds of the kernels'
+    parallel nvcc build (0 for the CPU interpreter, which builds nothing)."""
+
+    trace_s: dict[str, float] = field(default_factory=dict)
+    build_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.trace_s.values()) + self.build_s
+
+    def __str__(self) -> str:
+        return (f"{len(self.trace_s)} graphs traced in {sum(self.trace_s.values()):.1f} s, kernels built in "
+                f"{self.build_s:.1f} s: {self.total_s:.1f} s")
+
+
+def _recompile_error(e: RuntimeError) -> bool:
+    return "fail_on_recompile" in str(e)
+
+
+class TokenBuckets:
+    """``model`` compiled for steps of up to ``max_num_batched_tokens`` new tokens over ``cache``.
+
+    ``buckets``: the row counts compiled (default ``default_buckets(max_num_batched_tokens)``;
+    given, ``max_num_batched_tokens`` defaults to their largest); ``decode``: also compile the
+    decode form for steps of one token per sequence. ``logits``: "last" (each sequence's last
+    new token, [batch, vocab]) or "all" (every new token's, [tokens, vocab]). ``options``: mpk's
+    compile options. ``eager``: run the model in PyTorch instead, same buckets and padding (a
+    reference for tests; nothing compiles). ``compile`` runs at the first ``step`` if not called.
+    """
+
+    def __init__(self, model: DecoderLM, cache: PagedKVCache, max_num_batched_tokens: int | None = None,
+                 buckets: Sequence[int] | None = None, decode: bool = True, logits: str = "last",
+                 options: dict | None = None, eager: bool = False):
+        if buckets is None:
+            if max_num_batched_tokens is None:
+                raise OptionError("TokenBuckets: expected max_num_batched_tokens or buckets (the step sizes to "
+                                  "compile)")
+            buckets = default_buckets(max_num_batched_tokens)
+        sizes = sorted(set(buckets)) if all(is_count(b, 1) for b in buckets) else []
+        if not sizes:
+            raise OptionError(f"buckets={list(buckets)!r}; expected row counts, ints ≥ 1")
+        if max_num_batched_tokens is not None and max_num_batched_tokens != sizes[-1]:
+            raise OptionError(f"max_num_batched_tokens={max_num_batched_tokens!r} with buckets {sizes}; expected "
+                              "the largest bucket (or leave one of them out)")
+        if logits not in LOGITS:
+            raise OptionError(f"logits={logits!r}; expected one of {LOGITS}")
+        self.model, self.cache, self.buckets, self.decode, self.logits = model, cache, sizes, decode, logits
+        device = model.embed.device
+        # fixed token buffers, one per graph: a launch whose arguments keep their addresses
+        # skips the GPU executor's full bind
+        self._tokens = {T: torch.zeros(T, dtype=torch.long, device=device) for T in sizes}
+        self._decode_tokens = torch.zeros(cache.batch, dtype=torch.long, device=device)
+        self._run: Callable = model if eager else torch.compile(
+            model, backend="mpk", fullgraph=True, dynamic=False, options=dict(options or {}))
+        self.eager, self.report = eager, None
+
+    @property
+    def max_tokens(self) -> int:
+        """The most new tokens one step takes (the largest bucket)."""
+        return self.buckets[-1]
+
+    def bucket(self, tokens: int) -> int:
+        """The rows of the graph a step of ``tokens`` new tokens runs: the smallest bucket ≥ it."""
+        i = int(np.searchsorted(self.buckets, tokens))
+        if not is_count(tokens, 1) or i == len(self.buckets):
+            raise BadInputError(f"a step of {tokens!r} new tokens; expected 1…{self.max_tokens} (the largest bucket: "
+                                "split the work into chunks, or compile a larger bucket)")
+        return self.buckets[i]
+
+    def compile(self, progress: bool | None = None) -> CompileReport:
+        """Trace every graph (the buckets, then the decode form), then build their kernels in
+        parallel into the cubin cache (GPU executor); a progress bar per phase on stderr
+        (``progress``: default when stderr is a terminal). Nothing runs and the cache is not
+        written. Returns the times, also kept as ``report``."""
+        from tqdm import tqdm
+
+        from mpk.backend import TracedOnly, trace_only
+
+        report = CompileReport()
+        if self.eager:
+            self.report = report
+            return report
+        ragged = {"qo_indptr": self.cache.qo_indptr, "logits": self.logits}
+        graphs = [(f"T={T}", self._tokens[T], ragged) for T in self.buckets]
+        if self.decode:
+            graphs.append(("decode", self._decode_tokens, {}))
+        compiled = []
+        limit = torch._dynamo.config.recompile_limit + len(graphs)  # headroom over entries other compiles hold
+        with torch._dynamo.config.patch(recompile_limit=limit), torch.no_grad(), trace_only(), \
+                tqdm(graphs, desc="tracing", unit="graph", disable=None if progress is None else not progress) as bar:
+            for name, tokens, extra in bar:
+                start = time.perf_counter()
+                try:
+                    self._run(tokens, *self.cache.args(), **extra)
+                except TracedOnly as traced:
+                    compiled.append(traced.compiled)
+                else:
+                    raise MpkError(f"TokenBuckets: the {name} graph ran instead of being traced; expected the mpk "
+                                   "backend (did options select another?)")
+                report.trace_s[name] = time.perf_counter() - start
+        if any(c.tables.meta["options"].get("executor") == "gpu" for c in compiled):
+            from mpk.executors import build
+            from mpk.executors.codegen import generate
+
+            start = time.perf_counter()
+            build.prebuild([generate(c.tables) for c in compiled], progress=progress)
+            report.build_s = time.perf_counter() - start
+        self.report = report
+        return report
+
+    def step(self, new_tokens: Sequence[Sequence[int] | torch.Tensor]) -> torch.Tensor:
+        """Append ``new_tokens[b]`` (token ids; empty: none) to sequence b of the cache and run
+        one step over them: the decode form when every sequence has one, else the smallest
+        bucket that holds them all. Returns the logits: "last": [batch, vocab], row b the
+        logits after sequence b's last new token (a sequence with none: a meaningless row);
+        "all": [tokens, vocab], the new tokens in sequence order."""
+        if len(new_tokens) != self.cache.batch:
+            raise BadInputError(f"step() got tokens for {len(new_tokens)} sequences; expected one list per sequence "
+                                f"of the cache ({self.cache.batch}; empty for a sequence with none)")
+        ids = [[int(t) for t in (seq.tolist() if isinstance(seq, torch.Tensor) else seq)] for seq in new_tokens]
+        counts = [len(s) for s in ids]
+        vocab = self.model.cfg.vocab
+        bad = next(((b, t) for b, s in enumerate(ids) for t in s if not 0 <= t < vocab), None)
+        if bad is not None:  # checked before the cache grows: a refused step changes nothing
+            raise BadInputError(f"token id {bad[1]} of sequence {bad[0]} is outside the embedding table's {vocab} "
+                                f"rows [0, {vocab})")
+        if self.report is None:
+            self.compile()
+        if self.decode and all(k == 1 for k in counts):
+            self.cache.grow(1)
+            buf, extra = self._decode_tokens, {}
+        else:
+            buf = self._tokens[self.bucket(sum(counts))]  # before growing: a refused step changes nothing
+            self.cache.grow(counts)
+            extra = {"qo_indptr": self.cache.qo_indptr, "logits": self.logits}
+        flat = np.zeros(buf.shape[0], np.int64)  # padding rows: token 0
+        flat[: sum(counts)] = [t for s in ids for t in s]
+        host = torch.from_numpy(flat)
+        buf.copy_(host.pin_memory() if buf.is_cuda else host, non_blocking=buf.is_cuda)
+        try:
+            with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
+                out = self._run(buf, *self.cache.args(), **extra)
+        except RuntimeError as e:
+            if not _recompile_error(e):
+                raise
+            raise MpkError(f"a step of {counts} new tokens would compile a new graph (after torch._dynamo.reset() or "
+                           "torch.compiler.reset(), which drop every bucket's graph?); expected the graphs "
+                           "compile() made: call compile() again") from e
+        return out[: sum(counts)] if self.logits == "all" else out  # (the decode form's rows: one per token)
+
+
+def prefill(steps: TokenBuckets, prompts: Sequence[Sequence[int]], chunk: int | None = None) -> torch.Tensor:
+    """Append ``prompts[b]`` to sequence b of ``steps``' cache (one prompt per sequence; empty:
+    none), ``chunk`` tokens per step at most (None: the largest bucket, so a prompt that fits
+    runs in one step), taken first come first served: the earlier sequences' prompts fill a
+    step before the later ones start. Returns [batch, vocab]: row b the logits after the last
+    token of ``prompts[b]`` (zeros for an empty prompt)."""
+    limit = steps.max_tokens if chunk is None else chunk
+    if not is_count(limit, 1) or limit > steps.max_tokens:
+        raise OptionError(f"chunk={chunk!r}; expected None or 1…{steps.max_tokens} (the largest bucket)")
+    if len(prompts) != steps.cache.batch:
+        raise BadInputError(f"prefill() got {len(prompts)} prompts; expected one per sequence of the cache "
+                            f"({steps.cache.batch}; empty for a sequence with none)")
+    prompts = [list(p) for p in prompts]
+    done = [0] * len(prompts)
+    out: torch.Tensor | None = None
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        budget, batch = limit, []
+        for b, p in enumerate(prompts):
+            take = min(len(p) - done[b], budget)
+            batch.append(p[done[b]: done[b] + take])
+            budget -= take
+        logits = steps.step(batch)
+        if out is None:
+            out = logits.new_zeros(len(prompts), logits.shape[-1])
+        ends = np.cumsum([len(s) for s in batch])
+        for b, s in enumerate(batch):
+            done[b] += len(s)
+            if s and done[b] == len(prompts[b]):  # the prompt's last token was in this step
+                out[b] = logits[b] if steps.logits == "last" else logits[ends[b] - 1]
+    if out is None:
+        raise BadInputError("prefill() got only empty prompts; expected at least one token")
+    return out
