@@ -2,10 +2,12 @@
 
 Peer: a gpt-fast-style decode step in plain PyTorch (fused QKV and gate-up weights, static KV
 cache updated in place, SDPA with a position mask), timed eager, eager under a CUDA graph, and
-torch.compile + CUDA graph; the best of the three is "peer".
+torch.compile + CUDA graph; the best of the three is "peer". Its prefill (``time_peer_prefill``)
+runs the prompts as one padded [B, S] batch: cuBLAS GEMMs and SDPA's causal flash attention,
+the same three modes.
 Floor: bytes a decode step must read (weights + KV cache) / measured device copy bandwidth.
 
-    from peer import SHAPES, time_peer, weight_bytes, kv_bytes, copy_bandwidth, floor_ms, require_cuda
+    from peer import SHAPES, time_peer, time_peer_prefill, weight_bytes, kv_bytes, copy_bandwidth, floor_ms, require_cuda
 """
 
 from __future__ import annotations
@@ -154,6 +156,30 @@ class _Block(nn.Module):
         return x + F.linear(F.silu(gate) * up, self.w2)
 
 
+    def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, S, hidden] at positions 0 … S − 1 of an empty cache: the k/v written to the
+        cache, attention causal over the prompt (SDPA's flash kernel: no mask tensor)."""
+        s = self.s
+        b, n = x.shape[:2]
+        h = _rms_norm(x, self.attention_norm, s.rms_eps)
+        q, k, v = F.linear(h, self.wqkv).split(
+            [s.q_heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], dim=-1)
+        q = q.view(b, n, s.q_heads, s.head_dim).transpose(1, 2)
+        k = k.view(b, n, s.kv_heads, s.head_dim).transpose(1, 2)
+        v = v.view(b, n, s.kv_heads, s.head_dim).transpose(1, 2)
+        if s.qk_norm:
+            q = _rms_norm(q, self.q_norm, s.rms_eps)
+            k = _rms_norm(k, self.k_norm, s.rms_eps)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        self.k_cache[:, :, :n].copy_(k)
+        self.v_cache[:, :, :n].copy_(v)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + F.linear(o.transpose(1, 2).reshape(b, n, s.q_heads * s.head_dim), self.wo)
+        gate, up = F.linear(_rms_norm(x, self.ffn_norm, s.rms_eps), self.w13).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.w2)
+
+
 class PeerDecoder(nn.Module):
     """gpt-fast-style decode step: ``forward(tokens [B] int64, input_pos [1] int64) -> logits
     [B, vocab]``. Static KV cache [B, kv_heads, max_len, D] per layer (buffers ``k_cache`` /
@@ -198,6 +224,18 @@ class PeerDecoder(nn.Module):
         mask = (self.key_pos <= input_pos).view(1, 1, 1, self.max_len)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, input_pos)
+        return F.linear(_rms_norm(x, self.norm, self.shape.rms_eps), self.output)
+
+    def prefill(self, tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Prompts ``tokens`` [B, S] (right-padded) into an empty cache; the logits [B, vocab] of
+        each prompt's last token, at positions ``last`` [B] (causal attention keeps the padding
+        after a prompt out of its rows)."""
+        x = F.embedding(tokens, self.tok_embeddings)
+        n = tokens.shape[1]
+        cos, sin = self.rope_cos[:n], self.rope_sin[:n]  # [S, D]: broadcasts over B and heads
+        for layer in self.layers:
+            x = layer.prefill(x, cos, sin)
+        x = x[torch.arange(x.shape[0], device=x.device), last]
         return F.linear(_rms_norm(x, self.norm, self.shape.rms_eps), self.output)
 
     @torch.no_grad()
@@ -275,9 +313,10 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"[:800]
 
 
-def _time_modes(model: PeerDecoder, tokens: torch.Tensor, pos: torch.Tensor, compile_mode: str,
+def _time_modes(model: Callable[..., torch.Tensor], tokens: torch.Tensor, pos: torch.Tensor, compile_mode: str,
                 warmup: int, iters: int) -> tuple[dict, dict, dict, str | None, float | None]:
-    """The three timings of time_peer; every graph and compiled function dies with this frame."""
+    """The three timings of ``model(tokens, pos)`` (a step of time_peer or time_peer_prefill);
+    every graph and compiled function dies with this frame."""
     times: dict[str, float | None] = {"eager": None, "eager_graph": None, "compile_graph": None}
     errors: dict[str, str] = {}
     diffs: dict[str, float] = {}
@@ -374,6 +413,41 @@ def time_peer(shape: Shape | str, batch: int, position: int = 64, max_len: int |
     mode = min(available, key=available.get) if available else None
     return {
         "shape": shape.name, "batch": batch, "position": position, "max_len": max_len,
+        "eager_ms": times["eager"], "eager_graph_ms": times["eager_graph"],
+        "compile_graph_ms": times["compile_graph"],
+        "peer_ms": available[mode] if mode else None, "peer_mode": mode,
+        "compile_mode": compile_used, "compile_s": compile_s,
+        "max_rel_diff": diffs, "errors": errors,
+    }
+
+
+def time_peer_prefill(shape: Shape | str, lengths: list[int], device: torch.device | str = "cuda", *,
+                      compile_mode: str = "default", warmup: int = 3, iters: int = 20, seed: int = 0) -> dict:
+    """Time the peer's prefill of prompts of ``lengths`` (one padded batch into an empty cache,
+    the last token's logits of each): eager, eager under a CUDA graph, torch.compile + CUDA
+    graph, as ``time_peer`` does (same result keys, ``lengths`` in place of position)."""
+    shape = SHAPES[shape] if isinstance(shape, str) else shape
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"lengths {lengths}; expected prompt lengths ≥ 1")
+    device = torch.device(device)
+    n = max(lengths)
+    model = PeerDecoder(shape, len(lengths), -(-n // 16) * 16, device, seed=seed).eval()
+    try:
+        gen = torch.Generator(device=device).manual_seed(seed + 2)
+        tokens = torch.randint(0, shape.vocab, (len(lengths), n), device=device, generator=gen)
+        last = torch.tensor(lengths, device=device) - 1
+        with torch.no_grad(), torch.cuda.device(device):
+            times, errors, diffs, compile_used, compile_s = _time_modes(model.prefill, tokens, last, compile_mode,
+                                                                         warmup, iters)
+    finally:
+        del model
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+    available = {k: v for k, v in times.items() if v is not None}
+    mode = min(available, key=available.get) if available else None
+    return {
+        "shape": shape.name, "lengths": list(lengths),
         "eager_ms": times["eager"], "eager_graph_ms": times["eager_graph"],
         "compile_graph_ms": times["compile_graph"],
         "peer_ms": available[mode] if mode else None, "peer_mode": mode,

@@ -1,0 +1,200 @@
+"""Prefill latency (time to first token): mpk's megakernel against the torch peer, in one run on
+one device.
+
+For each model shape: ``DecoderLM`` with random bf16 weights, compiled for the token-count
+buckets the cases need (``mpk.llm.TokenBuckets``, one persistent-kernel launch per step), and
+the gpt-fast-style peer's prefill (``peer.time_peer_prefill``: cuBLAS GEMMs and SDPA's causal
+flash attention, one padded batch; eager, eager + CUDA graph, torch.compile + CUDA graph, the
+best of them). Cases: one prompt of each ``--lengths`` (batch 1), and one step holding the
+``--mixed`` prompts together (the peer pads them to the longest). TTFT is the step from an
+empty cache to the logits of each prompt's last token, timed with CUDA events around the call
+(back to back, as a serving loop issues them: host work that outlasts the GPU shows). Also:
+a decode step of ``--decode-batch`` sequences alone and with a ``--chunk``-token prefill chunk
+riding in it (the decode TPOT a chunked prefill costs). ``model TFLOP/s`` counts the matmuls'
+2·params·tokens (attention excluded) over the step's time, against the dense bf16 peak measured
+by cuBLAS in the same run.
+
+``--prebuild`` traces every step and builds its kernels into ``$MPK_CACHE_DIR`` without a GPU
+(as ``prebuild_decode.py`` does for the decode benchmark). Prints one JSON line per case (also
+appended to ``--out``) and a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_latency import emit_row, peer_shape  # noqa: E402
+from peer import require_cuda, time_peer_prefill  # noqa: E402
+
+from mpk.cli import count, page_size as page_size_arg  # noqa: E402
+from mpk.llm import SHAPES as MODELS  # noqa: E402
+from mpk.llm import DecoderLM, PagedKVCache, TokenBuckets  # noqa: E402
+
+MIXED = [2048, 1024, 512, 512, 256, 128, 64, 64]
+
+
+def matmul_params(model: DecoderLM) -> int:
+    """Weights a token's matmuls multiply by (the embedding lookup is not a matmul; a tied LM
+    head is)."""
+    c = model.cfg
+    per_layer = sum(p.numel() for n, p in model.layers[0].named_parameters() if "norm" not in n)
+    return c.layers * per_layer + c.vocab * c.hidden
+
+
+def dense_peak_tflops(n: int = 8192, iters: int = 20) -> float:
+    """The best bf16 TFLOP/s of cuBLAS over square GEMMs of ``n`` (the achievable dense peak)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    best = 0.0
+    for _ in range(3):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            a @ b
+        stop.record()
+        torch.cuda.synchronize()
+        best = max(best, 2 * n ** 3 * iters / (start.elapsed_time(stop) * 1e-3) / 1e12)
+    return best
+
+
+def timed_steps(setup, step, warmup: int = 2, iters: int = 10) -> float:
+    """Median ms of ``step()`` by CUDA events, ``setup()`` (enqueued before the start event) run
+    before each."""
+    times = []
+    for i in range(warmup + iters):
+        setup()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        stop.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def cases(lengths: list[int], mixed: list[int]) -> list[tuple[str, list[int]]]:
+    return [(f"b1-{n}", [n]) for n in lengths] + ([(f"mixed{len(mixed)}", mixed)] if mixed else [])
+
+
+def build_steps(model: DecoderLM, batch: int, max_len: int, page_size: int, buckets: list[int], decode: bool,
+                progress: bool) -> TokenBuckets:
+    cache = PagedKVCache(model, batch, max_len, page_size)
+    steps = TokenBuckets(model, cache, buckets=buckets, decode=decode, options={"executor": "gpu", "sync": False})
+    report = steps.compile(progress=progress)
+    print(f"  compiled {len(buckets)} bucket(s){' + decode' if decode else ''} for batch {batch}: {report}",
+          flush=True)
+    return steps
+
+
+def bench_model(name: str, args, peak: float | None) -> list[dict]:
+    cfg = MODELS[name]
+    device = "cpu" if args.prebuild else "cuda"
+    longest = max([*args.lengths, *args.mixed, args.chunk + args.position + 64])
+    model = DecoderLM(cfg, torch.bfloat16, device, max_len=longest + 64)
+    if not args.prebuild:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                p.normal_(1.0 if "norm" in pname else 0.0, 0.02)
+    flops_per_token = 2 * matmul_params(model)
+    rows = []
+    for case, prompts_len in cases(args.lengths, args.mixed):
+        steps = build_steps(model, len(prompts_len), max(prompts_len), args.page_size, [sum(prompts_len)], False,
+                            args.progress)
+        if args.prebuild:
+            continue
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, cfg.vocab, (n,), generator=g).tolist() for n in prompts_len]
+        ms = timed_steps(steps.cache.reset, lambda: steps.step(prompts))
+        peer = {"peer_ms": None, "peer_mode": None, "errors": {}} if args.skip_peer else \
+            time_peer_prefill(peer_shape(name), prompts_len, compile_mode=args.compile_mode)
+        tokens = sum(prompts_len)
+        tflops = flops_per_token * tokens / (ms * 1e-3) / 1e12
+        rows.append({"case": case, "lengths": prompts_len, "tokens": tokens, "mpk_ms": ms,
+                     "compile_s": steps.report.total_s, "peer_ms": peer["peer_ms"], "peer_mode": peer["peer_mode"],
+                     "peer_errors": peer["errors"],
+                     "speedup": peer["peer_ms"] / ms if peer["peer_ms"] else None, "model_tflops": tflops,
+                     "peak_fraction": tflops / peak if peak else None})
+        del steps
+        gc.collect()
+    # decode alone vs decode with a prefill chunk riding in the same step
+    B, chunk = args.decode_batch, args.chunk
+    steps = build_steps(model, B + 1, args.position + chunk + 64, args.page_size, [B + chunk], True, args.progress)
+    if not args.prebuild:
+        g = torch.Generator().manual_seed(2)
+        cache = steps.cache
+        prefix = [torch.randint(0, cfg.vocab, (args.position,), generator=g).tolist() for _ in range(B)]
+        steps.step(prefix + [[]])  # the decoding sequences' prompts (one step of B · position tokens)
+        one = [[int(t)] for t in torch.randint(0, cfg.vocab, (B,), generator=g)]
+        piece = torch.randint(0, cfg.vocab, (chunk,), generator=g).tolist()
+        # the chunk's sequence restarts each step; the decoding ones grow by a token a step
+        decode_ms = timed_steps(lambda: cache.reset([B]), lambda: steps.step(one + [[0]]))
+        mixed_ms = timed_steps(lambda: cache.reset([B]), lambda: steps.step(one + [piece]))
+        rows.append({"case": f"decode{B}+chunk{chunk}", "lengths": [args.position] * B, "tokens": B + chunk,
+                     "mpk_ms": mixed_ms, "decode_alone_ms": decode_ms, "chunk_cost": mixed_ms / decode_ms,
+                     "compile_s": steps.report.total_s})
+    for r in rows:
+        r.update(date=datetime.date.today().isoformat(), model=name, page_size=args.page_size,
+                 device=torch.cuda.get_device_name() if not args.prebuild else None, dense_peak_tflops=peak)
+        emit_row(r, args.out)
+    del steps, model
+    gc.collect()
+    if not args.prebuild:
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["llama3.2-1b", "qwen3-1.7b", "qwen3-8b"],
+                    choices=sorted(MODELS), metavar="MODEL", help=f"any of {', '.join(sorted(MODELS))}")
+    ap.add_argument("--lengths", nargs="+", type=count(1), default=[64, 512, 2048, 8192],
+                    help="prompt lengths timed at batch 1")
+    ap.add_argument("--mixed", nargs="*", type=count(1), default=MIXED,
+                    help="prompt lengths prefilled together in one step (none: skip the case)")
+    ap.add_argument("--decode-batch", type=count(1), default=16, help="sequences decoding beside the chunk")
+    ap.add_argument("--chunk", type=count(1), default=512, help="prefill chunk riding in a decode step")
+    ap.add_argument("--position", type=count(1), default=512, help="the decoding sequences' prompt length")
+    ap.add_argument("--page-size", type=page_size_arg, default=16, help="KV-cache page size")
+    ap.add_argument("--compile-mode", default="default", help="the peer's torch.compile mode")
+    ap.add_argument("--skip-peer", action="store_true", help="mpk alone")
+    ap.add_argument("--prebuild", action="store_true",
+                    help="trace the steps and build their kernels into $MPK_CACHE_DIR (no GPU needed), time nothing")
+    ap.add_argument("--progress", action="store_true", help="progress bars while tracing and building")
+    ap.add_argument("--out", type=Path, default=None, help="append the rows as JSON lines to this file")
+    args = ap.parse_args(argv)
+    if not args.prebuild:
+        require_cuda("prefill_latency.py", "--prebuild builds its kernels without one")
+    peak = None if args.prebuild else dense_peak_tflops()
+    if peak:
+        print(f"dense bf16 peak (cuBLAS, measured): {peak:.0f} TFLOP/s", flush=True)
+    rows = [r for name in args.models for r in bench_model(name, args, peak)]
+    if args.prebuild:
+        return 0
+    print(f"\n{'model':12s} {'case':18s} {'tokens':>6s} {'mpk ms':>8s} {'peer ms':>8s} {'speedup':>8s} "
+          f"{'TFLOP/s':>8s} {'of peak':>7s}")
+    for r in rows:
+        if "decode_alone_ms" in r:
+            print(f"{r['model']:12s} {r['case']:18s} {r['tokens']:6d} {r['mpk_ms']:8.3f}  decode alone "
+                  f"{r['decode_alone_ms']:.3f} ms: ×{r['chunk_cost']:.2f}")
+            continue
+        sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+        print(f"{r['model']:12s} {r['case']:18s} {r['tokens']:6d} {r['mpk_ms']:8.3f} "
+              f"{r['peer_ms'] or float('nan'):8.3f} {sp:>8s} {r['model_tflops']:8.1f} {r['peak_fraction']:7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
