@@ -4,7 +4,7 @@ Peer: a gpt-fast-style decode step in plain PyTorch (fused QKV and gate-up weigh
 cache updated in place, SDPA with a position mask), timed eager, eager under a CUDA graph, and
 torch.compile + CUDA graph; the best of the three is "peer". Its prefill (``time_peer_prefill``)
 runs the prompts as one padded [B, S] batch: cuBLAS GEMMs and SDPA's causal flash attention,
-the same three modes.
+the same three modes (compiled once, with dynamic shapes, for every prompt length).
 Floor: bytes a decode step must read (weights + KV cache) / measured device copy bandwidth.
 
     from peer import SHAPES, time_peer, time_peer_prefill, weight_bytes, kv_bytes, copy_bandwidth, floor_ms, require_cuda
@@ -172,8 +172,8 @@ class _Block(nn.Module):
             k = _rms_norm(k, self.k_norm, s.rms_eps)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        self.k_cache[:, :, :n].copy_(k)
-        self.v_cache[:, :, :n].copy_(v)
+        self.k_cache[:b, :, :n].copy_(k)
+        self.v_cache[:b, :, :n].copy_(v)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         x = x + F.linear(o.transpose(1, 2).reshape(b, n, s.q_heads * s.head_dim), self.wo)
         gate, up = F.linear(_rms_norm(x, self.ffn_norm, s.rms_eps), self.w13).chunk(2, dim=-1)
@@ -421,36 +421,51 @@ def time_peer(shape: Shape | str, batch: int, position: int = 64, max_len: int |
     }
 
 
-def time_peer_prefill(shape: Shape | str, lengths: list[int], device: torch.device | str = "cuda", *,
-                      compile_mode: str = "default", warmup: int = 3, iters: int = 20, seed: int = 0) -> dict:
-    """Time the peer's prefill of prompts of ``lengths`` (one padded batch into an empty cache,
-    the last token's logits of each): eager, eager under a CUDA graph, torch.compile + CUDA
-    graph, as ``time_peer`` does (same result keys, ``lengths`` in place of position)."""
+def time_peer_prefill(shape: Shape | str, cases: list[list[int]], device: torch.device | str = "cuda", *,
+                      compile_mode: str = "default", warmup: int = 3, iters: int = 20, seed: int = 0) -> list[dict]:
+    """Time the peer's prefill of each case's prompts (their lengths; one padded batch into an
+    empty cache, the last token's logits of each): eager, eager under a CUDA graph, and
+    torch.compile (compiled once with dynamic shapes for every case, as a server compiles its
+    prefill) under a CUDA graph; the best is "peer". One result per case, with ``time_peer``'s keys
+    (``lengths`` in place of position)."""
     shape = SHAPES[shape] if isinstance(shape, str) else shape
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"lengths {lengths}; expected prompt lengths ≥ 1")
+    if not cases or min(min(c) for c in cases) < 1:
+        raise ValueError(f"cases {cases}; expected lists of prompt lengths ≥ 1")
     device = torch.device(device)
-    n = max(lengths)
-    model = PeerDecoder(shape, len(lengths), -(-n // 16) * 16, device, seed=seed).eval()
+    longest = max(max(c) for c in cases)
+    model = PeerDecoder(shape, max(len(c) for c in cases), -(-longest // 16) * 16, device, seed=seed).eval()
+    results = []
     try:
         gen = torch.Generator(device=device).manual_seed(seed + 2)
-        tokens = torch.randint(0, shape.vocab, (len(lengths), n), device=device, generator=gen)
-        last = torch.tensor(lengths, device=device) - 1
-        with torch.no_grad(), torch.cuda.device(device):
-            times, errors, diffs, compile_used, compile_s = _time_modes(model.prefill, tokens, last, compile_mode,
-                                                                         warmup, iters)
+        t0 = time.perf_counter()
+        compiled = torch.compile(model.prefill, mode=compile_mode, fullgraph=True, dynamic=True)
+        for lengths in cases:
+            tokens = torch.randint(0, shape.vocab, (len(lengths), max(lengths)), device=device, generator=gen)
+            last = torch.tensor(lengths, device=device) - 1
+            times: dict[str, float | None] = dict.fromkeys(("eager", "eager_graph", "compile_graph"))
+            errors: dict[str, str] = {}
+            diffs: dict[str, float] = {}
+            with torch.no_grad(), torch.cuda.device(device):
+                ref = model.prefill(tokens, last).clone()
+                times["eager"] = time_step(lambda: model.prefill(tokens, last), warmup, iters)
+                for mode, fn in (("eager_graph", model.prefill), ("compile_graph", compiled)):
+                    try:
+                        graph, out = _capture(lambda: fn(tokens, last))
+                        times[mode] = time_step(graph.replay, warmup, iters)
+                        diffs[mode] = _rel_diff(out, ref)
+                        del graph, out
+                    except Exception as e:  # noqa: BLE001 - a failed mode is reported, not fatal
+                        errors[mode] = _error(e)
+            available = {k: v for k, v in times.items() if v is not None}
+            mode = min(available, key=available.get)
+            results.append({"shape": shape.name, "lengths": list(lengths), "eager_ms": times["eager"],
+                            "eager_graph_ms": times["eager_graph"], "compile_graph_ms": times["compile_graph"],
+                            "peer_ms": available[mode], "peer_mode": mode, "compile_mode": f"{compile_mode}, dynamic",
+                            "compile_s": time.perf_counter() - t0 if len(results) == 0 else None,
+                            "max_rel_diff": diffs, "errors": errors})
     finally:
         del model
         torch._dynamo.reset()
         gc.collect()
         torch.cuda.empty_cache()
-    available = {k: v for k, v in times.items() if v is not None}
-    mode = min(available, key=available.get) if available else None
-    return {
-        "shape": shape.name, "lengths": list(lengths),
-        "eager_ms": times["eager"], "eager_graph_ms": times["eager_graph"],
-        "compile_graph_ms": times["compile_graph"],
-        "peer_ms": available[mode] if mode else None, "peer_mode": mode,
-        "compile_mode": compile_used, "compile_s": compile_s,
-        "max_rel_diff": diffs, "errors": errors,
-    }
+    return results

@@ -109,7 +109,10 @@ def bench_model(name: str, args, peak: float | None) -> list[dict]:
                 p.normal_(1.0 if "norm" in pname else 0.0, 0.02)
     flops_per_token = 2 * matmul_params(model)
     rows = []
-    for case, prompts_len in cases(args.lengths, args.mixed):
+    todo = cases(args.lengths, args.mixed)
+    peers = [{"peer_ms": None, "peer_mode": None, "errors": {}}] * len(todo) if args.skip_peer or args.prebuild else \
+        time_peer_prefill(peer_shape(name), [lens for _, lens in todo], compile_mode=args.compile_mode)
+    for (case, prompts_len), peer in zip(todo, peers):
         steps = build_steps(model, len(prompts_len), max(prompts_len), args.page_size, [sum(prompts_len)], False,
                             args.progress)
         if args.prebuild:
@@ -117,8 +120,6 @@ def bench_model(name: str, args, peak: float | None) -> list[dict]:
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, cfg.vocab, (n,), generator=g).tolist() for n in prompts_len]
         ms = timed_steps(steps.cache.reset, lambda: steps.step(prompts))
-        peer = {"peer_ms": None, "peer_mode": None, "errors": {}} if args.skip_peer else \
-            time_peer_prefill(peer_shape(name), prompts_len, compile_mode=args.compile_mode)
         tokens = sum(prompts_len)
         tflops = flops_per_token * tokens / (ms * 1e-3) / 1e12
         rows.append({"case": case, "lengths": prompts_len, "tokens": tokens, "mpk_ms": ms,
@@ -127,6 +128,7 @@ def bench_model(name: str, args, peak: float | None) -> list[dict]:
                      "speedup": peer["peer_ms"] / ms if peer["peer_ms"] else None, "model_tflops": tflops,
                      "peak_fraction": tflops / peak if peak else None})
         del steps
+        torch._dynamo.reset()  # a graph per case: Dynamo's recompile limit counts every shape traced
         gc.collect()
     # decode alone vs decode with a prefill chunk riding in the same step
     B, chunk = args.decode_batch, args.chunk
@@ -149,6 +151,7 @@ def bench_model(name: str, args, peak: float | None) -> list[dict]:
                  device=torch.cuda.get_device_name() if not args.prebuild else None, dense_peak_tflops=peak)
         emit_row(r, args.out)
     del steps, model
+    torch._dynamo.reset()
     gc.collect()
     if not args.prebuild:
         torch.cuda.empty_cache()
