@@ -1,7 +1,9 @@
-// Task family: decode over a paged KV cache (mpk/ops/paged.py documents the layout and the
-// page table). ``rope_append``: qk-norm + RoPE of one token per sequence and its k/v appended
-// to the cache; ``attn_partial``: the (O, LSE) state of a kv head's G query heads over one KV
-// chunk; ``rope_attn_partial``: the two in one task (attn_partial_impl with kRope);
+// Task family: attention over a paged KV cache (mpk/ops/paged.py documents the layout, the
+// page table and the two forms, decode and ragged). ``rope_append``: qk-norm + RoPE of one
+// token per sequence (kRagged: of each token row) and its k/v appended to the cache;
+// ``attn_partial``: the (O, LSE) state of a kv head's G query heads over one KV chunk (kRagged:
+// row by row; paged_prefill.cuh holds the ragged form's block-of-rows task, attn_prefill);
+// ``rope_attn_partial``: the two in one task (attn_partial_impl with kRope, decode only);
 // ``attn_merge``: ⊕ of a head's chunk states.
 //
 // LSE base 2 everywhere: lse = log2 Σ 2^s with s = q·k·scale·log2(e); O is normalised; the

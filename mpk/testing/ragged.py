@@ -1,15 +1,29 @@
 """Ragged (prefill / mixed-batch) paged attention test helpers: random batches of new rows
-over random page tables, and float64 references of ``rope_append`` and ``paged_attention`` in
-the ragged form (mpk.ops.paged documents it), computed position by position through the page
-list, independently of the tile code."""
+over random page tables, random steps (rope_append then paged_attention, both ragged), float64
+references of both computed position by position through the page list (independently of the
+tile code), and the check of a step's results against them.
+
+Tolerances (mpk.testing.tolerance) for the check: attention (``attention_bound``) counts the
+output's rounding, P's rounding to the 16-bit dtype where the tensor cores take P·V (the GPU;
+the CPU's P·V is fp32), and the D-term score and n-term softmax sums in fp32; RoPE
+(``rope_bound``) counts, with gain √2 through the rotation (``ROPE_GAIN``), the roundings
+qk-norm makes (x·rstd and its rounding to the dtype, ·w and its rounding), the rotation's two
+products and sum and the output's rounding, and the D-term sum of squares. v is copied: exact.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from mpk.testing.decode import random_page_table
+from mpk.testing.graphs import relative_error
+from mpk.testing.tolerance import rounding_bound
+
+ROPE_GAIN = 2 ** 0.5  # max of |cos θ| + |sin θ|: a rotated element mixes two of its pair
+EPS = 1e-6  # the qk-norm's epsilon in ragged_step
 
 
 @dataclass
@@ -115,3 +129,86 @@ def slot_mask(cache: torch.Tensor, layer: int, batch: RaggedBatch) -> torch.Tens
     for _, b, p in batch.rows():
         mask[layer, :, batch.pages[b][p // batch.page_size], :, p % batch.page_size] = True
     return mask
+
+
+def attention_bound(dtype: torch.dtype, head_dim: int, positions: int, p_rounded: bool) -> float:
+    """Bound on attention's ``relative_error`` over at most ``positions`` cached rows (module
+    docstring); ``p_rounded``: P is rounded to ``dtype`` before P·V (tensor cores)."""
+    return rounding_bound(dtype, 1 + p_rounded, k=head_dim + positions)
+
+
+def rope_bound(dtype: torch.dtype, head_dim: int, qk_norm: bool) -> float:
+    """Bound on rope_append's ``relative_error`` (q and the appended k; module docstring)."""
+    norm = [ROPE_GAIN] * 4 if qk_norm else []
+    if dtype == torch.float32:
+        return rounding_bound(torch.float32, norm + [1, 1, 1, 1], k=head_dim if qk_norm else 0)
+    # 16-bit: the norm's two roundings to the dtype and the output's; the rest in fp32
+    return rounding_bound(dtype, norm[:2] + [1]) + rounding_bound(torch.float32, norm[2:] + [1, 1, 1],
+                                                                   k=head_dim if qk_norm else 0)
+
+
+@dataclasses.dataclass
+class RaggedCase:
+    """A ragged step's inputs (CPU tensors): random qkv rows, a random cache of two layers (every
+    slot filled: the cached prefix and stale values in the slots the step appends to), cos/sin
+    and qk-norm weights; the step runs over ``layer``."""
+
+    batch: RaggedBatch
+    heads: int
+    kv_heads: int
+    head_dim: int
+    qkv: torch.Tensor
+    cache: torch.Tensor
+    cos_sin: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    layer: int = 1
+    scale: float = 0.0
+
+    def args(self, cache: torch.Tensor | None = None, device: str = "cpu") -> tuple:
+        """The step's arguments on ``device`` (the cache: ``cache``, else a copy of the case's)."""
+        cache = self.cache.to(device) if cache is None else cache
+        ins = (self.qkv, self.cos_sin, *self.batch.tables())
+        tail = (self.q_norm, self.k_norm, self.batch.qo_indptr)
+        return (*(t.to(device) for t in ins), cache, *(None if t is None else t.to(device) for t in tail))
+
+
+def random_case(batch: RaggedBatch, heads: int, kv_heads: int, head_dim: int, qk_norm: bool, g: torch.Generator,
+                dtype: torch.dtype = torch.float32) -> RaggedCase:
+    """A ``RaggedCase`` of fresh random values from ``g`` (cos/sin of random angles)."""
+    cache = torch.randn(2, 2, batch.num_pages, kv_heads, batch.page_size, head_dim, generator=g).to(dtype)
+    qkv = torch.randn(batch.tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    angles = torch.rand(max(batch.lens) + 3, head_dim // 2, generator=g, dtype=torch.float64) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], -1).to(dtype)
+    norms = [(0.5 + torch.rand(head_dim, generator=g)).to(dtype) for _ in range(2)] if qk_norm else [None, None]
+    return RaggedCase(batch, heads, kv_heads, head_dim, qkv, cache, cos_sin, *norms, scale=head_dim ** -0.5)
+
+
+def ragged_step(case: RaggedCase, splits: int):
+    """rope_append then paged_attention over ``case``'s layer, both ragged: (q, out)."""
+    def step(qkv, cos_sin, indptr, indices, last, cache, q_norm, k_norm, qo):
+        q = torch.ops.mpk.rope_append(qkv, cos_sin, indptr, indices, last, cache, q_norm, k_norm, case.layer,
+                                      case.heads, case.kv_heads, EPS, qo)
+        return q, torch.ops.mpk.paged_attention(q, cache, indptr, indices, last, case.layer, case.scale, splits, qo)
+    return step
+
+
+def check_ragged(case: RaggedCase, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor,
+                 p_rounded: bool = False) -> None:
+    """A step's q, appended cache rows and attention output (CPU tensors) against float64 (the
+    attention reference from the step's own q and cache, so that each op's error is its own),
+    every other cache element untouched, padding rows zero and nothing NaN."""
+    b, dtype = case.batch, case.qkv.dtype
+    q_ref, k_ref, v_ref = dense_rope(case.qkv, case.cos_sin, b, case.heads, case.kv_heads, case.q_norm, case.k_norm,
+                                     EPS)
+    rope_tol = rope_bound(dtype, case.head_dim, case.q_norm is not None)
+    assert relative_error(q, q_ref) <= rope_tol, (relative_error(q, q_ref), rope_tol)
+    k, v = appended_slots(cache, case.layer, b)
+    assert relative_error(k, k_ref) <= rope_tol and torch.equal(v, v_ref.to(dtype))
+    untouched = ~slot_mask(cache, case.layer, b)
+    assert torch.equal(cache[untouched], case.cache[untouched])
+    ref = dense_ragged_attention(q, cache, b, case.layer, case.scale)
+    tol = attention_bound(dtype, case.head_dim, max(b.lens), p_rounded)
+    assert relative_error(out, ref) <= tol, (relative_error(out, ref), tol)
+    padding = int(b.qo_indptr[-1])
+    assert (out[padding:] == 0).all() and (q[padding:] == 0).all() and not out.isnan().any()

@@ -46,6 +46,9 @@ def _graphs():
     yield "qwen3-1.7b-paged-unfused", _paged_decode_tables(fuse_rope_attention=False)
     yield "qwen3-bf16-fused-norm", _compiled_decode_tables("qwen3", fuse_norm_prologue=True)
     yield "sampling-head", _sampling_head_tables()
+    yield "ragged-prefill-bf16", _ragged_tables(torch.bfloat16, [0, 40, 7], [150, 33, 1], splits=2)
+    yield "ragged-prefill-fp16-d64", _ragged_tables(torch.float16, [0, 0], [40, 9], head_dim=64, qk_norm=False)
+    yield "ragged-mixed-fp32", _ragged_tables(torch.float32, [0, 40, 7], [5, 1, 1], splits=2)
     for dtype in (torch.float32, torch.bfloat16, torch.float64):  # every elementwise function, reduction, softmax form
         yield f"elementwise-{str(dtype)[6:]}", compile_module(Zoo(list(CASES)), zoo_inputs(dtype), {"num_workers": 16}).tables
 
@@ -74,6 +77,59 @@ def _paged_decode_tables(cache_len: int = 100, **options):
     ns = argparse.Namespace(layers=1, batch=2, cache_len=cache_len, seq=1)
     model, args = PRESETS["qwen3-1.7b-paged"](ns)
     return compile_module(model, args, {"num_workers": 128, **options}).tables
+
+
+def _ragged_tables(dtype: torch.dtype, prefix: list[int], new: list[int], splits: int = 1, head_dim: int = 128,
+                   qk_norm: bool = True):
+    """A ragged step (mpk.testing.ragged: rope_append then paged_attention with qo_indptr) of
+    sequences with ``prefix`` cached and ``new`` new rows, 16 query heads over 4 kv heads, traced
+    and compiled for 128 workers (nothing run); its tables."""
+    from mpk.testing.ragged import ragged_batch, ragged_step, random_case
+
+    g = torch.Generator().manual_seed(0)
+    case = random_case(ragged_batch(prefix, new, 16, g, padding=3), 16, 4, head_dim, qk_norm, g, dtype)
+
+    class Step(torch.nn.Module):
+        def forward(self, qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache, q_norm, k_norm, qo_indptr):
+            return ragged_step(case, splits)(qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len, kv_cache, q_norm,
+                                             k_norm, qo_indptr)
+
+    return compile_module(Step(), case.args(), {"num_workers": 128}).tables
+
+
+def test_ragged_tasks_are_instantiated_per_graph():
+    """The ragged form's tasks: rope_append_impl's kRagged instantiation; attention on the
+    tensor cores a block of rows at a time (attn_prefill) for 16-bit K/V of head dim 64 or 128
+    in tiles of several rows, each row on its own (attn_partial's kRagged) for fp32 or a step of
+    at most DECODE_ROWS rows (one row a tile); the launch reserves attn_prefill's second K/V step
+    (dynamic shared memory); a rope_append with qk-norm and qo_indptr has 9 inputs, so that
+    graph's op constants hold 9 views (MPK_MAX_INPUTS), while other graphs keep 8."""
+    from mpk.executors.codegen import dynamic_smem_bytes
+    from mpk.ops.paged import PREFILL_STAGE_BYTES
+
+    prefill = _ragged_tables(torch.bfloat16, [0, 40, 7], [150, 33, 1], splits=2)
+    src = generate(prefill)
+    for inst in ("mpk::rope_append_impl<4, __nv_bfloat16, int, true>", "mpk::attn_prefill<4, 4, __nv_bfloat16, int, false>",
+                 "mpk::attn_merge_impl<4, __nv_bfloat16>"):
+        assert src.count(inst) == 1, inst
+    assert "#define MPK_MAX_INPUTS 9" in src and dynamic_smem_bytes(prefill) == PREFILL_STAGE_BYTES
+    mixed = generate(_ragged_tables(torch.bfloat16, [0, 40, 7], [5, 1, 1], qk_norm=False))
+    assert "mpk::attn_partial<4, 4, __nv_bfloat16, int, false, true, true>" in mixed and "attn_prefill<" not in mixed
+    assert "MPK_MAX_INPUTS" not in mixed  # 8 inputs without qk-norm
+    assert "mpk::attn_partial<4, 4, float, int, false, false, true>" in generate(
+        _ragged_tables(torch.float32, [0, 40, 7], [150, 1, 1], splits=2))
+    assert "MPK_MAX_INPUTS" not in generate(_paged_decode_tables())
+
+
+def test_prefill_stage_bytes_agree_with_the_header():
+    """attn_prefill's K/V step (paged_prefill.cuh: kPrefillStageBytes) is the dynamic shared
+    memory the host reserves for it (mpk.ops.paged.PREFILL_STAGE_BYTES)."""
+    from mpk.ops.paged import PREFILL_STAGE_BYTES
+
+    from pathlib import Path
+
+    header = (Path(__file__).resolve().parents[2] / "cuda" / "mpk_tasks" / "paged_prefill.cuh").read_text()
+    assert re.findall(r"constexpr int kPrefillStageBytes = (\d+);", header) == [str(PREFILL_STAGE_BYTES)]
 
 
 def test_long_attention_chunks_reserve_a_second_slot():
@@ -519,6 +575,66 @@ def test_page_span_check_in_cuda_agrees_with_checked_lens(tmp_path):
         refused += not ok
     assert 50 < refused < 250  # both sides of the check were exercised
     assert next(faults, None) is None
+
+
+_QO_ROWS = r"""
+#include <cstdio>
+#include <vector>
+#include "mpk_tasks/paged_attention.cuh"
+// Reads tables "T n e0 … e(n−1)" (qo_indptr of n entries for T rows); prints the first entry
+// qo_entry_fault finds at fault (−1: none), then, for a table without one, each row's sequence
+// (qo_sequence; −1 for a padding row).
+int main() {
+  long long T;
+  int n;
+  while (scanf("%lld %d", &T, &n) == 2) {
+    std::vector<long long> qo(n);
+    for (auto& x : qo) scanf("%lld", &x);
+    int bad = -1;
+    for (int i = 0; i < n && bad < 0; ++i)
+      if (mpk::qo_entry_fault(i, qo[i], i ? qo[i - 1] : 0, T)) bad = i;
+    printf("%d", bad);
+    for (long long t = 0; bad < 0 && t < T; ++t) printf(" %lld", t < qo[n - 1] ? mpk::qo_sequence(qo.data(), 1, n - 1, t) : -1);
+    printf("\n");
+  }
+}
+"""
+
+
+@needs_nvcc
+def test_qo_checks_in_cuda_agree_with_qo_rows(tmp_path):
+    """paged_table.cuh's qo_entry_fault and qo_sequence (host code compiled by nvcc and run
+    here), which the ragged tasks apply to qo_indptr, agree with mpk.ops.paged.qo_rows: the same
+    first entry at fault on fresh random tables with one entry corrupted (or none), and each
+    row's sequence where there is none."""
+    from mpk.errors import BadInputError
+    from mpk.ops.paged import qo_rows
+
+    rng = random.Random()
+    tables = []
+    for _ in range(300):
+        counts = [rng.choice([0, 1, rng.randint(1, 9)]) for _ in range(rng.randint(1, 6))]
+        qo = [0]
+        for k in counts:
+            qo.append(qo[-1] + k)
+        T = qo[-1] + rng.randint(0, 3)
+        if rng.random() < 0.5:
+            qo[rng.randrange(len(qo))] = rng.choice([rng.randint(0, T + 3), -1, T + 1])
+        tables.append((T, qo))
+    lines = "".join(f"{T} {len(qo)} {' '.join(map(str, qo))}\n" for T, qo in tables)
+    found = _run_host_program(tmp_path, _QO_ROWS, lines).splitlines()
+    faults = 0
+    for (T, qo), line in zip(tables, found, strict=True):
+        got = [int(x) for x in line.split()]
+        lens = torch.full((len(qo) - 1,), 1 << 20)
+        try:
+            seq, _ = qo_rows(torch.tensor(qo), lens, T)
+        except BadInputError as e:
+            faults += 1
+            assert got[0] >= 0 and f"qo_indptr entry {qo[got[0]]} at row {got[0]} is outside" in str(e), (qo, T, e)
+            continue
+        assert got == [-1] + seq.tolist(), (qo, T, got)
+    assert 50 < faults < 250
 
 
 @needs_nvcc

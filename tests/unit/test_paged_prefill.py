@@ -1,14 +1,9 @@
 """The ragged form of the paged ops (``qo_indptr``: prefill, chunked prefill, mixed batches;
 mpk.ops.paged documents it) on the CPU: eager and compiled through torch.compile on the CPU
-executor against float64 references computed position by position through the page list,
-the happens-before check over the cross-row order, and the errors of bad tables.
-
-Tolerances (mpk.testing.tolerance): attention is ``_attention_bound`` — the output's rounding
-and the D-term score and n-term softmax sums in fp32 (on the CPU P·V is fp32, so P is not
-rounded); RoPE's ``_rope_bound`` counts, with gain √2 through the rotation, the roundings
-qk-norm makes (x·rstd and its rounding to the dtype, ·w and its rounding) plus the rotation's
-two products and sum and the output's rounding, and the D-term sum of squares. v is copied:
-exact."""
+executor against float64 references computed position by position through the page list
+(mpk.testing.ragged: the references, and the tolerances derived from the roundings), the
+happens-before check over the cross-row order, the CUDA side's table checks and builds, and the
+errors of bad tables."""
 
 from __future__ import annotations
 
@@ -26,100 +21,27 @@ from mpk.ops import registry
 from mpk.ops.paged import DECODE_ROWS, MMA_ROWS, rows_per_tile
 from mpk.testing.graphs import relative_error
 from mpk.testing.ragged import (
+    EPS,
     RaggedBatch,
-    appended_slots,
+    RaggedCase,
+    attention_bound,
+    check_ragged,
     dense_ragged_attention,
-    dense_rope,
     ragged_batch,
-    slot_mask,
+    ragged_step,
+    random_case,
 )
-from mpk.testing.tolerance import rounding_bound
 
-ROPE_GAIN = 2 ** 0.5  # max of |cos θ| + |sin θ|: a rotated element mixes two of its pair
-EPS = 1e-6
 PROMPTS = [1, 7, 16, 17, 300]
-
-
-def _attention_bound(dtype: torch.dtype, head_dim: int, positions: int) -> float:
-    return rounding_bound(dtype, 1, k=head_dim + positions)
-
-
-def _rope_bound(dtype: torch.dtype, head_dim: int, qk_norm: bool) -> float:
-    norm = [ROPE_GAIN] * 4 if qk_norm else []
-    if dtype == torch.float32:
-        return rounding_bound(torch.float32, norm + [1, 1, 1, 1], k=head_dim if qk_norm else 0)
-    # 16-bit: the norm's two roundings to the dtype and the output's; the rest in fp32
-    return rounding_bound(dtype, norm[:2] + [1]) + rounding_bound(torch.float32, norm[2:] + [1, 1, 1],
-                                                                   k=head_dim if qk_norm else 0)
 
 
 def _gen() -> torch.Generator:
     return torch.Generator().manual_seed(random.randrange(1 << 30))
 
 
-@dataclasses.dataclass
-class Case:
-    """A ragged step's inputs: random qkv rows, a random cache (every slot filled: the cached
-    prefix and stale values in the slots the step appends to), cos/sin and qk-norm weights."""
-
-    batch: RaggedBatch
-    heads: int
-    kv_heads: int
-    head_dim: int
-    qkv: torch.Tensor
-    cache: torch.Tensor
-    cos_sin: torch.Tensor
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    layer: int = 1
-    scale: float = 0.0
-
-    def args(self, cache: torch.Tensor | None = None) -> tuple:
-        return (self.qkv, self.cos_sin, *self.batch.tables(), self.cache if cache is None else cache, self.q_norm,
-                self.k_norm, self.batch.qo_indptr)
-
-
-def _case(batch: RaggedBatch, heads: int, kv_heads: int, head_dim: int, qk_norm: bool, g: torch.Generator,
-          dtype: torch.dtype = torch.float32) -> Case:
-    cache = torch.randn(2, 2, batch.num_pages, kv_heads, batch.page_size, head_dim, generator=g).to(dtype)
-    qkv = torch.randn(batch.tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
-    positions = max(batch.lens) + 3
-    angles = torch.rand(positions, head_dim // 2, generator=g, dtype=torch.float64) * 6.3
-    cos_sin = torch.cat([angles.cos(), angles.sin()], -1).to(dtype)
-    norms = [(0.5 + torch.rand(head_dim, generator=g)).to(dtype) for _ in range(2)] if qk_norm else [None, None]
-    return Case(batch, heads, kv_heads, head_dim, qkv, cache, cos_sin, *norms, scale=head_dim ** -0.5)
-
-
-def _step(case: Case, splits: int):
-    """rope_append then paged_attention over ``case``'s layer, both ragged: (q, out)."""
-    def step(qkv, cos_sin, indptr, indices, last, cache, q_norm, k_norm, qo):
-        q = torch.ops.mpk.rope_append(qkv, cos_sin, indptr, indices, last, cache, q_norm, k_norm, case.layer,
-                                      case.heads, case.kv_heads, EPS, qo)
-        return q, torch.ops.mpk.paged_attention(q, cache, indptr, indices, last, case.layer, case.scale, splits, qo)
-    return step
-
-
-def _check(case: Case, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor) -> None:
-    """q, the appended cache rows and the attention output against float64, every other cache
-    element untouched, padding rows zero."""
-    b, dtype = case.batch, case.qkv.dtype
-    q_ref, k_ref, v_ref = dense_rope(case.qkv, case.cos_sin, b, case.heads, case.kv_heads, case.q_norm, case.k_norm,
-                                     EPS)
-    rope_tol = _rope_bound(dtype, case.head_dim, case.q_norm is not None)
-    assert relative_error(q, q_ref) <= rope_tol
-    k, v = appended_slots(cache, case.layer, b)
-    assert relative_error(k, k_ref) <= rope_tol and torch.equal(v, v_ref.to(dtype))
-    untouched = ~slot_mask(cache, case.layer, b)
-    assert torch.equal(cache[untouched], case.cache[untouched])
-    ref = dense_ragged_attention(q, cache, b, case.layer, case.scale)
-    assert relative_error(out, ref) <= _attention_bound(dtype, case.head_dim, max(b.lens))
-    padding = int(b.qo_indptr[-1])
-    assert (out[padding:] == 0).all() and (q[padding:] == 0).all() and not out.isnan().any()
-
-
-def _eager(case: Case, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _eager(case: RaggedCase, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cache = case.cache.clone()
-    q, out = _step(case, splits)(*case.args(cache))
+    q, out = ragged_step(case, splits)(*case.args(cache))
     return q, out, cache
 
 
@@ -133,10 +55,10 @@ def test_prefill_matches_dense(page_size, heads, kv_heads, head_dim):
     """Fresh prompts of 1, 7, 16, 17 and 300 rows and two padding rows, qk-norm on and off,
     one chunk and several: q, the appended k/v and attention against float64."""
     g = _gen()
-    case = _case(ragged_batch([0] * len(PROMPTS), PROMPTS, page_size, g, padding=2), heads, kv_heads, head_dim,
+    case = random_case(ragged_batch([0] * len(PROMPTS), PROMPTS, page_size, g, padding=2), heads, kv_heads, head_dim,
                  qk_norm=heads % 16 != 0, g=g)
     for splits in (1, 3):
-        _check(case, *_eager(case, splits))
+        check_ragged(case, *_eager(case, splits))
 
 
 # prefill chunks over cached prefixes, decodes (one row), an idle sequence (no rows), one whose
@@ -148,16 +70,16 @@ MIXED_PREFIX, MIXED_NEW = [40, 300, 0, 5, 17, 64, 33], [17, 64, 16, 1, 1, 0, 31]
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_mixed_batch_matches_dense(page_size, group):
     g = _gen()
-    case = _case(ragged_batch(MIXED_PREFIX, MIXED_NEW, page_size, g, padding=3), 2 * group, 2, 64,
+    case = random_case(ragged_batch(MIXED_PREFIX, MIXED_NEW, page_size, g, padding=3), 2 * group, 2, 64,
                  qk_norm=group % 2 == 0, g=g)
-    _check(case, *_eager(case, 4))
+    check_ragged(case, *_eager(case, 4))
 
 
 def test_bf16_mixed_batch_matches_dense():
     g = _gen()
-    case = _case(ragged_batch(MIXED_PREFIX, MIXED_NEW, 16, g, padding=3), 8, 2, 128, qk_norm=True, g=g,
+    case = random_case(ragged_batch(MIXED_PREFIX, MIXED_NEW, 16, g, padding=3), 8, 2, 128, qk_norm=True, g=g,
                  dtype=torch.bfloat16)
-    _check(case, *_eager(case, 2))
+    check_ragged(case, *_eager(case, 2))
 
 
 def test_chunked_prefill_matches_the_whole_prompt():
@@ -167,7 +89,7 @@ def test_chunked_prefill_matches_the_whole_prompt():
     reference, as the whole prompt's is."""
     g = _gen()
     n, chunk, page_size = 300, 64, 16
-    whole = _case(ragged_batch([0], [n], page_size, g, spare=0), 8, 2, 128, qk_norm=True, g=g)
+    whole = random_case(ragged_batch([0], [n], page_size, g, spare=0), 8, 2, 128, qk_norm=True, g=g)
     _, out_whole, cache_whole = _eager(whole, 2)
     cache = whole.cache.clone()
     pages = whole.batch.pages[0]
@@ -181,13 +103,13 @@ def test_chunked_prefill_matches_the_whole_prompt():
                                  torch.tensor([(start + m - 1) % page_size + 1], dtype=torch.int32),
                                  torch.tensor([0, m], dtype=torch.int32), whole.batch.num_pages)
         part = dataclasses.replace(whole, batch=step_batch, qkv=whole.qkv[start:start + m])
-        _, out = _step(part, 2)(*part.args(cache))
+        _, out = ragged_step(part, 2)(*part.args(cache))
         outs.append(out)
     assert torch.equal(cache, cache_whole)
     q_whole = rope_append(*whole.args(whole.cache.clone())[:8], whole.layer, whole.heads, whole.kv_heads, EPS,
                           whole.batch.qo_indptr)
     ref = dense_ragged_attention(q_whole, cache, whole.batch, whole.layer, whole.scale)
-    bound = _attention_bound(torch.float32, 128, n)
+    bound = attention_bound(torch.float32, 128, n, False)
     assert relative_error(torch.cat(outs), ref) <= bound and relative_error(out_whole, ref) <= bound
 
 
@@ -195,18 +117,18 @@ def test_decode_rows_are_the_decode_form():
     """qo_indptr = 0, 1, …, B (one new row per sequence) is the decode form: the same cache
     bit for bit and the same attention within the bound."""
     g = _gen()
-    case = _case(ragged_batch([0, 6, 40, 300], [1, 1, 1, 1], 16, g), 8, 2, 64, qk_norm=True, g=g)
+    case = random_case(ragged_batch([0, 6, 40, 300], [1, 1, 1, 1], 16, g), 8, 2, 64, qk_norm=True, g=g)
     q, out, cache = _eager(case, 2)
     decode_cache = case.cache.clone()
     args = case.args(decode_cache)[:8]
     q_dec = rope_append(*args, case.layer, case.heads, case.kv_heads, EPS)
     out_dec = paged_attention(q_dec, decode_cache, *case.batch.tables(), case.layer, case.scale, 2)
     assert torch.equal(decode_cache, cache) and torch.equal(q_dec, q)
-    assert relative_error(out, out_dec) <= _attention_bound(torch.float32, 64, 300)
+    assert relative_error(out, out_dec) <= attention_bound(torch.float32, 64, 300, False)
 
 
-def _compile(case: Case, splits: int, **options):
-    return torch.compile(_step(case, splits), backend="mpk", fullgraph=True, dynamic=False,
+def _compile(case: RaggedCase, splits: int, **options):
+    return torch.compile(ragged_step(case, splits), backend="mpk", fullgraph=True, dynamic=False,
                          options={"executor": "cpu", **options})
 
 
@@ -222,15 +144,15 @@ def test_compiled_mixed_batch_matches_dense(partition):
     happens-before check at compile time) against float64 and eager, its cache bit for bit
     the eager one's."""
     g = _gen()
-    case = _case(ragged_batch(MIXED_PREFIX, MIXED_NEW, 16, g, padding=3), 8, 2, 64, qk_norm=True, g=g)
+    case = random_case(ragged_batch(MIXED_PREFIX, MIXED_NEW, 16, g, padding=3), 8, 2, 64, qk_norm=True, g=g)
     _, out_eager, cache_eager = _eager(case, 3)
     for seed in range(2):
         cache = case.cache.clone()
         with torch.no_grad():
             q, out = _compile(case, 3, partition=partition, seed=seed)(*case.args(cache))
-        _check(case, q, out, cache)
+        check_ragged(case, q, out, cache)
         assert torch.equal(cache, cache_eager)
-        assert relative_error(out, out_eager) <= 2 * _attention_bound(torch.float32, 64, max(case.batch.lens))
+        assert relative_error(out, out_eager) <= 2 * attention_bound(torch.float32, 64, max(case.batch.lens), False)
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
     assert kinds == ["rope_append", "attn_partial", "attn_merge"]  # no rope fusion in the ragged form
 
@@ -241,11 +163,11 @@ def test_compiled_prefill_tiles_hold_blocks_of_rows():
     DECODE_ROWS rows takes one row per tile. The compiled step matches float64."""
     assert rows_per_tile(DECODE_ROWS, 4) == 1 and rows_per_tile(DECODE_ROWS + 1, 4) == MMA_ROWS // 4
     g = _gen()
-    case = _case(ragged_batch([0, 0], [300, 17], 16, g), 8, 2, 64, qk_norm=False, g=g)
+    case = random_case(ragged_batch([0, 0], [300, 17], 16, g), 8, 2, 64, qk_norm=False, g=g)
     cache = case.cache.clone()
     with torch.no_grad():
         q, out = _compile(case, 1)(*case.args(cache))
-    _check(case, q, out, cache)
+    check_ragged(case, q, out, cache)
     attn = next(op for op in COMPILED[-1].graph.ops if op.kind == "attn_partial")
     rows = attn.attrs["rows"]
     assert rows == MMA_ROWS // 4 and attn.attrs["final"] and attn.attrs["ragged"]
@@ -261,11 +183,11 @@ def test_verify_flags_attention_not_ordered_after_other_rows_appends(monkeypatch
     from mpk.inspection import compile_module
 
     g = _gen()
-    case = _case(ragged_batch([5, 0], [4, 6], 4, g), 4, 2, 64, qk_norm=False, g=g)
+    case = random_case(ragged_batch([5, 0], [4, 6], 4, g), 4, 2, 64, qk_norm=False, g=g)
 
     class Step(torch.nn.Module):
         def forward(self, qkv, cos_sin, indptr, indices, last, kv_cache, q_norm, k_norm, qo):
-            return _step(case, 1)(qkv, cos_sin, indptr, indices, last, kv_cache, q_norm, k_norm, qo)
+            return ragged_step(case, 1)(qkv, cos_sin, indptr, indices, last, kv_cache, q_norm, k_norm, qo)
 
     partition = {"rope_append": [2, 1, 1], "attn_partial": [2, 2, 1, 1]}
     compiled = compile_module(Step(), case.args(case.cache.clone()), {"num_workers": 1, "partition": partition})
@@ -288,10 +210,10 @@ def test_verify_flags_attention_not_ordered_after_other_rows_appends(monkeypatch
     tasks = compiled.tables.tasks["op"]
     assert err.pairs and all(kinds[tasks[w]] == "rope_append" and kinds[tasks[r]] == "attn_partial"
                              for w, r in err.pairs)
-    assert "appended by it" in str(err) and "key (layer 1, row " in str(err) and err.buffer == "kv_cache"
+    assert "appended by it" in str(err) and "key (layer 1, kv head " in str(err) and ", row " in str(err) and err.buffer == "kv_cache"
 
 
-def _bad_tables(case: Case) -> list[tuple[dict, str]]:
+def _bad_tables(case: RaggedCase) -> list[tuple[dict, str]]:
     """(replaced arguments, the BadInputError's message) for each way a ragged step's tables
     can be wrong at run time (case: sequences of 5 and 9 positions, 3 and 4 new rows, 9 rows)."""
     qo = case.batch.qo_indptr
@@ -314,7 +236,7 @@ def test_bad_ragged_tables_are_named():
     (worded as the GPU executor reports them: mpk.errors.BAD_INPUTS); wrong shapes and dtypes
     of qo_indptr are refused before anything runs."""
     g = _gen()
-    case = _case(ragged_batch([2, 5], [3, 4], 4, g, padding=2), 4, 2, 64, qk_norm=False, g=g)
+    case = random_case(ragged_batch([2, 5], [3, 4], 4, g, padding=2), 4, 2, 64, qk_norm=False, g=g)
     faults = _bad_tables(case)
     assert len(faults) == 5
     compiled = _compile(case, 1)
@@ -326,7 +248,7 @@ def test_bad_ragged_tables_are_named():
             compiled = _compile(case, 1)
         args |= change
         with pytest.raises(BadInputError, match=message):
-            _step(case, 1)(*args.values())
+            ragged_step(case, 1)(*args.values())
         with pytest.raises(BadInputError, match=message), torch.no_grad():
             compiled(*args.values())
     q = torch.randn(case.batch.tokens, 4, 64)
