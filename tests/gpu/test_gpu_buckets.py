@@ -1,5 +1,5 @@
-"""Prefill and mixed steps of a DecoderLM on the GPU (marker ``gpu``; skipped without CUDA): ``TokenBuckets``
-compiled for the GPU executor against mpk's eager path and a float32 twin."""
+"""Prefill and mixed steps of a ``DecoderLM`` on the GPU (marker ``gpu``; skipped without CUDA):
+``TokenBuckets`` compiled for the GPU executor against mpk's eager path and a float32 twin."""
 
 from __future__ import annotations
 
