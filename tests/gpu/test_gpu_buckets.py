@@ -21,8 +21,9 @@ DEV = "cuda"
 def test_prefill_and_mixed_steps_match_eager(family, head_dim, page_size):
     """bf16: prompts of 1, 17 and 40 tokens prefilled in chunks of 32 (two steps on the 64
     bucket), then two mixed steps (a 20-token chunk beside decodes on the 64 bucket; two
-    decodes, one sequence sitting out, on the 8 bucket) and a decode step (the decode graph): every new token's logits (logits="all") as close to a
-    float32 twin's as mpk's bf16 eager path is (largest and median error relative to the
+    decodes, one sequence sitting out, on the 8 bucket) and a decode step (the decode graph):
+    every new token's logits (logits="all") as close to a float32 twin's as mpk's bf16 eager
+    path is (largest and median error relative to the
     largest |logit| within 1.5× the eager path's: different summation orders of bf16 values),
     top-1 agreement ≥ 99% with the eager path where it is decisive. Three kernels, built
     together by compile(); no step compiles another."""
@@ -37,7 +38,10 @@ def test_prefill_and_mixed_steps_match_eager(family, head_dim, page_size):
     report = runs[0].compile()
     graphs = len(COMPILED)
     assert list(report.trace_s) == ["T=8", "T=64", "decode"]
-    tok = lambda n: torch.randint(0, cfg.vocab, (n,)).tolist()  # noqa: E731
+
+    def tok(n: int) -> list[int]:
+        return torch.randint(0, cfg.vocab, (n,)).tolist()
+
     prompts = [tok(1), tok(17), tok(40)]
     schedule = [[tok(20), tok(1), tok(1)], [tok(1), [], tok(1)], [tok(1), tok(1), tok(1)]]
     outs: list[list[torch.Tensor]] = [[] for _ in runs]
