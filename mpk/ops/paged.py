@@ -346,24 +346,25 @@ def kv_heads_of_tile(h0: int, h1: int, heads: int, kv_heads: int) -> range:
 
 
 # The cache as the happens-before check sees it: the page table is run-time data, so a tile's
-# cache accesses are named by (layer, token row, kv head, position) keys, the position being 0
+# cache accesses are named by (layer, kv head, token row, position) keys, the position being 0
 # for what the row's sequence cached before this step and 1 for the slot the row appends
 # (decode: a row is its sequence). Each sequence owns its pages and each new row of a sequence
 # its own slot, so distinct appended keys are distinct cache rows; the cached ones nobody
-# writes in the step. A ragged attention tile reads every row's keys of its kv heads.
-CACHE_KEY_DIMS = ("layer", "row", "kv head", "position (0: cached before the step, 1: appended by it)")
+# writes in the step. A ragged attention tile reads every row's keys of its kv heads: rows
+# inside kv heads make that one interval of keys.
+CACHE_KEY_DIMS = ("layer", "kv head", "row", "position (0: cached before the step, 1: appended by it)")
 
 
 def _cache_keys(sig: OpSig, cache_input: int) -> Shape:
     cache = sig.in_shapes[cache_input]
-    return (cache[0], sig.in_shapes[0][0], cache[3], 2)
+    return (cache[0], cache[3], sig.in_shapes[0][0], 2)
 
 
 def _rope_append_writes(sig: OpSig, rect):
     (b0, b1), (h0, h1) = rect[0], rect[1]
     kvs = kv_heads_of_tile(h0, h1, sig.attrs["heads"], sig.attrs["kv_heads"])
     layer = sig.attrs["layer"]
-    return [(5, ((layer, layer + 1), (b0, b1), (kvs.start, kvs.stop), (1, 2)))] if len(kvs) else []
+    return [(5, ((layer, layer + 1), (kvs.start, kvs.stop), (b0, b1), (1, 2)))] if len(kvs) else []
 
 
 def _rope_append_keys(sig: OpSig):
@@ -485,7 +486,7 @@ def _partial_keys(sig: OpSig):
     # any chunk may hold the last position (chunk_bounds depends on the run-time length)
     layer = sig.attrs["layer"]
     return [KeySpace(1, _cache_keys(sig, 1), CACHE_KEY_DIMS,
-                     lambda sig, rect: ((layer, layer + 1), _all_rows(sig, rect), rect[1], (0, 2)))]
+                     lambda sig, rect: ((layer, layer + 1), rect[1], _all_rows(sig, rect), (0, 2)))]
 
 
 def _appends(sig: OpSig, rect) -> bool:
@@ -496,13 +497,13 @@ def _appends(sig: OpSig, rect) -> bool:
 
 def _rope_attn_writes(sig: OpSig, rect):
     layer = sig.attrs["layer"]
-    return [(5, ((layer, layer + 1), rect[0], rect[1], (1, 2)))] if _appends(sig, rect) else []
+    return [(5, ((layer, layer + 1), rect[1], rect[0], (1, 2)))] if _appends(sig, rect) else []
 
 
 def _rope_attn_keys(sig: OpSig):
     layer = sig.attrs["layer"]
     return [KeySpace(5, _cache_keys(sig, 5), CACHE_KEY_DIMS,
-                     lambda sig, rect: ((layer, layer + 1), rect[0], rect[1], (0, 2 if _appends(sig, rect) else 1)))]
+                     lambda sig, rect: ((layer, layer + 1), rect[1], rect[0], (0, 2 if _appends(sig, rect) else 1)))]
 
 
 def _partial_cpu(sig: OpSig, rect, xs):

@@ -29,10 +29,10 @@ from mpk.testing.tolerance import decoder_logits_bound
 
 # the interpreter simulates few workers: small grids keep each step to a few hundred tasks
 CPU = {"executor": "cpu", "num_workers": 8}
-LENGTHS = [1, 7, 16, 17, 300]
+LENGTHS = [1, 7, 16, 17, 300]  # a token, odd, a page of 16, one past it, many pages (and chunks of 64)
 # Llama 3.1's scaling with a short original context, so prompts reach the scaled frequencies
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 32}  # a token, odd, a page of 16, one past it, many pages (and chunks of 64)
+                  "original_max_position_embeddings": 32}
 
 
 def small(family: str, **kw) -> LLMConfig:
@@ -50,7 +50,7 @@ def hf_twin(cfg: LLMConfig, dtype: torch.dtype, max_len: int, seed: int | None =
     return twin(cfg, seed=random.randrange(1 << 30) if seed is None else seed, dtype=dtype, max_len=max_len)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def shared_twin(family: str):
     """A float32 ``hf_twin`` of ``small(family)`` for 512 positions, made once per run (each
     takes seconds), its weights drawn from the run's seed (MPK_TEST_SEED replays them)."""
@@ -108,10 +108,11 @@ def test_prefill_matches_transformers(family, page_size):
 
 
 def test_long_prompt_in_chunks_of_512():
-    """A prompt of 2049 tokens (four full chunks of 512 and one token) beside one of 3, prefilled compiled in chunks of 512 (the last step, 1 + 3 tokens, on the
-    8 bucket) and eagerly whole: both prompts' last logits within the float32 bound of
-    transformers'. One layer: the interpreter's time grows with rows × positions attended, and
-    the other tests cover the layers' stacking."""
+    """A prompt of 2049 tokens (four full chunks of 512 and one token) beside one of 3,
+    prefilled compiled in chunks of 512 (the last step, 1 + 3 tokens, on the 8 bucket) and
+    eagerly whole: both prompts' last logits within the float32 bound of transformers'. One
+    layer: the interpreter's time grows with rows × positions attended, and the other tests
+    cover the layers' stacking."""
     cfg = small("qwen3", layers=1)
     hf, model = hf_twin(cfg, torch.float32, max_len=2112)
     prompts = random_prompts([2049, 3], cfg.vocab)
@@ -165,7 +166,10 @@ def test_mixed_batch_equals_sequences_run_alone(family, ran_rows):
     kv = PagedKVCache(model, 4, 256, 4)
     steps = TokenBuckets(model, kv, max_num_batched_tokens=64, logits="all", options=CPU)
     long = torch.randint(0, cfg.vocab, (150,)).tolist()
-    d = lambda: [random.randrange(cfg.vocab)]  # noqa: E731  (a decode token)
+
+    def d() -> list[int]:  # a decode token
+        return [random.randrange(cfg.vocab)]
+
     schedule = [[[], *random_prompts([1, 2, 5], cfg.vocab)], [long[0:48], d(), [], d()],
                 [long[48:96], d(), d(), d()], [d(), d(), d(), d()], [long[96:144], d(), d(), []],
                 [long[144:150], d(), d(), d()]]

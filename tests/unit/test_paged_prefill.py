@@ -210,7 +210,7 @@ def test_verify_flags_attention_not_ordered_after_other_rows_appends(monkeypatch
     tasks = compiled.tables.tasks["op"]
     assert err.pairs and all(kinds[tasks[w]] == "rope_append" and kinds[tasks[r]] == "attn_partial"
                              for w, r in err.pairs)
-    assert "appended by it" in str(err) and "key (layer 1, row " in str(err) and err.buffer == "kv_cache"
+    assert "appended by it" in str(err) and "key (layer 1, kv head " in str(err) and ", row " in str(err) and err.buffer == "kv_cache"
 
 
 def _bad_tables(case: RaggedCase) -> list[tuple[dict, str]]:

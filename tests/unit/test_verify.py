@@ -237,7 +237,7 @@ def test_fused_append_by_the_wrong_chunk_is_named(monkeypatch):
     opdef = registry.REGISTRY["rope_attn_partial"]
     layer_of = lambda sig: sig.attrs["layer"]  # noqa: E731
     wrong = dataclasses.replace(opdef, inplace_writes=lambda sig, rect: [
-        (5, ((layer_of(sig), layer_of(sig) + 1), rect[0], rect[1], (1, 2)))] if rect[2][0] == 0 else [])
+        (5, ((layer_of(sig), layer_of(sig) + 1), rect[1], rect[0], (1, 2)))] if rect[2][0] == 0 else [])
     monkeypatch.setitem(registry.REGISTRY, "rope_attn_partial", wrong)
     monkeypatch.setitem(registry._BY_TYPE_ID, opdef.type_id, wrong)
     with pytest.raises(VerifyError) as info:
