@@ -36,7 +36,7 @@ from peer import require_cuda, time_peer_prefill  # noqa: E402
 
 from mpk.cli import count, page_size as page_size_arg  # noqa: E402
 from mpk.llm import SHAPES as MODELS  # noqa: E402
-from mpk.llm import DecoderLM, PagedKVCache, TokenBuckets  # noqa: E402
+from mpk.llm import DecoderLM, PagedKVCache, TokenBuckets, prefill  # noqa: E402
 
 MIXED = [2048, 1024, 512, 512, 256, 128, 64, 64]
 
@@ -108,7 +108,15 @@ def bench_model(name: str, args, peak: float | None) -> list[dict]:
             for pname, p in model.named_parameters():
                 p.normal_(1.0 if "norm" in pname else 0.0, 0.02)
     flops_per_token = 2 * matmul_params(model)
-    rows = []
+    rows: list[dict] = []
+    device_name = torch.cuda.get_device_name() if not args.prebuild else None
+
+    def add(row: dict) -> None:
+        row.update(date=datetime.date.today().isoformat(), model=name, page_size=args.page_size, device=device_name,
+                   dense_peak_tflops=peak)
+        emit_row(row, args.out)
+        rows.append(row)
+
     todo = cases(args.lengths, args.mixed)
     peers = [{"peer_ms": None, "peer_mode": None, "errors": {}}] * len(todo) if args.skip_peer or args.prebuild else \
         time_peer_prefill(peer_shape(name), [lens for _, lens in todo], compile_mode=args.compile_mode)
@@ -122,7 +130,7 @@ def bench_model(name: str, args, peak: float | None) -> list[dict]:
         ms = timed_steps(steps.cache.reset, lambda: steps.step(prompts))
         tokens = sum(prompts_len)
         tflops = flops_per_token * tokens / (ms * 1e-3) / 1e12
-        rows.append({"case": case, "lengths": prompts_len, "tokens": tokens, "mpk_ms": ms,
+        add({"case": case, "lengths": prompts_len, "tokens": tokens, "mpk_ms": ms,
                      "compile_s": steps.report.total_s, "peer_ms": peer["peer_ms"], "peer_mode": peer["peer_mode"],
                      "peer_errors": peer["errors"],
                      "speedup": peer["peer_ms"] / ms if peer["peer_ms"] else None, "model_tflops": tflops,
@@ -137,19 +145,15 @@ def bench_model(name: str, args, peak: float | None) -> list[dict]:
         g = torch.Generator().manual_seed(2)
         cache = steps.cache
         prefix = [torch.randint(0, cfg.vocab, (args.position,), generator=g).tolist() for _ in range(B)]
-        steps.step(prefix + [[]])  # the decoding sequences' prompts (one step of B · position tokens)
+        prefill(steps, prefix + [[]], chunk=B + chunk)  # the decoding sequences' prompts
         one = [[int(t)] for t in torch.randint(0, cfg.vocab, (B,), generator=g)]
         piece = torch.randint(0, cfg.vocab, (chunk,), generator=g).tolist()
         # the chunk's sequence restarts each step; the decoding ones grow by a token a step
         decode_ms = timed_steps(lambda: cache.reset([B]), lambda: steps.step(one + [[0]]))
         mixed_ms = timed_steps(lambda: cache.reset([B]), lambda: steps.step(one + [piece]))
-        rows.append({"case": f"decode{B}+chunk{chunk}", "lengths": [args.position] * B, "tokens": B + chunk,
+        add({"case": f"decode{B}+chunk{chunk}", "lengths": [args.position] * B, "tokens": B + chunk,
                      "mpk_ms": mixed_ms, "decode_alone_ms": decode_ms, "chunk_cost": mixed_ms / decode_ms,
                      "compile_s": steps.report.total_s})
-    for r in rows:
-        r.update(date=datetime.date.today().isoformat(), model=name, page_size=args.page_size,
-                 device=torch.cuda.get_device_name() if not args.prebuild else None, dense_peak_tflops=peak)
-        emit_row(r, args.out)
     del steps, model
     torch._dynamo.reset()
     gc.collect()
@@ -167,7 +171,8 @@ def main(argv=None) -> int:
                     help="prompt lengths timed at batch 1")
     ap.add_argument("--mixed", nargs="*", type=count(1), default=MIXED,
                     help="prompt lengths prefilled together in one step (none: skip the case)")
-    ap.add_argument("--decode-batch", type=count(1), default=16, help="sequences decoding beside the chunk")
+    ap.add_argument("--decode-batch", type=count(1), default=15,
+                    help="sequences decoding beside the chunk (with the chunk's, 16: the decode fast path's rows)")
     ap.add_argument("--chunk", type=count(1), default=512, help="prefill chunk riding in a decode step")
     ap.add_argument("--position", type=count(1), default=512, help="the decoding sequences' prompt length")
     ap.add_argument("--page-size", type=page_size_arg, default=16, help="KV-cache page size")
