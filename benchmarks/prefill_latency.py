@@ -11,8 +11,8 @@ empty cache to the logits of each prompt's last token, timed with CUDA events ar
 (back to back, as a serving loop issues them: host work that outlasts the GPU shows). Also:
 a decode step of ``--decode-batch`` sequences alone and with a ``--chunk``-token prefill chunk
 riding in it (the decode TPOT a chunked prefill costs). ``model TFLOP/s`` counts the matmuls'
-2·params·tokens (attention excluded) over the step's time, against the dense bf16 peak measured
-by cuBLAS in the same run.
+FLOPs (``matmul_flops``; attention's excluded) over the step's time, against the dense bf16 peak
+measured by cuBLAS in the same run.
 
 ``--prebuild`` traces every step and builds its kernels into ``$MPK_CACHE_DIR`` without a GPU
 (as ``prebuild_decode.py`` does for the decode benchmark). Prints one JSON line per case (also
@@ -41,12 +41,13 @@ from mpk.llm import DecoderLM, PagedKVCache, TokenBuckets, prefill  # noqa: E402
 MIXED = [2048, 1024, 512, 512, 256, 128, 64, 64]
 
 
-def matmul_params(model: DecoderLM) -> int:
-    """Weights a token's matmuls multiply by (the embedding lookup is not a matmul; a tied LM
-    head is)."""
+def matmul_flops(model: DecoderLM, tokens: int, sequences: int) -> int:
+    """The step's matmul FLOPs: 2·weights·tokens through the layers' projections, and the LM head
+    over one row a sequence (each step's logits are its sequences' last tokens'); attention's
+    are not counted."""
     c = model.cfg
     per_layer = sum(p.numel() for n, p in model.layers[0].named_parameters() if "norm" not in n)
-    return c.layers * per_layer + c.vocab * c.hidden
+    return 2 * (c.layers * per_layer * tokens + c.vocab * c.hidden * sequences)
 
 
 def dense_peak_tflops(n: int = 8192, iters: int = 20) -> float:
@@ -107,7 +108,6 @@ def bench_model(name: str, args, peak: float | None) -> list[dict]:
         with torch.no_grad():
             for pname, p in model.named_parameters():
                 p.normal_(1.0 if "norm" in pname else 0.0, 0.02)
-    flops_per_token = 2 * matmul_params(model)
     rows: list[dict] = []
     device_name = torch.cuda.get_device_name() if not args.prebuild else None
 
@@ -129,7 +129,7 @@ def bench_model(name: str, args, peak: float | None) -> list[dict]:
         prompts = [torch.randint(0, cfg.vocab, (n,), generator=g).tolist() for n in prompts_len]
         ms = timed_steps(steps.cache.reset, lambda: steps.step(prompts))
         tokens = sum(prompts_len)
-        tflops = flops_per_token * tokens / (ms * 1e-3) / 1e12
+        tflops = matmul_flops(model, tokens, len(prompts_len)) / (ms * 1e-3) / 1e12
         add({"case": case, "lengths": prompts_len, "tokens": tokens, "mpk_ms": ms,
                      "compile_s": steps.report.total_s, "peer_ms": peer["peer_ms"], "peer_mode": peer["peer_mode"],
                      "peer_errors": peer["errors"],
