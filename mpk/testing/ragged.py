@@ -20,9 +20,8 @@ import torch
 
 from mpk.testing.decode import random_page_table
 from mpk.testing.graphs import relative_error
-from mpk.testing.tolerance import rounding_bound
+from mpk.testing.tolerance import ROPE_GAIN, attention_bound, rounding_bound
 
-ROPE_GAIN = 2 ** 0.5  # max of |cos θ| + |sin θ|: a rotated element mixes two of its pair
 EPS = 1e-6  # the qk-norm's epsilon in ragged_step
 
 
@@ -129,12 +128,6 @@ def slot_mask(cache: torch.Tensor, layer: int, batch: RaggedBatch) -> torch.Tens
     for _, b, p in batch.rows():
         mask[layer, :, batch.pages[b][p // batch.page_size], :, p % batch.page_size] = True
     return mask
-
-
-def attention_bound(dtype: torch.dtype, head_dim: int, positions: int, p_rounded: bool) -> float:
-    """Bound on attention's ``relative_error`` over at most ``positions`` cached rows (module
-    docstring); ``p_rounded``: P is rounded to ``dtype`` before P·V (tensor cores)."""
-    return rounding_bound(dtype, 1 + p_rounded, k=head_dim + positions)
 
 
 def rope_bound(dtype: torch.dtype, head_dim: int, qk_norm: bool) -> float:

@@ -55,11 +55,13 @@ def rounding_bound(dtype: torch.dtype, gains: float | Iterable[float] = 1, k: in
     return unit_roundoff(dtype) * total + k * unit_roundoff(acc)
 
 
-def attention_bound(dtype: torch.dtype, head_dim: int, positions: int) -> float:
+def attention_bound(dtype: torch.dtype, head_dim: int, positions: int, p_rounded: bool | None = None) -> float:
     """The bound on ``relative_error`` of attention over at most ``positions`` cached rows in
-    ``dtype`` against float64 from the same inputs: the output's rounding, P's (16-bit dtypes,
-    where the tensor cores take P·V), and the D- and n-term fp32 sums (module docstring)."""
-    return rounding_bound(dtype, 1 + (dtype.itemsize == 2), k=head_dim + positions)
+    ``dtype`` against float64 from the same inputs: the output's rounding, P's when
+    ``p_rounded`` (the tensor cores take P·V in ``dtype``; None: for 16-bit dtypes), and the D-
+    and n-term fp32 sums (module docstring)."""
+    rounded = dtype.itemsize == 2 if p_rounded is None else p_rounded
+    return rounding_bound(dtype, 1 + rounded, k=head_dim + positions)
 
 
 def decoder_roundings(cfg, positions: int) -> tuple[float, int]:

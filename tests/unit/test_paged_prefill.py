@@ -24,13 +24,13 @@ from mpk.testing.ragged import (
     EPS,
     RaggedBatch,
     RaggedCase,
-    attention_bound,
     check_ragged,
     dense_ragged_attention,
     ragged_batch,
     ragged_step,
     random_case,
 )
+from mpk.testing.tolerance import attention_bound
 
 PROMPTS = [1, 7, 16, 17, 300]
 
