@@ -7,7 +7,8 @@ runs the prompts as one padded [B, S] batch: cuBLAS GEMMs and SDPA's causal flas
 the same three modes (compiled once, with dynamic shapes, for every prompt length).
 Floor: bytes a decode step must read (weights + KV cache) / measured device copy bandwidth.
 
-    from peer import SHAPES, time_peer, time_peer_prefill, weight_bytes, kv_bytes, copy_bandwidth, floor_ms, require_cuda
+    from peer import SHAPES, time_peer, time_peer_prefill, weight_bytes, kv_bytes, copy_bandwidth, floor_ms
+    from peer import require_cuda
 """
 
 from __future__ import annotations
@@ -154,7 +155,6 @@ class _Block(nn.Module):
         x = x + F.linear(o.reshape(b, s.q_heads * s.head_dim), self.wo)
         gate, up = F.linear(_rms_norm(x, self.ffn_norm, s.rms_eps), self.w13).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.w2)
-
 
     def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, S, hidden] at positions 0 … S − 1 of an empty cache: the k/v written to the
@@ -447,10 +447,10 @@ def time_peer_prefill(shape: Shape | str, cases: list[list[int]], device: torch.
             diffs: dict[str, float] = {}
             with torch.no_grad(), torch.cuda.device(device):
                 ref = model.prefill(tokens, last).clone()
-                times["eager"] = time_step(lambda: model.prefill(tokens, last), warmup, iters)
+                times["eager"] = time_step(lambda m=model, t=tokens, n=last: m.prefill(t, n), warmup, iters)
                 for mode, fn in (("eager_graph", model.prefill), ("compile_graph", compiled)):
                     try:
-                        graph, out = _capture(lambda: fn(tokens, last))
+                        graph, out = _capture(lambda f=fn, t=tokens, n=last: f(t, n))
                         times[mode] = time_step(graph.replay, warmup, iters)
                         diffs[mode] = _rel_diff(out, ref)
                         del graph, out

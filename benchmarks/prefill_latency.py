@@ -127,14 +127,13 @@ def bench_model(name: str, args, peak: float | None) -> list[dict]:
             continue
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, cfg.vocab, (n,), generator=g).tolist() for n in prompts_len]
-        ms = timed_steps(steps.cache.reset, lambda: steps.step(prompts))
+        ms = timed_steps(steps.cache.reset, lambda s=steps, p=prompts: s.step(p))
         tokens = sum(prompts_len)
         tflops = matmul_flops(model, tokens, len(prompts_len)) / (ms * 1e-3) / 1e12
         add({"case": case, "lengths": prompts_len, "tokens": tokens, "mpk_ms": ms,
-                     "compile_s": steps.report.total_s, "peer_ms": peer["peer_ms"], "peer_mode": peer["peer_mode"],
-                     "peer_errors": peer["errors"],
-                     "speedup": peer["peer_ms"] / ms if peer["peer_ms"] else None, "model_tflops": tflops,
-                     "peak_fraction": tflops / peak if peak else None})
+             "compile_s": steps.report.total_s, "peer_ms": peer["peer_ms"], "peer_mode": peer["peer_mode"],
+             "peer_errors": peer["errors"], "speedup": peer["peer_ms"] / ms if peer["peer_ms"] else None,
+             "model_tflops": tflops, "peak_fraction": tflops / peak if peak else None})
         del steps
         torch._dynamo.reset()  # a graph per case: Dynamo's recompile limit counts every shape traced
         gc.collect()
@@ -149,11 +148,11 @@ def bench_model(name: str, args, peak: float | None) -> list[dict]:
         one = [[int(t)] for t in torch.randint(0, cfg.vocab, (B,), generator=g)]
         piece = torch.randint(0, cfg.vocab, (chunk,), generator=g).tolist()
         # the chunk's sequence restarts each step; the decoding ones grow by a token a step
-        decode_ms = timed_steps(lambda: cache.reset([B]), lambda: steps.step(one + [[0]]))
-        mixed_ms = timed_steps(lambda: cache.reset([B]), lambda: steps.step(one + [piece]))
+        decode_ms = timed_steps(lambda: cache.reset([B]), lambda s=steps: s.step(one + [[0]]))
+        mixed_ms = timed_steps(lambda: cache.reset([B]), lambda s=steps: s.step(one + [piece]))
         add({"case": f"decode{B}+chunk{chunk}", "lengths": [args.position] * B, "tokens": B + chunk,
-                     "mpk_ms": mixed_ms, "decode_alone_ms": decode_ms, "chunk_cost": mixed_ms / decode_ms,
-                     "compile_s": steps.report.total_s})
+             "mpk_ms": mixed_ms, "decode_alone_ms": decode_ms, "chunk_cost": mixed_ms / decode_ms,
+             "compile_s": steps.report.total_s})
     del steps, model
     torch._dynamo.reset()
     gc.collect()

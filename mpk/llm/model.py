@@ -136,10 +136,11 @@ def check_step_shapes(tokens, kv_indptr, kv_last_page_len, qo_indptr, logits) ->
         return
     B = kv_last_page_len.shape[0] if kv_last_page_len.dim() == 1 else -1
     if tokens.dim() != 1 or kv_indptr.shape != (B + 1,) or qo_indptr.shape != (B + 1,) \
-            or qo_indptr.dtype != torch.int32:
+            or qo_indptr.dtype != kv_indptr.dtype:
         raise BadInputError(f"tokens {tuple(tokens.shape)}, kv_indptr {tuple(kv_indptr.shape)}, kv_last_page_len "
                             f"{tuple(kv_last_page_len.shape)}, qo_indptr {tuple(qo_indptr.shape)} {qo_indptr.dtype}; "
-                            "expected [T], [B + 1], [B] and [B + 1] int32 (a ragged step's new rows per sequence)")
+                            f"expected [T], [B + 1], [B] and [B + 1] of the page table's {kv_indptr.dtype} (a ragged step's new rows "
+                            "per sequence)")
 
 
 def check_model_args(dtype: torch.dtype, max_len: int | None, num_splits: int) -> None:

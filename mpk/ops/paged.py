@@ -36,7 +36,8 @@ and writes its k/v to slot p_t; attention row t attends to positions 0…p_t (ca
 new rows, the whole cached prefix; GQA as in decode). Rows t ≥ qo_indptr[B] are padding (a
 token-count bucket larger than the step): no append, zero q and output (states (0, −inf)); a
 sequence with no new rows is untouched. ``qo_rows`` checks qo_indptr against the page table
-(BadInputError codes 7–9 of mpk.errors.BAD_INPUTS, which the CUDA tasks report alike) and maps
+(BadInputError codes 7–8 of mpk.errors.BAD_INPUTS; code 9, a row's position, is checked where
+rows are rotated; the CUDA tasks report them alike) and maps
 rows to (sequence, position). Decode is the form without ``qo_indptr``: T = B, row b is
 sequence b's last position (its code paths and rope fusion are the ones above).
 
@@ -468,7 +469,7 @@ def _chunks(sig: OpSig) -> tuple[bool, int, int]:
 
 
 def _partial_regions(sig: OpSig, rect):
-    (b0, b1), (k0, k1) = rect[0], rect[1]
+    k0, k1 = rect[1]
     G, D, layer = _chunks(sig)[2], sig.in_shapes[0][2], sig.attrs["layer"]
     cache = sig.in_shapes[1]
     rows = _all_rows(sig, rect)

@@ -328,18 +328,18 @@ def test_bad_steps_are_named_and_change_nothing():
 
 
 def test_ragged_step_inputs_are_checked():
-    """A ragged step's qo_indptr must be [B + 1] int32, and logits "last" or "all" (eager, and
-    when traced)."""
+    """A ragged step's qo_indptr must be [B + 1] of the page table's type, and logits "last" or
+    "all" (eager: BadInputError; traced: the same message, inside torch's compile error)."""
     model = DecoderLM(small("qwen3"), torch.float32, max_len=16).randomize()
     kv = PagedKVCache(model, 2, 16, 4)
     kv.grow([2, 1])
     tokens = torch.tensor([1, 2, 3])
     step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False, options=CPU)
-    for run in (model, step):
-        with pytest.raises(Exception, match=r"qo_indptr \(3,\) torch.int64; expected \[T\], \[B \+ 1\], \[B\] and "
-                                            r"\[B \+ 1\] int32"):
+    for run, error in ((model, BadInputError), (step, Exception)):
+        with pytest.raises(error, match=r"qo_indptr \(3,\) torch.int64; expected \[T\], \[B \+ 1\], \[B\] and "
+                                        r"\[B \+ 1\] of the page table's torch.int32"):
             run(tokens, *kv.args(), kv.qo_indptr.long())
-        with pytest.raises(Exception, match=r"logits='first'; expected one of \('last', 'all'\)"):
+        with pytest.raises(error, match=r"logits='first'; expected one of \('last', 'all'\)"):
             run(tokens, *kv.args(), kv.qo_indptr, logits="first")
 
 
