@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_latency import emit_row  # noqa: E402
 from peer import SHAPES, require_cuda  # noqa: E402
 from task_bandwidth import eager_ms, per_iteration_ms  # noqa: E402
 
@@ -106,17 +106,14 @@ def main(argv=None) -> int:
                        "peak_TFLOPs": peak, "date": datetime.date.today().isoformat(), "device": device,
                        "nvcc_flags": os.environ.get("MPK_NVCC_FLAGS", "")}
                 rows.append(row)
-                print(json.dumps(row), flush=True)
-                if args.out:
-                    with args.out.open("a") as fh:
-                        fh.write(json.dumps(row) + "\n")
+                emit_row(row, args.out)
                 del x, w
                 torch._dynamo.reset()
     print(f"\n{'case':22s} {'M':>5s} {'N':>6s} {'K':>6s} {'ms':>8s} {'TFLOP/s':>8s} {'of peak':>8s} "
           f"{'cuBLAS ms':>10s} {'TFLOP/s':>8s} {'of peak':>8s}")
     for r in rows:
-        print(f"{r['case']:22s} {r['M']:5d} {r['N']:6d} {r['K']:6d} {r['ms']:8.4f} {r['TFLOPs']:8.1f} {r['of_peak']:8.2f} "
-              f"{r['torch_ms']:10.4f} {r['torch_TFLOPs']:8.1f} {r['torch_TFLOPs'] / peak:8.2f}")
+        print(f"{r['case']:22s} {r['M']:5d} {r['N']:6d} {r['K']:6d} {r['ms']:8.4f} {r['TFLOPs']:8.1f} "
+              f"{r['of_peak']:8.2f} {r['torch_ms']:10.4f} {r['torch_TFLOPs']:8.1f} {r['torch_TFLOPs'] / peak:8.2f}")
     return 0
 
 

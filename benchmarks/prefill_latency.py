@@ -32,9 +32,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_latency import emit_row, peer_shape  # noqa: E402
+from gemm_tflops import dense_peak_tflops  # noqa: E402
 from peer import require_cuda, time_peer_prefill  # noqa: E402
 
-from mpk.cli import count, page_size as page_size_arg  # noqa: E402
+from mpk.cli import count  # noqa: E402
+from mpk.cli import page_size as page_size_arg  # noqa: E402
 from mpk.llm import SHAPES as MODELS  # noqa: E402
 from mpk.llm import DecoderLM, PagedKVCache, TokenBuckets, prefill  # noqa: E402
 
@@ -48,24 +50,6 @@ def matmul_flops(model: DecoderLM, tokens: int, sequences: int) -> int:
     c = model.cfg
     per_layer = sum(p.numel() for n, p in model.layers[0].named_parameters() if "norm" not in n)
     return 2 * (c.layers * per_layer * tokens + c.vocab * c.hidden * sequences)
-
-
-def dense_peak_tflops(n: int = 8192, iters: int = 20) -> float:
-    """The best bf16 TFLOP/s of cuBLAS over square GEMMs of ``n`` (the achievable dense peak)."""
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    best = 0.0
-    for _ in range(3):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            a @ b
-        stop.record()
-        torch.cuda.synchronize()
-        best = max(best, 2 * n ** 3 * iters / (start.elapsed_time(stop) * 1e-3) / 1e12)
-    return best
 
 
 def timed_steps(setup, step, warmup: int = 2, iters: int = 10) -> float:

@@ -7,6 +7,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mpk.llm.config import LLMConfig
+
+# Llama 3.1's scaling with a short original context, so short prompts reach the scaled frequencies
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 32}
+
+
+def small_config(family: str, **kw) -> LLMConfig:
+    """A tiny Llama ("llama": tied, Llama 3 rope scaling) or Qwen3 ("qwen3": qk-norm) config for
+    CPU tests; ``kw`` overrides fields."""
+    base = dict(family=family, hidden=64, inter=96, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=97,
+                tied=family == "llama", eps=1e-6, rope_theta=1e4 if family == "llama" else 1e6,
+                rope_scaling=LLAMA3_SCALING if family == "llama" else None, max_position=256)
+    return LLMConfig(**(base | kw))
 
 def random_decoder(config, seed: int, batch: int, seq: int):
     """A toy decoder with fresh random weights and a prefill batch: (model, ids, cos, sin)."""

@@ -23,26 +23,19 @@ from mpk.frontend.fused_ops import paged_attention
 from mpk.llm import DecoderLM, LLMConfig, PagedKVCache, rope_inv_freq
 from mpk.ops.paged import MIN_CHUNK, chunk_bounds, merge_states
 from mpk.testing.decode import (
+    LLAMA3_SCALING,
     against_eager_and_float32,
     check_arguments_inside_storage,
     dense_paged_attention,
     norm_fusions,
     random_page_table,
+    small_config,
 )
 from mpk.testing.graphs import op_forms, relative_error
 from mpk.testing.parity import compare_logits, decode_logits, hf_logits, hf_twin
 
 pytest.importorskip("transformers")
-
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 32}
-
-
-def small(family: str, **kw) -> LLMConfig:
-    base = dict(family=family, hidden=64, inter=96, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=97,
-                tied=family == "llama", eps=1e-6, rope_theta=1e4 if family == "llama" else 1e6,
-                rope_scaling=LLAMA3_SCALING if family == "llama" else None, max_position=256)
-    return LLMConfig(**(base | kw))
+small = small_config
 
 
 def _random_state(n: int, d: int, g: torch.Generator, empty_share: float = 0.3):

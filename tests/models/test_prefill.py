@@ -24,22 +24,18 @@ from mpk.backend import COMPILED
 from mpk.errors import BadInputError, MpkError, OptionError
 from mpk.executors.interpreter import Interpreter
 from mpk.llm import DecoderLM, LLMConfig, PagedKVCache, TokenBuckets, default_buckets, prefill
+from mpk.testing.decode import small_config
 from mpk.testing.graphs import relative_error
 from mpk.testing.tolerance import decoder_logits_bound
 
 # the interpreter simulates few workers: small grids keep each step to a few hundred tasks
 CPU = {"executor": "cpu", "num_workers": 8}
 LENGTHS = [1, 7, 16, 17, 300]  # a token, odd, a page of 16, one past it, many pages (and chunks of 64)
-# Llama 3.1's scaling with a short original context, so prompts reach the scaled frequencies
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 32}
 
 
 def small(family: str, **kw) -> LLMConfig:
-    base = dict(family=family, hidden=64, inter=96, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=97,
-                tied=family == "llama", eps=1e-6, rope_theta=1e4 if family == "llama" else 1e6,
-                rope_scaling=LLAMA3_SCALING if family == "llama" else None, max_position=4096)
-    return LLMConfig(**(base | kw))
+    """``small_config`` with room for the longest prompt's positions."""
+    return small_config(family, **({"max_position": 4096} | kw))
 
 
 def hf_twin(cfg: LLMConfig, dtype: torch.dtype, max_len: int, seed: int | None = None):
