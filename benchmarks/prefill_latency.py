@@ -10,7 +10,9 @@ best of them). Cases: one prompt of each ``--lengths`` (batch 1), and one step h
 empty cache to the logits of each prompt's last token, timed with CUDA events around the call
 (back to back, as a serving loop issues them: host work that outlasts the GPU shows). Also:
 a decode step of ``--decode-batch`` sequences alone and with a ``--chunk``-token prefill chunk
-riding in it (the decode TPOT a chunked prefill costs). ``model TFLOP/s`` counts the matmuls'
+riding in it (the decode TPOT a chunked prefill costs); and a decode step of 16 sequences, one
+``--skew-long`` positions long and 15 short, in the decode form (each sequence split alike) and
+as a ragged step (attention's balanced split, ``skewed_decodes``). ``model TFLOP/s`` counts the matmuls'
 FLOPs (``matmul_flops``; attention's excluded) over the step's time, against the dense bf16 peak
 measured by cuBLAS in the same run.
 
@@ -137,12 +139,43 @@ def bench_model(name: str, args, peak: float | None) -> list[dict]:
         add({"case": f"decode{B}+chunk{chunk}", "lengths": [args.position] * B, "tokens": B + chunk,
              "mpk_ms": mixed_ms, "decode_alone_ms": decode_ms, "chunk_cost": mixed_ms / decode_ms,
              "compile_s": steps.report.total_s})
-    del steps, model
+    del steps
+    torch._dynamo.reset()
+    rows += skewed_decodes(model, args, add)
+    del model
     torch._dynamo.reset()
     gc.collect()
     if not args.prebuild:
         torch.cuda.empty_cache()
     return rows
+
+
+def skewed_decodes(model: DecoderLM, args, add) -> list[dict]:
+    """A decode step of 16 sequences, one of ``--skew-long`` positions and 15 of ``--position``
+    (and all 16 of ``--position``, for the cost where nothing is skewed): the decode form, whose
+    grid splits each sequence into the same chunks, against the same step as a 16-row ragged
+    step, whose attention follows the balanced split made in the launch (attn_plan)."""
+    B, n = 16, args.position
+    cache = PagedKVCache(model, B, args.skew_long + 64, args.page_size)
+    static = TokenBuckets(model, cache, buckets=[B], decode=True, options={"executor": "gpu", "sync": False})
+    balanced = TokenBuckets(model, cache, buckets=[B], decode=False, options={"executor": "gpu", "sync": False})
+    for s in (static, balanced):
+        print(f"  compiled the skewed-decode steps: {s.compile(progress=args.progress)}", flush=True)
+    if args.prebuild:
+        return []
+    one = [[1]] * B
+    out = []
+    for case, lens in (("skew16", [args.skew_long] + [n] * (B - 1)), ("even16", [n] * B)):
+        def setup(lens=lens):
+            cache.reset()
+            cache.grow([k - 1 for k in lens])  # (the cache's contents do not change the work)
+        times = {name: timed_steps(setup, lambda s=s: s.step(one)) for name, s in (("static", static),
+                                                                                   ("balanced", balanced))}
+        row = {"case": case, "lengths": lens, "tokens": B, "mpk_ms": times["balanced"], "static_ms": times["static"],
+               "balanced_gain": times["static"] / times["balanced"]}
+        add(row)
+        out.append(row)
+    return out
 
 
 def main(argv=None) -> int:
@@ -158,6 +191,8 @@ def main(argv=None) -> int:
                     help="sequences decoding beside the chunk (with the chunk's, 16: the decode fast path's rows)")
     ap.add_argument("--chunk", type=count(1), default=512, help="prefill chunk riding in a decode step")
     ap.add_argument("--position", type=count(1), default=512, help="the decoding sequences' prompt length")
+    ap.add_argument("--skew-long", type=count(1), default=16384,
+                    help="the long sequence of the skewed decode batch (15 others at --position)")
     ap.add_argument("--page-size", type=page_size_arg, default=16, help="KV-cache page size")
     ap.add_argument("--compile-mode", default="default", help="the peer's torch.compile mode")
     ap.add_argument("--skip-peer", action="store_true", help="mpk alone")
@@ -177,6 +212,10 @@ def main(argv=None) -> int:
     print(f"\n{'model':12s} {'case':18s} {'tokens':>6s} {'mpk ms':>8s} {'peer ms':>8s} {'speedup':>8s} "
           f"{'TFLOP/s':>8s} {'of peak':>7s}")
     for r in rows:
+        if "static_ms" in r:
+            print(f"{r['model']:12s} {r['case']:18s} {r['tokens']:6d} {r['mpk_ms']:8.3f}  decode form (static split) "
+                  f"{r['static_ms']:.3f} ms: balanced ×{r['balanced_gain']:.2f}")
+            continue
         if "decode_alone_ms" in r:
             print(f"{r['model']:12s} {r['case']:18s} {r['tokens']:6d} {r['mpk_ms']:8.3f}  decode alone "
                   f"{r['decode_alone_ms']:.3f} ms: ×{r['chunk_cost']:.2f}")

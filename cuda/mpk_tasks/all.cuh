@@ -6,6 +6,7 @@
 #include "gemm.cuh"
 #include "linalg.cuh"
 #include "paged_attention.cuh"
+#include "paged_plan.cuh"
 #include "paged_prefill.cuh"
 #include "pointwise.cuh"
 #include "rows.cuh"

@@ -440,6 +440,14 @@ struct RaggedStart : AttnStart {
 template <bool kRagged>
 using AttnStartOf = std::conditional_t<kRagged, RaggedStart, AttnStart>;
 
+// Where a ragged tile's work comes from and its states go (the balanced split, attn_plan in
+// paged_plan.cuh; identity without a plan): its rect names the rows and chunk it attends, whose
+// positions split into `splits` chunks of a segment ending at or before tile_end; row t's state
+// of chunk ch is stored at row t + row_shift, slot ch + slot_shift.
+struct TileMap {
+  long long row_shift, slot_shift, splits, tile_end;
+};
+
 // m and lim of a ragged row in a tile whose rows end at tile_end (split_rows_chunk).
 __device__ __forceinline__ void ragged_extent(const RaggedRow& row, long long tile_end, long long& m, long long& lim) {
   lim = row.pos + 1;
@@ -475,7 +483,7 @@ __device__ __forceinline__ void ragged_extent(const RaggedRow& row, long long ti
 template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal, bool kRagged = false,
           int kSlot = kAttnPhaseSlot>
 __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, const TaskEnv& env,
-                                               const AttnStartOf<kRagged>& first) {
+                                               const AttnStartOf<kRagged>& first, const TileMap& map) {
   constexpr int D = 32 * kPer;
   constexpr int kRowBytes = D * static_cast<int>(sizeof(T)), kU = kAttnStep<kPer, T>, kPieces = kRowBytes / 16;
   static_assert(2 * kU * kPieces == 256, "a step's copies are 8 rounds of the warp's 32 lanes");
@@ -526,7 +534,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
           return first.span;
         }
         const RaggedRow row = ragged_row<I>(env, indptr, indices, last, c.in[5], b, page_size, c.out_buffer);
-        ragged_extent(row, r.hi[0], m, lim);
+        ragged_extent(row, map.tile_end, m, lim);
         return row.span;
       } else {
         return at_first ? first.span : next_span<I>(env, indptr, indices, last, b, page_size, c.out_buffer);
@@ -538,7 +546,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
       const long long v_at = cache.stride[1];
       for (long long ch = ch0; ch < (kFinal ? 1 : r.hi[2]); ++ch) {
         const bool fresh = kRope && ch == C - 1;  // this tile appends the new token and attends to it
-        const ChunkSplit k = kRagged ? split_rows_chunk(m, lim, ch, C, kU) : split_chunk(span, ch, C, kRope, kU);
+        const ChunkSplit k = kRagged ? split_rows_chunk(m, lim, ch, map.splits, kU) : split_chunk(span, ch, C, kRope, kU);
         const long long t1 = k.t1;
         const int ku = k.ku, stride = warps * ku;
         long long base = k.base;
@@ -647,7 +655,7 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
         st.store(red + warp * kG * (D + 2));
         __syncthreads();
         constexpr int kOutRow = kFinal ? D : D + 1;  // kFinal: O only
-        const long long first = ((b * KV + kvh) * C + ch) * kG * kOutRow;
+        const long long first = (((b + map.row_shift) * KV + kvh) * C + ch + map.slot_shift) * kG * kOutRow;
         for (int e = threadIdx.x; e < kG * kOutRow; e += kThreadsPerTask) {
           const int g = e / kOutRow, d = e % kOutRow;
           float mx = -INFINITY;
@@ -687,29 +695,104 @@ __device__ __noinline__ void attn_partial_impl(const OpC& c, const Rect& r, cons
 // before the loads; cause not found.
 // kRagged: qo_indptr's order is checked (each warp, qo_ok) and the first row looked up before
 // the gate too; a qo_indptr at fault leaves the task after its gate.
-template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal, bool kRagged = false>
+// The first row's lookups of a ragged tile (rows from r.lo[0], chunk ch of `splits`, segments
+// ending at or before tile_end): what attn_partial_impl takes as `first`.
+template <int kPer, typename T, typename I>
+__device__ __forceinline__ RaggedStart ragged_start(const OpC& c, const TaskEnv& env, long long t, long long ch,
+                                                    long long splits, long long tile_end, bool ok) {
+  const ViewC &indptr = c.in[2], &indices = c.in[3], &last = c.in[4];
+  const int page_size = static_cast<int>(c.iparam[1]);
+  RaggedStart first;
+  const RaggedRow row = ok ? ragged_row<I>(env, indptr, indices, last, c.in[5], t, page_size, c.out_buffer)
+                           : RaggedRow{SeqSpan{0, 0}, -1, 0};
+  first.span = row.span;
+  ragged_extent(row, tile_end, first.m, first.lim);
+  const ChunkSplit k = split_rows_chunk(first.m, first.lim, ch, splits, kAttnStep<kPer, T>);
+  const long long at = k.base + (threadIdx.x & 31) % k.ku;  // this lane's position of the first step
+  first.page = at < k.t1 ? page_of<I>(env, indices, first.span.first_page, at, log2_pow2(page_size)) : 0;
+  first.new_page = 0;
+  return first;
+}
+
+// Writes the empty state (O = 0, lse = −inf) of rows [t0, t1), kv heads [k0, k1), slot ch of
+// states [S, KV, C, kG, D + 1]: a balanced tile's unused item (or rows past the last token).
+template <int kPer, int kG>
+__device__ __forceinline__ void empty_states(const OpC& c, const TaskEnv& env, long long t0, long long t1,
+                                             long long k0, long long k1, long long ch) {
+  constexpr int D = 32 * kPer;
+  const long long KV = c.out_shape[1], C = c.out_shape[2], heads = k1 - k0;
+  const long long n = max(0LL, t1 - t0) * heads * kG * (D + 1);
+  float* out = static_cast<float*>(env.buffers[c.out_buffer]);
+  for (long long e = threadIdx.x; e < n; e += kThreadsPerTask) {
+    const int d = static_cast<int>(e % (D + 1));
+    const long long g = e / (D + 1) % kG, kvh = k0 + e / (D + 1) / kG % heads, t = t0 + e / (D + 1) / kG / heads;
+    out[(((t * KV + kvh) * C + ch) * kG + g) * (D + 1) + d] = d < D ? 0.f : -INFINITY;
+  }
+}
+
+// The balanced split's items of a tile (attn_plan: the plan is c.in[plan_input], made in this
+// launch, so read after the gate): storage row b of row block i = ⌊b / R⌋, slot ch, is item
+// w = i·C + ch, which works for block item_block[w] (−1: none) as its chunk w − block_start
+// of block_start[i+1] − block_start[i]. fn(rect, map) attends one item's rows [src rows of
+// the tile's rows of block i, that chunk]; the rest get the empty state.
+template <int kPer, int kG, typename Fn>
+__device__ __forceinline__ void for_plan_items(const OpC& c, const Rect& r, const TaskEnv& env, int plan_input,
+                                               long long R, Fn&& fn) {
+  const long long T = c.in[0].shape[0], C = c.out_shape[2], NB = (T + R - 1) / R;
+  const ViewC& pv = c.in[plan_input];
+  const int* plan = static_cast<const int*>(env.buffers[pv.buffer]) + pv.offset;
+  const int* start = plan + NB * C;
+  for (long long i = r.lo[0] / R; i * R < r.hi[0]; ++i) {
+    const long long b0 = max(r.lo[0], i * R), b1 = min(r.hi[0], i * R + R);
+    for (long long ch = r.lo[2]; ch < r.hi[2]; ++ch) {
+      const long long w = i * C + ch, src = plan[w];
+      const long long t0 = src * R + (b0 - i * R), t1 = min(T, src * R + (b1 - i * R));
+      if (src < 0 || t0 >= t1) {
+        empty_states<kPer, kG>(c, env, b0, b1, r.lo[1], r.hi[1], ch);
+        __syncthreads();
+        continue;
+      }
+      if (t1 - t0 < b1 - b0) empty_states<kPer, kG>(c, env, b0 + (t1 - t0), b1, r.lo[1], r.hi[1], ch);
+      const long long j = w - start[src];
+      Rect rr = r;
+      rr.lo[0] = t0;
+      rr.hi[0] = t1;
+      rr.lo[2] = j;
+      rr.hi[2] = j + 1;
+      fn(rr, TileMap{b0 - t0, ch - j, start[src + 1] - start[src], min(T, src * R + R)});
+      __syncthreads();  // the next item reuses the scratch area
+    }
+  }
+}
+
+template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal, bool kRagged = false, bool kPlan = false>
 __device__ __forceinline__ void attn_partial(const OpC& c, const Rect& r, const TaskEnv& env) {
   constexpr int kU = kAttnStep<kPer, T>;
   const ViewC &indptr = c.in[2], &indices = c.in[3], &last = c.in[4];
   const int C = kFinal ? 1 : static_cast<int>(c.out_shape[2]);
   const int page_size = static_cast<int>(c.iparam[1]), shift = log2_pow2(page_size);
   const long long ch0 = kFinal ? 0 : r.lo[2];
+  if constexpr (kPlan) {  // the balanced split: the plan is made in this launch
+    static_assert(kRagged && !kRope && !kFinal, "a plan splits the ragged form's chunks");
+    const bool ok = qo_ok<I>(env, c.in[5], c.in[0].shape[0], c.out_buffer);
+    if (!acquire_inputs(env) || !ok) return;
+    for_plan_items<kPer, kG>(c, r, env, 6, c.iparam[2], [&](const Rect& rr, const TileMap& map) {
+      const RaggedStart first = ragged_start<kPer, T, I>(c, env, rr.lo[0], rr.lo[2], map.splits, map.tile_end, true);
+      attn_partial_impl<kPer, kG, T, I, false, false, true>(c, rr, env, first, map);
+    });
+    return;
+  }
   AttnStartOf<kRagged> first;
   bool ok = true;
-  ChunkSplit k;
   if constexpr (kRagged) {
     ok = qo_ok<I>(env, c.in[5], c.out_shape[0], c.out_buffer);
-    const RaggedRow row = ok ? ragged_row<I>(env, indptr, indices, last, c.in[5], r.lo[0], page_size, c.out_buffer)
-                             : RaggedRow{SeqSpan{0, 0}, -1, 0};
-    first.span = row.span;
-    ragged_extent(row, r.hi[0], first.m, first.lim);
-    k = split_rows_chunk(first.m, first.lim, ch0, C, kU);
+    first = ragged_start<kPer, T, I>(c, env, r.lo[0], ch0, C, r.hi[0], ok);
   } else {
     first.span = seq_span<I>(env, indptr, indices, last, r.lo[0], page_size, c.out_buffer);
-    k = split_chunk(first.span, ch0, C, kRope, kU);
+    const ChunkSplit k = split_chunk(first.span, ch0, C, kRope, kU);
+    const long long at = k.base + (threadIdx.x & 31) % k.ku;  // this lane's position of the first step
+    first.page = at < k.t1 ? page_of<I>(env, indices, first.span.first_page, at, shift) : 0;
   }
-  const long long at = k.base + (threadIdx.x & 31) % k.ku;  // this lane's position of the first step
-  first.page = at < k.t1 ? page_of<I>(env, indices, first.span.first_page, at, shift) : 0;
   // warps kG and kG + 1 append k and v in the sequence's last chunk, which may be a later chunk
   // of this tile than ch0 (the page does not depend on the chunk)
   const int warp = static_cast<int>(threadIdx.x >> 5);
@@ -717,12 +800,13 @@ __device__ __forceinline__ void attn_partial(const OpC& c, const Rect& r, const 
                                                               : -1;
   first.new_page = pos >= 0 ? page_of<I>(env, indices, first.span.first_page, pos, shift) : 0;
   if (!acquire_inputs(env) || !ok) return;
-  attn_partial_impl<kPer, kG, T, I, kRope, kFinal, kRagged>(c, r, env, first);
+  const TileMap map{0, 0, C, r.hi[0]};
+  attn_partial_impl<kPer, kG, T, I, kRope, kFinal, kRagged>(c, r, env, first, map);
 #ifdef MPK_ATTN_WARM_RERUN
   // diagnostic (benchmarks/linear_phases.py --warm-rerun): the same work again, its code and
   // data now warm, timed in its own phase slot; idempotent (the same k/v appended, the same
   // output written)
-  attn_partial_impl<kPer, kG, T, I, kRope, kFinal, kRagged, kAttnWarmSlot>(c, r, env, first);
+  attn_partial_impl<kPer, kG, T, I, kRope, kFinal, kRagged, kAttnWarmSlot>(c, r, env, first, map);
 #endif
 }
 
@@ -765,6 +849,52 @@ __device__ __noinline__ void attn_merge_impl(const OpC& c, const Rect& r, const 
       for (int i = 0; i < kPer; ++i) o[i] /= sum;
     }
     T* out = static_cast<T*>(env.buffers[c.out_buffer]) + (b * H + h) * D;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) out[lane + 32 * i] = from_f<T>(o[i]);
+  }
+}
+
+// attn_merge of the balanced split — inputs states [S, KV, C, G, D+1] (a row's items spread
+// over the slots as attn_plan placed them) and the plan; iparam[0]: rows R of a block. Row t's
+// items are w ∈ [block_start[i], block_start[i+1]) of its block i = ⌊t / R⌋, item w's state at
+// storage row ⌊w / C⌋·R + t mod R, slot w mod C; ⊕ over them as attn_merge_impl does over chunks.
+template <int kPer, typename T>
+__device__ __noinline__ void attn_merge_planned(const OpC& c, const Rect& r, const TaskEnv& env) {
+  constexpr int D = 32 * kPer;
+  const ViewC &st = c.in[0], &pv = c.in[1];
+  const long long KV = st.shape[1], C = st.shape[2], G = st.shape[3], R = c.iparam[0];
+  const long long Tn = c.out_shape[0], H = c.out_shape[1], NB = (Tn + R - 1) / R;
+  const int* start = static_cast<const int*>(env.buffers[pv.buffer]) + pv.offset + NB * C;
+  const int heads = static_cast<int>(r.hi[1] - r.lo[1]);
+  const int rows = static_cast<int>(r.hi[0] - r.lo[0]) * heads;
+  const int lane = threadIdx.x & 31;
+  const float* states = static_cast<const float*>(env.buffers[st.buffer]) + st.offset;
+  const auto state = [&](long long w, long long t, long long h) {
+    return states + (((w / C * R + t % R) * KV + h / G) * C + w % C) * G * (D + 1) + (h % G) * (D + 1);
+  };
+  for (int job = threadIdx.x >> 5; job < rows; job += blockDim.x >> 5) {
+    const long long t = r.lo[0] + job / heads, h = r.lo[1] + job % heads;
+    const long long w0 = start[t / R], w1 = start[t / R + 1];
+    float mx = -INFINITY;
+    for (long long w = w0 + lane; w < w1; w += 32) mx = fmaxf(mx, state(w, t, h)[D]);
+    mx = warp_max(mx);
+    float o[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) o[i] = 0.f;
+    if (mx != -INFINITY) {
+      float sum = 0.f;
+#pragma unroll 4
+      for (long long w = w0; w < w1; ++w) {
+        const float* s = state(w, t, h);
+        const float f = exp2f(s[D] - mx);
+        sum += f;
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) o[i] += f * s[lane + 32 * i];
+      }
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) o[i] /= sum;
+    }
+    T* out = static_cast<T*>(env.buffers[c.out_buffer]) + (t * H + h) * D;
 #pragma unroll
     for (int i = 0; i < kPer; ++i) out[lane + 32 * i] = from_f<T>(o[i]);
   }

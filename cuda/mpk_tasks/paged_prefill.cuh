@@ -240,7 +240,7 @@ __device__ __noinline__ bool issue_kv_step(SeqPages<I> pages, const T* rows, lon
 // two in flight; a warp skips the steps past its block's last row. Padding rows get the empty
 // state (O = 0, lse = −inf).
 template <int kPer, int kG, typename T, typename I, bool kFinal>
-__device__ __noinline__ void attn_prefill_impl(const OpC& c, const Rect& r, const TaskEnv& env) {
+__device__ __noinline__ void attn_prefill_impl(const OpC& c, const Rect& r, const TaskEnv& env, const TileMap& map) {
   constexpr int D = 32 * kPer, kP = kPrefillRows<kPer, T>;
   using St = RowBlockStates<kPer, kG, T>;
   constexpr int kRows = St::kRows, kSlotFloats = 32 * St::kSaved;
@@ -265,18 +265,19 @@ __device__ __noinline__ void attn_prefill_impl(const OpC& c, const Rect& r, cons
     for (long long e = threadIdx.x; e < n; e += kThreadsPerTask) {
       const int d = static_cast<int>(e % width), h = static_cast<int>(e / width % kG);
       const long long rest = e / width / kG, ch = ch0 + rest % chunks, kvh = r.lo[1] + rest / chunks % heads;
-      const long long row = p0 + rest / chunks / heads;
+      const long long row = p0 + rest / chunks / heads + map.row_shift;
       if constexpr (kFinal) {
         static_cast<T*>(out)[((row * KV + kvh) * kG + h) * D + d] = from_f<T>(0.f);
       } else {
-        static_cast<float*>(out)[(((row * KV + kvh) * C + ch) * kG + h) * (D + 1) + d] = d < D ? 0.f : -INFINITY;
+        static_cast<float*>(out)[(((row * KV + kvh) * C + ch + map.slot_shift) * kG + h) * (D + 1) + d] =
+            d < D ? 0.f : -INFINITY;
       }
     }
   }
   const long long num_pages = cache.shape[2], page_stride = cache.stride[2], row_stride = cache.stride[4];
   const T* qbase = static_cast<const T*>(env.buffers[q.buffer]) + q.offset;
   // rows and positions in 32 bits (a task's registers are few: the O accumulators take 64)
-  const int rows_end = static_cast<int>(min(r.hi[0], used)), tile_end = static_cast<int>(r.hi[0]);
+  const int rows_end = static_cast<int>(min(r.hi[0], used)), tile_end = static_cast<int>(map.tile_end);
   for (int t = static_cast<int>(r.lo[0]); t < rows_end;) {  // the tile's segments: rows [t, seg_end) of sequence b
     const long long b = qo_sequence(qp, qs, B, t);
     const int r0 = static_cast<int>(qp[b * qs]), r1 = static_cast<int>(qp[(b + 1) * qs]);
@@ -303,7 +304,7 @@ __device__ __noinline__ void attn_prefill_impl(const OpC& c, const Rect& r, cons
         const T* kbase = static_cast<const T*>(env.buffers[cache.buffer]) + cache.offset + c.iparam[0] * cache.stride[0] +
                          kvh * cache.stride[3];
         for (int ch = static_cast<int>(ch0); ch < ch1; ++ch) {
-          const long long used_chunks = min(static_cast<long long>(C), max(1LL, static_cast<long long>(m) / kMinChunk));
+          const long long used_chunks = min(map.splits, max(1LL, static_cast<long long>(m) / kMinChunk));
           const int c0 = static_cast<int>(ch < used_chunks ? ch * static_cast<long long>(m) / used_chunks : m);
           const int hi = min(pass_lim, static_cast<int>(ch < used_chunks ? (ch + 1) * static_cast<long long>(m) / used_chunks
                                                                           : m));
@@ -342,7 +343,9 @@ __device__ __noinline__ void attn_prefill_impl(const OpC& c, const Rect& r, cons
             __syncthreads();
             if (rows && j < half) st.merge(scratch() + (qb * half + j) * kSlotFloats);
           }
-          if (rows && j == 0) st.template write<kFinal>(out, row0, kvh, ch, KV, C);
+          if (rows && j == 0)
+            st.template write<kFinal>(out, row0 + static_cast<int>(map.row_shift), kvh,
+                                      ch + static_cast<int>(map.slot_shift), KV, C);
           __syncthreads();  // the next steps' copies overwrite the scratch area
         }
       }
@@ -353,11 +356,20 @@ __device__ __noinline__ void attn_prefill_impl(const OpC& c, const Rect& r, cons
 
 // The task: qo_indptr's order checked (each warp; a graph input, before the gate), then the
 // gate, then the tile; a qo_indptr at fault leaves the task after its gate.
-template <int kPer, int kG, typename T, typename I, bool kFinal>
+// kPlan: the balanced split's items (for_plan_items in paged_attention.cuh), each a block's rows
+// over one chunk of its items.
+template <int kPer, int kG, typename T, typename I, bool kFinal, bool kPlan = false>
 __device__ __forceinline__ void attn_prefill(const OpC& c, const Rect& r, const TaskEnv& env) {
-  const bool ok = qo_ok<I>(env, c.in[5], c.out_shape[0], c.out_buffer);
+  const bool ok = qo_ok<I>(env, c.in[5], c.in[0].shape[0], c.out_buffer);
   if (!acquire_inputs(env) || !ok) return;
-  attn_prefill_impl<kPer, kG, T, I, kFinal>(c, r, env);
+  if constexpr (kPlan) {
+    static_assert(!kFinal, "a plan splits chunks");
+    for_plan_items<kPer, kG>(c, r, env, 6, c.iparam[2], [&](const Rect& rr, const TileMap& map) {
+      attn_prefill_impl<kPer, kG, T, I, false>(c, rr, env, map);
+    });
+  } else {
+    attn_prefill_impl<kPer, kG, T, I, kFinal>(c, r, env, TileMap{0, 0, kFinal ? 1 : c.out_shape[2], r.hi[0]});
+  }
 }
 
 }  // namespace mpk

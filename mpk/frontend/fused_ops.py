@@ -13,7 +13,7 @@ import torch
 from mpk.ir.regions import full_rect
 from mpk.ops import OpSig, get_op
 from mpk.errors import BadInputError
-from mpk.ops.paged import MIN_CHUNK, PAGE_SIZES, is_page_size, rows_per_tile
+from mpk.ops.paged import MIN_CHUNK, PAGE_SIZES, is_page_size, plan_size, rows_per_tile
 
 
 def _run_whole(kind: str, inputs: list[torch.Tensor], out_dtype: torch.dtype, **attrs) -> torch.Tensor:
@@ -321,13 +321,24 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Te
     attrs = dict(layer=layer, scale=scale, page_size=page_size)
     tables = [t.cpu() for t in (kv_indptr, kv_indices, kv_last_page_len)]
     ins = [q.cpu(), kv_cache[layer:layer + 1].cpu()] + tables
+    rows = T
+    merge_ins, merge_attrs = [], {}
     if qo_indptr is not None:
-        attrs |= {"ragged": True, "rows": rows_per_tile(T, H // KV)}
+        R = rows_per_tile(T, H // KV)
+        attrs |= {"ragged": True, "rows": R}
         ins.append(qo_indptr.cpu())
-    psig = OpSig(tuple(tuple(t.shape) for t in ins), (T, KV, C, H // KV, D + 1), torch.float32, attrs)
+        if C > 1:  # the balanced split (mpk.ops.paged: attn_plan), as the compiled graph runs it
+            plan_attrs = dict(tokens=T, rows=R, chunks=C, target=C * -(-T // R), page_size=page_size)
+            pins = [tables[0], tables[2], qo_indptr.cpu()]
+            plan_sig = OpSig(tuple(tuple(t.shape) for t in pins), (plan_size(T, R, C),), torch.int32, plan_attrs)
+            plan = get_op("attn_plan").cpu(plan_sig, full_rect(plan_sig.out_shape), pins)
+            attrs["balanced"] = True
+            ins.append(plan)
+            rows, merge_ins, merge_attrs = -(-T // R) * R, [plan], {"rows": R}
+    psig = OpSig(tuple(tuple(t.shape) for t in ins), (rows, KV, C, H // KV, D + 1), torch.float32, attrs)
     states = get_op("attn_partial").cpu(psig, full_rect(psig.out_shape), ins)
-    msig = OpSig((psig.out_shape,), (T, H, D), q.dtype, {})
-    return get_op("attn_merge").cpu(msig, full_rect(msig.out_shape), [states]).to(q.device)
+    msig = OpSig((psig.out_shape, *(tuple(t.shape) for t in merge_ins)), (T, H, D), q.dtype, merge_attrs)
+    return get_op("attn_merge").cpu(msig, full_rect(msig.out_shape), [states, *merge_ins]).to(q.device)
 
 
 @paged_attention.register_fake

@@ -77,6 +77,7 @@ class Lowering:
         # or the DeferredRope that the layer's attention runs inside its own tasks
         self.appended_q: dict[tuple[int, int], Any] = {}
         self.attended: set[tuple[int, int]] = set()  # (cache buffer, layer) some attention read
+        self.shared: dict[tuple, View] = {}  # what rules emit once per graph, by key (the attention plan)
 
     # --- helpers for handlers -------------------------------------------------------------
     def meta(self, node: Node | None = None) -> torch.Tensor:

@@ -159,7 +159,8 @@ def _attn_partial_task(op: OpInfo) -> str:
         check_contiguous(op, what, v, 1 if fused else D // 32)
     check_contiguous(op, "kv_cache", cache, 16 // DTYPE_SIZE[ctype])  # rows are copied in 16-byte pieces
     index = _page_table_ctype(op)
-    ragged = ", true" if op.attrs.get("ragged") else ""  # attn_partial's kRagged: each row on its own
+    # attn_partial's kRagged (each row on its own) and kPlan (the balanced split)
+    ragged = (", true" + (", true" if op.attrs.get("balanced") else "")) if op.attrs.get("ragged") else ""
     return (f"mpk::attn_partial<{D // 32}, {heads // kv}, {ctype}, {index}, {'true' if fused else 'false'}, "
             f"{'true' if final else 'false'}{ragged}>")
 
@@ -184,14 +185,17 @@ def _attn_prefill_task(op: OpInfo) -> str:
     ctype = one_ctype(op, [cache, q], final)
     check_contiguous(op, "q", q, 2)  # read in 32-bit words (MMA operand pairs)
     check_contiguous(op, "kv_cache", cache, 16 // DTYPE_SIZE[ctype])  # rows are copied in 16-byte pieces
-    return f"mpk::attn_prefill<{D // 32}, {G}, {ctype}, {_page_table_ctype(op)}, {'true' if final else 'false'}>"
+    plan = ", true" if op.attrs.get("balanced") else ""
+    return (f"mpk::attn_prefill<{D // 32}, {G}, {ctype}, {_page_table_ctype(op)}, "
+            f"{'true' if final else 'false'}{plan}>")
 
 
 def _attn_merge_task(op: OpInfo) -> str:
     D = op.inputs[0].shape[4] - 1  # states [B, KV, C, G, D + 1]
     if D not in (64, 128, 256):
         raise op.error(f"attn_merge with head dim {D}; the CUDA task takes 64, 128 or 256")
-    return f"mpk::attn_merge_impl<{D // 32}, {one_ctype(op, [], True)}>"
+    task = "attn_merge_planned" if len(op.inputs) == 2 else "attn_merge_impl"  # (planned: the balanced split)
+    return f"mpk::{task}<{D // 32}, {one_ctype(op, [], True)}>"
 
 
 def _attn_vector_inputs(op: OpInfo) -> tuple[int, ...]:
@@ -204,14 +208,21 @@ def _attrs_params(ints: tuple[str, ...], floats: tuple[str, ...]) -> Callable[[O
 
 ROPE_APPEND_GPU = GpuSpec(params=_attrs_params(("heads", "kv_heads", "head_dim", "page_size", "qk_norm", "layer"),
                                                ("eps",)), task=_rope_append_task)
+def _attn_params(op: OpInfo) -> Params:
+    """layer, page_size (and the ragged form's rows a block: the balanced split's R); scale."""
+    rows = [int(op.attrs["rows"])] if op.attrs.get("ragged") else []
+    return [int(op.attrs["layer"]), int(op.attrs["page_size"])] + rows, [op.attrs["scale"]]
+
+
 # the attention tasks read their first sequence's page table before the gate (self-gated)
-ATTN_PARTIAL_GPU = GpuSpec(params=_attrs_params(("layer", "page_size"), ("scale",)), task=_attn_partial_task,
+ATTN_PARTIAL_GPU = GpuSpec(params=_attn_params, task=_attn_partial_task,
                            self_gated=True, smem_bytes=_attention_smem, vector_inputs=_attn_vector_inputs)
 ROPE_ATTN_PARTIAL_GPU = GpuSpec(params=_attrs_params(("layer", "page_size", "heads", "kv_heads", "qk_norm"),
                                                      ("scale", "eps")),
                                 task=_attn_partial_task, self_gated=True, smem_bytes=_attention_smem,
                                 vector_inputs=lambda op: (5,))  # the cache, whose rows it copies in 16-byte pieces
-ATTN_MERGE_GPU = GpuSpec(task=_attn_merge_task)
+ATTN_MERGE_GPU = GpuSpec(task=_attn_merge_task,  # (planned: rows a block)
+                         params=lambda op: ([int(op.attrs["rows"])] if len(op.inputs) == 2 else [], []))
 
 
 def seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -422,6 +433,78 @@ register(OpDef(
 ))
 
 
+# --- attn_plan: load-balanced split-KV for the ragged form -------------------------------------
+# inputs: kv_indptr [B+1], kv_last_page_len [B], qo_indptr [B+1]; attrs: rows R, chunks C,
+# target P; output plan int32 [W + NB + 1] (NB = ⌈T / R⌉ row blocks, W = NB · C work items per kv
+# head): item_block[W] (the row block item w works for; −1: none), then block_start[NB + 1]
+# (block i's items are w ∈ [block_start[i], block_start[i+1]), in chunk order).
+
+def plan_size(tokens: int, rows: int, chunks: int) -> int:
+    """The plan's length for ``tokens`` rows in blocks of ``rows``, ``chunks`` items a block."""
+    blocks = -(-tokens // rows)
+    return blocks * chunks + blocks + 1
+
+
+def block_costs(seq: torch.Tensor, pos: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each row block's attention work in K/V positions: Σ over its segments (one sequence's rows
+    each) of the segment's last row's position + 1 (a block's rows read each position once, all
+    together), for rows given as ``qo_rows`` gives them (int64 [NB])."""
+    T = seq.shape[0]
+    blocks = -(-T // rows)
+    t = torch.arange(T)
+    nxt = torch.cat([seq[1:], seq.new_full((1,), -2)])
+    seg_end = (seq >= 0) & ((nxt != seq) | ((t + 1) % rows == 0))
+    cost = torch.zeros(blocks, dtype=torch.int64)
+    return cost.index_add_(0, t[seg_end] // rows, pos[seg_end] + 1)
+
+
+def attention_plan(cost: torch.Tensor, chunks: int, target: int) -> torch.Tensor:
+    """The plan (int32 [W + NB + 1], above) of blocks of work ``cost`` [NB]: a chunk length
+    L = max(MIN_CHUNK, ⌈Σ cost / P⌉) with P = min(``target``, W − the non-empty blocks), and
+    ⌈cost_i / L⌉ items for block i — FlashInfer's balanced split (Algorithm 1): every item about
+    L positions, a long sequence's blocks many items, a short one's one, and at most W in all
+    (Σ ⌈c_i / L⌉ ≤ Σ c_i / L + nonempty ≤ P + nonempty ≤ W). Integer arithmetic only:
+    cuda/mpk_tasks/paged_plan.cuh computes the same plan."""
+    NB, C = cost.shape[0], chunks
+    W = NB * C
+    live = int((cost > 0).sum())
+    parts = max(1, min(target, W - live))
+    L = max(MIN_CHUNK, -(-int(cost.sum()) // parts))
+    k = -(-cost // L)
+    start = torch.zeros(NB + 1, dtype=torch.int64)
+    start[1:] = torch.cumsum(k, 0)
+    items = torch.full((W,), -1, dtype=torch.int64)
+    items[: int(start[-1])] = torch.repeat_interleave(torch.arange(NB), k)
+    return torch.cat([items, start]).to(torch.int32)
+
+
+def plan_items(plan: torch.Tensor, blocks: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(item_block [W], block_start [NB + 1]) of a plan, int64."""
+    W = blocks * chunks
+    return plan[:W].long(), plan[W:W + blocks + 1].long()
+
+
+def _plan_cpu(sig: OpSig, rect, xs):
+    indptr, last, qo = xs
+    a = sig.attrs
+    lens = seq_lens(indptr, last, a["page_size"]).clamp_min(0)
+    seq, pos = qo_rows(qo, lens, a["tokens"])
+    return attention_plan(block_costs(seq, pos, a["rows"]), a["chunks"], a["target"])
+
+
+def _plan_task(op: OpInfo) -> str:
+    return f"mpk::attn_plan<{index_ctype(op, list(op.inputs))}>"
+
+
+register(OpDef(
+    kind="attn_plan", type_id=34, input_regions=lambda sig, rect: [((0, s[0]),) for s in sig.in_shapes],
+    cpu=_plan_cpu, splittable=lambda sig: (False,), min_tile_elems=1 << 30,
+    gpu=GpuSpec(params=_attrs_params(("tokens", "rows", "chunks", "target", "page_size"), ()), task=_plan_task),
+    doc="the ragged attention's balanced split-KV plan from the run-time lengths: which row block each item "
+        "works for",
+))
+
+
 # --- attn_partial -----------------------------------------------------------------------------
 # inputs: q [T, H, D], kv_cache, kv_indptr, kv_indices, kv_last_page_len, then qo_indptr if
 # ragged (decode: T = B); output: states [T, KV, C, G, D + 1] float32 (O in [..., :D], lse in
@@ -480,7 +563,7 @@ def _partial_regions(sig: OpSig, rect):
 def _all_rows(sig: OpSig, rect) -> tuple[int, int]:
     """The token rows whose appends a tile's attention may read: its own (decode: its
     sequences), or every row (ragged: which rows share a sequence is run-time data)."""
-    return (0, sig.out_shape[0]) if sig.attrs.get("ragged") else rect[0]
+    return (0, sig.in_shapes[0][0]) if sig.attrs.get("ragged") else rect[0]
 
 
 def _partial_keys(sig: OpSig):
@@ -558,6 +641,8 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.
 
 def _ragged_partial_cpu(sig: OpSig, rect, xs):
     """The ragged form's tile (module docstring): q holds every row of the tile's heads."""
+    if sig.attrs.get("balanced"):
+        return _balanced_partial_cpu(sig, rect, xs)
     q, cache, indptr, indices, last, qo_indptr = xs
     a = sig.attrs
     final, C, G = _chunks(sig)
@@ -588,6 +673,42 @@ def _ragged_partial_cpu(sig: OpSig, rect, xs):
     return out.to(sig.out_dtype) if final else out
 
 
+def _balanced_partial_cpu(sig: OpSig, rect, xs):
+    """The balanced ragged form's tile (``attrs['balanced']``, the plan the last input): storage
+    row b, slot c is item w = ⌊b / R⌋·C + c's state of row b mod R of its block (attn_plan),
+    over chunk w − block_start of that block's items, its segment's m as in ``_ragged_partial_cpu``
+    with the block's rows for the tile's."""
+    q, cache, indptr, indices, last, qo_indptr, plan = xs
+    a = sig.attrs
+    _, C, G = _chunks(sig)
+    R, T = a["rows"], q.shape[0]
+    (r0, r1), (k0, k1), (c0, c1) = rect[0], rect[1], rect[2]
+    lens = checked_lens(indptr, indices, last, a["page_size"], cache.shape[2])
+    seq, pos = qo_rows(qo_indptr, lens, T)
+    items, start = plan_items(plan, -(-T // R), C)
+    out = torch.zeros(tuple(h - lo for lo, h in rect), dtype=torch.float32)
+    out[..., -1] = -math.inf  # unused items and padding rows: the empty state
+    for b in range(r0, r1):
+        for c in range(c0, c1):
+            w = b // R * C + c
+            i = int(items[w])
+            t = i * R + b % R  # the row the item's state is of
+            if i < 0 or t >= T or int(seq[t]) < 0:
+                continue
+            s = t  # the row's segment in its block ends at row s
+            while s + 1 < min(i * R + R, T) and int(seq[s + 1]) == int(seq[t]):
+                s += 1
+            j, k = w - int(start[i]), int(start[i + 1] - start[i])
+            t0, t1 = chunk_bounds(int(pos[s]) + 1, j, k, False)
+            page, slot = token_slots(indptr, indices, int(seq[t]), torch.arange(t0, t1), a["page_size"])
+            kk = cache[0, 0, page, k0:k1, slot].transpose(0, 1).float()
+            vv = cache[0, 1, page, k0:k1, slot].transpose(0, 1).float()
+            row = q[t:t + 1].float().unflatten(1, (k1 - k0, G))  # (q: the tile's heads)
+            o, lse = attend_rows(row, kk, vv, (pos[t:t + 1] + 1 - t0).clamp(0, t1 - t0), a["scale"])
+            out[b - r0, :, c - c0, :, :-1], out[b - r0, :, c - c0, :, -1] = o[0], lse[0]
+    return out
+
+
 def _chunk_splits(sig: OpSig) -> tuple[bool, ...]:
     """Tiles split rows, kv heads and chunks; never a group's heads or a head's dims."""
     return (True, True, False, False) if sig.attrs.get("final") else (True, True, True, False, False)
@@ -608,9 +729,17 @@ def _partial_min_tile(sig: OpSig) -> int:
     return sig.attrs["rows"] * G * width if sig.attrs.get("ragged") else 1
 
 
+def _balanced_grid(sig: OpSig, workers: int) -> tuple[int, ...] | None:
+    """Balanced: a tile per (row block, kv head, item slot), so that a tile is one item."""
+    if not sig.attrs.get("balanced"):
+        return None
+    S, KV, C = sig.out_shape[:3]
+    return (S // sig.attrs["rows"], KV, C, 1, 1)
+
+
 register(OpDef(
     kind="attn_partial", type_id=31, input_regions=_partial_regions, cpu=_partial_cpu, gpu=ATTN_PARTIAL_GPU,
-    splittable=_chunk_splits, split_order=_chunk_order,
+    splittable=_chunk_splits, split_order=_chunk_order, default_grid=_balanced_grid,
     min_tile_elems=_partial_min_tile, long_tasks=True, key_spaces=_partial_keys,
     doc="partial (O, lse) of G query heads over one KV chunk of a paged sequence (final: O, one chunk)",
 ))
@@ -648,14 +777,22 @@ register(OpDef(
 # --- attn_merge -------------------------------------------------------------------------------
 # input: states [B, KV, C, G, D + 1]; output [B, H, D].
 
+# Balanced (a plan the second input, attrs ``rows`` R): row t's states are its block's items
+# (attn_plan), item w's at storage row ⌊w / C⌋·R + t mod R, slot w mod C.
+
 def _merge_regions(sig: OpSig, rect):
     (b0, b1), (h0, h1) = rect[0], rect[1]
-    _, _, C, G, D1 = sig.in_shapes[0]
-    return [((b0, b1), (h0 // G, (h1 - 1) // G + 1), (0, C), (0, G), (0, D1))]
+    S, _, C, G, D1 = sig.in_shapes[0]
+    heads = (h0 // G, (h1 - 1) // G + 1)
+    if len(sig.in_shapes) == 2:  # balanced: which items a row's are is run-time data
+        return [((0, S), heads, (0, C), (0, G), (0, D1)), ((0, sig.in_shapes[1][0]),)]
+    return [((b0, b1), heads, (0, C), (0, G), (0, D1))]
 
 
 def _merge_cpu(sig: OpSig, rect, xs):
-    (states,) = xs
+    states = xs[0]
+    if len(xs) == 2:  # (balanced: the region holds every row's states)
+        states = _gather_items(states, xs[1], sig.attrs["rows"], rect[0], sig.out_shape[0])
     (h0, h1) = rect[1]
     G = states.shape[3]
     first = (h0 // G) * G  # query head of the region's first state
@@ -664,6 +801,22 @@ def _merge_cpu(sig: OpSig, rect, xs):
     for c in range(s.shape[2]):
         o, lse = merge_states(o, lse, s[:, :, c, :-1], s[:, :, c, -1])
     return o.to(sig.out_dtype)
+
+
+def _gather_items(states: torch.Tensor, plan: torch.Tensor, R: int, rows: tuple[int, int], T: int) -> torch.Tensor:
+    """Rows ``rows`` of a balanced attention's states as the plain form holds them, [rows, KV,
+    items, G, D + 1] with a row's items in plan order (missing items: the empty state)."""
+    S, KV, C, G, D1 = states.shape
+    items, start = plan_items(plan, -(-T // R), C)
+    count = start[1:] - start[:-1]
+    width = max(1, int(count.max()) if len(count) else 1)
+    out = torch.zeros((rows[1] - rows[0], KV, width, G, D1), dtype=states.dtype)
+    out[..., -1] = -math.inf
+    for t in range(*rows):
+        i = t // R
+        for j, w in enumerate(range(int(start[i]), int(start[i + 1]))):
+            out[t - rows[0], :, j] = states[w // C * R + t % R, :, w % C]
+    return out
 
 
 register(OpDef(

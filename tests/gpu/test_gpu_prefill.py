@@ -76,6 +76,25 @@ def test_ragged_step_row_by_row_matches_float64(dtype, prefix, new):
     check_ragged(case, q, out, cache, p_rounded=dtype == BF)
 
 
+@pytest.mark.parametrize("rows", ["decodes", "chunk"])
+def test_skewed_lengths_run_the_balanced_split(rows):
+    """One long sequence among short ones (random lengths): 16 decode rows (attn_partial
+    kRagged) or a 64-row chunk of the long one beside 15 decodes (attn_prefill), both through
+    the balanced split (attn_plan made in the launch, items spread by it, attn_merge_planned)
+    against float64."""
+    g = _gen()
+    short = torch.randint(1, 400, (15,), generator=g).tolist()
+    new = [1] * 16 if rows == "decodes" else [64] + [1] * 15
+    long = int(torch.randint(3000, 6000, (1,), generator=g))
+    # (decodes: no padding row, which would make 17 rows, a prefill-sized step)
+    case = random_case(ragged_batch([long] + short, new, 16, g, padding=int(rows == "chunk")), 32, 8, 128, True, g,
+                       BF)
+    q, out, cache, task = _run(case, 0 if rows == "decodes" else 4)
+    assert task == ("attn_partial" if rows == "decodes" else "attn_prefill")
+    assert "mpk::attn_plan<" in generate(COMPILED[-1].tables)
+    check_ragged(case, q, out, cache, p_rounded=True)
+
+
 def test_chunked_prefill_through_one_graph():
     """A 300-row prompt in chunks of 64 through one compiled step (a 64-row bucket: the last
     chunk of 44 rows has 20 padding rows), the page table grown before each chunk: every

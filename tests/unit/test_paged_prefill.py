@@ -18,7 +18,7 @@ from mpk.compiler.verify import verify
 from mpk.errors import BadInputError, VerifyError
 from mpk.frontend.fused_ops import paged_attention, rope_append
 from mpk.ops import registry
-from mpk.ops.paged import DECODE_ROWS, MMA_ROWS, rows_per_tile
+from mpk.ops.paged import DECODE_ROWS, MIN_CHUNK, MMA_ROWS, attention_plan, block_costs, plan_items, rows_per_tile
 from mpk.testing.graphs import relative_error
 from mpk.testing.ragged import (
     EPS,
@@ -154,7 +154,55 @@ def test_compiled_mixed_batch_matches_dense(partition):
         assert torch.equal(cache, cache_eager)
         assert relative_error(out, out_eager) <= 2 * attention_bound(torch.float32, 64, max(case.batch.lens), False)
     kinds = [op.kind for op in COMPILED[-1].graph.ops]
-    assert kinds == ["rope_append", "attn_partial", "attn_merge"]  # no rope fusion in the ragged form
+    # no rope fusion in the ragged form; chunks: the balanced split's plan
+    assert kinds == ["rope_append", "attn_plan", "attn_partial", "attn_merge"]
+
+
+def _plan_case(lens: list[int], rows: int, chunks: int, target: int):
+    seq = torch.arange(len(lens))
+    pos = torch.tensor(lens) - 1
+    cost = block_costs(seq, pos, rows)
+    items, start = plan_items(attention_plan(cost, chunks, target), -(-len(lens) // rows), chunks)
+    return cost, items, start
+
+
+def test_attention_plan_splits_a_long_sequence_and_keeps_items_even():
+    """FlashInfer's balanced split: one long decode and 15 short ones (random lengths) get items
+    of at most L positions, the long one many, every non-empty block at least one, blocks' items
+    contiguous and in order, at most W in all; equal lengths get equal counts."""
+    rng = random.Random(random.randrange(1 << 30))
+    lens = [rng.randrange(8000, 16000)] + [rng.randrange(1, 600) for _ in range(15)]
+    cost, items, start = _plan_case(lens, 1, 2, 16)
+    counts = start[1:] - start[:-1]
+    W = 32
+    L = max(MIN_CHUNK, -(-sum(lens) // min(16, W - 16)))
+    assert int(start[-1]) <= W and bool((counts >= 1).all())
+    assert bool((-(-cost // counts) <= L).all())  # no item longer than L
+    assert counts.tolist() == (-(-cost // L)).tolist()
+    assert int(counts[0]) > 2  # the long one: many items, not the static split's 2
+    assert items[: int(start[-1])].tolist() == torch.repeat_interleave(torch.arange(16), counts).tolist()
+    assert bool((items[int(start[-1]):] == -1).all())
+    _, _, even = _plan_case([rng.randrange(3000, 4000)] * 8, 1, 4, 16)
+    assert len(set((even[1:] - even[:-1]).tolist())) == 1
+
+
+def test_compiled_skewed_batch_is_balanced_and_matches_dense():
+    """One long sequence and 15 short ones, one new row each, as a ragged step (CPU executor)
+    against float64: the plan gives the long sequence more items than any static split of two
+    chunks would, and the merge puts them back together."""
+    g = _gen()
+    short = torch.randint(1, 100, (15,), generator=g).tolist()
+    case = random_case(ragged_batch([1500] + short, [1] * 16, 16, g), 8, 2, 64, qk_norm=True, g=g)
+    with torch.no_grad():
+        cache = case.cache.clone()
+        q, out = _compile(case, 0)(*case.args(cache))
+    check_ragged(case, q, out, cache)
+    graph = COMPILED[-1].graph
+    plan_op = next(op for op in graph.ops if op.kind == "attn_plan")
+    assert plan_op.attrs["chunks"] >= 2 and plan_op.attrs["rows"] == 1
+    lens = [1501] + [n + 1 for n in short]
+    _, _, start = _plan_case(lens, 1, plan_op.attrs["chunks"], plan_op.attrs["target"])
+    assert int(start[1] - start[0]) > plan_op.attrs["chunks"]
 
 
 def test_compiled_prefill_tiles_hold_blocks_of_rows():

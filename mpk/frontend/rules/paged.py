@@ -121,7 +121,7 @@ def _fake(node, index: int, name: str):
 def _paged_attention(L, node, q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, layer, scale, num_splits,
                      qo_indptr=None):
     from mpk.frontend.fused_ops import default_splits, paged_attention_dims
-    from mpk.ops.paged import rows_per_tile
+    from mpk.ops.paged import DECODE_ROWS, MIN_CHUNK, plan_size, rows_per_tile
 
     try:  # (the page table's fake tensors: the ragged form's checks compare dtypes, which views lack)
         page_size, _, KV = paged_attention_dims(q, kv_cache, _fake(node, 2, "kv_indptr"), kv_indices,
@@ -139,8 +139,12 @@ def _paged_attention(L, node, q, kv_cache, kv_indptr, kv_indices, kv_last_page_l
     batch = B if qo_indptr is None else kv_last_page_len.shape[0]
     # ragged: a tile holds rows_per_tile rows, so the chunks are sized to blocks of rows
     rows = 1 if qo_indptr is None else rows_per_tile(B, H // KV)
-    C = num_splits or default_splits(-(-B // rows), KV, kv_indices.shape[0] * page_size // max(1, batch),
-                                     L.num_workers)
+    capacity = kv_indices.shape[0] * page_size // max(1, batch)  # positions per sequence
+    C = num_splits or default_splits(-(-B // rows), KV, capacity, L.num_workers)
+    if qo_indptr is not None and not num_splits and B <= DECODE_ROWS and kv_indices.shape[0] * page_size >= 2 * MIN_CHUNK:
+        # a batch of decodes: room for a long sequence's items beside the others' (attn_plan),
+        # whose lengths the grid cannot know (one may hold most of the pages)
+        C = max(C, 2)
     attrs = dict(layer=layer, scale=float(scale), page_size=page_size)
     # The cache is written in place by rope_append, invisibly to the dependency analysis; what
     # orders attention after the append is reading the q that same rope_append wrote (the tile
@@ -168,4 +172,19 @@ def _paged_attention(L, node, q, kv_cache, kv_indptr, kv_indices, kv_last_page_l
                           "rope_append (which appends the step's k/v); nothing else orders it after the append")
     L.attended.add(key)
     tables = [kv_indptr, kv_indices, kv_last_page_len] + ([qo_indptr] if qo_indptr is not None else [])
-    return merged(L.emit("attn_partial", [q, cache, *tables], attrs, shape=shape, dtype=dtype))
+    if qo_indptr is None or final:
+        return merged(L.emit("attn_partial", [q, cache, *tables], attrs, shape=shape, dtype=dtype))
+    # ragged with chunks: the balanced split, its plan made once per step (every layer's
+    # attention reads the same page table)
+    blocks = -(-B // rows)
+    plan_key = ("attn_plan", kv_indptr, kv_last_page_len, qo_indptr, B, rows, C)
+    plan = L.shared.get(plan_key)
+    if plan is None:
+        plan = L.emit("attn_plan", [kv_indptr, kv_last_page_len, qo_indptr],
+                      dict(tokens=B, rows=rows, chunks=C, target=max(1, L.num_workers // KV), page_size=page_size),
+                      shape=(plan_size(B, rows, C),), dtype=torch.int32)
+        L.shared[plan_key] = plan
+    attrs["balanced"] = True
+    states = L.emit("attn_partial", [q, cache, *tables, plan], attrs, shape=(blocks * rows, KV, C, H // KV, D + 1),
+                    dtype=torch.float32)
+    return L.emit("attn_merge", [states, plan], {"rows": rows}, shape=(B, H, D), dtype=L.meta().dtype)
