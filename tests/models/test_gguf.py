@@ -40,6 +40,7 @@ TEXT = (
 POSITIONS = 256
 
 
+@pytest.mark.slow  # ~1 min on 2 cores: three parses of the 49k-token metadata, two loads, two forwards
 def test_default_model_matches_transformers():
     """Teacher-forced float32 logits over 256 positions of real text, mpk's eager model over the
     paged cache (four 64-token steps) against transformers on the same GGUF file: top-1 agreement
