@@ -30,11 +30,23 @@ def _hf_names(cfg: LLMConfig, i: int) -> dict[str, list[str]]:
     return names
 
 
-def _piece_rows(cfg: LLMConfig, attr: str, rows: int) -> list[int]:
+def piece_rows(cfg: LLMConfig, attr: str, rows: int) -> list[int]:
     """The rows each checkpoint tensor of a fused weight (q|k|v, gate|up) contributes."""
     if attr == "qkv":
         return [cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim]
     return [cfg.inter, cfg.inter] if attr == "gate_up" else [rows]
+
+
+def weight_plan(model: DecoderLM) -> list[tuple[nn.Module, str, list[str]]]:
+    """Every weight of ``model`` as (module, attribute, the HF checkpoint names concatenated
+    along dim 0 to make it): the q|k|v and gate|up fusing, shared by every checkpoint format."""
+    cfg = model.cfg
+    plan: list[tuple[nn.Module, str, list[str]]] = [(model, "embed", ["model.embed_tokens.weight"]),
+                                                    (model, "norm", ["model.norm.weight"])]
+    if not cfg.tied:
+        plan.append((model, "lm_head", ["lm_head.weight"]))
+    return plan + [(layer, attr, names) for i, layer in enumerate(model.layers)
+                   for attr, names in _hf_names(cfg, i).items()]
 
 
 # Checkpoint tensors a decode step has no use for, by name suffix: the rotary tables some
@@ -79,12 +91,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, devic
     if absent:
         raise MpkError(f"checkpoint {path}: {index.name} names shards that are not there: {few(absent)}")
     model = DecoderLM(cfg, dtype, "meta", max_len, num_splits)
-    # (module, attribute, checkpoint names concatenated along dim 0)
-    plan: list[tuple[nn.Module, str, list[str]]] = [(model, "embed", ["model.embed_tokens.weight"]),
-                                                    (model, "norm", ["model.norm.weight"])]
-    if not cfg.tied:
-        plan.append((model, "lm_head", ["lm_head.weight"]))
-    plan += [(layer, attr, names) for i, layer in enumerate(model.layers) for attr, names in _hf_names(cfg, i).items()]
+    plan = weight_plan(model)
     with contextlib.ExitStack() as stack:
         where: dict[str, tuple[Any, str]] = {}  # name -> (open file, its name)
         for f in files:
@@ -117,7 +124,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, devic
                            f"expected one of {', '.join(_FLOAT_STORAGE)} (quantized checkpoints are not supported)")
         for owner, attr, names in plan:
             shape = tuple(getattr(owner, attr).shape)
-            for n, rows in zip(names, _piece_rows(model.cfg, attr, shape[0])):
+            for n, rows in zip(names, piece_rows(model.cfg, attr, shape[0])):
                 if tuple(meta(n).get_shape()) != (rows,) + shape[1:]:
                     raise MpkError(f"checkpoint tensor {n} has shape {tuple(meta(n).get_shape())}; the config "
                                    f"implies {(rows,) + shape[1:]}")
@@ -138,10 +145,10 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, devic
                   disable=None if progress is None else not progress) as bar:
             for owner, attr, names in plan:
                 t = torch.cat([read(n) for n in names], 0).to(dtype=dtype, device=device)
-                bad = _count_non_finite(t)
+                bad = count_non_finite(t)
                 if bad:  # a broken checkpoint, or values past dtype's range (float16's 65504)
                     pieces = [read(n) for n in names]
-                    overflow = all(_count_non_finite(x) == 0 for x in pieces)
+                    overflow = all(count_non_finite(x) == 0 for x in pieces)
                     wider = "torch.bfloat16 or torch.float32" if dtype == torch.float16 else "torch.float32"
                     raise MpkError(f"checkpoint {path}: {'/'.join(names)} holds {bad} non-finite values as {dtype}" + (
                         f" (the largest stored magnitude is {max(float(x.abs().max()) for x in pieces):.4g}); expected "
@@ -154,7 +161,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, devic
     return model
 
 
-def _count_non_finite(t: torch.Tensor, chunk: int = 1 << 26) -> int:
+def count_non_finite(t: torch.Tensor, chunk: int = 1 << 26) -> int:
     """How many elements of ``t`` are inf or NaN, in chunks (a whole-tensor mask of an LM head
     would take another ~0.6 GB)."""
     flat = t.reshape(-1)
