@@ -10,4 +10,5 @@
 #include "paged_prefill.cuh"
 #include "pointwise.cuh"
 #include "rows.cuh"
+#include "sampling.cuh"
 #include "sort.cuh"

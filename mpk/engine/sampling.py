@@ -119,9 +119,11 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V)).long()
     kth = srt.gather(1, (k - 1)[:, None])  # the k-th largest probability: keep all ≥ it
     # top-p: the smallest prefix of the sorted order whose mass reaches p; keep every token at
-    # least as likely as that prefix's last one
+    # least as likely as that prefix's last one. p = 1 keeps all: the float32 cumsum can reach
+    # 1 before the end, which would drop the tail.
     before = torch.cumsum(srt, dim=-1) - srt
     last = (before < top_p.float()[:, None]).sum(-1, keepdim=True).clamp(1, V) - 1
+    last = torch.where(top_p[:, None] >= 1, V - 1, last)
     pth = srt.gather(1, last)
     floor = torch.maximum(kth, pth)
     floor = torch.maximum(floor, min_p.float()[:, None] * srt[:, :1])

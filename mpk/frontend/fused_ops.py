@@ -344,3 +344,39 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Te
 @paged_attention.register_fake
 def _(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len, layer, scale, num_splits, qo_indptr=None):
     return q.new_empty(q.shape)
+
+
+# --- sampling (mpk.ops.sampling) ----------------------------------------------------------------
+
+def check_sample(logits, temperature, top_k, top_p, min_p, seed, counter) -> None:
+    """The ``sample`` op's shapes and dtypes (anything with ``.shape`` and ``.dtype``): logits
+    [B, V] float32 / float16 / bfloat16 and the per-row parameters [B] in
+    ``mpk.ops.sampling.PARAM_DTYPES``; a BadInputError names the bad one."""
+    from mpk.ops.sampling import LOGIT_DTYPES, PARAM_DTYPES
+
+    if len(logits.shape) != 2 or logits.dtype not in LOGIT_DTYPES:
+        raise BadInputError(f"sample(): logits are {str(logits.dtype)[6:]} {list(logits.shape)}; expected [B, V] "
+                            "float32, float16 or bfloat16")
+    B = logits.shape[0]
+    for (name, dtype), t in zip(PARAM_DTYPES.items(), (temperature, top_k, top_p, min_p, seed, counter)):
+        if tuple(t.shape) != (B,) or t.dtype != dtype:
+            raise BadInputError(f"sample(): {name} is {str(t.dtype)[6:]} {list(t.shape)}; expected "
+                                f"{str(dtype)[6:]} [{B}], one per row of logits")
+
+
+@torch.library.custom_op("mpk::sample", mutates_args=())
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           min_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits`` [B, V] (int64 [B]) under that row's temperature, top_k,
+    top_p, min_p, seed and counter: ``mpk.engine.sampling.sample`` (mpk.ops.sampling says how
+    a seed's int64 is read). In a compiled graph it is one task per row inside the kernel."""
+    check_sample(logits, temperature, top_k, top_p, min_p, seed, counter)
+    inputs = [logits, temperature, top_k, top_p, min_p, seed, counter]
+    sig = OpSig(tuple(tuple(t.shape) for t in inputs), (logits.shape[0],), torch.int64, {})
+    return get_op("sample").cpu(sig, full_rect(sig.out_shape), inputs)
+
+
+@sample.register_fake
+def _(logits, temperature, top_k, top_p, min_p, seed, counter):
+    check_sample(logits, temperature, top_k, top_p, min_p, seed, counter)
+    return logits.new_empty((logits.shape[0],), dtype=torch.int64)

@@ -50,3 +50,13 @@ def test_ncu_report_names_a_missing_run_and_the_runs_there(tmp_path):
     res = _run("ncu_stalls.py", "report", str(tmp_path / "llama3.2-1b-b1"))
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "llama3.2-1b-b1-sass.csv" in res.stderr and "runs there: qwen3-1.7b-b4" in res.stderr
+
+
+def test_sampling_latency_parses_and_refuses_bad_arguments():
+    res = _run("sampling_latency.py", "--help")
+    assert res.returncode == 0 and "--out" in res.stdout
+    assert "(default: [1, 16, 64])" in " ".join(res.stdout.split())
+    res = _run("sampling_latency.py", "--vocab", "1001")
+    assert res.returncode == 2 and "--vocab 1001; expected a multiple of 8" in res.stderr
+    res = _run("sampling_latency.py", "--iters", "5")
+    assert res.returncode == 2 and "'5': expected an integer >= 20" in res.stderr and "Traceback" not in res.stderr

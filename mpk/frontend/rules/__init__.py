@@ -1,7 +1,7 @@
 """ATen → mpk lowering rules, one module per op family; importing this package registers all of
 them in ``registry.HANDLERS``."""
 
-from mpk.frontend.rules import attention, linalg, paged, pointwise, reductions, views  # noqa: F401  (registration)
+from mpk.frontend.rules import attention, linalg, paged, pointwise, reductions, sampling, views  # noqa: F401  (registration)
 from mpk.frontend.rules.registry import HANDLERS, lookup, no_rule_reason
 
 __all__ = ["HANDLERS", "lookup", "no_rule_reason"]
