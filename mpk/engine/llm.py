@@ -100,14 +100,15 @@ class LLM:
         for (text, given), p in zip(prompts, params):
             rid = self._next_id
             self._next_id += 1
-            seed = p.seed if isinstance(p, SamplingParams) and p.seed is not None else mix64(mix64(self.seed) ^ rid)
             ids = self.tokenizer(given)["input_ids"] if isinstance(given, str) else given
-            seq = Sequence(rid, text, list(ids) if isinstance(ids, (list, tuple)) else [], p if isinstance(
-                p, SamplingParams) else SamplingParams(), seed, self.tokenizer)
             problem = self._check(given, ids, p)
-            if problem:
+            if problem:  # a placeholder sequence carries the error
+                seq = Sequence(rid, text, list(ids) if isinstance(ids, (list, tuple)) else [], SamplingParams(), 0,
+                               self.tokenizer)
                 seq.fail(problem)
             else:
+                seed = p.seed if p.seed is not None else mix64(mix64(self.seed) ^ rid)
+                seq = Sequence(rid, text, list(ids), p, seed, self.tokenizer)
                 self.scheduler.add(seq)
             seqs.append(seq)
         return seqs

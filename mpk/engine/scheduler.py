@@ -55,16 +55,18 @@ class Scheduler:
     def schedule(self) -> list[ScheduledRow]:
         """The next step's rows, in table order (empty only when nothing waits or runs)."""
         rows: list[ScheduledRow] = []
+        scheduled: set[int] = set()  # request ids in rows
         budget = self.max_num_batched_tokens
         for decoding in (True, False):
             for seq in list(self.running):  # a copy: preemption removes sequences
                 if not budget:
                     break
-                if seq not in self.running or (seq.to_compute == 1) != decoding or any(r.seq is seq for r in rows):
+                if seq not in self.running or (seq.to_compute == 1) != decoding or seq.request_id in scheduled:
                     continue
                 n = min(seq.to_compute, budget)
-                if self._grow_or_preempt(seq, n, rows):
+                if self._grow_or_preempt(seq, n, scheduled):
                     rows.append(ScheduledRow(seq, n))
+                    scheduled.add(seq.request_id)
                     budget -= n
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -80,11 +82,11 @@ class Scheduler:
             budget -= n
         return rows
 
-    def _grow_or_preempt(self, seq: Sequence, n: int, rows: list[ScheduledRow]) -> bool:
+    def _grow_or_preempt(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
         """Pages for ``seq``'s next ``n`` tokens, preempting the youngest running sequences not
         in the step until they fit; False if ``seq`` itself was preempted."""
         while not self.blocks.grow(seq.block, seq.num_computed + n):
-            victim = max((s for s in self.running if not any(r.seq is s for r in rows)), key=lambda s: s.order)
+            victim = max((s for s in self.running if s.request_id not in scheduled), key=lambda s: s.order)
             self.preempt(victim)
             if victim is seq:
                 return False
@@ -105,11 +107,8 @@ class Scheduler:
             self.blocks.commit(r.seq.block, r.seq.token_ids, r.seq.num_computed)
 
     def retire(self, seq: Sequence) -> None:
-        """Remove a finished sequence and free its pages now."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        """Remove a finished running sequence and free its pages now."""
+        self.running.remove(seq)
         self.blocks.release(seq.block)
 
     def abort_all(self) -> list[Sequence]:
