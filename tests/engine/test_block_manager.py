@@ -57,10 +57,13 @@ def test_prefix_pages_are_shared_by_refcount_and_hits_counted():
     # a different token in page 0: nothing shared (the hash chains through every page)
     v = BlockTable()
     assert bm.admit(v, [system[0] + 1] + system[1:], 100) == (0, 2 * P + 1)
+    # and in the last token of page 1: page 0 shared, not page 1
+    w = system[:2 * P - 1] + [system[2 * P - 1] + 1, system[2 * P]]
+    assert bm.admit(BlockTable(), w, 100) == (P, P + 1)
     shared, own = first.pages[0], first.pages[2]
-    assert bm.refs[shared] == 3
+    assert bm.refs[shared] == 4  # first, t, u and w
     bm.release(first)
-    assert bm.refs[shared] == 2 and bm.refs[own] == 0 and bm.num_free == 16 - len(t.pages) - 1 - len(v.pages)
+    assert bm.refs[shared] == 3 and bm.refs[own] == 0 and bm.num_free == 16 - len(t.pages) - 1 - len(v.pages) - 2
 
 
 def test_freed_cached_pages_are_reused_until_evicted_lru():
