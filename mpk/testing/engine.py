@@ -1,5 +1,6 @@
-"""A tiny random checkpoint directory for engine tests: Hugging Face weights (``hf_twin``'s
-model) and an offline byte-level tokenizer with a chat template, as ``mpk.LLM`` loads them."""
+"""A tiny random checkpoint directory for engine tests: Hugging Face weights (random, as
+``mpk.testing.parity.hf_twin`` draws them) and an offline byte-level tokenizer with a chat
+template, as ``mpk.LLM`` loads them."""
 
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ def byte_tokenizer():
     inner.decoder = decoders.ByteLevel()
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=inner, bos_token=SPECIALS[0], eos_token=SPECIALS[1],
                                                additional_special_tokens=list(SPECIALS[2:]))
-    tok.add_special_tokens({"additional_special_tokens": list(SPECIALS[2:])})
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
