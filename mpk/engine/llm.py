@@ -23,8 +23,16 @@ from mpk.llm.config import is_count
 Prompt = str | list[int]
 Conversation = list[dict[str, str]]
 
-# on a GPU, the share of free memory (after the weights) the page pool may take
-GPU_MEMORY_FRACTION = 0.85
+# the share of free memory (after the weights) the default page pool may take: on a GPU most of
+# it; in host memory half (the process and the OS need the rest)
+MEMORY_FRACTION = {"cuda": 0.85, "cpu": 0.5}
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on ``device`` now (host memory: the OS's available pages)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class LLM:
@@ -35,8 +43,8 @@ class LLM:
     most; ``max_model_len``: tokens per sequence (prompt and output) at most;
     ``max_num_batched_tokens``: new tokens per step at most (decodes first, then prompt
     chunks); ``page_size``: tokens per KV page; ``num_pages``: the page pool (default: enough
-    for ``max_num_seqs`` sequences of ``max_model_len``, on a GPU at most
-    ``GPU_MEMORY_FRACTION`` of free memory); ``dtype``: bfloat16 on CUDA, float32 on the CPU
+    for ``max_num_seqs`` sequences of ``max_model_len``, at most ``MEMORY_FRACTION`` of the
+    device's free memory); ``dtype``: bfloat16 on CUDA, float32 on the CPU
     by default; ``executor``: "gpu" (default on CUDA), "eager" (PyTorch; default on the CPU)
     or "cpu" (mpk's CPU interpreter, slow); ``seed``: the seed of requests that give none;
     ``enable_prefix_caching``: share full KV pages of equal prompt prefixes across requests.
@@ -61,14 +69,14 @@ class LLM:
         self.max_model_len, self.seed = max_model_len, seed
         per_seq = -(-max_model_len // page_size)
         if num_pages is None:
-            num_pages = max_num_seqs * per_seq
-            if device.type == "cuda":
-                c = self.model.cfg
-                page_bytes = c.layers * 2 * c.kv_heads * page_size * c.head_dim * dtype.itemsize
-                num_pages = min(num_pages, int(torch.cuda.mem_get_info(device)[0] * GPU_MEMORY_FRACTION) // page_bytes)
+            c = self.model.cfg
+            page_bytes = c.layers * 2 * c.kv_heads * page_size * c.head_dim * dtype.itemsize
+            fits = int(free_memory(device) * MEMORY_FRACTION.get(device.type, 0.5)) // page_bytes
+            num_pages = min(max_num_seqs * per_seq, fits)
         if not is_count(num_pages, per_seq):
             raise OptionError(f"num_pages={num_pages!r}; expected an int ≥ {per_seq}, the pages of one sequence of "
-                              f"max_model_len={max_model_len} (or lower max_model_len)")
+                              f"max_model_len={max_model_len} (default: what fits max_num_seqs × max_model_len and "
+                              "free memory; lower max_model_len)")
         self.blocks = BlockManager(num_pages, page_size, prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model, max_num_seqs, max_num_batched_tokens, num_pages, page_size,
@@ -97,20 +105,24 @@ class LLM:
         if len(params) != len(prompts):
             raise MpkError(f"{len(params)} SamplingParams for {len(prompts)} prompts; expected one, or one each")
         seqs = []
-        for (text, given), p in zip(prompts, params):
-            rid = self._next_id
-            self._next_id += 1
-            ids = self.tokenizer(given)["input_ids"] if isinstance(given, str) else given
-            problem = self._check(given, ids, p)
-            if problem:  # a placeholder sequence carries the error
-                seq = Sequence(rid, text, list(ids) if isinstance(ids, (list, tuple)) else [], SamplingParams(), 0,
-                               self.tokenizer)
-                seq.fail(problem)
-            else:
-                seed = p.seed if p.seed is not None else mix64(mix64(self.seed) ^ rid)
-                seq = Sequence(rid, text, list(ids), p, seed, self.tokenizer)
-                self.scheduler.add(seq)
-            seqs.append(seq)
+        try:
+            for (text, given), p in zip(prompts, params):
+                rid = self._next_id
+                self._next_id += 1
+                ids = self.tokenizer(given)["input_ids"] if isinstance(given, str) else given
+                problem = self._check(given, ids, p)
+                if problem:  # a placeholder sequence carries the error
+                    seq = Sequence(rid, text, list(ids) if isinstance(ids, (list, tuple)) else [], SamplingParams(),
+                                   0, self.tokenizer)
+                    seq.fail(problem)
+                else:
+                    seed = p.seed if p.seed is not None else mix64(mix64(self.seed) ^ rid)
+                    seq = Sequence(rid, text, list(ids), p, seed, self.tokenizer)
+                    self.scheduler.add(seq)
+                seqs.append(seq)
+        except BaseException:  # (a tokenizer error, Ctrl-C) nothing of this call stays queued
+            self.scheduler.abort_all()
+            raise
         return seqs
 
     def _check(self, given: Any, ids: Any, params: Any) -> str | None:
