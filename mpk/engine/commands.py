@@ -18,14 +18,16 @@ def _engine_flags(p: argparse.ArgumentParser, count: Callable[[int], Callable[[s
                   page_size: Callable[[str], int], max_model_len: int | None = 4096) -> None:
     p.add_argument("--model", help="a Hugging Face directory or a .gguf file (default: mpk's default model)")
     p.add_argument("--max-model-len", type=count(2), default=max_model_len,
-                   help="tokens per sequence at most (default %(default)s)")
+                   help="tokens per sequence at most (default " + (
+                       "%(default)s)" if max_model_len else "the input and output lengths' sum)"))
     p.add_argument("--max-num-seqs", type=count(1), default=64, help="sequences per step (default %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=count(1), default=512,
                    help="new tokens per step (default %(default)s)")
     p.add_argument("--page-size", type=page_size, default=16, help="tokens per KV page (default %(default)s)")
     p.add_argument("--executor", choices=("gpu", "cpu", "eager"),
                    help="gpu (default on CUDA), eager (default on the CPU) or cpu (mpk's interpreter)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
+    p.add_argument("--seed", type=count(0), default=0,
+                   help="the engine's seed, from which each request's sampling seed derives (default %(default)s)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV pages of equal prefixes")
 
 
@@ -50,7 +52,7 @@ def _params(ns: argparse.Namespace):
     from mpk.engine.sampling import SamplingParams
 
     return SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
-                          max_tokens=ns.max_tokens, stop=ns.stop, seed=ns.seed).validate()
+                          max_tokens=ns.max_tokens, stop=ns.stop).validate()
 
 
 def _read_requests(path: str) -> list[dict[str, Any]]:
