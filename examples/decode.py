@@ -18,7 +18,6 @@ same tokens and reports the largest logit difference.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from mpk.cli import count, page_size
+from mpk.engine.loading import eos_ids
 from mpk.errors import MpkError
 from mpk.llm import DecoderLM, LLMConfig, PagedKVCache, TokenBuckets, load_pretrained, prefill
 
@@ -41,25 +41,6 @@ RANDOM = {
 # files a transformers tokenizer loads from (one suffices: vocab.json + merges.txt alone make a BPE one)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model")
-
-
-def _eos_ids(model_dir: str, tokenizer_eos: int | None) -> set[int]:
-    """The ids that end generation: the tokenizer's end-of-sequence token and those the
-    checkpoint's generation_config.json names (Llama 3 instruct models stop at several)."""
-    ids = {tokenizer_eos} if tokenizer_eos is not None else set()
-    config = Path(model_dir) / "generation_config.json"
-    if config.exists():
-        try:
-            doc = json.loads(config.read_text())
-        except json.JSONDecodeError as e:
-            raise MpkError(f"{config} is not valid JSON: {e}") from None
-        named = doc.get("eos_token_id") if isinstance(doc, dict) else None
-        named = [] if named is None else named if isinstance(named, list) else [named]
-        if not isinstance(doc, dict) or not all(isinstance(i, int) and not isinstance(i, bool) for i in named):
-            raise MpkError(f"{config}: expected a JSON object whose eos_token_id is a token id or a list of them; "
-                           f"got {doc.get('eos_token_id') if isinstance(doc, dict) else doc!r}")
-        ids |= set(named)
-    return ids
 
 
 def main(argv=None) -> int:
@@ -109,7 +90,7 @@ def _run(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
         if not args.prompt_ids:
             ap.error(f"--prompt {args.prompt!r} tokenizes to no tokens")
     if args.model:
-        eos = _eos_ids(args.model, tokenizer.eos_token_id if tokenizer is not None else None)
+        eos = eos_ids(args.model, tokenizer.eos_token_id if tokenizer is not None else None)
     max_len = len(args.prompt_ids) + args.steps
     if args.model:
         model = load_pretrained(args.model, dtype, device, max_len=max_len)

@@ -6,6 +6,9 @@ JIT/AOT counts; it writes the tables, DOT (SVG with graphviz), JSON and a summar
 TARGET is a preset (see ``mpk inspect --help``) or ``path/to/file.py:factory`` where
 ``factory()`` returns ``(module, example_args)``.
 
+``mpk generate``, ``mpk chat`` and ``mpk bench latency|throughput`` run ``mpk.LLM``
+(``mpk.engine.commands``).
+
 ``mpk timeline TRACE.json`` draws a profiled launch (the ``profile_dir`` option, or
 ``GpuExecutor.trace``) as an SVG, one lane per SM, and prints the time per task kind.
 """
@@ -215,12 +218,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--end-us", type=float, help="draw up to this time")
     p.add_argument("--title", help="title line (default: the trace's file name)")
     p.set_defaults(func=cmd_timeline)
+    from mpk.engine.commands import add_commands
+
+    add_commands(sub, count, page_size)
     ns = parser.parse_args(argv)
     try:
         return ns.func(ns)
     except MpkError as e:
         print(f"mpk {ns.command}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"mpk {ns.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -58,6 +58,10 @@ class BadInputError(MpkError, ValueError):
     at the next launch or wait; that launch's outputs are not valid."""
 
 
+class NotSupportedError(MpkError, NotImplementedError):
+    """An option asks for what mpk does not do yet (the message says what it does)."""
+
+
 class WatchdogTimeout(MpkError):
     """A persistent kernel launch did not finish within ``timeout_s``; the message is the
     watchdog's report of each stuck worker (mpk.executors.gpu)."""

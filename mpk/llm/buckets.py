@@ -1,6 +1,7 @@
-"""Token-count buckets: a ``DecoderLM`` compiled once per step size over one ``PagedKVCache``,
-so steps of any number of new tokens (prefill chunks, decodes, both in one step) run without
-recompiling, and ``prefill``, which feeds prompts through them.
+"""Token-count buckets: a ``DecoderLM`` compiled once per step size over one ``PageTable``
+(a ``PagedKVCache``, or the engine's table over its block manager), so steps of any number of
+new tokens (prefill chunks, decodes, both in one step) run without recompiling, and
+``prefill``, which feeds prompts through them.
 
 mpk compiles static shapes: each bucket of T rows is its own graph (and kernel). A step of
 n new tokens runs the smallest bucket T ≥ n, rows n … T − 1 padding (token 0; the paged ops
@@ -27,7 +28,7 @@ import torch
 
 from mpk.errors import BadInputError, MpkError, OptionError
 from mpk.llm.config import is_count
-from mpk.llm.kv_cache import PagedKVCache
+from mpk.llm.kv_cache import PagedKVCache, PageTable
 from mpk.llm.model import LOGITS, DecoderLM
 
 
@@ -65,7 +66,9 @@ def _recompile_error(e: RuntimeError) -> bool:
 
 
 class TokenBuckets:
-    """``model`` compiled for steps of up to ``max_num_batched_tokens`` new tokens over ``cache``.
+    """``model`` compiled for steps of up to ``max_num_batched_tokens`` new tokens over ``cache``
+(its batch and table tensors: ``step`` grows a ``PagedKVCache``; ``run`` takes a table its
+caller wrote).
 
     ``buckets``: the row counts compiled (default ``default_buckets(max_num_batched_tokens)``;
     given, ``max_num_batched_tokens`` defaults to their largest); ``decode``: also compile the
@@ -75,7 +78,7 @@ class TokenBuckets:
     reference for tests; nothing compiles). ``compile`` runs at the first ``step`` if not called.
     """
 
-    def __init__(self, model: DecoderLM, cache: PagedKVCache, max_num_batched_tokens: int | None = None,
+    def __init__(self, model: DecoderLM, cache: PageTable, max_num_batched_tokens: int | None = None,
                  buckets: Sequence[int] | None = None, decode: bool = True, logits: str = "last",
                  options: dict | None = None, eager: bool = False):
         if buckets is None:
@@ -156,11 +159,13 @@ class TokenBuckets:
         return report
 
     def step(self, new_tokens: Sequence[Sequence[int] | torch.Tensor]) -> torch.Tensor:
-        """Append ``new_tokens[b]`` (token ids; empty: none) to sequence b of the cache and run
-        one step over them: the decode form when every sequence has one, else the smallest
-        bucket that holds them all. Returns the logits: "last": [batch, vocab], row b the
-        logits after sequence b's last new token (a sequence with none: a meaningless row);
-        "all": [tokens, vocab], the new tokens in sequence order."""
+        """Append ``new_tokens[b]`` (token ids; empty: none) to sequence b of the cache (a
+        ``PagedKVCache``) and run one step over them: the decode form when every sequence has
+        one, else the smallest bucket that holds them all. Returns the logits: "last": [batch,
+        vocab], row b the logits after sequence b's last new token (a sequence with none: a
+        meaningless row); "all": [tokens, vocab], the new tokens in sequence order."""
+        if not isinstance(self.cache, PagedKVCache):
+            raise MpkError("step() grows a PagedKVCache; over another page table, write it and call run()")
         if len(new_tokens) != self.cache.batch:
             raise BadInputError(f"step() got tokens for {len(new_tokens)} sequences; expected one list per sequence "
                                 f"of the cache ({self.cache.batch}; empty for a sequence with none)")
@@ -171,17 +176,33 @@ class TokenBuckets:
         if bad is not None:  # checked before the cache grows: a refused step changes nothing
             raise BadInputError(f"token id {bad[1]} of sequence {bad[0]} is outside the embedding table's {vocab} "
                                 f"rows [0, {vocab})")
+        if not self._decodes(counts):
+            self.bucket(sum(counts))  # before growing: a refused step changes nothing
         if self.report is None:
             self.compile()
-        if self.decode and all(k == 1 for k in counts):
-            self.cache.grow(1)
+        self.cache.grow(counts)
+        return self.run([t for s in ids for t in s], counts)
+
+    def _decodes(self, counts: Sequence[int]) -> bool:
+        return self.decode and len(counts) == self.cache.batch and all(k == 1 for k in counts)
+
+    def run(self, tokens: Sequence[int] | np.ndarray, counts: Sequence[int]) -> torch.Tensor:
+        """Run one step over the table as its caller wrote it: ``counts[b]`` new tokens of
+        sequence b (the table's rows in order, the rest none), ``tokens`` theirs in sequence
+        order (ids already checked against the vocabulary). The decode form when every row of
+        the table has one, else the smallest bucket; returns the logits as ``step`` does."""
+        total = int(sum(counts))
+        if len(tokens) != total:
+            raise BadInputError(f"run() got {len(tokens)} tokens for new-row counts summing to {total}")
+        if self._decodes(counts):
             buf, extra = self._decode_tokens, {}
         else:
-            buf = self._tokens[self.bucket(sum(counts))]  # before growing: a refused step changes nothing
-            self.cache.grow(counts)
+            buf = self._tokens[self.bucket(total)]
             extra = {"qo_indptr": self.cache.qo_indptr, "logits": self.logits}
+        if self.report is None:
+            self.compile()
         flat = np.zeros(buf.shape[0], np.int64)  # padding rows: token 0
-        flat[: sum(counts)] = [t for s in ids for t in s]
+        flat[:total] = tokens
         host = torch.from_numpy(flat)
         buf.copy_(host.pin_memory() if buf.is_cuda else host, non_blocking=buf.is_cuda)
         try:
@@ -190,10 +211,10 @@ class TokenBuckets:
         except RuntimeError as e:
             if not _recompile_error(e):
                 raise
-            raise MpkError(f"a step of {counts} new tokens would compile a new graph (after torch._dynamo.reset() or "
-                           "torch.compiler.reset(), which drop every bucket's graph?); expected the graphs "
+            raise MpkError(f"a step of {list(counts)} new tokens would compile a new graph (after torch._dynamo.reset() "
+                           "or torch.compiler.reset(), which drop every bucket's graph?); expected the graphs "
                            "compile() made: call compile() again") from e
-        return out[: sum(counts)] if self.logits == "all" else out  # (the decode form's rows: one per token)
+        return out[:total] if self.logits == "all" else out  # (the decode form's rows: one per token)
 
 
 def prefill(steps: TokenBuckets, prompts: Sequence[Sequence[int]], chunk: int | None = None) -> torch.Tensor:

@@ -1,14 +1,16 @@
-"""``PagedKVCache``: the host-side page allocator and the BSR page table (``kv_indptr``,
-``kv_indices``, ``kv_last_page_len``) a step reads, with ``qo_indptr``, the rows of a ragged
-step's new tokens."""
+"""The paged KV cache a step reads: ``PageTable`` (the cache tensor and the BSR page table,
+``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, with ``qo_indptr``, the rows of a ragged
+step's new tokens, written in place) and ``PagedKVCache``, a page table with one fixed slot
+per sequence over a ``mpk.engine.block_manager.BlockManager``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
 
+from mpk.engine.block_manager import BlockManager, BlockTable
 from mpk.errors import MpkError
 from mpk.llm.config import is_count
 from mpk.ops.paged import PAGE_SIZES, is_page_size
@@ -32,38 +34,101 @@ def _indices(value: Any) -> list[int] | None:
     return None if None in items else items
 
 
-class PagedKVCache:
-    """Host-side page allocator and the BSR page table a step reads.
+def check_max_len(model: DecoderLM, max_len: int) -> None:
+    """ValueError unless the model's rope table covers ``max_len`` positions."""
+    positions = model.cos_sin.shape[0]
+    if max_len > positions:  # rope reads row len − 1 of the table; past it the step would fault
+        raise ValueError(f"max_len {max_len} exceeds the model's rope table of {positions} positions; build "
+                         f"the model with max_len ≥ {max_len} (DecoderLM / load_pretrained)")
 
-    Pages are handed out in order from a free list; ``grow(n)`` counts the next step's new
-    tokens (allocating pages as the last one fills) and writes the table tensors in place, so
-    their addresses stay fixed across steps (CUDA graphs and mpk's bound buffers rely on
-    that). ``qo_indptr`` [batch + 1] int32 holds the rows of the last ``grow``'s tokens: a
-    decode step (``grow(1)``) ignores it, a ragged step (``DecoderLM.forward(..., qo_indptr)``)
-    reads it.
+
+class PageTable:
+    """The KV cache of ``num_pages`` pages and the page table of a step over up to ``batch``
+    sequences, as tensors whose addresses stay fixed across steps (CUDA graphs and mpk's bound
+    buffers rely on that).
+
+    ``write(pages, lens, new)`` makes row b sequence b's: its pages ``pages[b]``, its length
+    ``lens[b]`` (counting the step's new tokens) and ``new[b]`` new rows (``qo_indptr``, read by
+    a ragged step; a decode step ignores it); rows past ``len(pages)`` are empty. A page may
+    appear in several rows (a shared prefix), so ``kv_indices`` holds ``capacity`` entries
+    (default ``num_pages``).
     """
 
-    def __init__(self, model: DecoderLM, batch: int, max_len: int, page_size: int):
+    def __init__(self, model: DecoderLM, batch: int, num_pages: int, page_size: int, capacity: int | None = None):
         if not is_page_size(page_size):
             raise ValueError(f"page_size {page_size!r}; expected {PAGE_SIZES}")
-        if not (is_count(batch, 1) and is_count(max_len, 1)):
-            raise ValueError(f"batch {batch!r}, max_len {max_len!r}; expected both ints ≥ 1")
-        positions = model.cos_sin.shape[0]
-        if max_len > positions:  # rope reads row len − 1 of the table; past it the step would fault
-            raise ValueError(f"max_len {max_len} exceeds the model's rope table of {positions} positions; build "
-                             f"the model with max_len ≥ {max_len} (DecoderLM / load_pretrained)")
-        self.batch, self.page_size, self.max_len = batch, page_size, max_len
-        self.pages_per_seq = -(-max_len // page_size)
-        num_pages = batch * self.pages_per_seq
+        if not (is_count(batch, 1) and is_count(num_pages, 1)):
+            raise ValueError(f"batch {batch!r}, num_pages {num_pages!r}; expected both ints ≥ 1")
+        capacity = num_pages if capacity is None else capacity
+        self.batch, self.page_size, self.num_pages, self.capacity = batch, page_size, num_pages, capacity
         dev = model.embed.device
         self.cache = model.new_cache(num_pages, page_size)
         self.kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
-        self.kv_indices = torch.zeros(num_pages, dtype=torch.int32, device=dev)
+        self.kv_indices = torch.zeros(capacity, dtype=torch.int32, device=dev)
         self.kv_last_page_len = torch.zeros(batch, dtype=torch.int32, device=dev)
         self.qo_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
-        self.new = [0] * batch  # the last grow's counts: qo_indptr's host side
         self._qo_written = np.zeros(batch + 1, np.int32)
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        """(cache, kv_indptr, kv_indices, kv_last_page_len): a decode step's arguments after the
+        tokens; a ragged step adds ``qo_indptr``."""
+        return self.cache, self.kv_indptr, self.kv_indices, self.kv_last_page_len
+
+    def write(self, pages: Sequence[Sequence[int]], lens: Sequence[int], new: Sequence[int]) -> None:
+        """Write the table of a step over ``len(pages)`` ≤ ``batch`` sequences (see the class)."""
+        n = len(pages)
+        if n > self.batch or len(lens) != n or len(new) != n:
+            raise MpkError(f"a page table of {n} sequences ({len(lens)} lengths, {len(new)} new-row counts); "
+                           f"expected at most {self.batch}, with one length and count each")
+        ln = np.zeros(self.batch, np.int64)
+        ln[:n] = lens
+        counts = -(-ln // self.page_size)
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        if indptr[-1] > self.capacity:
+            raise MpkError(f"the step's sequences hold {indptr[-1]} pages; the page table holds {self.capacity}")
+        flat = np.fromiter((p for b in range(n) for p in pages[b][: counts[b]]), np.int32, int(indptr[-1]))
+        last = np.where(ln > 0, (ln - 1) % self.page_size + 1, 0).astype(np.int32)
+        qo = np.zeros(self.batch + 1, np.int32)
+        qo[1: n + 1] = np.cumsum(new)
+        qo[n + 1:] = qo[n]
+        # a decode loop's qo_indptr never changes: no copy for it each step
+        writes = [(self.kv_indptr, indptr), (self.kv_indices[: len(flat)], flat), (self.kv_last_page_len, last)]
+        if not np.array_equal(qo, self._qo_written):
+            writes.append((self.qo_indptr, qo))
+            self._qo_written = qo
+        # From pinned host memory, asynchronously: a blocking copy would wait for the steps still
+        # queued on the stream (sync=False), stalling the host each step. The caching host
+        # allocator keeps each staging block until its copy has run.
+        for dst, src in writes:
+            host = torch.from_numpy(src)
+            if dst.is_cuda:
+                host = host.pin_memory()
+            dst.copy_(host, non_blocking=dst.is_cuda)
+
+
+class PagedKVCache(PageTable):
+    """A page table with one slot per sequence, each up to ``max_len`` tokens, over a pool of
+    ``batch`` × its pages.
+
+    ``grow(n)`` counts the next step's new tokens (pages taken as the last one fills) and
+    writes the table; ``reset`` empties slots. Pages come interleaved across the slots, so a
+    sequence's pages are not contiguous (the kernels must follow the table, not assume an
+    order). ``lens``: each slot's length; ``new``: the last ``grow``'s counts (qo_indptr).
+    """
+
+    def __init__(self, model: DecoderLM, batch: int, max_len: int, page_size: int):
+        if not (is_count(batch, 1) and is_count(max_len, 1)):
+            raise ValueError(f"batch {batch!r}, max_len {max_len!r}; expected both ints ≥ 1")
+        check_max_len(model, max_len)
+        self.max_len = max_len
+        self.pages_per_seq = -(-max_len // page_size)
+        super().__init__(model, batch, batch * self.pages_per_seq, page_size)
         self.reset()
+
+    @property
+    def free(self) -> list[int]:
+        """The pages no slot holds."""
+        return self.blocks.free_pages
 
     def reset(self, seqs: int | list[int] | None = None) -> None:
         """Empty sequences ``seqs`` (an index or a list; default: every one), their pages back to
@@ -73,11 +138,9 @@ class PagedKVCache:
         the emptied ones before the next one (a ragged step leaves a sequence without new tokens
         alone)."""
         if seqs is None:
-            num_pages = self.batch * self.pages_per_seq
-            # Pages interleaved across sequences, so a sequence's pages are not contiguous (the
-            # kernels must follow the table, not assume an order).
-            self.free = [p for i in range(self.pages_per_seq) for p in range(i, num_pages, self.pages_per_seq)][::-1]
-            self.owned = np.zeros((self.batch, self.pages_per_seq), np.int32)  # row b: sequence b's pages in order
+            self.blocks = BlockManager(self.num_pages, self.page_size, prefix_caching=False,
+                                       interleave=self.pages_per_seq)
+            self.tables = [BlockTable() for _ in range(self.batch)]
             self.lens = [0] * self.batch
             self.new = [0] * self.batch
         else:
@@ -86,7 +149,7 @@ class PagedKVCache:
                 raise ValueError(f"reset({seqs!r}); expected a sequence index in [0, {self.batch}), a list of "
                                  "distinct ones, or None (every sequence)")
             for b in chosen:
-                self.free.extend(self.owned[b, : -(-self.lens[b] // self.page_size)][::-1].tolist())
+                self.blocks.release(self.tables[b])
                 self.lens[b] = 0
                 self.new[b] = 0
         self._write()
@@ -104,36 +167,11 @@ class PagedKVCache:
             if self.lens[b] + k > self.max_len:
                 raise MpkError(f"sequence {b} would reach {self.lens[b] + k} tokens; max_len is {self.max_len}")
         for b, k in enumerate(counts):
-            have = -(-self.lens[b] // self.page_size)
             self.lens[b] += k
-            for i in range(have, -(-self.lens[b] // self.page_size)):
-                self.owned[b, i] = self.free.pop()
+            self.blocks.grow(self.tables[b], self.lens[b])  # the pool holds every slot's max_len
         self.new = counts
         self._write()
         return sum(counts)
 
-    def args(self) -> tuple[torch.Tensor, ...]:
-        """(cache, kv_indptr, kv_indices, kv_last_page_len): a decode step's arguments after the
-        tokens; a ragged step adds ``qo_indptr``."""
-        return self.cache, self.kv_indptr, self.kv_indices, self.kv_last_page_len
-
     def _write(self) -> None:
-        lens = np.asarray(self.lens, np.int64)
-        pages = -(-lens // self.page_size)
-        indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-        flat = np.concatenate([self.owned[b, :k] for b, k in enumerate(pages)]).astype(np.int32)
-        last = np.where(lens > 0, (lens - 1) % self.page_size + 1, 0).astype(np.int32)
-        qo = np.concatenate([[0], np.cumsum(self.new)]).astype(np.int32)
-        # a decode loop's qo_indptr never changes: no copy for it each step
-        writes = [(self.kv_indptr, indptr), (self.kv_indices[: len(flat)], flat), (self.kv_last_page_len, last)]
-        if not np.array_equal(qo, self._qo_written):
-            writes.append((self.qo_indptr, qo))
-            self._qo_written = qo
-        # From pinned host memory, asynchronously: a blocking copy would wait for the steps still
-        # queued on the stream (sync=False), stalling the host each step. The caching host
-        # allocator keeps each staging block until its copy has run.
-        for dst, src in writes:
-            host = torch.from_numpy(src)
-            if dst.is_cuda:
-                host = host.pin_memory()
-            dst.copy_(host, non_blocking=dst.is_cuda)
+        self.write([t.pages for t in self.tables], self.lens, self.new)

@@ -762,19 +762,20 @@ def test_decode_example_takes_text_through_the_checkpoint_tokenizer(tmp_path, ca
 
 def test_decode_example_stops_at_every_eos_id_the_checkpoint_names(tmp_path):
     """Generation ends at the tokenizer's end-of-sequence id and at those generation_config.json
-    lists (one id or several, as Llama 3 instruct checkpoints do)."""
-    module = _decode_example()
-    assert module._eos_ids(str(tmp_path), 1) == {1}
+    lists (one id or several, as Llama 3 instruct checkpoints do): mpk.engine.loading.eos_ids,
+    which the example and mpk.LLM use."""
+    from mpk.engine import loading as module
+    assert module.eos_ids(str(tmp_path), 1) == {1}
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, 9]}')
-    assert module._eos_ids(str(tmp_path), 1) == {1, 7, 9}
+    assert module.eos_ids(str(tmp_path), 1) == {1, 7, 9}
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": 7}')
-    assert module._eos_ids(str(tmp_path), None) == {7}
+    assert module.eos_ids(str(tmp_path), None) == {7}
     # a file it cannot read as ids is named (a string id would otherwise never stop generation)
     for text, message in (("{oops", "is not valid JSON"), ("[1, 2]", "expected a JSON object whose eos_token_id"),
                           ('{"eos_token_id": "2"}', "eos_token_id is a token id or a list of them; got '2'")):
         (tmp_path / "generation_config.json").write_text(text)
         with pytest.raises(MpkError, match=re.escape(message)):
-            module._eos_ids(str(tmp_path), None)
+            module.eos_ids(str(tmp_path), None)
 
 
 def test_attention_must_read_the_appended_q():

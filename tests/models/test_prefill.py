@@ -209,7 +209,7 @@ def test_five_tokens_run_the_eight_bucket_and_padding_changes_nothing(ran_rows):
     new = torch.zeros(before.shape[2:5], dtype=torch.bool)  # [pages, kv_heads, page_size]
     for b, n in ((0, 2), (2, 3)):
         for pos in range(n):
-            new[caches[0].owned[b, pos // 4], :, pos % 4] = True
+            new[caches[0].tables[b].pages[pos // 4], :, pos % 4] = True
     changed = (caches[0].cache != before).any(-1).any(0).any(0)
     assert torch.equal(changed, new)
     assert relative_error(caches[0].cache, caches[1].cache) <= bound

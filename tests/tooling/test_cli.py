@@ -116,3 +116,42 @@ def test_timeline_names_a_malformed_trace(tmp_path, capsys, doc, message):
     assert main(["timeline", str(path)]) == 2
     err = capsys.readouterr().err
     assert str(path) in err and message in err
+
+
+def test_generate_and_bench_on_a_tiny_checkpoint(tmp_path, capsys):
+    """`mpk generate --input` reads prompts and conversations from JSONL and writes one result
+    line per request in input order (a bad one with its error, exit status 1); --prompt writes
+    to stdout; `mpk bench throughput` prints one JSON line of rates."""
+    import random
+
+    import torch
+
+    from mpk.testing.decode import small_config
+    from mpk.testing.engine import VOCAB, tiny_checkpoint
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny steps: threads on a shared machine only wait on each other
+    try:
+        model = tiny_checkpoint(tmp_path / "m", small_config("llama", vocab=VOCAB), random.randrange(1 << 30))
+        lines = [{"prompt": "hello"}, {"messages": [{"role": "user", "content": "hi"}]}, {"prompt": [5, 6, 7]},
+                 {"prompt": ""}]
+        (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        flags = ["--model", str(model), "--max-model-len", "64", "--max-tokens", "5", "--temperature", "0"]
+        assert main(["generate", *flags, "--input", str(tmp_path / "in.jsonl"), "--output",
+                     str(tmp_path / "out.jsonl")]) == 1
+        out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+        assert [o["prompt"] for o in out] == ["hello", "<|user|>hi\n<|assistant|>", None, ""]
+        assert [o["finish_reason"] for o in out] == ["length"] * 3 + ["error"]
+        assert all(len(o["token_ids"]) == 5 for o in out[:3]) and "empty prompt" in out[3]["error"]
+        capsys.readouterr()
+        assert main(["generate", *flags, "--prompt", "hello", "--prompt", "again"]) == 0
+        printed = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        assert [p["prompt"] for p in printed] == ["hello", "again"] and printed[0]["token_ids"] == out[0]["token_ids"]
+        assert main(["generate", *flags]) == 2  # neither --prompt nor --input: named
+        assert "expected --prompt (repeatable) or --input FILE.jsonl" in capsys.readouterr().err
+        assert main(["bench", "throughput", "--model", str(model), "--input-len", "9", "--output-len", "4",
+                     "--num-requests", "6"]) == 0
+        doc = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert doc["bench"] == "throughput" and doc["num_requests"] == 6 and doc["output_tokens_per_s"] > 0
+    finally:
+        torch.set_num_threads(threads)

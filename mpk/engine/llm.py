@@ -1,0 +1,251 @@
+"""``LLM``: offline batched generation (vLLM's interface) — requests scheduled by continuous
+batching over one paged KV cache with prefix caching, each step one launch of the model."""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import closing
+from typing import Any, Iterator, Sequence as Seq
+
+import torch
+
+from mpk.engine.block_manager import BlockManager
+from mpk.engine.loading import load_model
+from mpk.engine.outputs import CompletionOutput, RequestOutput
+from mpk.engine.runner import ModelRunner, default_executor
+from mpk.engine.sampling import SamplingParams, mix64
+from mpk.engine.scheduler import Scheduler
+from mpk.engine.sequence import Sequence
+from mpk.errors import MpkError, NotSupportedError, OptionError
+from mpk.llm.config import is_count
+
+Prompt = str | list[int]
+Conversation = list[dict[str, str]]
+
+# the share of free memory (after the weights) the default page pool may take: on a GPU most of
+# it; in host memory half (the process and the OS need the rest)
+MEMORY_FRACTION = {"cuda": 0.85, "cpu": 0.5}
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on ``device`` now (host memory: the OS's available pages)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class LLM:
+    """A model ready to generate: ``generate``, ``chat`` and ``stream``.
+
+    ``model``: a local Hugging Face directory (config.json, *.safetensors, a tokenizer), a
+    ``.gguf`` file, or None for mpk's default model. ``max_num_seqs``: sequences per step at
+    most; ``max_model_len``: tokens per sequence (prompt and output) at most;
+    ``max_num_batched_tokens``: new tokens per step at most (decodes first, then prompt
+    chunks); ``page_size``: tokens per KV page; ``num_pages``: the page pool (default: enough
+    for ``max_num_seqs`` sequences of ``max_model_len``, at most ``MEMORY_FRACTION`` of the
+    device's free memory); ``dtype``: bfloat16 on CUDA, float32 on the CPU
+    by default; ``executor``: "gpu" (default on CUDA), "eager" (PyTorch; default on the CPU)
+    or "cpu" (mpk's CPU interpreter, slow); ``seed``: the seed of requests that give none;
+    ``enable_prefix_caching``: share full KV pages of equal prompt prefixes across requests.
+    ``tensor_parallel_size``: 1 (more raises ``NotSupportedError``).
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, max_num_seqs: int = 64, max_model_len: int = 4096,
+                 page_size: int = 16, dtype: torch.dtype | None = None, tensor_parallel_size: int = 1,
+                 executor: str | None = None, max_num_batched_tokens: int = 512, num_pages: int | None = None,
+                 seed: int = 0, enable_prefix_caching: bool = True, device: str | torch.device | None = None):
+        if tensor_parallel_size != 1:
+            raise NotSupportedError(f"tensor_parallel_size={tensor_parallel_size!r}; mpk.LLM runs on one GPU for now "
+                                    "(tensor_parallel_size=1)")
+        for name, value, least in (("max_num_seqs", max_num_seqs, 1), ("max_model_len", max_model_len, 2),
+                                   ("max_num_batched_tokens", max_num_batched_tokens, 1), ("seed", seed, 0)):
+            if not is_count(value, least):
+                raise OptionError(f"{name}={value!r}; expected an int ≥ {least}")
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        self.model, self.tokenizer, self.eos_ids = load_model(model, dtype, device, max_model_len)
+        self.vocab = self.model.cfg.vocab
+        self.max_model_len, self.seed = max_model_len, seed
+        per_seq = -(-max_model_len // page_size)
+        if num_pages is None:
+            c = self.model.cfg
+            page_bytes = c.layers * 2 * c.kv_heads * page_size * c.head_dim * dtype.itemsize
+            fits = int(free_memory(device) * MEMORY_FRACTION.get(device.type, 0.5)) // page_bytes
+            num_pages = min(max_num_seqs * per_seq, fits)
+        if not is_count(num_pages, per_seq):
+            raise OptionError(f"num_pages={num_pages!r}; expected an int ≥ {per_seq}, the pages of one sequence of "
+                              f"max_model_len={max_model_len} (default: what fits max_num_seqs × max_model_len and "
+                              "free memory; lower max_model_len)")
+        self.blocks = BlockManager(num_pages, page_size, prefix_caching=enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, max_num_seqs, max_num_batched_tokens, num_pages, page_size,
+                                  max_model_len, executor or default_executor(device))
+        self._next_id = 0
+
+    # --- requests -------------------------------------------------------------------------
+
+    def _prompts(self, prompts: Prompt | Seq[Prompt]) -> list[tuple[str | None, Any]]:
+        """(text or None, the prompt as given) per request: a string or a list of strings, or
+        token ids (a list of ints, or a list of such lists)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and
+                                        all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise MpkError(f"prompts of type {type(prompts).__name__}; expected a string, a list of strings or a "
+                           "list of token-id lists")
+        return [(p if isinstance(p, str) else None, p) for p in prompts]
+
+    def _submit(self, prompts: list[tuple[str | None, Any]],
+                params: SamplingParams | Seq[SamplingParams] | None) -> list[Sequence]:
+        """A ``Sequence`` per prompt; a bad request is failed at once (``error`` set), the
+        others queued."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise MpkError(f"{len(params)} SamplingParams for {len(prompts)} prompts; expected one, or one each")
+        seqs = []
+        try:
+            for (text, given), p in zip(prompts, params):
+                rid = self._next_id
+                self._next_id += 1
+                ids = self.tokenizer(given)["input_ids"] if isinstance(given, str) else given
+                problem = self._check(given, ids, p)
+                if problem:  # a placeholder sequence carries the error
+                    seq = Sequence(rid, text, list(ids) if isinstance(ids, (list, tuple)) else [], SamplingParams(),
+                                   0, self.tokenizer)
+                    seq.fail(problem)
+                else:
+                    seed = p.seed if p.seed is not None else mix64(mix64(self.seed) ^ rid)
+                    seq = Sequence(rid, text, list(ids), p, seed, self.tokenizer)
+                    self.scheduler.add(seq)
+                seqs.append(seq)
+        except BaseException:  # (a tokenizer error, Ctrl-C) nothing of this call stays queued
+            self.scheduler.abort_all()
+            raise
+        return seqs
+
+    def _check(self, given: Any, ids: Any, params: Any) -> str | None:
+        """Why a request cannot run, or None."""
+        if not isinstance(params, SamplingParams):
+            return f"params of type {type(params).__name__}; expected SamplingParams"
+        try:
+            params.validate(self.vocab)
+        except MpkError as e:
+            return str(e)
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            return f"prompt {given!r}; expected a string or a list of token ids (ints)"
+        if not ids:
+            return "empty prompt; expected at least one token"
+        bad = next((t for t in ids if not 0 <= t < self.vocab), None)
+        if bad is not None:
+            return f"prompt token id {bad} is outside the vocabulary [0, {self.vocab})"
+        if len(ids) >= self.max_model_len:
+            return (f"prompt of {len(ids)} tokens; max_model_len={self.max_model_len} leaves room for prompts of at "
+                    f"most {self.max_model_len - 1} tokens (one to generate)")
+        return None
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def _steps(self) -> Iterator[list[Sequence]]:
+        """Run steps until every queued sequence finished, yielding after each step the
+        sequences that got a token. Interrupted (KeyboardInterrupt, an error, the caller
+        closing the iterator), every unfinished sequence is dropped and its pages freed."""
+        try:
+            while self.scheduler.has_work():
+                rows = self.scheduler.schedule()
+                if not rows:
+                    raise MpkError("the scheduler found no step to run (a sequence needs more pages than the pool "
+                                   "holds?)")
+                sampled = self.runner.execute(rows)
+                self.scheduler.advance(rows)
+                changed = []
+                for row, got in zip(rows, sampled):
+                    if got is None:
+                        continue
+                    seq = row.seq
+                    seq.append(got[0], self.eos_ids, self.max_model_len, got[1])
+                    if seq.finished:
+                        self.scheduler.retire(seq)
+                    changed.append(seq)
+                yield changed
+        finally:
+            self.scheduler.abort_all()
+
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (a string, a list of them, or token-id lists), batched;
+        ``params``: one ``SamplingParams`` for all, one per prompt, or None (defaults). Returns
+        a ``RequestOutput`` per prompt, in order; a bad request's has ``error`` set and
+        finish_reason "error". ``use_tqdm``: a progress bar over requests (tokens/s)."""
+        return self._generate(self._prompts(prompts), params, use_tqdm)
+
+    def chat(self, messages: Conversation | Seq[Conversation],
+             params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """``generate`` for a conversation ([{"role": ..., "content": ...}, ...]) or a list of
+        them, each turned into a prompt by the tokenizer's chat template."""
+        return self._generate(self._conversations(messages), params, use_tqdm)
+
+    def _conversations(self, messages: Conversation | Seq[Conversation]) -> list[tuple[str | None, Any]]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise MpkError("the tokenizer has no chat template; use generate() with a prompt")
+        out = []
+        for conv in convs:
+            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+            out.append((text, self.tokenizer(text, add_special_tokens=False)["input_ids"]))
+        return out
+
+    def _generate(self, prompts: list[tuple[str | None, Any]],
+                  params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        seqs = self._submit(prompts, params)
+        start, tokens_in, tokens_out = time.perf_counter(), 0, 0
+        steps = self._steps()
+        with tqdm(total=len(seqs), desc="generating", unit="req", disable=not use_tqdm) as bar, closing(steps):
+            bar.update(sum(s.finished for s in seqs))  # failed at submission
+            for changed in steps:
+                tokens_out += len(changed)
+                done = [s for s in changed if s.finished]
+                tokens_in += sum(len(s.prompt_token_ids) for s in done)
+                if done:
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(f"in {tokens_in / elapsed:.0f} tok/s, out {tokens_out / elapsed:.0f} tok/s")
+                    bar.update(len(done))
+        return [_output(s, s.text, s.output_token_ids, s.logprobs) for s in seqs]
+
+    def stream(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+               chat: bool = False) -> Iterator[RequestOutput]:
+        """Generate as ``generate`` does, yielding a ``RequestOutput`` each time a request has
+        new text or tokens: ``outputs[0].text`` and ``.token_ids`` hold only what is new (text
+        that could begin a stop string is held back until it cannot), ``finished`` marks its
+        last. ``chat``: the prompts are conversations (as ``chat`` takes them). Closing the
+        iterator early drops the unfinished requests."""
+        seqs = self._submit(self._conversations(prompts) if chat else self._prompts(prompts), params)
+        shown = {s.request_id: (0, 0) for s in seqs}  # characters and tokens yielded
+        steps = self._steps()
+        with closing(steps):  # an iterator closed early drops the unfinished requests at once
+            for s in seqs:
+                if s.finished:
+                    yield _output(s, "", [], None)
+            for changed in steps:
+                for s in changed:
+                    chars, toks = shown[s.request_id]
+                    text = s.streamable_text()
+                    shown[s.request_id] = (max(chars, len(text)), len(s.output_token_ids))
+                    logprobs = s.logprobs[toks:] if s.logprobs is not None else None
+                    yield _output(s, text[chars:], s.output_token_ids[toks:], logprobs)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def prefix_cache_hits(self) -> tuple[int, int]:
+        """(pages, tokens) found cached by requests so far."""
+        return self.blocks.hit_pages, self.blocks.hit_tokens
+
+
+def _output(seq: Sequence, text: str, token_ids: list[int], logprobs: list | None) -> RequestOutput:
+    completion = CompletionOutput(0, text, list(token_ids), seq.finish_reason, logprobs, seq.stop_reason)
+    return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), [completion], seq.finished, seq.error)

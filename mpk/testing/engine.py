@@ -1,0 +1,70 @@
+"""A tiny random checkpoint directory for engine tests: Hugging Face weights (random, as
+``mpk.testing.parity.hf_twin`` draws them) and an offline byte-level tokenizer with a chat
+template, as ``mpk.LLM`` loads them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mpk.llm.config import LLMConfig
+
+SPECIALS = ("<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>")
+VOCAB = 256 + len(SPECIALS)  # every byte, then the special tokens
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def byte_tokenizer():
+    """A ``PreTrainedTokenizerFast`` with one token per byte (ids 0…255: any id sequence decodes)
+    and ``SPECIALS`` after them; EOS is "<|eos|>"."""
+    import tokenizers
+    import transformers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = dict(_BYTES)  # the byte-level alphabet's character of byte b → id b
+    inner = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    inner.decoder = decoders.ByteLevel()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=inner, bos_token=SPECIALS[0], eos_token=SPECIALS[1],
+                                               additional_special_tokens=list(SPECIALS[2:]))
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _gpt2_bytes() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (what tokenizers' ByteLevel maps bytes to): character → byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTES = _gpt2_bytes()
+
+
+def tiny_checkpoint(path: str | Path, cfg: LLMConfig, seed: int, init_std: float = 0.1) -> Path:
+    """Save a random model of ``cfg`` (vocab ``VOCAB``) and ``byte_tokenizer()`` into ``path``;
+    EOS (generation_config.json) is the tokenizer's."""
+    import transformers
+
+    if cfg.vocab != VOCAB:
+        raise ValueError(f"cfg.vocab={cfg.vocab}; expected {VOCAB} (the byte tokenizer's)")
+    path = Path(path)
+    tok = byte_tokenizer()
+    hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf(), initializer_range=init_std,
+                                               eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    with torch.no_grad():  # HF's init leaves norm weights at exactly 1; perturb them so they matter
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
