@@ -5,7 +5,6 @@ reference (``mpk.engine.sampling.sample``) on fresh random logits for every para
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -16,11 +15,7 @@ from mpk.engine.sampling import SamplingParams, filtered_probs, sample, uniform
 from mpk.errors import BadInputError
 from mpk.ops import OpSig, get_op
 from mpk.ops.sampling import SEGMENT, row_argmax
-
-# Reject the sampler when the chi-square statistic has a p-value below this: a correct sampler
-# fails one run in 10,000.
-CHI2_ALPHA = 1e-4
-
+from mpk.testing.chi_square import CHI2_ALPHA, chi2_sf, chi_square_p
 
 def _compiled():
     return torch.compile(lambda *a: torch.ops.mpk.sample(*a), backend="mpk", fullgraph=True, dynamic=False,
@@ -191,51 +186,9 @@ def test_bad_inputs_name_the_argument():
         torch.ops.mpk.sample(logits.long(), *params)
 
 
-def chi2_sf(x: float, dof: int) -> float:
-    """The chi-square survival function (scipy's where installed, else the regularized upper
-    incomplete gamma Q(dof/2, x/2) by its series / continued fraction)."""
-    try:
-        from scipy.stats import chi2
-        return float(chi2.sf(x, dof))
-    except ImportError:
-        pass
-    a, z = dof / 2, x / 2
-    if z < a + 1:  # P by its series, Q = 1 − P
-        term = total = 1 / a
-        n = 1
-        while abs(term) > 1e-15 * abs(total):
-            term *= z / (a + n)
-            total += term
-            n += 1
-        return 1 - total * math.exp(-z + a * math.log(z) - math.lgamma(a))
-    b, c, d = z + 1 - a, 1 / 1e-300, 1 / (z + 1 - a)  # Lentz's continued fraction for Q
-    h = d
-    for i in range(1, 1000):
-        an = -i * (i - a)
-        b += 2
-        d = an * d + b
-        d = 1e-300 if abs(d) < 1e-300 else d
-        c = b + an / c
-        c = 1e-300 if abs(c) < 1e-300 else c
-        d = 1 / d
-        h *= d * c
-        if abs(d * c - 1) < 1e-15:
-            break
-    return math.exp(-z + a * math.log(z) - math.lgamma(a)) * h
-
-
 def test_chi2_sf_matches_known_values():
     assert chi2_sf(3.841458820694124, 1) == pytest.approx(0.05, rel=1e-9)
     assert chi2_sf(23.209251158954356, 10) == pytest.approx(0.01, rel=1e-9)
-
-
-def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """p-value of ``counts`` drawn from ``probs`` (over the tokens with probability > 0)."""
-    keep = probs > 0
-    n = int(counts.sum())
-    expected = n * probs[keep].double()
-    stat = float(((counts[keep].double() - expected) ** 2 / expected).sum())
-    return chi2_sf(stat, int(keep.sum()) - 1)
 
 
 @pytest.mark.parametrize("mix", ["temperature", "top_k_top_p", "all", "min_p"])
