@@ -1,11 +1,13 @@
-"""Sampling latency: ``torch.ops.mpk.sample`` compiled by mpk (one persistent-kernel launch, one
-task per row: cuda/mpk_tasks/sampling.cuh) against torch's sort-based filtering
+"""Sampling latency: ``torch.ops.mpk.sample`` compiled by mpk (one persistent-kernel launch: a
+sample_partial task per (row, segment), then a sample task per row: cuda/mpk_tasks/sampling.cuh) against torch's sort-based filtering
 (``mpk.engine.sampling.sample`` on CUDA tensors) and ``torch.topk`` + ``torch.multinomial``.
 
 For each batch size and parameter mix (greedy, top-k 50, top-p 0.9, top-k 50 + top-p 0.9) on
 random bf16 logits of ``--vocab`` entries (Qwen3's 151,936): the median over ``--iters`` calls
-(CUDA events, after warm-up) of each. The same run times the launch floor, an mpk graph of one
-trivial task, so the sampling task's own time reads as ``mpk_us − floor_us``. Prints one JSON
+(CUDA events, after warm-up) of each. mpk's graphs launch asynchronously (``sync=False``, as
+decode_latency.py times its steps), so the events measure GPU time per launch, not the host's
+synchronisation. The same run times the launch floor, an mpk graph of one trivial task launched
+the same way, so the sampling ops' own time reads as ``mpk_us − floor_us``. Prints one JSON
 line per configuration (also appended to ``--out``) and a table last.
 """
 
@@ -32,14 +34,18 @@ MIXES = {  # temperature, top_k, top_p
 }
 
 
-def _mpk(options: dict | None = None):
+# asynchronous launches: a synchronising call's events would time the host's wait as well
+_GPU = {"executor": "gpu", "sync": False}
+
+
+def _mpk():
     return torch.compile(lambda *a: torch.ops.mpk.sample(*a), backend="mpk", fullgraph=True, dynamic=False,
-                         options={"executor": "gpu", **(options or {})})
+                         options=_GPU)
 
 
 def launch_floor_us(warmup: int, iters: int) -> float:
     """Median µs of an mpk graph of one trivial task (x + 1 on one element): the launch floor."""
-    fn = torch.compile(lambda x: x + 1, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "gpu"})
+    fn = torch.compile(lambda x: x + 1, backend="mpk", fullgraph=True, dynamic=False, options=_GPU)
     x = torch.zeros(1, device="cuda")
     return 1e3 * time_step(lambda: fn(x), warmup, iters)
 
@@ -62,6 +68,8 @@ def bench(batch: int, vocab: int, mix: str, warmup: int, iters: int) -> dict:
     counter = torch.arange(batch, device="cuda")
     fn = _mpk()
     args = (logits, *cols, seed, counter)
+    fn(*args)  # trace, compile, build before the timing
+    torch.cuda.synchronize()
     row = {"batch": batch, "vocab": vocab, "mix": mix, "mpk_us": 1e3 * time_step(lambda: fn(*args), warmup, iters)}
     seeds, counters = seed.tolist(), counter.tolist()
     row["torch_sort_us"] = 1e3 * time_step(lambda: sample(logits, *cols, seeds, counters), warmup, iters)

@@ -1,9 +1,11 @@
-// Task family: sampling. ``sample``: one token per row of logits [B, V] under the row's
-// temperature, top-k, top-p, min-p, seed and counter — mpk.engine.sampling.sample's semantics
-// (mpk.ops.sampling). The whole CTA takes one row at a time and sorts nothing:
+// Task family: sampling (mpk.ops.sampling). ``sample_partial``: each SEGMENT-long segment of a row
+// of logits [B, V] gives its max and first index of it, a (row, segment) tile a task, so a row's
+// read for the max is spread over ⌈V / SEGMENT⌉ workers. ``sample``: one token per row under the
+// row's temperature, top-k, top-p, min-p, seed and counter — mpk.engine.sampling.sample's
+// semantics. The row's max and argmax come from the partials (a greedy row, temperature ≤ 0,
+// ends there: the first maximal index, as torch.argmax, and reads no logit); a sampled row takes
+// the whole CTA and sorts nothing:
 //
-//  * pass 0: the row's max and argmax (a greedy row, temperature ≤ 0, ends here: the first
-//    maximal index, as torch.argmax), and top-k's first radix digit;
 //  * radix passes, 8 bits of the logits' own bits a pass (2 for bf16/f16, 4 for float32): top-k's
 //    threshold, the k-th largest logit, by exact counting (as sort.cuh's select_candidates); top-p's,
 //    the smallest logit whose strictly larger logits hold less than p of the mass, by summing each
@@ -20,9 +22,9 @@
 // Thresholds are logits, so boundary ties are kept, as the reference keeps equal probabilities.
 // The reference decides in float32 probabilities; the two differ only where rounding decides (a
 // top-p cut or a draw within a rounding of a CDF step, or distinct logits whose probabilities
-// round equal at a boundary). Cost (bf16, V = 151,936, 297 KiB a row): greedy 1 pass over the
-// row, temperature / min-p 2, top-k 3, top-p 4, top-k + top-p 4 (float32: twice the bytes and
-// two more radix passes), plus one group of 32 words.
+// round equal at a boundary). Cost of a sampled row (bf16, V = 151,936, 297 KiB): temperature /
+// min-p 1 pass over the row, top-k / top-p / both 3 (float32: twice the bytes and two more radix
+// passes), plus one group of 32 words.
 #pragma once
 #include "common.cuh"
 #include "rows.cuh"
@@ -38,8 +40,6 @@ struct SampleSmem {
   unsigned long long mass_hist[256];
   unsigned count_hist[256];
   unsigned long long red_u[32];
-  float red_f[32];
-  long long red_i[32];
   unsigned k_digit, p_digit;
   unsigned k_above;
   unsigned long long p_above;
@@ -161,8 +161,54 @@ __device__ __forceinline__ unsigned long long mix64(unsigned long long x) {
   return x ^ (x >> 31);
 }
 
+// Inputs: logits [B, V] (T, contiguous rows of whole 16-byte words: codegen checks); output
+// partials [B, S, 2] float32: segment s's max and its first index (as a float: V < 2^24, codegen
+// checks), torch.argmax's order. iparam[0]: the segment length (mpk.ops.sampling.SEGMENT, a
+// multiple of the words' elements).
+template <typename T>
+__device__ __noinline__ void sample_partial(const OpC& c, const Rect& r, const TaskEnv& env) {
+  constexpr int kE = 16 / static_cast<int>(sizeof(T));
+  float* red_f = scratch();  // one (max, index) per warp
+  long long* red_i = reinterpret_cast<long long*>(red_f + 32);
+  const ViewC& x = c.in[0];
+  const long long V = x.shape[1], seg = c.iparam[0];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = static_cast<int>(blockDim.x >> 5);
+  for (long long b = r.lo[0]; b < r.hi[0]; ++b)
+    for (long long s = r.lo[1]; s < r.hi[1]; ++s) {
+      long long idx[kMaxDims] = {b, s * seg};
+      const long long first = s * seg, len = (V < first + seg ? V : first + seg) - first;
+      const T* p = static_cast<const T*>(env.buffers[x.buffer]) + view_index(x, idx, 2);
+      float acc = -INFINITY;
+      long long arg = first;
+      for_row_raw<T>(p, len / kE, [&](const T* v, long long w, bool valid) {
+        if (!valid) return;
+#pragma unroll
+        for (int i = 0; i < kE; ++i) argmax_add(acc, arg, to_f(v[i]), first + w * kE + i);
+      });
+      warp_argmax(acc, arg);
+      if (lane == 0) {
+        red_f[warp] = acc;
+        red_i[warp] = arg;
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        for (int i = 1; i < warps; ++i)
+          if (argmax_before(red_f[i], red_i[i], acc, arg)) {
+            acc = red_f[i];
+            arg = red_i[i];
+          }
+        float* out = static_cast<float*>(env.buffers[c.out_buffer]);
+        const long long o = (b * c.out_shape[1] + s) * 2;  // (b, s) of [B, S, 2], a fresh contiguous buffer
+        out[o] = acc;
+        out[o + 1] = static_cast<float>(arg);
+      }
+      __syncthreads();  // red_* is rewritten by the next segment
+    }
+}
+
 // Inputs: logits [B, V] (T, contiguous rows of whole 16-byte words: codegen checks), then [B]
-// temperature, top_k, top_p, min_p, seed, counter; output tokens [B] (int64). T: the logits' type.
+// temperature, top_k, top_p, min_p, seed, counter, then sample_partial's partials [B, S, 2];
+// output tokens [B] (int64). T: the logits' type.
 template <typename T>
 __device__ __noinline__ void sample_rows(const OpC& c, const Rect& r, const TaskEnv& env) {
   static_assert(sizeof(SampleSmem) <= kScratchFloats * sizeof(float), "sampling state exceeds the task scratch");
@@ -187,46 +233,32 @@ __device__ __noinline__ void sample_rows(const OpC& c, const Rect& r, const Task
     const bool use_k = !greedy && top_k > 0 && top_k < V, use_p = !greedy && top_p < 1.f;
     unsigned k_prefix = 0, k_mask = 0, k_greater = 0, p_prefix = 0, p_mask = 0;
     unsigned long long p_above = 0, z = 0;
-    for (int t = threadIdx.x; t < 256; t += blockDim.x) s.count_hist[t] = 0;
-    __syncthreads();
 
-    // pass 0: max / argmax, top-k's first digit
+    // the row's max and argmax from its segments' partials, in segment order (torch.argmax's)
+    const ViewC& part = c.in[7];
+    const void* pbuf = env.buffers[part.buffer];
     float acc = -INFINITY;
     long long arg = 0;
-    for_row_raw<T>(p, words, [&](const T* v, long long w, bool valid) {
-#pragma unroll
-      for (int i = 0; i < kE; ++i) {
-        if (valid) argmax_add(acc, arg, to_f(v[i]), w * kE + i);
-        if (use_k) count_digit(s.count_hist, valid, sample_key(v[i]), kBits - 8);
+    for (long long s = 0; s < part.shape[1]; ++s) {
+      long long pidx[3] = {b, s, 0};
+      const float m = load_f(pbuf, part.dtype, view_index(part, pidx, 3));
+      pidx[2] = 1;
+      const long long a = static_cast<long long>(load_f(pbuf, part.dtype, view_index(part, pidx, 3)));
+      if (s == 0 || argmax_before(m, a, acc, arg)) {
+        acc = m;
+        arg = a;
       }
-    });
-    warp_argmax(acc, arg);
-    if (lane == 0) {
-      s.red_f[warp] = acc;
-      s.red_i[warp] = arg;
     }
-    __syncthreads();
-    acc = s.red_f[0];
-    arg = s.red_i[0];
-    for (int i = 1; i < warps; ++i)
-      if (argmax_before(s.red_f[i], s.red_i[i], acc, arg)) {
-        acc = s.red_f[i];
-        arg = s.red_i[i];
-      }
     if (greedy) {
       if (threadIdx.x == 0) store_i(env.buffers[c.out_buffer], c.out_dtype, b, arg);
-      __syncthreads();  // s is rewritten by the next row
-      continue;
+      continue;  // (s untouched)
     }
     const float max = acc, scale = 1.4426950408889634f / temperature;
-    int k_digits = 0, p_digits = use_p ? 0 : kDigits;  // digits of each threshold found
-    if (use_k && warp == 0)
-      select_digit<unsigned>(s.count_hist, static_cast<unsigned>(top_k), &s.k_digit, &s.k_above);
-    k_digits = use_k ? 0 : kDigits;
+    int k_digits = use_k ? 0 : kDigits, p_digits = use_p ? 0 : kDigits;  // digits of each threshold found
     unsigned long long p_target = 0;  // ⌈top_p · Z⌉: top-p keeps the logits whose larger ones weigh less
     for (int pass = 0; k_digits < kDigits || p_digits < kDigits; ++pass) {
       __syncthreads();
-      if (k_digits < kDigits) {  // the digit selected in the previous pass
+      if (pass > 0 && k_digits < kDigits) {  // the digit selected in the previous pass
         const int shift = kBits - 8 * (k_digits + 1);
         k_prefix |= s.k_digit << shift;
         k_mask |= 255u << shift;

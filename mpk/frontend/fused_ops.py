@@ -369,11 +369,12 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            min_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     """One token per row of ``logits`` [B, V] (int64 [B]) under that row's temperature, top_k,
     top_p, min_p, seed and counter: ``mpk.engine.sampling.sample`` (mpk.ops.sampling says how
-    a seed's int64 is read). In a compiled graph it is one task per row inside the kernel."""
+    a seed's int64 is read). In a compiled graph it is two ops inside the kernel: per-segment
+    maxima (sample_partial), then a task per row (sample)."""
+    from mpk.ops.sampling import sample_eager
+
     check_sample(logits, temperature, top_k, top_p, min_p, seed, counter)
-    inputs = [logits, temperature, top_k, top_p, min_p, seed, counter]
-    sig = OpSig(tuple(tuple(t.shape) for t in inputs), (logits.shape[0],), torch.int64, {})
-    return get_op("sample").cpu(sig, full_rect(sig.out_shape), inputs)
+    return sample_eager([logits, temperature, top_k, top_p, min_p, seed, counter])
 
 
 @sample.register_fake

@@ -5,7 +5,6 @@ reference (``mpk.engine.sampling.sample``) on fresh random logits for every para
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -14,11 +13,9 @@ import torch
 from mpk.backend import COMPILED
 from mpk.engine.sampling import SamplingParams, filtered_probs, sample, uniform
 from mpk.errors import BadInputError
-
-# Reject the sampler when the chi-square statistic has a p-value below this: a correct sampler
-# fails one run in 10,000.
-CHI2_ALPHA = 1e-4
-
+from mpk.ops import OpSig, get_op
+from mpk.ops.sampling import SEGMENT, row_argmax
+from mpk.testing.chi_square import CHI2_ALPHA, chi2_sf, chi_square_p
 
 def _compiled():
     return torch.compile(lambda *a: torch.ops.mpk.sample(*a), backend="mpk", fullgraph=True, dynamic=False,
@@ -65,10 +62,47 @@ def test_compiled_op_equals_the_reference(mix, dtype):
     args = (logits, *_params(B, *MIXES[mix]), *_seeds(B))
     COMPILED.clear()
     got = _compiled()(*args)
-    assert [o["kind"] for o in COMPILED[-1].tables.meta["ops"]] == ["sample"]  # ran as mpk's op, not a fallback
+    assert [o["kind"] for o in COMPILED[-1].tables.meta["ops"]] == ["sample_partial", "sample"]  # not a fallback
     assert got.dtype == torch.int64 and got.shape == (B,)
     assert torch.equal(got, _reference(*args))
     assert torch.equal(torch.ops.mpk.sample(*args), got)
+
+
+@pytest.mark.parametrize("V", [SEGMENT + 3, 3 * SEGMENT])
+@pytest.mark.parametrize("mix", ["greedy", "k_at_least_v", "top_k_top_p", "all"])
+def test_rows_over_several_segments_equal_the_reference(mix, V):
+    # odd V (a short last segment), maxima tied across segments (greedy takes the lowest id, the
+    # first segment's), k ≥ V, p = 1 and per-segment tiles through the CPU interpreter
+    B = 3
+    logits = torch.randn(B, V)
+    logits[0, [5, SEGMENT + 1, V - 1]] = 9.0  # a tie split over segments
+    logits[1, [V - 2, SEGMENT - 1]] = 9.0  # the later id in the earlier segment
+    logits[2, V - 1] = float("nan")  # torch.argmax takes the first NaN
+    args = (logits, *_params(B, *MIXES[mix]), *_seeds(B))
+    COMPILED.clear()
+    got = _compiled()(*args)
+    ops = COMPILED[-1].tables.meta["ops"]
+    assert [o["kind"] for o in ops] == ["sample_partial", "sample"]
+    if mix == "greedy":
+        assert got.tolist() == [5, SEGMENT - 1, V - 1]
+    else:
+        assert torch.equal(got[:2], _reference(*args)[:2])
+    assert torch.equal(torch.ops.mpk.sample(*args), got)
+
+
+def test_partials_hold_each_segments_max_and_first_index():
+    V = 2 * SEGMENT + 8
+    x = torch.randn(2, V).bfloat16()
+    x[0, [SEGMENT + 1, SEGMENT + 4]] = 50  # a tie inside segment 1: its first index
+    part = get_op("sample_partial").cpu(OpSig(((2, V),), (2, 3, 2), torch.float32), ((0, 2), (1, 3), (0, 2)),
+                                        [x[:, SEGMENT:]])
+    assert part.shape == (2, 2, 2)
+    assert part[0, 0].tolist() == [50.0, SEGMENT + 1]
+    for b in range(2):
+        for j, s in enumerate((1, 2)):
+            seg = x[b, s * SEGMENT:(s + 1) * SEGMENT].float()
+            assert part[b, j, 0] == seg.max() and int(part[b, j, 1]) == s * SEGMENT + int(torch.argmax(seg))
+    assert row_argmax(part).tolist() == [SEGMENT + 1, int(torch.argmax(x[1, SEGMENT:].float())) + SEGMENT]
 
 
 def test_ties_greedy_takes_the_lowest_id_and_boundaries_keep_every_tie():
@@ -152,51 +186,9 @@ def test_bad_inputs_name_the_argument():
         torch.ops.mpk.sample(logits.long(), *params)
 
 
-def chi2_sf(x: float, dof: int) -> float:
-    """The chi-square survival function (scipy's where installed, else the regularized upper
-    incomplete gamma Q(dof/2, x/2) by its series / continued fraction)."""
-    try:
-        from scipy.stats import chi2
-        return float(chi2.sf(x, dof))
-    except ImportError:
-        pass
-    a, z = dof / 2, x / 2
-    if z < a + 1:  # P by its series, Q = 1 − P
-        term = total = 1 / a
-        n = 1
-        while abs(term) > 1e-15 * abs(total):
-            term *= z / (a + n)
-            total += term
-            n += 1
-        return 1 - total * math.exp(-z + a * math.log(z) - math.lgamma(a))
-    b, c, d = z + 1 - a, 1 / 1e-300, 1 / (z + 1 - a)  # Lentz's continued fraction for Q
-    h = d
-    for i in range(1, 1000):
-        an = -i * (i - a)
-        b += 2
-        d = an * d + b
-        d = 1e-300 if abs(d) < 1e-300 else d
-        c = b + an / c
-        c = 1e-300 if abs(c) < 1e-300 else c
-        d = 1 / d
-        h *= d * c
-        if abs(d * c - 1) < 1e-15:
-            break
-    return math.exp(-z + a * math.log(z) - math.lgamma(a)) * h
-
-
 def test_chi2_sf_matches_known_values():
     assert chi2_sf(3.841458820694124, 1) == pytest.approx(0.05, rel=1e-9)
     assert chi2_sf(23.209251158954356, 10) == pytest.approx(0.01, rel=1e-9)
-
-
-def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """p-value of ``counts`` drawn from ``probs`` (over the tokens with probability > 0)."""
-    keep = probs > 0
-    n = int(counts.sum())
-    expected = n * probs[keep].double()
-    stat = float(((counts[keep].double() - expected) ** 2 / expected).sum())
-    return chi2_sf(stat, int(keep.sum()) - 1)
 
 
 @pytest.mark.parametrize("mix", ["temperature", "top_k_top_p", "all", "min_p"])
