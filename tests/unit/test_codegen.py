@@ -109,14 +109,21 @@ def test_ragged_tasks_are_instantiated_per_graph():
 
     prefill = _ragged_tables(torch.bfloat16, [0, 40, 7], [150, 33, 1], splits=2)
     src = generate(prefill)
-    for inst in ("mpk::rope_append_impl<4, __nv_bfloat16, int, true>", "mpk::attn_prefill<4, 4, __nv_bfloat16, int, false>",
-                 "mpk::attn_merge_impl<4, __nv_bfloat16>"):
+    # chunks: the balanced split (its plan, the planned tiles and merge)
+    for inst in ("mpk::rope_append_impl<4, __nv_bfloat16, int, true>", "mpk::attn_plan<int>",
+                 "mpk::attn_prefill<4, 4, __nv_bfloat16, int, false, true>", "mpk::attn_merge_planned<4, __nv_bfloat16>"):
         assert src.count(inst) == 1, inst
     assert "#define MPK_MAX_INPUTS 9" in src and dynamic_smem_bytes(prefill) == PREFILL_STAGE_BYTES
+    one = generate(_ragged_tables(torch.bfloat16, [0, 40, 7], [150, 33, 1], splits=1))
+    assert "mpk::attn_prefill<4, 4, __nv_bfloat16, int, true>" in one and "attn_plan" not in one
     mixed = generate(_ragged_tables(torch.bfloat16, [0, 40, 7], [5, 1, 1], qk_norm=False))
     assert "mpk::attn_partial<4, 4, __nv_bfloat16, int, false, true, true>" in mixed and "attn_prefill<" not in mixed
+    # a decode-sized step, chunks left to the compiler: at least two slots a row, for the plan to
+    # spread a long sequence over
+    assert "mpk::attn_partial<4, 4, __nv_bfloat16, int, false, false, true, true>" in generate(
+        _ragged_tables(torch.bfloat16, [0, 400, 7], [5, 1, 1], splits=0, qk_norm=False))
     assert "MPK_MAX_INPUTS" not in mixed  # 8 inputs without qk-norm
-    assert "mpk::attn_partial<4, 4, float, int, false, false, true>" in generate(
+    assert "mpk::attn_partial<4, 4, float, int, false, false, true, true>" in generate(
         _ragged_tables(torch.float32, [0, 40, 7], [150, 1, 1], splits=2))
     assert "MPK_MAX_INPUTS" not in generate(_paged_decode_tables())
 
