@@ -4,6 +4,8 @@ the next token sampled for each sequence whose last token the step computed."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from mpk.engine.sampling import sample
@@ -24,10 +26,11 @@ def default_executor(device: torch.device) -> str:
 class ModelRunner:
     """``model`` over a cache of ``num_pages`` pages, in steps of up to ``max_num_seqs``
     sequences and ``max_num_batched_tokens`` new tokens. ``executor``: "gpu" (the mega-kernel),
-    "cpu" (mpk's CPU interpreter) or "eager" (PyTorch, nothing compiled)."""
+    "cpu" (mpk's CPU interpreter) or "eager" (PyTorch, nothing compiled). ``buckets``: the step
+    sizes compiled (``TokenBuckets``'; None: its default for ``max_num_batched_tokens``)."""
 
     def __init__(self, model: DecoderLM, max_num_seqs: int, max_num_batched_tokens: int, num_pages: int,
-                 page_size: int, max_model_len: int, executor: str):
+                 page_size: int, max_model_len: int, executor: str, buckets: Sequence[int] | None = None):
         if executor not in EXECUTORS:
             raise OptionError(f"executor={executor!r}; expected one of {EXECUTORS} (None: "
                               f"{default_executor(model.embed.device)!r} here)")
@@ -37,7 +40,7 @@ class ModelRunner:
         capacity = max_num_seqs * -(-max_model_len // page_size)
         self.table = PageTable(model, max_num_seqs, num_pages, page_size, capacity)
         eager = executor == "eager"
-        self.buckets = TokenBuckets(model, self.table, max_num_batched_tokens, eager=eager,
+        self.buckets = TokenBuckets(model, self.table, max_num_batched_tokens, buckets, eager=eager,
                                     options=None if eager else {"executor": executor})
 
     def compile(self, progress: bool | None = None) -> CompileReport:
