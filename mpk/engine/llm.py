@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import time
 from contextlib import closing
-from typing import Any, Iterator, Sequence as Seq
+from typing import Any, Iterable, Iterator, Sequence as Seq
 
 import torch
 
 from mpk.engine.block_manager import BlockManager
-from mpk.engine.loading import load_model
+from mpk.engine.loading import LoadedModel, load_model
 from mpk.engine.outputs import CompletionOutput, RequestOutput
 from mpk.engine.runner import ModelRunner, default_executor
 from mpk.engine.sampling import SamplingParams, mix64
@@ -19,6 +19,7 @@ from mpk.engine.scheduler import Scheduler
 from mpk.engine.sequence import Sequence
 from mpk.errors import MpkError, NotSupportedError, OptionError
 from mpk.llm.config import is_count
+from mpk.llm.model import DecoderLM
 
 Prompt = str | list[int]
 Conversation = list[dict[str, str]]
@@ -48,13 +49,17 @@ class LLM:
     by default; ``executor``: "gpu" (default on CUDA), "eager" (PyTorch; default on the CPU)
     or "cpu" (mpk's CPU interpreter, slow); ``seed``: the seed of requests that give none;
     ``enable_prefix_caching``: share full KV pages of equal prompt prefixes across requests.
-    ``tensor_parallel_size``: 1 (more raises ``NotSupportedError``).
+    ``tensor_parallel_size``: 1 (more raises ``NotSupportedError``). ``buckets``: the step sizes
+    (new tokens) compiled, each its own graph; the largest must be ``max_num_batched_tokens``
+    (default ``mpk.llm.default_buckets(max_num_batched_tokens)``: 1, 2, 4, …). A model built in
+    the process (random weights): ``LLM.from_model``.
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, max_num_seqs: int = 64, max_model_len: int = 4096,
-                 page_size: int = 16, dtype: torch.dtype | None = None, tensor_parallel_size: int = 1,
-                 executor: str | None = None, max_num_batched_tokens: int = 512, num_pages: int | None = None,
-                 seed: int = 0, enable_prefix_caching: bool = True, device: str | torch.device | None = None):
+    def __init__(self, model: str | os.PathLike | LoadedModel | None = None, max_num_seqs: int = 64,
+                 max_model_len: int = 4096, page_size: int = 16, dtype: torch.dtype | None = None,
+                 tensor_parallel_size: int = 1, executor: str | None = None, max_num_batched_tokens: int = 512,
+                 num_pages: int | None = None, seed: int = 0, enable_prefix_caching: bool = True,
+                 device: str | torch.device | None = None, buckets: Seq[int] | None = None):
         if tensor_parallel_size != 1:
             raise NotSupportedError(f"tensor_parallel_size={tensor_parallel_size!r}; mpk.LLM runs on one GPU for now "
                                     "(tensor_parallel_size=1)")
@@ -80,8 +85,25 @@ class LLM:
         self.blocks = BlockManager(num_pages, page_size, prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model, max_num_seqs, max_num_batched_tokens, num_pages, page_size,
-                                  max_model_len, executor or default_executor(device))
+                                  max_model_len, executor or default_executor(device), buckets)
         self._next_id = 0
+
+    @classmethod
+    def from_model(cls, model: DecoderLM, tokenizer: Any = None, eos_ids: Iterable[int] = (),
+                   **options: Any) -> "LLM":
+        """An engine over a ``DecoderLM`` built in the process (random weights for a benchmark),
+        on its device and in its dtype; ``options``: the constructor's others. Without a
+        ``tokenizer`` prompts are token-id lists, outputs have no text, and stop strings and
+        ``chat`` are refused. ``eos_ids``: the tokens that end generation (none: only
+        ``max_tokens``, ``stop_token_ids`` and ``max_model_len`` do)."""
+        fixed = sorted({"model", "dtype", "device"} & options.keys())
+        if fixed:
+            raise OptionError(f"LLM.from_model(..., {', '.join(f'{k}=' for k in fixed)}): the model's own are used; "
+                              "expected none of model, dtype, device")
+        if not isinstance(model, DecoderLM):
+            raise OptionError(f"model of type {type(model).__name__}; expected an mpk.llm.DecoderLM")
+        return cls(LoadedModel(model, tokenizer, frozenset(eos_ids)), dtype=model.embed.dtype,
+                   device=model.embed.device, **options)
 
     # --- requests -------------------------------------------------------------------------
 
@@ -109,7 +131,8 @@ class LLM:
             for (text, given), p in zip(prompts, params):
                 rid = self._next_id
                 self._next_id += 1
-                ids = self.tokenizer(given)["input_ids"] if isinstance(given, str) else given
+                text_prompt = isinstance(given, str) and self.tokenizer is not None
+                ids = self.tokenizer(given)["input_ids"] if text_prompt else given
                 problem = self._check(given, ids, p)
                 if problem:  # a placeholder sequence carries the error
                     seq = Sequence(rid, text, list(ids) if isinstance(ids, (list, tuple)) else [], SamplingParams(),
@@ -133,6 +156,9 @@ class LLM:
             params.validate(self.vocab)
         except MpkError as e:
             return str(e)
+        if self.tokenizer is None and (isinstance(given, str) or params.stop_strings):
+            what = f"prompt {given!r}" if isinstance(given, str) else f"stop={params.stop!r}"
+            return f"{what} needs a tokenizer, and this engine has none (LLM.from_model without one): use token ids"
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             return f"prompt {given!r}; expected a string or a list of token ids (ints)"
         if not ids:

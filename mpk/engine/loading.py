@@ -1,17 +1,29 @@
 """``load_model``: a ``DecoderLM`` and its tokenizer from a local Hugging Face directory, a
-``.gguf`` file, or (None) mpk's default model; ``eos_ids``: the tokens that end generation."""
+``.gguf`` file, (None) mpk's default model, or a ``LoadedModel`` built in the process;
+``eos_ids``: the tokens that end generation."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mpk.errors import MpkError
+from mpk.errors import MpkError, OptionError
 from mpk.llm.model import DecoderLM
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model built in the process (``LLM.from_model``), taken as it is: no checkpoint is read.
+    ``tokenizer`` None: prompts are token ids and outputs have no text."""
+
+    model: DecoderLM
+    tokenizer: Any
+    eos_ids: frozenset[int]
 
 
 def eos_ids(model_dir: str | os.PathLike | None, tokenizer_eos: int | None) -> frozenset[int]:
@@ -33,10 +45,17 @@ def eos_ids(model_dir: str | os.PathLike | None, tokenizer_eos: int | None) -> f
     return frozenset(ids)
 
 
-def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torch.device,
+def load_model(model: str | os.PathLike | LoadedModel | None, dtype: torch.dtype, device: torch.device,
                max_len: int) -> tuple[DecoderLM, Any, frozenset[int]]:
     """(model, tokenizer, EOS ids) for ``model``: a directory with config.json, *.safetensors
-    and a tokenizer; a path ending in .gguf; None for the default model (a GGUF)."""
+    and a tokenizer; a path ending in .gguf; None for the default model (a GGUF); a
+    ``LoadedModel``, which must already be on ``device`` in ``dtype``."""
+    if isinstance(model, LoadedModel):
+        have = model.model.embed
+        if have.dtype != dtype or have.device != device:
+            raise OptionError(f"dtype={dtype}, device={device} for a model in {have.dtype} on {have.device}; "
+                              "expected the model's own (LLM.from_model passes them)")
+        return model.model, model.tokenizer, model.eos_ids
     if model is None:
         from mpk.llm.default_model import default_model_path
 

@@ -4,10 +4,13 @@ the next token sampled for each sequence whose last token the step computed."""
 
 from __future__ import annotations
 
+from typing import Sequence as Seq
+
 import torch
 
 from mpk.engine.sampling import sample
 from mpk.engine.scheduler import ScheduledRow
+from mpk.engine.sequence import Sequence
 from mpk.errors import OptionError
 from mpk.llm.buckets import CompileReport, TokenBuckets
 from mpk.llm.kv_cache import PageTable, check_max_len
@@ -24,10 +27,11 @@ def default_executor(device: torch.device) -> str:
 class ModelRunner:
     """``model`` over a cache of ``num_pages`` pages, in steps of up to ``max_num_seqs``
     sequences and ``max_num_batched_tokens`` new tokens. ``executor``: "gpu" (the mega-kernel),
-    "cpu" (mpk's CPU interpreter) or "eager" (PyTorch, nothing compiled)."""
+    "cpu" (mpk's CPU interpreter) or "eager" (PyTorch, nothing compiled). ``buckets``: the step
+    sizes compiled (``TokenBuckets``'; None: its default for ``max_num_batched_tokens``)."""
 
     def __init__(self, model: DecoderLM, max_num_seqs: int, max_num_batched_tokens: int, num_pages: int,
-                 page_size: int, max_model_len: int, executor: str):
+                 page_size: int, max_model_len: int, executor: str, buckets: Seq[int] | None = None):
         if executor not in EXECUTORS:
             raise OptionError(f"executor={executor!r}; expected one of {EXECUTORS} (None: "
                               f"{default_executor(model.embed.device)!r} here)")
@@ -37,8 +41,14 @@ class ModelRunner:
         capacity = max_num_seqs * -(-max_model_len // page_size)
         self.table = PageTable(model, max_num_seqs, num_pages, page_size, capacity)
         eager = executor == "eager"
-        self.buckets = TokenBuckets(model, self.table, max_num_batched_tokens, eager=eager,
-                                    options=None if eager else {"executor": executor})
+        self.buckets = TokenBuckets(model, self.table, max_num_batched_tokens, buckets, eager=eager,
+                                    options=None if eager else self.options(executor))
+
+    @staticmethod
+    def options(executor: str) -> dict:
+        """mpk's compile options of the steps: the GPU executor returns at once (outputs ordered
+        on the stream), so the host queues the sampling behind the step rather than waiting."""
+        return {"executor": executor, "sync": False} if executor == "gpu" else {"executor": executor}
 
     def compile(self, progress: bool | None = None) -> CompileReport:
         """Compile every bucket now (else at the first step)."""
@@ -48,31 +58,63 @@ class ModelRunner:
         """Run the step of ``rows``; per row, (the sampled token, its logprobs if asked for) or
         None for a row whose prefill chunk is not its sequence's last."""
         seqs = [r.seq for r in rows]
-        self.table.write([s.block.pages for s in seqs], [s.num_computed + r.count for s, r in zip(seqs, rows)],
-                         [r.count for r in rows])
-        tokens = [t for s, r in zip(seqs, rows) for t in s.token_ids[s.num_computed: s.num_computed + r.count]]
-        logits = self.buckets.run(tokens, [r.count for r in rows])
+        counts = [r.count for r in rows]
+        self.table.write([s.block.pages for s in seqs], [s.num_computed + n for s, n in zip(seqs, counts)], counts)
+        tokens = [t for s, n in zip(seqs, counts) for t in s.token_ids[s.num_computed: s.num_computed + n]]
+        logits = self.buckets.run(tokens, counts)
         picked = [i for i, r in enumerate(rows) if r.samples]
         out: list[tuple[int, dict[int, float] | None] | None] = [None] * len(rows)
         if not picked:
             return out
         chosen = [seqs[i] for i in picked]
-        x = logits[picked]
-        dev = x.device
+        x = logits if len(picked) == len(rows) else logits[picked]
+        ids = self.sample(x, chosen)
+        # the step's one device→host copy (it waits for the step: with sync=False the host
+        # queued the sampling while the kernel ran)
+        tokens = ids.tolist()
+        probs = self.logprobs(x, ids, tokens, [s.params.logprobs for s in chosen])
+        for i, tok, p in zip(picked, tokens, probs):
+            out[i] = (tok, p)
+        return out
 
-        def per_row(name: str, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor([getattr(s.params, name) for s in chosen], dtype=dtype, device=dev)
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The next token of each of ``seqs`` (int64 [n], on the device) from its row of
+        ``logits``: greedy rows (temperature 0) by argmax — the lowest id among ties, what
+        ``sample`` gives them, without its sort over the vocabulary — the others by ``sample``
+        under their parameters, seeds and counters (the index of the token being generated).
+        The seam for an in-kernel sampler: whatever replaces this must give the same ids."""
+        ids = torch.argmax(logits, dim=-1)
+        drawn = [j for j, s in enumerate(seqs) if s.params.temperature > 0]
+        if not drawn:
+            return ids
+        rest = [seqs[j] for j in drawn]
+        # the per-row parameters in one host→device copy (top_k is exact in float64)
+        params = torch.tensor([(s.params.temperature, s.params.top_k, s.params.top_p, s.params.min_p) for s in rest],
+                              dtype=torch.float64).to(logits.device, non_blocking=True)
+        index = torch.tensor(drawn).to(logits.device, non_blocking=True)
+        ids[index] = sample(logits[index], params[:, 0].float(), params[:, 1].long(), params[:, 2].float(),
+                            params[:, 3].float(), [s.seed for s in rest],
+                            [len(s.token_ids) - len(s.prompt_token_ids) for s in rest])
+        return ids
 
-        ids = sample(x, per_row("temperature", torch.float32), per_row("top_k", torch.int64),
-                     per_row("top_p", torch.float32), per_row("min_p", torch.float32),
-                     [s.seed for s in chosen], [len(s.output_token_ids) for s in chosen]).tolist()
-        want = [s.params.logprobs for s in chosen]
-        lp = torch.log_softmax(x.float(), dim=-1) if any(k is not None for k in want) else None
-        for j, (i, tok) in enumerate(zip(picked, ids)):
-            probs = None
-            if want[j] is not None:
-                top = torch.topk(lp[j], want[j]) if want[j] else None
-                probs = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
-                probs[tok] = float(lp[j, tok])
-            out[i] = (tok, probs)
+    @staticmethod
+    def logprobs(logits: torch.Tensor, ids: torch.Tensor, tokens: list[int],
+                 want: list[int | None]) -> list[dict[int, float] | None]:
+        """Per row: None, or when ``want[j]`` is k the log-probabilities of its k most likely
+        tokens and of its sampled one (``tokens[j]``, ``ids[j]`` on the device); every row that
+        asks in one host copy."""
+        asked = [j for j, k in enumerate(want) if k is not None]
+        out: list[dict[int, float] | None] = [None] * len(want)
+        if not asked:
+            return out
+        lp = torch.log_softmax(logits[asked].float(), dim=-1)
+        k = max(want[j] for j in asked)
+        top = torch.topk(lp, k)
+        # float64 holds the float32 log-probs and the token ids (< 2**53) exactly: one copy
+        host = torch.cat([lp.gather(1, ids[asked][:, None]), top.values, top.indices.float()], 1).double().tolist()
+        for row, j in zip(host, asked):
+            n = want[j]
+            probs = {int(i): v for i, v in zip(row[1 + k: 1 + k + n], row[1: 1 + n])}
+            probs[tokens[j]] = row[0]
+            out[j] = probs
         return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from mpk.errors import BadInputError
@@ -104,6 +105,24 @@ def uniform(seed: int, counter: int) -> float:
     return (mix64(mix64(seed) + counter) >> 40) / float(1 << 24)
 
 
+def _mix64_array(x: np.ndarray) -> np.ndarray:
+    """``mix64`` of each element of a uint64 array (NumPy's uint64 products wrap mod 2**64, as
+    the masks in ``mix64`` do)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def uniforms(seed: Sequence[int], counter: Sequence[int]) -> np.ndarray:
+    """``uniform(seed[b], counter[b])`` for every b at once (float32 [B], equal bit for bit):
+    one NumPy pass instead of a Python call per row."""
+    s = np.array(seed, dtype=np.uint64)
+    c = np.array(counter, dtype=np.uint64)
+    with np.errstate(over="ignore"):  # the sum wraps mod 2**64, as mix64's mask makes it
+        bits = _mix64_array(_mix64_array(s) + c) >> np.uint64(40)
+    return bits.astype(np.float32) / np.float32(1 << 24)
+
+
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    min_p: torch.Tensor) -> torch.Tensor:
     """Each row's distribution after temperature, top-k, top-p and min-p, renormalised
@@ -144,7 +163,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     if len(seed) != B or len(counter) != B:
         raise BadInputError(f"sample(): {len(seed)} seeds and {len(counter)} counters for {B} rows; expected {B} each")
     q = filtered_probs(logits, temperature, top_k, top_p, min_p)
-    u = torch.tensor([uniform(s, c) for s, c in zip(seed, counter)], dtype=torch.float32, device=q.device)
+    u = torch.from_numpy(uniforms(seed, counter)).to(q.device)
     cdf = torch.cumsum(q, dim=-1)
     # the first token whose cumulative mass exceeds u·total, among kept tokens (a rounding
     # shortfall of the total cannot pick a dropped tail token)

@@ -60,3 +60,14 @@ def test_sampling_latency_parses_and_refuses_bad_arguments():
     assert res.returncode == 2 and "--vocab 1001; expected a multiple of 8" in res.stderr
     res = _run("sampling_latency.py", "--iters", "5")
     assert res.returncode == 2 and "'5': expected an integer >= 20" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_generate_throughput_parses_and_refuses_bad_arguments():
+    res = _run("generate_throughput.py", "--help")
+    assert res.returncode == 0 and "--prebuild" in res.stdout and "--skip-peers" in res.stdout
+    text = " ".join(res.stdout.split())
+    assert "(default: [1, 4, 16, 64])" in text and "(default: 1024)" in text and "(default: 64)" in text
+    res = _run("generate_throughput.py", "--concurrency", "0")
+    assert res.returncode == 2 and "'0'" in res.stderr and "Traceback" not in res.stderr
+    res = _run("generate_throughput.py", "--models", "gpt5")
+    assert res.returncode == 2 and "gpt5" in res.stderr and "Traceback" not in res.stderr
