@@ -86,7 +86,7 @@ def build_steps(model: DecoderLM, batch: int, max_len: int, page_size: int, buck
 
 def bench_model(name: str, args, peak: float | None) -> list[dict]:
     cfg = MODELS[name]
-    device = "cpu" if args.prebuild else "cuda"
+    device = "meta" if args.prebuild else "cuda"  # (prebuild: traced on meta tensors, nothing allocated)
     longest = max([*args.lengths, *args.mixed, args.chunk + args.position + 64, args.skew_long + 64])
     model = DecoderLM(cfg, torch.bfloat16, device, max_len=longest + 64)
     if not args.prebuild:
