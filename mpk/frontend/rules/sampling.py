@@ -1,5 +1,6 @@
-"""The rule for ``mpk.sample``: a ``sample_partial`` op (each (row, segment) tile's max and argmax)
-and a ``sample`` op reading its partials (a task per row; mpk.ops.sampling)."""
+"""The rule for ``mpk.sample``: a ``sample_partial`` op, a ``sample_digit`` op per further radix
+level (1 for bf16/f16 logits, 3 for float32) and a ``sample`` op reading them all
+(mpk.ops.sampling)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import mpk.frontend.fused_ops  # noqa: F401  (registers torch.ops.mpk.*)
 from mpk.frontend.rules.registry import handles
 from mpk.ir.views import View
-from mpk.ops.sampling import segments
+from mpk.ops.sampling import DIGIT_FIELDS, PARTIAL_FIELDS, digit_levels, segments
 
 mpk_ops = torch.ops.mpk
 
@@ -18,6 +19,12 @@ def _sample(L, node, logits: View, temperature: View, top_k: View, top_p: View, 
             counter: View):
     # (the fake tensors were checked by the op's fake implementation when the graph was traced)
     B, V = logits.shape
-    partials = L.emit("sample_partial", [logits], {}, shape=(B, segments(V), 2), dtype=torch.float32)
-    return L.emit("sample", [logits, temperature, top_k, top_p, min_p, seed, counter, partials], {},
+    S = segments(V)
+    partials = L.emit("sample_partial", [logits, temperature], {}, shape=(B, S, PARTIAL_FIELDS), dtype=torch.int64)
+    filters = [logits, temperature, top_k, top_p, min_p, partials]
+    levels = []
+    for level in range(2, digit_levels(logits.dtype) + 1):
+        levels.append(L.emit("sample_digit", filters + levels, {"level": level}, shape=(B, S, DIGIT_FIELDS),
+                             dtype=torch.int64))
+    return L.emit("sample", [logits, temperature, top_k, top_p, min_p, seed, counter, partials] + levels, {},
                   shape=(B,), dtype=torch.int64)
