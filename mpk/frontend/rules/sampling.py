@@ -23,7 +23,7 @@ def _sample(L, node, logits: View, temperature: View, top_k: View, top_p: View, 
     partials = L.emit("sample_partial", [logits, temperature], {}, shape=(B, S, PARTIAL_FIELDS), dtype=torch.int64)
     filters = [logits, temperature, top_k, top_p, min_p, partials]
     levels = []
-    for level in range(2, digit_levels(logits.dtype) + 1):
+    for level in range(2, digit_levels(L.graph.buffers[logits.buffer].dtype) + 1):
         levels.append(L.emit("sample_digit", filters + levels, {"level": level}, shape=(B, S, DIGIT_FIELDS),
                              dtype=torch.int64))
     return L.emit("sample", [logits, temperature, top_k, top_p, min_p, seed, counter, partials] + levels, {},
