@@ -191,8 +191,15 @@ __device__ __forceinline__ void load_segment(const T* p, long long len, uint4 (&
   }
 }
 
-// Every thread: the row's plan after `levels` histogram levels (partials at input part_in, the
-// sample_digit levels after it), into s.plan; s.ref / s.shift hold the segments' E_s and shifts.
+// Where level l's histogram of (b, j) starts: the partials at input part_in (level 1), else the
+// last sample_digit op's output at part_in + 1, which holds levels 2, 3, … in order.
+__device__ __forceinline__ const long long* level_at(const OpC& c, const TaskEnv& env, int part_in, int level,
+                                                     long long b, long long j) {
+  return level == 1 ? hist_at(c, env, part_in, b, j) + 2
+                    : hist_at(c, env, part_in + 1, b, j) + (level - 2) * 2 * kSampleBins;
+}
+
+// Every thread: the row's plan after `levels` histogram levels (level_at), into s.plan; s.ref / s.shift hold the segments' E_s and shifts.
 // Inputs 1…4: temperature, top_k, top_p, min_p. mpk.ops.sampling.plan, the same integers.
 template <typename T>
 __device__ void sample_plan(const OpC& c, const TaskEnv& env, long long b, int part_in, int levels, long long V,
@@ -238,11 +245,10 @@ __device__ void sample_plan(const OpC& c, const TaskEnv& env, long long b, int p
   unsigned long long p_above = 0, p_target = 0;
   unsigned prefix = 0;
   for (int level = 1; level <= levels; ++level) {
-    const int input = level == 1 ? part_in : part_in + level - 1, field = level == 1 ? 2 : 0;
     for (int t = threadIdx.x; t < kSampleBins; t += blockDim.x) {
       unsigned long long cnt = 0, mass = 0;
       for (long long j = 0; j < S; ++j) {
-        const long long* h = hist_at(c, env, input, b, j) + field;
+        const long long* h = level_at(c, env, part_in, level, b, j);
         cnt += h[t];
         mass += static_cast<unsigned long long>(h[kSampleBins + t]) >> s.shift[j];
       }
@@ -356,9 +362,10 @@ __device__ __noinline__ void sample_partial(const OpC& c, const Rect& r, const T
 }
 
 // Inputs: logits [B, V], temperature, top_k, top_p, min_p [B], partials [B, S, 2 + 2·256], then
-// the histograms of levels 2 … L − 1 [B, S, 2·256]; output [B, S, 2·256] int64: digit L's counts
-// and masses of each segment's tokens under the prefix the plan selects (zeros: a greedy row).
-// iparam[0]: the segment length; iparam[1]: L.
+// (L > 2) the previous sample_digit op's histograms of levels 2 … L − 1 [B, S, (L − 2)·2·256];
+// output [B, S, (L − 1)·2·256] int64: those levels again (so the last op holds every level: the
+// sample op's inputs stay few), then digit L's counts and masses of each segment's tokens under
+// the prefix the plan selects (zeros: a greedy row). iparam[0]: the segment length; iparam[1]: L.
 template <typename T>
 __device__ __noinline__ void sample_digit(const OpC& c, const Rect& r, const TaskEnv& env) {
   constexpr int kE = 16 / static_cast<int>(sizeof(T)), kBits = 8 * static_cast<int>(sizeof(T));
@@ -398,9 +405,14 @@ __device__ __noinline__ void sample_digit(const OpC& c, const Rect& r, const Tas
       }
       __syncthreads();
       long long* out = static_cast<long long*>(env.buffers[c.out_buffer]) + (b * c.out_shape[1] + sg) * c.out_shape[2];
+      const int copied = (level - 2) * 2 * kSampleBins;
+      if (copied) {
+        const long long* prev = hist_at(c, env, 6, b, sg);
+        for (int t = threadIdx.x; t < copied; t += blockDim.x) out[t] = prev[t];
+      }
       for (int t = threadIdx.x; t < kSampleBins; t += blockDim.x) {
-        out[t] = s.cnt[t];
-        out[kSampleBins + t] = static_cast<long long>(s.mass[t]);
+        out[copied + t] = s.cnt[t];
+        out[copied + kSampleBins + t] = static_cast<long long>(s.mass[t]);
       }
     }
   }
@@ -408,7 +420,8 @@ __device__ __noinline__ void sample_digit(const OpC& c, const Rect& r, const Tas
 }
 
 // Inputs: logits [B, V] (T), then [B] temperature, top_k, top_p, min_p, seed, counter, then
-// partials [B, S, 2 + 2·256] and the levels 2 … D [B, S, 2·256]; output tokens [B] (int64).
+// partials [B, S, 2 + 2·256] and the last sample_digit op's levels 2 … D [B, S, (D − 1)·2·256];
+// output tokens [B] (int64).
 // iparam[0]: the segment length.
 template <typename T>
 __device__ __noinline__ void sample_rows(const OpC& c, const Rect& r, const TaskEnv& env) {
@@ -429,7 +442,7 @@ __device__ __noinline__ void sample_rows(const OpC& c, const Rect& r, const Task
     for (long long j = warp; j < S; j += warps) {
       unsigned long long kept = 0;
       for (int level = 1; level <= kLevels; ++level) {
-        const long long* h = hist_at(c, env, level == 1 ? 7 : 7 + level - 1, b, j) + (level == 1 ? 2 : 0) + kSampleBins;
+        const long long* h = level_at(c, env, 7, level, b, j) + kSampleBins;
         const unsigned d = pl.digit[level - 1];
         for (int t = lane; t < kSampleBins; t += 32)
           if (t > d || (level == kLevels && t == d)) kept += static_cast<unsigned long long>(h[t]);

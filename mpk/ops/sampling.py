@@ -23,7 +23,9 @@ carry it (the rule, mpk.frontend.rules.sampling, emits them in this order) are:
   for bit, with no float atomic anywhere;
 * ``sample_digit`` (level L = 2…D, one op a level; a (row, segment) tile): from the row's
   histograms of levels < L (read whole: S · 4 KiB a level), every tile selects the same digits
-  so far (``plan``), then counts and weighs digit L of its segment's tokens under that prefix;
+  so far (``plan``), then counts and weighs digit L of its segment's tokens under that prefix.
+  Its output repeats the previous level op's histograms before its own, so the last one holds
+  levels 2…D and the ``sample`` op reads 9 inputs (the tasks' most) for float32 too;
 * ``sample`` (a row a tile): selects the last digit, so the exact threshold, and each
   segment's kept mass from the histograms alone; picks the segment holding ⌊u·W⌋ (W the kept
   mass) in id order, re-reads that segment only and finds the token by inverse CDF. A greedy row
@@ -59,7 +61,7 @@ LOGIT_DTYPES = tuple(CTYPES)  # float32, float16, bfloat16
 SEGMENT = 16384
 BINS = 256  # a radix digit's values (8 bits)
 PARTIAL_FIELDS = 2 + 2 * BINS  # [max's float32 bits, first index, counts[BINS], masses[BINS]]
-DIGIT_FIELDS = 2 * BINS  # [counts[BINS], masses[BINS]]
+DIGIT_FIELDS = 2 * BINS  # a level's [counts[BINS], masses[BINS]]
 MASS_BITS = 40  # a token's mass is round(e · 2^40), e ≤ 1 (+ a rounding)
 # a partial holds an index in int64 and a segment's masses sum below 2^(40 + log2 SEGMENT + 1):
 # a row's sum (in row units) must stay below 2^63 too
@@ -205,6 +207,11 @@ class Plan:
     digits: list[torch.Tensor]  # each level's selected digit
 
 
+def split_levels(hists: torch.Tensor | None) -> list[torch.Tensor]:
+    """A sample_digit output [R, S, n·DIGIT_FIELDS] (None: none yet) as its n levels."""
+    return [] if hists is None else list(hists.split(DIGIT_FIELDS, dim=2))
+
+
 def plan(partials: torch.Tensor, levels: list[torch.Tensor], temperature: torch.Tensor, top_k: torch.Tensor,
          top_p: torch.Tensor, min_p: torch.Tensor, vocab: int, dtype: torch.dtype) -> Plan:
     """The digits of a row's threshold selected from its partials [R, S, PARTIAL_FIELDS] and the
@@ -264,15 +271,16 @@ def _digit_regions(sig: OpSig, rect):
     rows, (s0, s1), _ = rect
     S = sig.in_shapes[5][1]
     return ([(rows, (s0 * SEGMENT, min(sig.in_shapes[0][1], s1 * SEGMENT)))] + [(rows,)] * 4
-            + [(rows, (0, S), (0, PARTIAL_FIELDS))] + [(rows, (0, S), (0, DIGIT_FIELDS))] * (len(sig.in_shapes) - 6))
+            + [(rows, (0, S), (0, PARTIAL_FIELDS))] + [(rows, (0, S), (0, shape[2])) for shape in sig.in_shapes[6:]])
 
 
 def _digit_cpu(sig: OpSig, rect, xs):
-    """Digit ``level`` of the tile's segments' tokens under the prefix selected so far: count
-    and mass per digit (zeros for a greedy row)."""
-    logits, temperature, top_k, top_p, min_p, partials, *earlier = xs
+    """The earlier levels' histograms of the tile's segments, then digit ``level`` of their
+    tokens under the prefix selected so far: count and mass per digit (zeros for a greedy row)."""
+    logits, temperature, top_k, top_p, min_p, partials, *prev = xs
     _, (s0, s1), _ = rect
     level, K = sig.attrs["level"], key_bits(logits.dtype)
+    earlier = split_levels(prev[0] if prev else None)
     pl = plan(partials, earlier, temperature, top_k, top_p, min_p, sig.in_shapes[0][1], logits.dtype)
     out = torch.zeros(logits.shape[0], s1 - s0, DIGIT_FIELDS, dtype=torch.int64)
     for j in range(s1 - s0):
@@ -282,7 +290,7 @@ def _digit_cpu(sig: OpSig, rect, xs):
         cand = ((key >> hi) == (pl.prefix >> hi)[:, None]) & ~pl.greedy[:, None]
         m = masses(raw.float(), pl.scale[:, None], pl.ref[:, s0 + j, None])
         out[:, j] = _histogram((key >> (hi - 8)) & (BINS - 1), m, cand)
-    return out
+    return torch.cat([prev[0][:, s0:s1], out], 2) if prev else out
 
 
 def _sample_regions(sig: OpSig, rect):
@@ -291,7 +299,7 @@ def _sample_regions(sig: OpSig, rect):
     (rows,) = rect
     S = sig.in_shapes[7][1]
     return ([(rows, (0, sig.in_shapes[0][1]))] + [(rows,)] * len(PARAM_DTYPES)
-            + [(rows, (0, S), (0, PARTIAL_FIELDS))] + [(rows, (0, S), (0, DIGIT_FIELDS))] * (len(sig.in_shapes) - 8))
+            + [(rows, (0, S), (0, PARTIAL_FIELDS)), (rows, (0, S), (0, sig.in_shapes[8][2]))])
 
 
 def uniform24(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
@@ -314,8 +322,9 @@ def kept_masses(pl: Plan, partials: torch.Tensor, levels: list[torch.Tensor]) ->
 
 def _sample_cpu(sig: OpSig, rect, xs):
     """The rows' tokens: greedy rows' argmax; the others' draw in the segment holding ⌊u·W⌋."""
-    logits, temperature, top_k, top_p, min_p, seed, counter, partials, *levels = xs
+    logits, temperature, top_k, top_p, min_p, seed, counter, partials, hists = xs
     V = sig.in_shapes[0][1]
+    levels = split_levels(hists)
     pl = plan(partials, levels, temperature, top_k, top_p, min_p, V, logits.dtype)
     seg_kept = kept_masses(pl, partials, levels)
     row_kept = seg_kept >> pl.shift
@@ -343,14 +352,15 @@ def sample_eager(inputs: list[torch.Tensor]) -> torch.Tensor:
     pshape = (B, S, PARTIAL_FIELDS)
     partials = _partial_cpu(OpSig(((B, V), (B,)), pshape, torch.int64), ((0, B), (0, S), (0, PARTIAL_FIELDS)),
                             [logits, temperature])
-    levels: list[torch.Tensor] = []
+    hists: list[torch.Tensor] = []  # the last sample_digit op's output, once there is one
     for level in range(2, digit_levels(logits.dtype) + 1):
-        shapes = ((B, V),) + ((B,),) * 4 + (pshape,) + ((B, S, DIGIT_FIELDS),) * len(levels)
-        sig = OpSig(shapes, (B, S, DIGIT_FIELDS), torch.int64, {"level": level})
-        levels.append(_digit_cpu(sig, ((0, B), (0, S), (0, DIGIT_FIELDS)),
-                                 [logits, temperature, top_k, top_p, min_p, partials, *levels]))
-    shapes = tuple(tuple(t.shape) for t in inputs) + (pshape,) + ((B, S, DIGIT_FIELDS),) * len(levels)
-    return _sample_cpu(OpSig(shapes, (B,), torch.int64, {}), ((0, B),), [*inputs, partials, *levels])
+        shape = (B, S, (level - 1) * DIGIT_FIELDS)
+        sig = OpSig(((B, V),) + ((B,),) * 4 + (pshape,) + tuple(tuple(h.shape) for h in hists), shape, torch.int64,
+                    {"level": level})
+        hists = [_digit_cpu(sig, ((0, B), (0, S), (0, shape[2])),
+                            [logits, temperature, top_k, top_p, min_p, partials, *hists])]
+    shapes = tuple(tuple(t.shape) for t in inputs) + (pshape, tuple(hists[0].shape))
+    return _sample_cpu(OpSig(shapes, (B,), torch.int64, {}), ((0, B),), [*inputs, partials, hists[0]])
 
 
 def _logits_word(op: OpInfo) -> tuple[str, int]:
@@ -393,8 +403,9 @@ register(OpDef(
     kind="sample_digit", type_id=92, input_regions=_digit_regions, cpu=_digit_cpu, **_SEGMENT_TILES,
     gpu=GpuSpec(params=_segment_params, task=lambda op: f"mpk::sample_digit<{_logits_word(op)[0]}>", check=_check,
                 vector_inputs=lambda op: (0,)),
-    doc="histograms [B, S, 2·256] int64 of digit attrs['level'] of each segment's tokens under the prefix "
-        "selected from (logits, temperature, top_k, top_p, min_p, partials, earlier levels' histograms)",
+    doc="histograms [B, S, (L − 1)·2·256] int64: the previous sample_digit op's (levels 2 … L − 1), then digit "
+        "L = attrs['level'] of each segment's tokens under the prefix selected from (logits, temperature, top_k, "
+        "top_p, min_p, partials[, the previous sample_digit op's output])",
 ))
 
 register(OpDef(
