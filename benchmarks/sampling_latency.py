@@ -1,5 +1,6 @@
 """Sampling latency: ``torch.ops.mpk.sample`` compiled by mpk (one persistent-kernel launch: a
-sample_partial task per (row, segment), then a sample task per row: cuda/mpk_tasks/sampling.cuh) against torch's sort-based filtering
+sample_partial and a sample_digit task per (row, segment), then a sample task per row:
+cuda/mpk_tasks/sampling.cuh) against torch's sort-based filtering
 (``mpk.engine.sampling.sample`` on CUDA tensors) and ``torch.topk`` + ``torch.multinomial``.
 
 For each batch size and parameter mix (greedy, top-k 50, top-p 0.9, top-k 50 + top-p 0.9) on

@@ -369,8 +369,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            min_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     """One token per row of ``logits`` [B, V] (int64 [B]) under that row's temperature, top_k,
     top_p, min_p, seed and counter: ``mpk.engine.sampling.sample`` (mpk.ops.sampling says how
-    a seed's int64 is read). In a compiled graph it is two ops inside the kernel: per-segment
-    maxima (sample_partial), then a task per row (sample)."""
+    a seed's int64 is read). In a compiled graph it is D + 1 ops inside the kernel (D = 2 for bf16/f16, 4 for float32): per-segment
+    histograms (sample_partial, sample_digit), then a task per row (sample)."""
     from mpk.ops.sampling import sample_eager
 
     check_sample(logits, temperature, top_k, top_p, min_p, seed, counter)

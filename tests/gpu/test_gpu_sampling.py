@@ -1,16 +1,20 @@
-"""Sampling on the GPU (marker ``gpu``; skipped without CUDA): the ``sample_partial`` + ``sample``
-tasks (cuda/mpk_tasks/sampling.cuh) on Qwen3's vocabulary of 151,936 against the reference
-semantics (mpk.engine.sampling) for batches of 1, 16 and 64 rows and every parameter mix, token
-for token; and their draws' distribution (chi-square).
+"""Sampling on the GPU (marker ``gpu``; skipped without CUDA): the ``sample_partial``,
+``sample_digit`` and ``sample`` tasks (cuda/mpk_tasks/sampling.cuh) on Qwen3's vocabulary of
+151,936 against the reference semantics (mpk.engine.sampling) for batches of 1, 16 and 64 rows
+and every parameter mix, token for token; and their draws' distribution (chi-square).
 
 Greedy rows must equal torch.argmax exactly. A sampled row must equal the reference's token
 unless float rounding decides it. The reference is evaluated in float64 (``reference64``), and
-each row's rounding window is derived from the task's own errors (``mass_error``): a token's
-mass is round(e·2^40) with e = exp2f(a), a = (x − max)·log2(e)/T, so its relative error is at
-most exp2f's 2 ulp (2^-22) plus ln 2 · |a| · 3·2^-24 (the roundings of x − max, of the product
-and of log2(e)/T), and the fixed point adds at most 2^-41 absolute (in units of p_max). A CDF
-value C_j = Σ_{i≤j} m_i / W is then off by at most twice the mass-weighted relative error plus
-(n + 1)·2^-41 / W (W: the kept mass, n: the kept tokens); that is the row's window ``w``.
+each row's rounding window is derived from the tasks' own errors (``mass_error``): a token's
+mass is round(e·2^40) in its segment's unit 2^E_s (E_s = ⌈segmax·scale⌉) with
+e = exp2f(fmaf(x, scale, −E_s)), so its relative error is at most exp2f's 2 ulp (2^-22) plus
+ln 2 · 2^-24 · (2|a| + 1), a = (x − max)·log2(e)/T: the fma's one rounding of an argument of at
+most |a| + 1, and scale's rounding, which tempers every token by the same factor (|a| relative
+to the max). In units of p_max (whose mass is over half the row's unit 2^E_row) the fixed point
+adds at most 2^-40 a token, and a segment's sum shifted into the row's unit loses under 2^-39.
+A CDF value C_j = Σ_{i≤j} m_i / W is then off by at most twice the mass-weighted relative error
+plus ((n + 1)·2^-40 + S·2^-39) / W (W: the kept mass, n: the kept tokens, S: the segments);
+that is the row's window ``w``.
 
 A row is a draw tie when the uniform lies within ``w`` of a CDF step of the token drawn: its
 token must be the reference's or a neighbour among the kept ids. Ties are expected: a row over
@@ -31,14 +35,16 @@ import torch
 
 from mpk.backend import COMPILED
 from mpk.engine.sampling import uniform
+from mpk.ops.sampling import digit_levels, segments
 from mpk.testing.chi_square import CHI2_ALPHA, chi_square_p
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 V = 151_936
 EXP2F_REL = 2.0 ** -22  # exp2f: at most 2 ulp
-ARG_REL = 3 * 2.0 ** -24 * math.log(2)  # per unit of |a|: x − max, ·scale and scale's rounding
-FIXED_ABS = 2.0 ** -41  # round(e · 2^40): half a unit, in units of p_max
+ARG_REL = 2.0 ** -24 * math.log(2)  # per unit of 2|a| + 1: the fma's rounding and scale's
+FIXED_ABS = 2.0 ** -40  # round(e · 2^40) in a segment's unit, at most p_max's 2^-40
+SHIFT_ABS = 2.0 ** -39 * segments(V)  # each segment's sum shifted into the row's unit
 
 MIXES = {  # temperature, top_k, top_p, min_p
     "greedy": (0.0, 0, 1.0, 0.0),
@@ -71,15 +77,23 @@ def _params(B: int, mix, rng: random.Random) -> list[torch.Tensor]:
 def mass_error(x: torch.Tensor, temperature: float) -> torch.Tensor:
     """Each token's bound on the task's relative mass error (float64, module docstring)."""
     a = (x - x.max()) * (math.log2(math.e) / temperature)
-    return EXP2F_REL + ARG_REL * a.abs()
+    return EXP2F_REL + ARG_REL * (2 * a.abs() + 1)
+
+
+def min_p_error(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Each token's bound on the relative error of min-p's test exp2f((x − max)·scale) (float64):
+    exp2f's 2 ulp and the roundings of x − max, of the product and of scale."""
+    a = (x - x.max()) * (math.log2(math.e) / temperature)
+    return EXP2F_REL + 3 * ARG_REL * a.abs()
 
 
 def cdf_window(e: torch.Tensor, err: torch.Tensor) -> float:
     """The bound on the task's error in a CDF value over the tokens of masses ``e`` (float64, in
     units of p_max) and relative errors ``err``: twice the mass-weighted error plus the fixed
-    point's rounding (n + 1 roundings, the total's among them) relative to the total."""
+    point's rounding (n + 1 roundings, the total's among them) and the segments' shifts relative
+    to the total."""
     W = float(e.sum())
-    return 2 * float((e * err).sum()) / W + (e.numel() + 1) * FIXED_ABS / W
+    return 2 * float((e * err).sum()) / W + ((e.numel() + 1) * FIXED_ABS + SHIFT_ABS) / W
 
 
 def tie_chance(cdf: torch.Tensor, w: float) -> float:
@@ -124,11 +138,12 @@ def reference64(x: torch.Tensor, temperature: float, top_k: int, top_p: float, m
             loose = torch.maximum(loose, srt[last])
     if min_p > 0:
         ratio = e  # p / p_max
-        near = (ratio - min_p).abs() < err * min_p  # e's rounding (p_max's e is exp2f(0) = 1, exact)
+        m_err = min_p_error(x, temperature)
+        near = (ratio - min_p).abs() < m_err * min_p  # e's rounding (p_max's e is exp2f(0) = 1, exact)
         floor = torch.maximum(floor, min_p * srt[0])
         if bool(near.any()):
             boundary_tie = True
-            loose = torch.maximum(loose, min_p * (1 - float(err[near].max())) * srt[0])
+            loose = torch.maximum(loose, min_p * (1 - float(m_err[near].max())) * srt[0])
         else:
             loose = torch.maximum(loose, min_p * srt[0])
     kept = (p >= floor).nonzero().flatten()
@@ -138,7 +153,7 @@ def reference64(x: torch.Tensor, temperature: float, top_k: int, top_p: float, m
     i = min(int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64, device=cdf.device),
                                    right=True)), len(kept) - 1)
     lo = float(cdf[i - 1]) if i > 0 else 0.0
-    w = cdf_window(e[kept], err[kept]) + 2.0 ** -40  # and the draw's ⌊u · W⌋ in fixed point
+    w = cdf_window(e[kept], err[kept]) + 2.0 ** -39  # and the draw's ⌊u · W⌋ and rest in a segment's unit
     draw_tie = i < len(kept) - 1 and abs(float(cdf[i]) - u) < w or i > 0 and abs(lo - u) < w
     return dict(token=int(kept[i]), kept=kept.tolist(), allowed=allowed, draw_tie=draw_tie,
                 boundary_tie=boundary_tie, chance=tie_chance(cdf, w))
@@ -184,7 +199,8 @@ def test_task_matches_the_reference_on_a_qwen3_vocabulary(dtype, batch):
             COMPILED.clear()
             tokens = fn(logits, *params)
             if COMPILED:
-                assert [o["kind"] for o in COMPILED[-1].tables.meta["ops"]] == ["sample_partial", "sample"]
+                assert [o["kind"] for o in COMPILED[-1].tables.meta["ops"]] == (
+                    ["sample_partial"] + ["sample_digit"] * (digit_levels(dtype) - 1) + ["sample"])
             for key, v in _check(tokens.cpu(), logits.cpu(), [p.cpu() for p in params]).items():
                 total[key] += v
             # the same seeds and counters again: the same tokens, bit for bit

@@ -5,6 +5,7 @@ reference (``mpk.engine.sampling.sample``) on fresh random logits for every para
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -14,8 +15,14 @@ from mpk.backend import COMPILED
 from mpk.engine.sampling import SamplingParams, filtered_probs, sample, uniform
 from mpk.errors import BadInputError
 from mpk.ops import OpSig, get_op
-from mpk.ops.sampling import SEGMENT, row_argmax
+from mpk.ops.sampling import (BINS, PARTIAL_FIELDS, SEGMENT, digit_levels, key_values, keys, min_p_key, row_argmax,
+                               scales)
 from mpk.testing.chi_square import CHI2_ALPHA, chi2_sf, chi_square_p
+
+def _kinds(dtype: torch.dtype) -> list[str]:
+    """The ops the rule emits: partials, a sample_digit per further radix level, the row op."""
+    return ["sample_partial"] + ["sample_digit"] * (digit_levels(dtype) - 1) + ["sample"]
+
 
 def _compiled():
     return torch.compile(lambda *a: torch.ops.mpk.sample(*a), backend="mpk", fullgraph=True, dynamic=False,
@@ -62,27 +69,28 @@ def test_compiled_op_equals_the_reference(mix, dtype):
     args = (logits, *_params(B, *MIXES[mix]), *_seeds(B))
     COMPILED.clear()
     got = _compiled()(*args)
-    assert [o["kind"] for o in COMPILED[-1].tables.meta["ops"]] == ["sample_partial", "sample"]  # not a fallback
+    assert [o["kind"] for o in COMPILED[-1].tables.meta["ops"]] == _kinds(dtype)  # not a fallback
     assert got.dtype == torch.int64 and got.shape == (B,)
     assert torch.equal(got, _reference(*args))
     assert torch.equal(torch.ops.mpk.sample(*args), got)
 
 
-@pytest.mark.parametrize("V", [SEGMENT + 3, 3 * SEGMENT])
-@pytest.mark.parametrize("mix", ["greedy", "k_at_least_v", "top_k_top_p", "all"])
-def test_rows_over_several_segments_equal_the_reference(mix, V):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V", [SEGMENT + 8, 3 * SEGMENT])
+@pytest.mark.parametrize("mix", ["greedy", "k_at_least_v", "top_k", "top_p", "min_p", "top_k_top_p", "all"])
+def test_rows_over_several_segments_equal_the_reference(mix, V, dtype):
     # odd V (a short last segment), maxima tied across segments (greedy takes the lowest id, the
-    # first segment's), k ≥ V, p = 1 and per-segment tiles through the CPU interpreter
+    # first segment's; the radix select counts every copy), k ≥ V, p = 1, min_p and per-segment
+    # tiles of every level through the CPU interpreter
     B = 3
-    logits = torch.randn(B, V)
-    logits[0, [5, SEGMENT + 1, V - 1]] = 9.0  # a tie split over segments
-    logits[1, [V - 2, SEGMENT - 1]] = 9.0  # the later id in the earlier segment
+    logits = (2 * torch.randn(B, V)).to(dtype)
+    logits[0, [5, SEGMENT + 1, V - 1]] = 20.0  # a tie split over segments
+    logits[1, [V - 2, SEGMENT - 1]] = 20.0  # the later id in the earlier segment
     logits[2, V - 1] = float("nan")  # torch.argmax takes the first NaN
     args = (logits, *_params(B, *MIXES[mix]), *_seeds(B))
     COMPILED.clear()
     got = _compiled()(*args)
-    ops = COMPILED[-1].tables.meta["ops"]
-    assert [o["kind"] for o in ops] == ["sample_partial", "sample"]
+    assert [o["kind"] for o in COMPILED[-1].tables.meta["ops"]] == _kinds(dtype)
     if mix == "greedy":
         assert got.tolist() == [5, SEGMENT - 1, V - 1]
     else:
@@ -90,19 +98,51 @@ def test_rows_over_several_segments_equal_the_reference(mix, V):
     assert torch.equal(torch.ops.mpk.sample(*args), got)
 
 
-def test_partials_hold_each_segments_max_and_first_index():
+def test_partials_hold_each_segments_max_first_index_and_first_digit():
     V = 2 * SEGMENT + 8
     x = torch.randn(2, V).bfloat16()
     x[0, [SEGMENT + 1, SEGMENT + 4]] = 50  # a tie inside segment 1: its first index
-    part = get_op("sample_partial").cpu(OpSig(((2, V),), (2, 3, 2), torch.float32), ((0, 2), (1, 3), (0, 2)),
-                                        [x[:, SEGMENT:]])
-    assert part.shape == (2, 2, 2)
-    assert part[0, 0].tolist() == [50.0, SEGMENT + 1]
-    for b in range(2):
-        for j, s in enumerate((1, 2)):
-            seg = x[b, s * SEGMENT:(s + 1) * SEGMENT].float()
-            assert part[b, j, 0] == seg.max() and int(part[b, j, 1]) == s * SEGMENT + int(torch.argmax(seg))
+    temperature = torch.tensor([0.7, 0.0])  # row 1 greedy: no histogram
+    part = get_op("sample_partial").cpu(OpSig(((2, V), (2,)), (2, 3, PARTIAL_FIELDS), torch.int64),
+                                        ((0, 2), (1, 3), (0, PARTIAL_FIELDS)), [x[:, SEGMENT:], temperature])
+    assert part.shape == (2, 2, PARTIAL_FIELDS)
+    segmax = part[:, :, 0].to(torch.int32).view(torch.float32)
+    assert segmax[0, 0] == 50.0 and part[0, 0, 1] == SEGMENT + 1
+    for j, s in enumerate((1, 2)):
+        seg = x[0, s * SEGMENT:(s + 1) * SEGMENT]
+        assert segmax[0, j] == seg.float().max() and part[0, j, 1] == s * SEGMENT + int(torch.argmax(seg.float()))
+        counts = torch.bincount(keys(seg) >> 8, minlength=BINS)
+        assert torch.equal(part[0, j, 2:2 + BINS], counts)
+        # each bin's mass: 2^(x·scale − E_s) in units of 2^-40, E_s = ⌈segmax·scale⌉
+        scale = float(scales(temperature[:1]))
+        ref = math.ceil(float(segmax[0, j]) * scale)
+        e = torch.exp2(seg.double() * scale - ref) * 2 ** 40
+        for d in (keys(seg) >> 8).unique().tolist():
+            assert abs(int(part[0, j, 2 + BINS + d]) - float(e[(keys(seg) >> 8) == d].sum())) <= 1e-5 * float(e.sum())
+    assert int(part[1, :, 2:].abs().sum()) == 0
     assert row_argmax(part).tolist() == [SEGMENT + 1, int(torch.argmax(x[1, SEGMENT:].float())) + SEGMENT]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_keys_follow_the_value_order_and_invert(dtype):
+    x = torch.cat([torch.tensor([float("-inf"), -0.0, 0.0, float("inf")]), 10 * torch.randn(500)]).to(dtype)
+    k = keys(x)
+    order = torch.argsort(x.float(), stable=True)
+    assert bool((torch.diff(k[order]) >= 0).all())
+    assert k[1] == k[2]  # -0 is +0
+    assert torch.equal(key_values(k, dtype), x.float().abs().where(x == 0, x.float()))
+
+
+def test_min_p_key_is_the_smallest_passing_key():
+    # brute force over every bf16 key: the first key whose value passes exp2f((x − max)·scale) ≥ min_p
+    every = torch.arange(1 << 16)
+    vals = key_values(every, torch.bfloat16)
+    mx, temperature = torch.tensor([3.0, 0.5]), torch.tensor([1.0, 0.3])
+    min_p = torch.tensor([0.05, 0.9])
+    got = min_p_key(mx, scales(temperature), min_p, torch.bfloat16)
+    for b in range(2):
+        passing = (torch.exp2((vals - mx[b]) * scales(temperature)[b]) >= min_p[b]) & ~torch.isnan(vals)
+        assert int(got[b]) == int(every[passing].min())
 
 
 def test_ties_greedy_takes_the_lowest_id_and_boundaries_keep_every_tie():
