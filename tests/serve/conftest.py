@@ -71,12 +71,13 @@ class Server:
 
 
 @contextmanager
-def serving(model: str | None, step_delay: float = 0.0, api_key: str | None = None, max_queue: int = 64,
+def serving(model: str | LLM | None, step_delay: float = 0.0, api_key: str | None = None, max_queue: int = 64,
             **llm_options) -> Iterator[Server]:
-    """A server over ``model`` on a free port until the block ends; ``step_delay``: seconds
-    each engine step is slowed by (so that a request is surely still running)."""
+    """A server over ``model`` (a path, None for the default model, or an ``LLM`` it then owns)
+    on a free port until the block ends; ``step_delay``: seconds each engine step is slowed by
+    (so that a request is surely still running)."""
     options = {"max_num_seqs": 8, "max_model_len": MAX_LEN} | llm_options
-    llm = LLM(model, **options)
+    llm = model if isinstance(model, LLM) else LLM(model, **options)
     if step_delay:
         step = llm.step
 
@@ -86,7 +87,7 @@ def serving(model: str | None, step_delay: float = 0.0, api_key: str | None = No
         llm.step = slow_step
     engine = AsyncEngine(llm, Metrics(), max_queue)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL if model else "default", api_key),
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, "default" if model is None else MODEL, api_key),
                                            host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
