@@ -8,22 +8,30 @@ import hmac
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from mpk.engine.outputs import RequestOutput
 from mpk.errors import MpkError
 from mpk.serve.engine import AsyncEngine, QueueFullError
 from mpk.serve.metrics import Metrics
-from mpk.serve.protocol import (ChatCompletionRequest, CompletionRequest, GenerationRequest, ModelCard, ModelList,
-                                error_body, field_names)
+from mpk.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    ModelCard,
+    ModelList,
+    error_body,
+    field_names,
+)
 from mpk.serve.responses import Rendering
-
 
 FIELDS = field_names()
 
@@ -125,6 +133,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        check(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -136,6 +145,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check(body)
+        if body.top_logprobs and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         conversation = []
         for i, m in enumerate(body.messages):
             content = m.content
@@ -147,23 +159,26 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             conversation.append({"role": m.role, "content": content})
         try:
             _, ids = llm.chat_prompt(conversation)
-        except Exception as e:  # a template that refuses the conversation (e.g. the roles' order)
+        except (TemplateError, ValueError, TypeError, MpkError) as e:  # e.g. a template refusing the roles' order
             raise ApiError(400, f"messages: the chat template does not apply ({type(e).__name__}: {e})",
                            param="messages") from None
         top = (body.top_logprobs or 0) if body.logprobs else None
-        if body.top_logprobs and not body.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         return await _generate(request, body, ids, "messages", top, chat=True,
                                max_tokens=body.max_completion_tokens)
 
-    async def _generate(request: Request, body: GenerationRequest, ids: list[int], prompt_field: str,
-                        top: int | None, chat: bool, max_tokens: int | None = None) -> Response:
+    def check(body: GenerationRequest) -> None:
+        """The model is this one, and no field asks for what mpk does not implement."""
         if body.model not in names:
             raise ApiError(400, f"model {body.model!r} is not served here; expected {model_name!r} (GET /v1/models)",
                            param="model", code="model_not_found")
         unsupported = body.unsupported()
         if unsupported:
             raise ApiError(400, unsupported[1], param=unsupported[0])
+
+    async def _generate(request: Request, body: GenerationRequest, ids: list[int], prompt_field: str,
+                        top: int | None, chat: bool, max_tokens: int | None = None) -> Response:
+        """Run a checked request: 400 for a prompt that does not fit, 429 when the server is
+        full, then the whole response or (``stream``) server-sent events."""
         max_tokens = max_tokens or body.max_tokens
         room = llm.max_model_len - len(ids)
         if room < 1 or (max_tokens is not None and max_tokens > room):

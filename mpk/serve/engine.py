@@ -12,8 +12,8 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from mpk.engine.llm import LLM
 from mpk.engine.outputs import CompletionOutput, RequestOutput

@@ -6,9 +6,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mpk.serve.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
-                                ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionResponse,
-                                TokenLogprob, TopLogprob, Usage)
+from mpk.serve.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 
 def _top(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from mpk.engine.commands import add_commands
+
 from .conftest import MODEL, free_port, serving
 
 ROOT = Path(__file__).resolve().parents[2]
