@@ -36,7 +36,8 @@ def free_memory(device: torch.device) -> int:
 
 
 class LLM:
-    """A model ready to generate: ``generate``, ``chat`` and ``stream``.
+    """A model ready to generate: ``generate``, ``chat`` and ``stream``; or request by request
+(as ``mpk serve``'s engine thread does): ``add_request``, ``step``, ``abort``.
 
     ``model``: a local Hugging Face directory (config.json, *.safetensors, a tokenizer), a
     ``.gguf`` file, or None for mpk's default model. ``max_num_seqs``: sequences per step at
