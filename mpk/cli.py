@@ -6,8 +6,8 @@ JIT/AOT counts; it writes the tables, DOT (SVG with graphviz), JSON and a summar
 TARGET is a preset (see ``mpk inspect --help``) or ``path/to/file.py:factory`` where
 ``factory()`` returns ``(module, example_args)``.
 
-``mpk generate``, ``mpk chat`` and ``mpk bench latency|throughput`` run ``mpk.LLM``
-(``mpk.engine.commands``).
+``mpk generate``, ``mpk chat``, ``mpk serve`` (an OpenAI-compatible server, ``mpk.serve``) and
+``mpk bench latency|throughput|serve`` run ``mpk.LLM`` (``mpk.engine.commands``).
 
 ``mpk timeline TRACE.json`` draws a profiled launch (the ``profile_dir`` option, or
 ``GpuExecutor.trace``) as an SVG, one lane per SM, and prints the time per task kind.

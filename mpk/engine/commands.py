@@ -1,6 +1,6 @@
 """The engine's ``mpk`` subcommands: ``generate`` (prompts or a JSONL file → JSONL), ``chat``
-(an interactive loop through the chat template, streaming) and ``bench latency|throughput``
-(JSON lines)."""
+(an interactive loop through the chat template, streaming), ``serve`` (the OpenAI-compatible
+server, ``mpk.serve``) and ``bench latency|throughput|serve`` (JSON lines)."""
 
 from __future__ import annotations
 
@@ -138,12 +138,23 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile of ``values`` (nearest rank; NaN if empty)."""
     s = sorted(values)
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else float("nan")
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from mpk.serve.server import cmd_serve as serve
+
+    return serve(ns)
+
+
 def cmd_bench(ns: argparse.Namespace) -> int:
+    if ns.kind == "serve":
+        from mpk.serve.bench import bench_serve
+
+        return bench_serve(ns)
     from tqdm import tqdm
 
     from mpk.engine.sampling import SamplingParams
@@ -170,7 +181,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
                     tpot.append((now - last[piece.request_id]) / len(piece.outputs[0].token_ids))
                 last[piece.request_id] = now
         doc = common | {"batch_size": ns.batch_size, "iters": ns.iters,
-                        **{f"{k}_p{q}_ms": 1e3 * _percentile(v, q) for k, v in (("ttft", ttft), ("tpot", tpot))
+                        **{f"{k}_p{q}_ms": 1e3 * percentile(v, q) for k, v in (("ttft", ttft), ("tpot", tpot))
                            for q in (50, 99)}}
     else:
         reqs = prompts(ns.num_requests)
@@ -189,7 +200,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 
 def add_commands(sub: argparse._SubParsersAction, count: Callable[[int], Callable[[str], int]],
                  page_size: Callable[[str], int]) -> None:
-    """Register generate, chat and bench (``count`` and ``page_size``: mpk.cli's argparse types)."""
+    """Register generate, chat, serve and bench (``count`` and ``page_size``: mpk.cli's argparse types)."""
     p = sub.add_parser("generate", help="generate for prompts (--prompt or --input JSONL) → JSONL")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--input", help="a JSONL file: one object per line with \"prompt\" or \"messages\"")
@@ -202,12 +213,35 @@ def add_commands(sub: argparse._SubParsersAction, count: Callable[[int], Callabl
     _engine_flags(p, count, page_size)
     _sampling_flags(p, count)
     p.set_defaults(func=cmd_chat)
-    p = sub.add_parser("bench", help="latency (TTFT, TPOT) or throughput (tokens/s) of generation; JSON lines")
-    p.add_argument("kind", choices=("latency", "throughput"))
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                     "/v1/models, /health, /metrics)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=count(1), default=8000, help="port (default %(default)s)")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: the model file's stem or "
+                                               "directory's name)")
+    p.add_argument("--tensor-parallel-size", type=count(1), default=1, help="GPUs (only 1 for now)")
+    p.add_argument("--api-key", help="answer 401 to requests without `Authorization: Bearer KEY`")
+    p.add_argument("--max-queue", type=count(0), default=256,
+                   help="requests that may wait beyond --max-num-seqs running; more get 429 (default %(default)s)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (default %(default)s)")
+    _engine_flags(p, count, page_size)
+    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("bench", help="latency (TTFT, TPOT) or throughput (tokens/s) of generation, or serve: a "
+                                     "request sweep against a running `mpk serve`; JSON lines")
+    p.add_argument("kind", choices=("latency", "throughput", "serve"))
     p.add_argument("--input-len", type=count(1), default=128, help="prompt tokens (default %(default)s)")
     p.add_argument("--output-len", type=count(1), default=128, help="generated tokens (default %(default)s)")
     p.add_argument("--batch-size", type=count(1), default=8, help="latency: requests at once (default %(default)s)")
     p.add_argument("--iters", type=count(1), default=3, help="latency: repetitions (default %(default)s)")
     p.add_argument("--num-requests", type=count(1), default=256, help="throughput: requests (default %(default)s)")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="serve: the server (default %(default)s)")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=count(1), nargs="+",
+                      help="serve: sweep requests in flight at once (default 1 4 16 64)")
+    load.add_argument("--rates", type=float, nargs="+", help="serve: sweep Poisson arrival rates (requests/s)")
+    p.add_argument("--num-prompts", type=count(1), default=64, help="serve: requests per sweep point "
+                                                                    "(default %(default)s)")
+    p.add_argument("--api-key", help="serve: the server's API key")
     _engine_flags(p, count, page_size, max_model_len=None)
     p.set_defaults(func=cmd_bench)

@@ -37,7 +37,8 @@ def free_memory(device: torch.device) -> int:
 
 
 class LLM:
-    """A model ready to generate: ``generate``, ``chat`` and ``stream``.
+    """A model ready to generate: ``generate``, ``chat`` and ``stream``; or request by request
+(as ``mpk serve``'s engine thread does): ``add_request``, ``step``, ``abort``.
 
     ``model``: a local Hugging Face directory (config.json, *.safetensors, a tokenizer), a
     ``.gguf`` file, or None for mpk's default model. ``max_num_seqs``: sequences per step at
@@ -126,27 +127,46 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise MpkError(f"{len(params)} SamplingParams for {len(prompts)} prompts; expected one, or one each")
-        seqs = []
         try:
-            for (text, given), p in zip(prompts, params):
-                rid = self._next_id
-                self._next_id += 1
-                text_prompt = isinstance(given, str) and self.tokenizer is not None
-                ids = self.tokenizer(given)["input_ids"] if text_prompt else given
-                problem = self._check(given, ids, p)
-                if problem:  # a placeholder sequence carries the error
-                    seq = Sequence(rid, text, list(ids) if isinstance(ids, (list, tuple)) else [], SamplingParams(),
-                                   0, self.tokenizer)
-                    seq.fail(problem)
-                else:
-                    seed = p.seed if p.seed is not None else mix64(mix64(self.seed) ^ rid)
-                    seq = Sequence(rid, text, list(ids), p, seed, self.tokenizer)
-                    self.scheduler.add(seq)
-                seqs.append(seq)
+            return [self._add(text, given, p) for (text, given), p in zip(prompts, params)]
         except BaseException:  # (a tokenizer error, Ctrl-C) nothing of this call stays queued
             self.scheduler.abort_all()
             raise
-        return seqs
+
+    def _add(self, text: str | None, given: Any, params: Any) -> Sequence:
+        """A new ``Sequence`` for one prompt: queued, or failed at once (``error`` set)."""
+        rid = self._next_id
+        self._next_id += 1
+        text_prompt = isinstance(given, str) and self.tokenizer is not None  # (without one: _check says so)
+        ids = self.tokenizer(given)["input_ids"] if text_prompt else given
+        problem = self._check(given, ids, params)
+        if problem:  # a placeholder sequence carries the error
+            seq = Sequence(rid, text, list(ids) if isinstance(ids, (list, tuple)) else [], SamplingParams(), 0,
+                           self.tokenizer)
+            seq.fail(problem)
+            return seq
+        seed = params.seed if params.seed is not None else mix64(mix64(self.seed) ^ rid)
+        seq = Sequence(rid, text, list(ids), params, seed, self.tokenizer)
+        self.scheduler.add(seq)
+        return seq
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:
+        """Queue one request (a string or token ids) for ``step`` to run; returns its first,
+        empty output: ``request_id`` names it, ``prompt_token_ids`` holds its prompt, and a bad
+        request comes back finished with ``error`` set (nothing queued)."""
+        seq = self._add(prompt if isinstance(prompt, str) else None, prompt, params or SamplingParams())
+        return _output(seq, "", [], None)
+
+    def abort(self, request_id: int) -> bool:
+        """Drop an unfinished request (its pages freed at once); False if none has that id."""
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            seq.finish_reason = "abort"
+        return seq is not None
+
+    def has_unfinished(self) -> bool:
+        """Requests are queued or running: ``step`` has work."""
+        return self.scheduler.has_work()
 
     def _check(self, given: Any, ids: Any, params: Any) -> str | None:
         """Why a request cannot run, or None."""
@@ -173,28 +193,32 @@ class LLM:
 
     # --- the loop ---------------------------------------------------------------------------
 
-    def _steps(self) -> Iterator[list[Sequence]]:
-        """Run steps until every queued sequence finished, yielding after each step the
-        sequences that got a token. Interrupted (KeyboardInterrupt, an error, the caller
-        closing the iterator), every unfinished sequence is dropped and its pages freed."""
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns, per request that got a token, what is new since its
+        last output (as ``stream`` yields it). Requires ``has_unfinished()``."""
+        rows = self.scheduler.schedule()
+        if not rows:
+            raise MpkError("the scheduler found no step to run (a sequence needs more pages than the pool holds?)")
+        sampled = self.runner.execute(rows)
+        self.scheduler.advance(rows)
+        changed = []
+        for row, got in zip(rows, sampled):
+            if got is None:
+                continue
+            seq = row.seq
+            seq.append(got[0], self.eos_ids, self.max_model_len, got[1])
+            if seq.finished:
+                self.scheduler.retire(seq)
+            changed.append(_output(seq, *seq.take_delta()))
+        return changed
+
+    def _steps(self) -> Iterator[list[RequestOutput]]:
+        """Run steps until every queued request finished, yielding each step's outputs.
+        Interrupted (KeyboardInterrupt, an error, the caller closing the iterator), every
+        unfinished request is dropped and its pages freed."""
         try:
             while self.scheduler.has_work():
-                rows = self.scheduler.schedule()
-                if not rows:
-                    raise MpkError("the scheduler found no step to run (a sequence needs more pages than the pool "
-                                   "holds?)")
-                sampled = self.runner.execute(rows)
-                self.scheduler.advance(rows)
-                changed = []
-                for row, got in zip(rows, sampled):
-                    if got is None:
-                        continue
-                    seq = row.seq
-                    seq.append(got[0], self.eos_ids, self.max_model_len, got[1])
-                    if seq.finished:
-                        self.scheduler.retire(seq)
-                    changed.append(seq)
-                yield changed
+                yield self.step()
         finally:
             self.scheduler.abort_all()
 
@@ -214,13 +238,15 @@ class LLM:
 
     def _conversations(self, messages: Conversation | Seq[Conversation]) -> list[tuple[str | None, Any]]:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return [self.chat_prompt(conv) for conv in convs]
+
+    def chat_prompt(self, conversation: Conversation) -> tuple[str, list[int]]:
+        """(text, token ids) of the prompt the tokenizer's chat template makes of a
+        conversation, ready for the assistant's reply."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise MpkError("the tokenizer has no chat template; use generate() with a prompt")
-        out = []
-        for conv in convs:
-            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-            out.append((text, self.tokenizer(text, add_special_tokens=False)["input_ids"]))
-        return out
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _generate(self, prompts: list[tuple[str | None, Any]],
                   params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
@@ -233,8 +259,8 @@ class LLM:
             bar.update(sum(s.finished for s in seqs))  # failed at submission
             for changed in steps:
                 tokens_out += len(changed)
-                done = [s for s in changed if s.finished]
-                tokens_in += sum(len(s.prompt_token_ids) for s in done)
+                done = [o for o in changed if o.finished]
+                tokens_in += sum(len(o.prompt_token_ids) for o in done)
                 if done:
                     elapsed = time.perf_counter() - start
                     bar.set_postfix_str(f"in {tokens_in / elapsed:.0f} tok/s, out {tokens_out / elapsed:.0f} tok/s")
@@ -249,19 +275,13 @@ class LLM:
         last. ``chat``: the prompts are conversations (as ``chat`` takes them). Closing the
         iterator early drops the unfinished requests."""
         seqs = self._submit(self._conversations(prompts) if chat else self._prompts(prompts), params)
-        shown = {s.request_id: (0, 0) for s in seqs}  # characters and tokens yielded
         steps = self._steps()
         with closing(steps):  # an iterator closed early drops the unfinished requests at once
             for s in seqs:
                 if s.finished:
                     yield _output(s, "", [], None)
             for changed in steps:
-                for s in changed:
-                    chars, toks = shown[s.request_id]
-                    text = s.streamable_text()
-                    shown[s.request_id] = (max(chars, len(text)), len(s.output_token_ids))
-                    logprobs = s.logprobs[toks:] if s.logprobs is not None else None
-                    yield _output(s, text[chars:], s.output_token_ids[toks:], logprobs)
+                yield from changed
 
     @property
     def num_preemptions(self) -> int:

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 class CompletionOutput:
     """A generated sequence: its ``text`` (stop string excluded), ``token_ids``,
     ``finish_reason`` ("stop": EOS, a stop token or string; "length": max_tokens or
-    max_model_len; "error": the request failed; None: still running) and, if asked for,
-    ``logprobs``: per generated token a {token id: log-probability} of the most likely ones
-    and the chosen one. From ``LLM.stream``: the text and tokens new since the last output."""
+    max_model_len; "error": the request failed; "abort": ``LLM.abort`` dropped it; None:
+    still running) and, if asked for, ``logprobs``: per generated token a {token id:
+    log-probability} of the most likely ones and the chosen one. From ``LLM.stream``: the text and tokens new since the last output."""
 
     index: int = 0
     text: str = ""

@@ -111,6 +111,18 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.release(seq.block)
 
+    def abort(self, request_id: int) -> Sequence | None:
+        """Drop the waiting or running sequence of ``request_id`` (pages freed); returns it, or
+        None if no unfinished sequence has that id."""
+        for queue in (self.running, self.waiting):
+            seq = next((s for s in queue if s.request_id == request_id), None)
+            if seq is not None:
+                queue.remove(seq)
+                self.blocks.release(seq.block)
+                seq.num_computed = 0
+                return seq
+        return None
+
     def abort_all(self) -> list[Sequence]:
         """Drop every sequence (pages freed); returns them."""
         dropped = [*self.running, *self.waiting]

@@ -32,6 +32,7 @@ class Sequence:
         self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self._stops = params.stop_strings
         self._hold = max((len(s) for s in self._stops), default=1) - 1  # chars that may start a stop string
+        self._shown = (0, 0)  # characters and tokens handed out by take_delta
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -84,3 +85,12 @@ class Sequence:
         if self.finished or not self._hold:
             return self.text
         return self.text[: max(0, len(self.text) - self._hold)]
+
+    def take_delta(self) -> tuple[str, list[int], list[dict[int, float]] | None]:
+        """(text, token ids, logprobs) new since the last call: the streamable text only (see
+        ``streamable_text``), every new token."""
+        chars, toks = self._shown
+        text = self.streamable_text()
+        self._shown = (max(chars, len(text)), len(self.output_token_ids))
+        logprobs = self.logprobs[toks:] if self.logprobs is not None else None
+        return text[chars:], self.output_token_ids[toks:], logprobs

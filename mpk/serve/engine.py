@@ -1,0 +1,183 @@
+"""``AsyncEngine``: ``mpk.LLM``'s step loop on a thread of its own, fed from asyncio.
+
+Handlers on the event loop hand requests and aborts to the engine thread through an inbox; the
+thread applies them between steps, runs steps while any request is unfinished and sleeps on a
+condition variable when none is, and posts each request's outputs to that request's asyncio
+queue (``call_soon_threadsafe``). Only the engine thread touches the ``LLM``, so HTTP handling
+never waits for a step and a step never waits for HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from mpk.engine.llm import LLM
+from mpk.engine.outputs import CompletionOutput, RequestOutput
+from mpk.engine.sampling import SamplingParams
+from mpk.errors import MpkError
+from mpk.serve.metrics import Metrics
+
+log = logging.getLogger("mpk.serve")
+
+
+class QueueFullError(MpkError):
+    """The server holds as many requests as ``max_num_seqs + max_queue``; the client should
+    retry later (HTTP 429)."""
+
+
+@dataclass(eq=False)
+class _Request:
+    """A request as the engine thread tracks it (its id set when the thread admits it)."""
+
+    ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.perf_counter)
+    request_id: int | None = None
+    first_token: float | None = None
+    tokens: int = 0
+
+
+class AsyncEngine:
+    """``llm`` served to asyncio: ``generate`` per request, ``start``/``stop`` for the thread.
+    ``max_queue``: requests that may wait for a sequence slot beyond the ``max_num_seqs`` that
+    run; past that ``generate`` raises ``QueueFullError``."""
+
+    def __init__(self, llm: LLM, metrics: Metrics, max_queue: int):
+        self.llm, self.metrics = llm, metrics
+        self.capacity = llm.scheduler.max_num_seqs + max_queue
+        self._in_flight = 0  # requests between generate's start and end; event-loop thread only
+        self._wake = threading.Condition()
+        self._inbox: list[tuple[str, _Request]] = []
+        self._stopping = False
+        self._active: dict[int, _Request] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="mpk-engine", daemon=True)
+        metrics.pages_total.set(llm.blocks.num_pages)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the thread: unfinished requests fail ("the server is shutting down")."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    async def generate(self, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Run one request: yields first its admission (an empty output; finished with
+        ``error`` set if the engine refused it), then each step's new output until one is
+        finished. Closing the generator early (the client left) aborts the request and frees
+        its pages. Raises ``QueueFullError`` at the first ``anext`` when the server is full."""
+        if self._in_flight >= self.capacity:
+            raise QueueFullError(f"the server holds {self._in_flight} requests, its limit (--max-num-seqs + "
+                                 "--max-queue); retry later")
+        self._in_flight += 1
+        req = _Request(ids, params, asyncio.get_running_loop())
+        self._send("add", req)
+        finished = False
+        try:
+            while not finished:
+                out = await req.queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._in_flight -= 1
+            if not finished:
+                self._send("abort", req)
+
+    def _send(self, command: str, req: _Request) -> None:
+        with self._wake:
+            self._inbox.append((command, req))
+            self._wake.notify()
+
+    # --- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._inbox and not self._stopping and not self.llm.has_unfinished():
+                    self._wake.wait()
+                commands, self._inbox = self._inbox, []
+                stopping = self._stopping
+            for command, req in commands:
+                if command == "add":
+                    self._add(req)
+                else:
+                    self._abort(req)
+            if stopping:
+                self._fail_all("the server is shutting down")
+                return
+            if self.llm.has_unfinished():
+                try:
+                    outputs = self.llm.step()
+                except Exception as e:  # the step's state is gone: fail its requests, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(f"the engine step failed: {type(e).__name__}: {e}")
+                    outputs = []
+                for out in outputs:
+                    self._deliver(out)
+            self._publish()
+
+    def _add(self, req: _Request) -> None:
+        out = self.llm.add_request(req.ids, req.params)
+        req.request_id = out.request_id
+        if not out.finished:
+            self._active[out.request_id] = req
+            self.metrics.prompt_tokens.inc(len(req.ids))
+        self._post(req, out)
+
+    def _abort(self, req: _Request) -> None:
+        if self._active.pop(req.request_id, None) is not None:
+            self.llm.abort(req.request_id)
+            self.metrics.finished.labels("abort").inc()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        req = self._active.get(out.request_id)
+        if req is None:
+            return
+        now, new = time.perf_counter(), len(out.outputs[0].token_ids)
+        if new:
+            if req.first_token is None:
+                req.first_token = now
+                self.metrics.ttft.observe(now - req.arrival)
+            req.tokens += new
+            self.metrics.generated_tokens.inc(new)
+        if out.finished:
+            del self._active[out.request_id]
+            self.metrics.finished.labels(out.outputs[0].finish_reason).inc()
+            self.metrics.e2e.observe(now - req.arrival)
+            if req.tokens > 1:
+                self.metrics.tpot.observe((now - req.first_token) / (req.tokens - 1))
+        self._post(req, out)
+
+    def _fail_all(self, message: str) -> None:
+        """Fail every active request with ``message`` and drop whatever the engine holds."""
+        for rid in list(self._active):
+            self.llm.abort(rid)
+            req = self._active.pop(rid)
+            self.metrics.finished.labels("error").inc()
+            failed = CompletionOutput(finish_reason="error")
+            self._post(req, RequestOutput(rid, None, req.ids, [failed], finished=True, error=message))
+
+    @staticmethod
+    def _post(req: _Request, out: RequestOutput) -> None:
+        try:
+            req.loop.call_soon_threadsafe(req.queue.put_nowait, out)
+        except RuntimeError:  # the event loop is closed: nobody waits for it
+            pass
+
+    def _publish(self) -> None:
+        s, b = self.llm.scheduler, self.llm.blocks
+        self.metrics.waiting.set(len(s.waiting))
+        self.metrics.running.set(len(s.running))
+        self.metrics.pages_in_use.set(b.num_pages - b.num_free)

@@ -1,0 +1,61 @@
+"""``mpk serve``: load the model, start the engine thread and uvicorn. SIGTERM stops taking
+requests, lets those in flight finish (``DRAIN_SECONDS`` at most) and exits 0; Ctrl-C drains
+the same way, then exits as interrupted (130)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import uvicorn
+
+from mpk.serve.app import build_app
+from mpk.serve.engine import AsyncEngine
+from mpk.serve.metrics import Metrics
+
+DRAIN_SECONDS = 30
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that a SIGTERM it drained for is not raised again afterwards
+    (uvicorn re-raises it so the process dies of it; a drained server has exited cleanly)."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+
+def served_name(model: str | None) -> str:
+    """The model's name in the API: its file's stem or directory's name (default model: its
+    GGUF's stem)."""
+    if model is None:
+        from mpk.llm.default_model import DEFAULT_GGUF
+
+        return DEFAULT_GGUF.split(".")[0]
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.resolve().name
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from mpk.engine.llm import LLM
+
+    llm = LLM(ns.model, max_num_seqs=ns.max_num_seqs, max_model_len=ns.max_model_len, page_size=ns.page_size,
+              tensor_parallel_size=ns.tensor_parallel_size, executor=ns.executor,
+              max_num_batched_tokens=ns.max_num_batched_tokens, seed=ns.seed,
+              enable_prefix_caching=not ns.no_prefix_caching)
+    name = ns.served_model_name or served_name(ns.model)
+    engine = AsyncEngine(llm, Metrics(), ns.max_queue)
+    app = build_app(engine, name, ns.api_key, aliases=(ns.model,) if ns.model else ())
+    logging.getLogger("mpk.serve").info("serving %s on http://%s:%d", name, ns.host, ns.port)
+    server = _Server(uvicorn.Config(app, host=ns.host, port=ns.port, timeout_graceful_shutdown=DRAIN_SECONDS,
+                                    log_level=ns.log_level))
+    server.run()
+    return 0
