@@ -141,7 +141,7 @@ def bench_model(name: str, args, peak: float | None) -> list[dict]:
              "compile_s": steps.report.total_s})
     del steps
     torch._dynamo.reset()
-    rows += skewed_decodes(model, args, add)
+    skewed_decodes(model, args, add)  # (its rows go through add)
     del model
     torch._dynamo.reset()
     gc.collect()
@@ -150,7 +150,7 @@ def bench_model(name: str, args, peak: float | None) -> list[dict]:
     return rows
 
 
-def skewed_decodes(model: DecoderLM, args, add) -> list[dict]:
+def skewed_decodes(model: DecoderLM, args, add) -> None:
     """A decode step of 16 sequences, one of ``--skew-long`` positions and 15 of ``--position``
     (and all 16 of ``--position``, for the cost where nothing is skewed): the decode form, whose
     grid splits each sequence into the same chunks, against the same step as a 16-row ragged
@@ -162,9 +162,8 @@ def skewed_decodes(model: DecoderLM, args, add) -> list[dict]:
     for s in (static, balanced):
         print(f"  compiled the skewed-decode steps: {s.compile(progress=args.progress)}", flush=True)
     if args.prebuild:
-        return []
+        return
     one = [[1]] * B
-    out = []
     for case, lens in (("skew16", [args.skew_long] + [n] * (B - 1)), ("even16", [n] * B)):
         def setup(lens=lens):
             cache.reset()
@@ -174,8 +173,6 @@ def skewed_decodes(model: DecoderLM, args, add) -> list[dict]:
         row = {"case": case, "lengths": lens, "tokens": B, "mpk_ms": times["balanced"], "static_ms": times["static"],
                "balanced_gain": times["static"] / times["balanced"]}
         add(row)
-        out.append(row)
-    return out
 
 
 def main(argv=None) -> int:

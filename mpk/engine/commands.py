@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Any, Callable, TextIO
 
+from mpk.engine.stats import percentile
 from mpk.errors import MpkError
 
 
@@ -136,12 +137,6 @@ def cmd_chat(ns: argparse.Namespace) -> int:
             print(" [stopped]", end="")
         print()
         messages.append({"role": "assistant", "content": reply})
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile of ``values`` (nearest rank; NaN if empty)."""
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else float("nan")
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:

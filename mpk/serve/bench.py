@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from mpk.engine.commands import percentile
+from mpk.engine.stats import percentile
 from mpk.errors import MpkError
 
 # prompt token ids are drawn below this: every vocabulary mpk loads has them (byte-level BPEs
