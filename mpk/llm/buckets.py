@@ -32,6 +32,21 @@ from mpk.llm.kv_cache import PagedKVCache, PageTable
 from mpk.llm.model import LOGITS, DecoderLM
 
 
+# A decode step whose longest sequence is this many positions past the median runs as a ragged
+# step: the decode form splits every sequence into the same chunks, so the long one's tasks set
+# the attention stage's time, while the ragged form spreads it by the balanced split
+# (mpk.ops.paged: attn_plan) at a fixed cost (a separate RoPE stage, the plan, the merge).
+# Measured on an H200 beside 15 sequences of 512 (benchmarks/prefill_latency.py: skew16,
+# even16): the ragged step is 1.3–1.8× faster with one sequence of 16,384, 0.71–0.77× with
+# none; the break-even, by those two, lies 3–5k positions past the others.
+SKEW_POSITIONS = 4096
+
+
+def skewed(lens: np.ndarray) -> bool:
+    """Whether sequences of lengths ``lens`` are skewed enough for the balanced split to pay."""
+    return len(lens) > 1 and int(lens.max()) - int(np.median(lens)) >= SKEW_POSITIONS
+
+
 def default_buckets(max_num_batched_tokens: int) -> list[int]:
     """1, 2, 4, … below ``max_num_batched_tokens``, then ``max_num_batched_tokens`` itself."""
     if not is_count(max_num_batched_tokens, 1):
@@ -184,7 +199,10 @@ caller wrote).
         return self.run([t for s in ids for t in s], counts)
 
     def _decodes(self, counts: Sequence[int]) -> bool:
-        return self.decode and len(counts) == self.cache.batch and all(k == 1 for k in counts)
+        """Whether a step runs the decode form: one token for every sequence of the table, and
+        lengths not so skewed that the ragged form's balanced split pays (``skewed``)."""
+        return (self.decode and len(counts) == self.cache.batch and all(k == 1 for k in counts)
+                and not (self.buckets[-1] >= len(counts) and skewed(self.cache.step_lens)))
 
     def run(self, tokens: Sequence[int] | np.ndarray, counts: Sequence[int]) -> torch.Tensor:
         """Run one step over the table as its caller wrote it: ``counts[b]`` new tokens of

@@ -68,6 +68,7 @@ class PageTable:
         self.kv_last_page_len = torch.zeros(batch, dtype=torch.int32, device=dev)
         self.qo_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
         self._qo_written = np.zeros(batch + 1, np.int32)
+        self.step_lens = np.zeros(0, np.int64)  # the sequences' lengths the last write gave the step
 
     def args(self) -> tuple[torch.Tensor, ...]:
         """(cache, kv_indptr, kv_indices, kv_last_page_len): a decode step's arguments after the
@@ -82,6 +83,7 @@ class PageTable:
                            f"expected at most {self.batch}, with one length and count each")
         ln = np.zeros(self.batch, np.int64)
         ln[:n] = lens
+        self.step_lens = ln[:n]  # (the step's choice of graph looks at them: TokenBuckets)
         counts = -(-ln // self.page_size)
         indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         if indptr[-1] > self.capacity:

@@ -24,6 +24,7 @@ from mpk.backend import COMPILED
 from mpk.errors import BadInputError, MpkError, OptionError
 from mpk.executors.interpreter import Interpreter
 from mpk.llm import DecoderLM, LLMConfig, PagedKVCache, TokenBuckets, default_buckets, prefill
+from mpk.llm.buckets import SKEW_POSITIONS
 from mpk.testing.decode import small_config
 from mpk.testing.graphs import relative_error
 from mpk.testing.tolerance import decoder_logits_bound
@@ -355,3 +356,26 @@ def test_decode_example_prefills_in_chunks(capsys):
     assert "prefill: 5 token(s) in 3 step(s)" in out and "compile: 2 graphs traced" in out
     assert float(out.split("max |logit|: ")[1].split()[0]) <= 1e-5
     assert len(ast.literal_eval(out.split("generated ids: ")[1].splitlines()[0])) == 3
+
+
+@pytest.mark.parametrize("long_by", [SKEW_POSITIONS, SKEW_POSITIONS - 1])
+def test_skewed_decode_steps_take_the_balanced_ragged_form(long_by):
+    """A step of one token per sequence runs the decode form unless one sequence is
+    SKEW_POSITIONS past the median (then the bucket's ragged form, whose attention follows the
+    balanced split), and both give the same logits."""
+    cfg = small_config("llama", max_position=SKEW_POSITIONS + 256)
+    model = DecoderLM(cfg, torch.float32, "cpu").randomize(random.randrange(1 << 30))
+    cache = PagedKVCache(model, 4, SKEW_POSITIONS + 128, 16)
+    steps = TokenBuckets(model, cache, buckets=[4], eager=True)
+    forms = []
+    run = steps._run
+    steps._run = lambda *a, **kw: forms.append("ragged" if "qo_indptr" in kw else "decode") or run(*a, **kw)
+    short = random.randrange(1, 40)
+    cache.grow([short + long_by, short, short, short])
+    one = [[random.randrange(cfg.vocab)] for _ in range(4)]
+    got = steps.step(one)
+    assert forms == ["ragged" if long_by >= SKEW_POSITIONS else "decode"]
+    with torch.no_grad():  # the other form over the same cache and tokens
+        ref = model(torch.tensor([t[0] for t in one]), *cache.args(),
+                    **({} if forms[0] == "ragged" else {"qo_indptr": cache.qo_indptr}))
+    assert relative_error(got, ref) <= decoder_logits_bound(cfg, SKEW_POSITIONS + long_by, torch.float32)
