@@ -51,6 +51,15 @@ are is run-time data, so an attention tile over kv head j reads q of *every* row
 heads (its input region): that orders it after every rope_append tile appending kv head j. The
 happens-before check sees the cache in key spaces by token row (``CACHE_KEY_DIMS``; in decode a
 row is its sequence).
+
+**The balanced split** (``attrs['balanced']``: the ragged form with C > 1 chunks). The grid
+cannot know which sequences are long, so the chunks are not fixed per row block: ``attn_plan``
+(one task a step, from the run-time page table) gives each block of R rows ⌈cost / L⌉ of the
+W = blocks · C items of a kv head (``attention_plan``: FlashInfer's Algorithm 1), and the
+attention tile of storage block i, slot c does item w = i·C + c: chunk w − block_start of its
+block's items (``chunk_bounds`` with that count), its states stored at block i's rows, slot c
+(states [blocks · R, KV, C, G, D + 1]). ``attn_merge`` with the plan as its second input folds
+each row's items. A plan is made once per step and read by every layer's attention.
 """
 
 from __future__ import annotations
