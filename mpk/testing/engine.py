@@ -68,3 +68,44 @@ def tiny_checkpoint(path: str | Path, cfg: LLMConfig, seed: int, init_std: float
     hf.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return path
+
+
+# --- comparing generated tokens ------------------------------------------------------------
+
+def gap_tolerance(llm, max_len: int, unit: float = 2.0 ** -24) -> float:
+    """The top-2 logit gap below which a batched and an alone run may pick different greedy
+    tokens. Batching changes only rounding (other matmul blockings, other prefill chunk
+    boundaries): a reduction of length K may round differently by up to K·u relative to the
+    magnitudes it sums. A logit goes through each layer's reductions (hidden, inter, attention
+    over ≤ ``max_len`` positions), and its magnitude is at most √hidden · max|final norm
+    weight| · max ‖LM-head row‖ (Cauchy–Schwarz after the RMS norm), computed from the weights
+    here. ``unit``: the unit roundoff of the dtype the runs compute in (float32's by default).
+    Two implementations (an executor and eager PyTorch) differ the same way, by rounding only."""
+    m = llm.model
+    head = m.embed if m.lm_head is None else m.lm_head
+    bound = m.cfg.hidden ** 0.5 * float(m.norm.abs().max()) * float(head.norm(dim=1).max())
+    return unit * m.cfg.layers * (m.cfg.hidden + m.cfg.inter + max_len) * bound
+
+
+def greedy(max_tokens: int, **kw):
+    """Greedy decoding of exactly ``max_tokens`` tokens."""
+    from mpk.engine.sampling import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def compared_prefix(ref, out, tol: float) -> int:
+    """Assert ``out``'s tokens equal those of ``ref`` (run with logprobs=2) up to the first
+    position whose top-2 log-prob gap (= logit gap) in ``ref`` is below ``tol`` (that position
+    may differ, and everything after it); returns the number of positions compared."""
+    ref_tokens, other = ref.token_ids, out.token_ids
+    n = len(ref_tokens)
+    for i, lp in enumerate(ref.logprobs):
+        top = sorted(lp.values(), reverse=True)
+        if top[0] - top[1] < tol:
+            n = i
+            break
+    assert other[:n] == ref_tokens[:n]
+    if n == len(ref_tokens):
+        assert other == ref_tokens
+    return n

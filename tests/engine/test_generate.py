@@ -7,53 +7,15 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 import mpk
 from mpk import LLM, SamplingParams
-from mpk.engine.outputs import CompletionOutput
 from mpk.errors import NotSupportedError, OptionError
 from mpk.testing.decode import small_config
+from mpk.testing.engine import compared_prefix, gap_tolerance, greedy
 
 CFG = small_config("qwen3")
-U = 2.0 ** -24  # float32's unit roundoff
 MAX_LEN = 512
-
-
-def gap_tolerance(llm: LLM) -> float:
-    """The top-2 logit gap below which a batched and an alone run may pick different greedy
-    tokens. Batching changes only rounding (other matmul blockings, other prefill chunk
-    boundaries): a reduction of length K may round differently by up to K·u relative to the
-    magnitudes it sums. A logit goes through each layer's reductions (hidden, inter, attention
-    over ≤ MAX_LEN positions), and its magnitude is at most √hidden · max|final norm weight| ·
-    max ‖LM-head row‖ (Cauchy–Schwarz after the RMS norm), computed from the weights here."""
-    m = llm.model
-    head = m.embed if m.lm_head is None else m.lm_head
-    bound = m.cfg.hidden ** 0.5 * float(m.norm.abs().max()) * float(head.norm(dim=1).max())
-    return U * m.cfg.layers * (m.cfg.hidden + m.cfg.inter + MAX_LEN) * bound
-
-
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def compared_prefix(ref: CompletionOutput, out: CompletionOutput, tol: float) -> int:
-    """Assert ``out``'s tokens equal those of ``ref`` (run with logprobs=2) up to the first
-    position whose top-2 log-prob gap (= logit gap) in ``ref`` is below ``tol`` (that position
-    may differ, and everything after it); returns the number of positions compared."""
-    ref_tokens, other = ref.token_ids, out.token_ids
-    n = len(ref_tokens)
-    for i, lp in enumerate(ref.logprobs):
-        top = sorted(lp.values(), reverse=True)
-        if top[0] - top[1] < tol:
-            n = i
-            break
-    assert other[:n] == ref_tokens[:n]
-    if n == len(ref_tokens):
-        assert other == ref_tokens
-    return n
-
-
 def random_prompt(n: int) -> list[int]:
     return [random.randrange(256) for _ in range(n)]
 
@@ -71,7 +33,7 @@ def test_a_batch_of_64_gives_each_request_its_tokens_alone(checkpoint):
     batched = {i: o for i, o in zip(order, outs)}
     alone = LLM(checkpoint, max_num_seqs=1, max_model_len=MAX_LEN, max_num_batched_tokens=320,
                 enable_prefix_caching=False)
-    compared, total, tol = 0, 0, gap_tolerance(alone)
+    compared, total, tol = 0, 0, gap_tolerance(alone, MAX_LEN)
     for i in range(64):
         ref = alone.generate([prompts[i]], greedy(lengths[i], logprobs=2), use_tqdm=False)[0].outputs[0]
         out = batched[i].outputs[0]
@@ -100,7 +62,7 @@ def test_prefix_caching_reuses_a_shared_system_prompt(checkpoint):
     refs = plain.generate(prompts, greedy(8, logprobs=2), use_tqdm=False)
     assert plain.prefix_cache_hits() == (0, 0)
     for ref, out in zip(refs, outs):
-        compared_prefix(ref.outputs[0], out.outputs[0], gap_tolerance(plain))
+        compared_prefix(ref.outputs[0], out.outputs[0], gap_tolerance(plain, MAX_LEN))
     # the same prompt again: all its full pages but the one holding its last token are hit
     again = cached.generate(prompts[:1], greedy(8), use_tqdm=False)
     assert cached.prefix_cache_hits()[0] == 15 + (len(prompts[0]) - 1) // 16
@@ -121,7 +83,7 @@ def test_preemption_under_a_tiny_page_pool_loses_nothing(checkpoint):
     assert big.num_preemptions == 0
     for ref, out, p in zip(refs, outs, params):
         assert len(out.outputs[0].token_ids) == p.max_tokens
-        compared_prefix(ref.outputs[0], out.outputs[0], gap_tolerance(big))
+        compared_prefix(ref.outputs[0], out.outputs[0], gap_tolerance(big, MAX_LEN))
     with pytest.raises(OptionError, match=r"num_pages=7; expected an int ≥ 8"):
         LLM(checkpoint, max_model_len=128, num_pages=7)
 
@@ -189,7 +151,7 @@ def test_ctrl_c_stops_cleanly_and_the_engine_stays_usable(checkpoint, monkeypatc
     outs = llm.generate(prompts, greedy(6, logprobs=2), use_tqdm=False)
     fresh = LLM(checkpoint, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16)
     for ref, out in zip(fresh.generate(prompts, greedy(6, logprobs=2), use_tqdm=False), outs):
-        compared_prefix(ref.outputs[0], out.outputs[0], gap_tolerance(fresh))
+        compared_prefix(ref.outputs[0], out.outputs[0], gap_tolerance(fresh, MAX_LEN))
 
 
 def test_stop_conditions_and_finish_reasons(checkpoint):
@@ -258,7 +220,7 @@ def test_the_cpu_interpreter_executor_agrees_with_eager(checkpoint):
     eager = LLM(checkpoint, **kw)
     refs = eager.generate(prompts, greedy(4, logprobs=2), use_tqdm=False)
     for ref, out in zip(refs, outs):
-        compared_prefix(ref.outputs[0], out.outputs[0], gap_tolerance(eager))
+        compared_prefix(ref.outputs[0], out.outputs[0], gap_tolerance(eager, MAX_LEN))
 
 
 def test_mpk_exports_the_engine_lazily():
