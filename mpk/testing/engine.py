@@ -4,6 +4,8 @@ template, as ``mpk.LLM`` loads them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -68,6 +70,28 @@ def tiny_checkpoint(path: str | Path, cfg: LLMConfig, seed: int, init_std: float
     hf.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return path
+
+
+def seeded_checkpoint(path: str | Path) -> Path:
+    """The engine's and the server's tests' model at ``path``: a tiny random Qwen3 (2 layers,
+    hidden 64, qk-norm) with the byte tokenizer, seeded from the run's ``MPK_TEST_SEED``."""
+    import os
+
+    from mpk.testing.decode import small_config
+
+    return tiny_checkpoint(path, small_config("qwen3", vocab=VOCAB), int(os.environ["MPK_TEST_SEED"]))
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread meanwhile: tiny steps on a shared machine only wait on each other
+    with several (10–50× slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 # --- comparing generated tokens ------------------------------------------------------------

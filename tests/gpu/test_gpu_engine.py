@@ -5,7 +5,6 @@ the default model's text."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -14,8 +13,7 @@ import torch
 from mpk import LLM
 from mpk.errors import MpkError
 from mpk.llm.default_model import default_model_path
-from mpk.testing.decode import small_config
-from mpk.testing.engine import VOCAB, compared_prefix, gap_tolerance, greedy, tiny_checkpoint
+from mpk.testing.engine import compared_prefix, gap_tolerance, greedy, seeded_checkpoint
 
 pytestmark = pytest.mark.gpu
 BF16_UNIT = 2.0 ** -8
@@ -23,8 +21,7 @@ BF16_UNIT = 2.0 ** -8
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"), small_config("qwen3", vocab=VOCAB),
-                           int(os.environ["MPK_TEST_SEED"]))
+    return seeded_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 def test_gpu_steps_give_eager_greedy_tokens(checkpoint):

@@ -4,7 +4,6 @@ one thread (tiny steps; several threads on a shared machine only wait on each ot
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -13,15 +12,13 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-import torch
 import uvicorn
 
 from mpk.engine.llm import LLM
 from mpk.serve.app import build_app
 from mpk.serve.engine import AsyncEngine
 from mpk.serve.metrics import Metrics
-from mpk.testing.decode import small_config
-from mpk.testing.engine import VOCAB, tiny_checkpoint
+from mpk.testing.engine import one_thread, seeded_checkpoint
 
 MODEL = "tiny"
 MAX_LEN = 256
@@ -29,17 +26,13 @@ MAX_LEN = 256
 
 @pytest.fixture(scope="session", autouse=True)
 def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
-    """A tiny random Qwen3 (2 layers, hidden 64) with the byte tokenizer, as a HF directory."""
-    seed = int(os.environ["MPK_TEST_SEED"])
-    return tiny_checkpoint(tmp_path_factory.mktemp("tiny") / MODEL, small_config("qwen3", vocab=VOCAB), seed)
+    return seeded_checkpoint(tmp_path_factory.mktemp("tiny") / MODEL)
 
 
 def free_port() -> int:
