@@ -40,6 +40,28 @@ TEXT = (
 POSITIONS = 256
 
 
+def test_a_gguf_tokenizer_is_converted_once(tmp_path, monkeypatch):
+    """The default model's tokenizer: converted from the GGUF metadata at the first load and
+    kept under $MPK_CACHE_DIR/tokenizers; the second load reads that (no gguf_file conversion)
+    and encodes, decodes and applies the chat template as the converted one does."""
+    import transformers
+
+    monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
+    calls = []
+    load = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **kw: calls.append("gguf_file" in kw) or load(*a, **kw))
+    first = load_tokenizer(default_model_path())
+    assert calls == [True] and len(list((tmp_path / "tokenizers").iterdir())) == 1
+    second = load_tokenizer(default_model_path())
+    assert calls == [True, False]
+    chat = [{"role": "user", "content": TEXT[:80]}]
+    assert second(TEXT).input_ids == first(TEXT).input_ids
+    assert second.decode(first(TEXT).input_ids) == first.decode(first(TEXT).input_ids)
+    assert second.apply_chat_template(chat, tokenize=False) == first.apply_chat_template(chat, tokenize=False)
+    assert (second.eos_token_id, second.bos_token_id) == (first.eos_token_id, first.bos_token_id)
+
+
 @pytest.mark.slow  # ~1 min on 2 cores: three parses of the 49k-token metadata, two loads, two forwards
 def test_default_model_matches_transformers():
     """Teacher-forced float32 logits over 256 positions of real text, mpk's eager model over the
