@@ -25,6 +25,8 @@ def _engine_flags(p: argparse.ArgumentParser, count: Callable[[int], Callable[[s
     p.add_argument("--max-num-batched-tokens", type=count(1), default=512,
                    help="new tokens per step (default %(default)s)")
     p.add_argument("--page-size", type=page_size, default=16, help="tokens per KV page (default %(default)s)")
+    p.add_argument("--num-pages", type=count(1), help="KV pages in the pool (default: what max-num-seqs sequences "
+                   "of max-model-len need, within the device's free memory)")
     p.add_argument("--executor", choices=("gpu", "cpu", "eager"),
                    help="gpu (default on CUDA), eager (default on the CPU) or cpu (mpk's interpreter)")
     p.add_argument("--seed", type=count(0), default=0,
@@ -46,7 +48,7 @@ def _llm(ns: argparse.Namespace, max_model_len: int | None = None):
 
     return LLM(ns.model, max_num_seqs=ns.max_num_seqs, max_model_len=max_model_len or ns.max_model_len,
                page_size=ns.page_size, executor=ns.executor, max_num_batched_tokens=ns.max_num_batched_tokens,
-               seed=ns.seed, enable_prefix_caching=not ns.no_prefix_caching)
+               num_pages=ns.num_pages, seed=ns.seed, enable_prefix_caching=not ns.no_prefix_caching)
 
 
 def _params(ns: argparse.Namespace):

@@ -100,7 +100,9 @@ def _table(rows: list[dict]) -> str:
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in [list(cols), *cells])
 
 
-async def _sweep(ns: argparse.Namespace) -> list[dict]:
+async def sweep(ns: argparse.Namespace) -> list[dict]:
+    """The sweep ``ns`` asks for against a running server: one row per point (also printed as a
+    JSON line)."""
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     rng = random.Random(ns.seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -131,6 +133,6 @@ def bench_serve(ns: argparse.Namespace) -> int:
     """Run the sweep ``ns`` asks for; 1 if any request failed."""
     if ns.rates and not all(r > 0 for r in ns.rates):
         raise MpkError(f"--rates {ns.rates}; expected rates > 0 (requests per second)")
-    rows = asyncio.run(_sweep(ns))
+    rows = asyncio.run(sweep(ns))
     print(_table(rows))
     return 1 if any(r["failed"] for r in rows) else 0

@@ -18,14 +18,18 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def byte_tokenizer():
-    """A ``PreTrainedTokenizerFast`` with one token per byte (ids 0…255: any id sequence decodes)
-    and ``SPECIALS`` after them; EOS is "<|eos|>"."""
+def byte_tokenizer(vocab_size: int = VOCAB):
+    """A ``PreTrainedTokenizerFast`` with one token per byte (ids 0…255), ``SPECIALS`` after
+    them (EOS is "<|eos|>") and, up to ``vocab_size``, filler tokens "<id>" (a model-sized
+    vocabulary for benchmarks: any id decodes)."""
     import tokenizers
     import transformers
     from tokenizers import decoders, models, pre_tokenizers
 
+    if vocab_size < VOCAB:
+        raise ValueError(f"vocab_size={vocab_size}; expected at least {VOCAB} (the bytes and the special tokens)")
     vocab = dict(_BYTES)  # the byte-level alphabet's character of byte b → id b
+    vocab |= {s: 256 + i for i, s in enumerate(SPECIALS)} | {f"<{i}>": i for i in range(VOCAB, vocab_size)}
     inner = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
     inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     inner.decoder = decoders.ByteLevel()
@@ -50,19 +54,18 @@ def _gpt2_bytes() -> dict[str, int]:
 _BYTES = _gpt2_bytes()
 
 
-def tiny_checkpoint(path: str | Path, cfg: LLMConfig, seed: int, init_std: float = 0.1) -> Path:
-    """Save a random model of ``cfg`` (vocab ``VOCAB``) and ``byte_tokenizer()`` into ``path``;
-    EOS (generation_config.json) is the tokenizer's."""
+def tiny_checkpoint(path: str | Path, cfg: LLMConfig, seed: int, init_std: float = 0.1,
+                    dtype: torch.dtype = torch.float32) -> Path:
+    """Save a random model of ``cfg`` (in ``dtype``) and ``byte_tokenizer(cfg.vocab)`` into
+    ``path``; EOS (generation_config.json) is the tokenizer's."""
     import transformers
 
-    if cfg.vocab != VOCAB:
-        raise ValueError(f"cfg.vocab={cfg.vocab}; expected {VOCAB} (the byte tokenizer's)")
     path = Path(path)
-    tok = byte_tokenizer()
+    tok = byte_tokenizer(cfg.vocab)
     hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf(), initializer_range=init_std,
                                                eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
     with torch.no_grad():  # HF's init leaves norm weights at exactly 1; perturb them so they matter
         for name, p in hf.named_parameters():
             if "norm" in name:
@@ -72,14 +75,15 @@ def tiny_checkpoint(path: str | Path, cfg: LLMConfig, seed: int, init_std: float
     return path
 
 
-def seeded_checkpoint(path: str | Path) -> Path:
+def seeded_checkpoint(path: str | Path, **config) -> Path:
     """The engine's and the server's tests' model at ``path``: a tiny random Qwen3 (2 layers,
-    hidden 64, qk-norm) with the byte tokenizer, seeded from the run's ``MPK_TEST_SEED``."""
+    hidden 64, qk-norm; ``config`` overrides fields) with the byte tokenizer, seeded from the
+    run's ``MPK_TEST_SEED``."""
     import os
 
     from mpk.testing.decode import small_config
 
-    return tiny_checkpoint(path, small_config("qwen3", vocab=VOCAB), int(os.environ["MPK_TEST_SEED"]))
+    return tiny_checkpoint(path, small_config("qwen3", vocab=VOCAB, **config), int(os.environ["MPK_TEST_SEED"]))
 
 
 @contextmanager

@@ -21,7 +21,8 @@ BF16_UNIT = 2.0 ** -8
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return seeded_checkpoint(tmp_path_factory.mktemp("tiny"))
+    # the GPU's paged attention tasks take head dims of multiples of 64
+    return seeded_checkpoint(tmp_path_factory.mktemp("tiny"), hidden=256, inter=512, head_dim=64)
 
 
 def test_gpu_steps_give_eager_greedy_tokens(checkpoint):
