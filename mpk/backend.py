@@ -124,11 +124,20 @@ def last_args(runner: Callable) -> list[Any]:
     return args
 
 
+def _remember(state: dict, args: tuple) -> None:
+    """The last launch's arguments (benchmarks re-run them profiled, TokenBuckets replays them:
+    last_args), weakly: the compiled step outlives a decode loop and must not keep its KV
+    cache alive."""
+    try:
+        state["args"] = list(map(weakref.ref, args))
+    except TypeError:  # not all tensors
+        state["args"] = [weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in args]
+
+
 def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
+    state: dict[str, Any] = {}
     if opts.executor == "gpu":
         from mpk.executors.gpu import GpuExecutor
-
-        state: dict[str, GpuExecutor] = {}
 
         def run(*args):
             if _TRACE_ONLY.get():
@@ -137,12 +146,7 @@ def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
             if "ex" not in state:
                 state["ex"] = GpuExecutor(compiled.tables, timeout_s=opts.timeout_s,
                                           profile=opts.profile_dir is not None)
-            # the last launch's arguments (benchmarks re-run them profiled: last_args), weakly: the
-            # compiled step outlives a decode loop and must not keep its KV cache alive
-            try:
-                state["args"] = list(map(weakref.ref, args))
-            except TypeError:  # not all tensors
-                state["args"] = [weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in args]
+            _remember(state, args)
             out = state["ex"].run(args, wait=opts.sync)
             if opts.profile_dir:
                 Path(opts.profile_dir).mkdir(parents=True, exist_ok=True)
@@ -156,10 +160,10 @@ def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
         def run(*args):
             if _TRACE_ONLY.get():
                 raise TracedOnly(compiled)
+            _remember(state, args)
             return interp.run(args, seed=opts.seed)
 
     run.compiled = compiled  # type: ignore[attr-defined]
-    if opts.executor == "gpu":
-        run.state = state  # type: ignore[attr-defined]
+    run.state = state  # type: ignore[attr-defined]
     RUNNERS[id(compiled)] = run
     return run

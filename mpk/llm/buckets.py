@@ -14,7 +14,9 @@ Every bucket is a Dynamo cache entry of ``DecoderLM.forward``: ``compile`` raise
 ``recompile_limit`` (8 by default) while it traces, and steps run under the
 ``fail_on_recompile`` stance, so a step that would compile (new shapes, or after
 ``torch._dynamo.reset()`` / ``torch.compiler.reset()``, which drop every graph) raises instead
-of silently tracing in the loop; call ``compile`` again after a reset.
+of silently tracing in the loop; call ``compile`` again after a reset. A graph that ran once
+is replayed from then on without torch.compile's wrappers (``DirectStep``), so it keeps
+running after a reset.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from mpk.errors import BadInputError, MpkError, OptionError
 from mpk.llm.config import is_count
 from mpk.llm.kv_cache import PagedKVCache, PageTable
 from mpk.llm.model import LOGITS, DecoderLM
+from mpk.llm.staging import PinnedWriter
 
 
 # A decode step whose longest sequence is this many positions past the median runs as a ragged
@@ -115,9 +118,12 @@ caller wrote).
         # skips the GPU executor's full bind
         self._tokens = {T: torch.zeros(T, dtype=torch.long, device=device) for T in sizes}
         self._decode_tokens = torch.zeros(cache.batch, dtype=torch.long, device=device)
+        self._writers = {key: PinnedWriter(buf) for key, buf in [*self._tokens.items(), ("decode", self._decode_tokens)]}
         self._run: Callable = model if eager else torch.compile(
             model, backend="mpk", fullgraph=True, dynamic=False, options=dict(options or {}))
         self.eager, self.report = eager, None
+        self._compiled: dict[int | str, object] = {}  # graph key (T or "decode") → its CompiledGraph
+        self._direct: dict[int | str, DirectStep | None] = {}
 
     @property
     def max_tokens(self) -> int:
@@ -146,10 +152,11 @@ caller wrote).
             self.report = report
             return report
         ragged = {"qo_indptr": self.cache.qo_indptr, "logits": self.logits}
-        graphs = [(f"T={T}", self._tokens[T], ragged) for T in self.buckets]
+        graphs = [(T, self._tokens[T], ragged) for T in self.buckets]
         if self.decode:
             graphs.append(("decode", self._decode_tokens, {}))
         compiled = []
+        self._direct.clear()
         limit = torch._dynamo.config.recompile_limit + len(graphs)  # headroom over entries other compiles hold
         with torch._dynamo.config.patch(recompile_limit=limit), torch.no_grad(), trace_only(), \
                 tqdm(graphs, desc="tracing", unit="graph", disable=None if progress is None else not progress) as bar:
@@ -159,10 +166,11 @@ caller wrote).
                     self._run(tokens, *self.cache.args(), **extra)
                 except TracedOnly as traced:
                     compiled.append(traced.compiled)
+                    self._compiled[name] = traced.compiled
                 else:
-                    raise MpkError(f"TokenBuckets: the {name} graph ran instead of being traced; expected the mpk "
-                                   "backend (did options select another?)")
-                report.trace_s[name] = time.perf_counter() - start
+                    raise MpkError(f"TokenBuckets: the {_graph_name(name)} graph ran instead of being traced; expected "
+                                   "the mpk backend (did options select another?)")
+                report.trace_s[_graph_name(name)] = time.perf_counter() - start
         if any(c.tables.meta["options"].get("executor") == "gpu" for c in compiled):
             from mpk.executors import build
             from mpk.executors.codegen import generate
@@ -213,26 +221,83 @@ caller wrote).
         if len(tokens) != total:
             raise BadInputError(f"run() got {len(tokens)} tokens for new-row counts summing to {total}")
         if self._decodes(counts):
-            buf, extra = self._decode_tokens, {}
+            key, buf, extra = "decode", self._decode_tokens, {}
         else:
-            buf = self._tokens[self.bucket(total)]
-            extra = {"qo_indptr": self.cache.qo_indptr, "logits": self.logits}
+            key = self.bucket(total)
+            buf, extra = self._tokens[key], {"qo_indptr": self.cache.qo_indptr, "logits": self.logits}
         if self.report is None:
             self.compile()
-        flat = np.zeros(buf.shape[0], np.int64)  # padding rows: token 0
-        flat[:total] = tokens
-        host = torch.from_numpy(flat)
-        buf.copy_(host.pin_memory() if buf.is_cuda else host, non_blocking=buf.is_cuda)
+        host = self._writers[key].host()
+        host[:total] = tokens
+        host[total:] = 0  # padding rows: token 0
+        self._writers[key].flush()
+        with torch.no_grad():
+            direct = self._direct.get(key)
+            if direct is not None and direct.valid():
+                out = direct()
+            else:
+                out = self._traced_call(counts, buf, extra)
+                self._direct[key] = DirectStep.capture(self._compiled.get(key), self.model)
+        return out[:total] if self.logits == "all" else out  # (the decode form's rows: one per token)
+
+    def _traced_call(self, counts: Sequence[int], buf: torch.Tensor, extra: dict) -> torch.Tensor:
         try:
-            with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
-                out = self._run(buf, *self.cache.args(), **extra)
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self._run(buf, *self.cache.args(), **extra)
         except RuntimeError as e:
             if not _recompile_error(e):
                 raise
             raise MpkError(f"a step of {list(counts)} new tokens would compile a new graph (after torch._dynamo.reset() "
                            "or torch.compiler.reset(), which drop every bucket's graph?); expected the graphs "
                            "compile() made: call compile() again") from e
-        return out[:total] if self.logits == "all" else out  # (the decode form's rows: one per token)
+
+
+def _graph_name(key: int | str) -> str:
+    return key if isinstance(key, str) else f"T={key}"
+
+
+@dataclass
+class DirectStep:
+    """A graph's launch replayed without torch.compile's wrappers (Dynamo's guards and
+    AOTAutograd's runtime wrapper: about a third of a decode step's host time): the mpk runner
+    called with the arguments of its last launch, which are the same tensors every step (the
+    buckets' token buffers, the page table, the cache, the model's parameters and buffers).
+    Valid while the model's parameters and buffers keep their addresses (``valid``; else the
+    step goes through torch.compile, which rebinds, and is captured again). The graph's outputs
+    are the logits and the mutated cache as a view of itself (the wrapper's copy of it onto
+    itself does nothing): a call returns the logits."""
+
+    runner: Callable
+    args: list
+    output: int
+    model: DecoderLM
+    addresses: tuple[int, ...]
+
+    @classmethod
+    def capture(cls, compiled, model: DecoderLM) -> DirectStep | None:
+        """The step of ``compiled`` as its last launch ran it; None where there is none to replay
+        (not compiled by mpk, no launch recorded, or outputs other than the logits)."""
+        from mpk.backend import RUNNERS, last_args
+
+        runner = RUNNERS.get(id(compiled)) if compiled is not None else None
+        if runner is None or "args" not in getattr(runner, "state", {}):
+            return None
+        graph = compiled.graph
+        inputs = {b.id for b in graph.inputs}
+        own = [i for i, o in enumerate(graph.outputs) if o.view is not None and o.view.buffer not in inputs]
+        if len(own) != 1:
+            return None
+        return cls(runner, last_args(runner), own[0], model, _addresses(model))
+
+    def valid(self) -> bool:
+        return _addresses(self.model) == self.addresses
+
+    def __call__(self) -> torch.Tensor:
+        return self.runner(*self.args)[self.output]
+
+
+def _addresses(model: DecoderLM) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
 
 
 def prefill(steps: TokenBuckets, prompts: Sequence[Sequence[int]], chunk: int | None = None) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 from mpk.engine.block_manager import BlockManager, BlockTable
 from mpk.errors import MpkError
 from mpk.llm.config import is_count
+from mpk.llm.staging import PinnedWriter
 from mpk.ops.paged import PAGE_SIZES, is_page_size
 
 if TYPE_CHECKING:
@@ -61,13 +62,18 @@ class PageTable:
             raise ValueError(f"batch {batch!r}, num_pages {num_pages!r}; expected both ints ≥ 1")
         capacity = num_pages if capacity is None else capacity
         self.batch, self.page_size, self.num_pages, self.capacity = batch, page_size, num_pages, capacity
-        dev = model.embed.device
         self.cache = model.new_cache(num_pages, page_size)
-        self.kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
-        self.kv_indices = torch.zeros(capacity, dtype=torch.int32, device=dev)
-        self.kv_last_page_len = torch.zeros(batch, dtype=torch.int32, device=dev)
-        self.qo_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
-        self._qo_written = np.zeros(batch + 1, np.int32)
+        # the four table tensors are views of one buffer, so a step's table is one copy; each
+        # starts at a multiple of 16 entries (64 bytes: the tasks' vector loads stay aligned)
+        sizes = {"kv_indptr": batch + 1, "kv_indices": capacity, "kv_last_page_len": batch, "qo_indptr": batch + 1}
+        starts, end = {}, 0
+        for name, n in sizes.items():
+            starts[name], end = end, end + -(-n // 16) * 16
+        self._table = torch.zeros(end, dtype=torch.int32, device=model.embed.device)
+        for name, n in sizes.items():
+            setattr(self, name, self._table[starts[name]: starts[name] + n])
+        self._starts = starts
+        self._writer = PinnedWriter(self._table)
         self.step_lens = np.zeros(0, np.int64)  # the sequences' lengths the last write gave the step
 
     def args(self) -> tuple[torch.Tensor, ...]:
@@ -93,19 +99,11 @@ class PageTable:
         qo = np.zeros(self.batch + 1, np.int32)
         qo[1: n + 1] = np.cumsum(new)
         qo[n + 1:] = qo[n]
-        # a decode loop's qo_indptr never changes: no copy for it each step
-        writes = [(self.kv_indptr, indptr), (self.kv_indices[: len(flat)], flat), (self.kv_last_page_len, last)]
-        if not np.array_equal(qo, self._qo_written):
-            writes.append((self.qo_indptr, qo))
-            self._qo_written = qo
-        # From pinned host memory, asynchronously: a blocking copy would wait for the steps still
-        # queued on the stream (sync=False), stalling the host each step. The caching host
-        # allocator keeps each staging block until its copy has run.
-        for dst, src in writes:
-            host = torch.from_numpy(src)
-            if dst.is_cuda:
-                host = host.pin_memory()
-            dst.copy_(host, non_blocking=dst.is_cuda)
+        host = self._writer.host()
+        for name, values in (("kv_indptr", indptr), ("kv_indices", flat), ("kv_last_page_len", last),
+                             ("qo_indptr", qo)):
+            host[self._starts[name]: self._starts[name] + len(values)] = values
+        self._writer.flush()
 
 
 class PagedKVCache(PageTable):

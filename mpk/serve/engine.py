@@ -2,8 +2,8 @@
 
 Handlers on the event loop hand requests and aborts to the engine thread through an inbox; the
 thread applies them between steps, runs steps while any request is unfinished and sleeps on a
-condition variable when none is, and posts each request's outputs to that request's asyncio
-queue (``call_soon_threadsafe``). Only the engine thread touches the ``LLM``, so HTTP handling
+condition variable when none is, and posts each step's outputs to their requests' asyncio
+queues (one ``call_soon_threadsafe`` per event loop and step). Only the engine thread touches the ``LLM``, so HTTP handling
 never waits for a step and a step never waits for HTTP."""
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class AsyncEngine:
         self._inbox: list[tuple[str, _Request]] = []
         self._stopping = False
         self._active: dict[int, _Request] = {}  # engine thread only
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # engine thread only: the step's outputs
         self._thread = threading.Thread(target=self._run, name="mpk-engine", daemon=True)
         metrics.pages_total.set(llm.blocks.num_pages)
 
@@ -116,6 +117,7 @@ class AsyncEngine:
                     self._abort(req)
             if stopping:
                 self._fail_all("the server is shutting down")
+                self._flush()
                 return
             if self.llm.has_unfinished():
                 try:
@@ -126,6 +128,7 @@ class AsyncEngine:
                     outputs = []
                 for out in outputs:
                     self._deliver(out)
+            self._flush()
             self._publish()
 
     def _add(self, req: _Request) -> None:
@@ -169,15 +172,26 @@ class AsyncEngine:
             failed = CompletionOutput(finish_reason="error")
             self._post(req, RequestOutput(rid, None, req.ids, [failed], finished=True, error=message))
 
-    @staticmethod
-    def _post(req: _Request, out: RequestOutput) -> None:
-        try:
-            req.loop.call_soon_threadsafe(req.queue.put_nowait, out)
-        except RuntimeError:  # the event loop is closed: nobody waits for it
-            pass
+    def _post(self, req: _Request, out: RequestOutput) -> None:
+        self._outbox.setdefault(req.loop, []).append((req.queue, out))
+
+    def _flush(self) -> None:
+        """Hand the step's outputs to their event loops: one wake-up of each loop per step (a
+        wake-up per output would take the GIL from this thread once per stream and token)."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop is closed: nobody waits for these
+                pass
 
     def _publish(self) -> None:
         s, b = self.llm.scheduler, self.llm.blocks
         self.metrics.waiting.set(len(s.waiting))
         self.metrics.running.set(len(s.running))
         self.metrics.pages_in_use.set(b.num_pages - b.num_free)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +19,10 @@ from mpk.serve.engine import AsyncEngine
 from mpk.serve.metrics import Metrics
 
 DRAIN_SECONDS = 30
+# The engine thread's loop is host-bound between device waits; with CPython's default switch
+# interval (5 ms) the event loop's thread, busy streaming to many clients, may hold the GIL that
+# long each time the engine thread wants it back, which stalls the GPU between steps.
+SWITCH_INTERVAL_S = 0.0005
 
 
 class _Server(uvicorn.Server):
@@ -46,6 +51,8 @@ def served_name(model: str | None) -> str:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     from mpk.engine.llm import LLM
+
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     llm = LLM(ns.model, max_num_seqs=ns.max_num_seqs, max_model_len=ns.max_model_len, page_size=ns.page_size,
               tensor_parallel_size=ns.tensor_parallel_size, executor=ns.executor,
