@@ -114,6 +114,17 @@ class Job:
     def world(self) -> int:
         return self.info.world
 
+    def abort(self, why: str) -> None:
+        """Leave after an error on this rank: the others are told (they stop, naming this
+        rank), the workers this rank started are ended, then ``close``."""
+        try:
+            self.store.compare_set("mpk/failed", "", f"{self.rank}:rank {self.rank} failed: {why}")
+        except Exception:  # the store went with rank 0: the workers see that themselves
+            pass
+        for p in self.procs.values():
+            p.kill()
+        self.close()
+
     def close(self, wait_s: float = 10.0) -> None:
         if self.closed:
             return

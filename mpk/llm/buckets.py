@@ -62,10 +62,13 @@ def default_buckets(max_num_batched_tokens: int) -> list[int]:
 class CompileReport:
     """What ``TokenBuckets.compile`` did: the graphs it traced ("decode" or "T=<rows>") with the
     seconds each took (Dynamo, AOTAutograd, mpk's compiler), and the seconds of the kernels'
-    parallel nvcc build (0 for the CPU interpreter, which builds nothing)."""
+    parallel nvcc build (0 for the CPU interpreter, which builds nothing); ``digests``: each
+    graph's tables' SHA-256 without the rank (``Tables.rank_free_digest``: the ranks of a
+    tensor-parallel job compare them)."""
 
     trace_s: dict[str, float] = field(default_factory=dict)
     build_s: float = 0.0
+    digests: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_s(self) -> float:
@@ -159,6 +162,7 @@ caller wrote).
                     self._run(tokens, *self.cache.args(), **extra)
                 except TracedOnly as traced:
                     compiled.append(traced.compiled)
+                    report.digests[name] = traced.compiled.tables.rank_free_digest()
                 else:
                     raise MpkError(f"TokenBuckets: the {name} graph ran instead of being traced; expected the mpk "
                                    "backend (did options select another?)")

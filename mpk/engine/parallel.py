@@ -1,0 +1,175 @@
+"""The engine over a tensor-parallel job: rank 0 (the driver: ``mpk.LLM``, ``mpk serve``)
+schedules, sends each step's inputs to the workers and runs its own shard (``ParallelRunner``);
+every other rank runs ``worker``: it takes the engine's configuration from rank 0, loads the
+model on its GPU, compiles its shard and runs the steps rank 0 sends until rank 0 stops.
+
+Start-up: rank 0 starts ranks 1…N-1 itself (``start_job``) unless torchrun started them, then
+every rank joins, initialises NVSHMEM (GPU executor), compiles, and all compare a digest of
+their compiled tables and configuration (``agree``: a mismatch names the ranks that differ).
+A rank that dies stops the others (the job's monitor): GPU launches are aborted and the
+engine's next step raises ``RankFailedError`` naming the dead rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from mpk.distributed.launch import Job, RankInfo, check_gpus, join, start_driver
+from mpk.distributed.steps import STOP, StepChannel, agree, serve_steps
+from mpk.engine.runner import ModelRunner, StepInputs
+from mpk.errors import DistributedError, OptionError, RankFailedError, WatchdogTimeout
+
+WORKER = "mpk.engine.parallel:worker"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What every rank needs to build the same runner: the model (a checkpoint path, or None
+    for the default model), its dtype and the ModelRunner's arguments (rank 0 decided
+    ``num_pages``)."""
+
+    model: str | None
+    dtype: torch.dtype
+    executor: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_pages: int
+    page_size: int
+    max_model_len: int
+    buckets: list[int] | None = None
+    timeout_s: float = 30.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def runner_args(self) -> dict[str, Any]:
+        return {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+                "num_pages": self.num_pages, "page_size": self.page_size, "max_model_len": self.max_model_len,
+                "executor": self.executor, "buckets": self.buckets}
+
+
+def check_parallel(world: int, executor: str, device: torch.device, model: Any) -> None:
+    """OptionError unless a job of ``world`` ranks can run: one visible GPU per rank with the
+    GPU executor; eager PyTorch (each rank a full replica: the launcher's CPU test) on the CPU;
+    a checkpoint every rank loads itself."""
+    if executor not in ("gpu", "eager"):
+        raise OptionError(f"executor={executor!r} with tensor_parallel_size={world}; expected 'gpu' (or 'eager', "
+                          "which runs a full replica per rank)")
+    if device.type == "cuda":
+        check_gpus(world)
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise OptionError(f"a model of type {type(model).__name__} with tensor_parallel_size={world}; expected a "
+                          "checkpoint path (or None: the default model), which every rank loads itself")
+
+
+def start_job(world: int, timeout_s: float = 30.0) -> Job:
+    """Rank 0's job: joined from torchrun's environment when torchrun started ``world``
+    ranks (this process is rank 0), else started here (ranks 1…world-1 run ``worker``)."""
+    info = RankInfo.from_env()
+    if info is None or info.world == 1:
+        return start_driver(world, WORKER, {}, timeout_s=timeout_s)
+    if info.world != world:
+        raise OptionError(f"tensor_parallel_size={world} under torchrun with WORLD_SIZE={info.world}; expected equal")
+    if info.rank != 0:
+        raise DistributedError(f"rank {info.rank}: under torchrun only rank 0 builds the engine; the other ranks run "
+                               "mpk.engine.parallel.run_torchrun_worker()")
+    return join(info, timeout_s=timeout_s)
+
+
+def _device(job: Job, executor: str) -> torch.device:
+    if executor != "gpu":
+        return torch.device("cpu")
+    torch.cuda.set_device(job.info.local_rank)
+    return torch.device("cuda", job.info.local_rank)
+
+
+def _nvshmem(job: Job, executor: str) -> None:
+    """GPU ranks: NVSHMEM over the job's group; a failed peer abandons its collective teardown
+    and aborts this process's launches."""
+    if executor != "gpu":
+        return
+    from mpk.distributed.nvshmem import init_nvshmem
+    from mpk.executors.gpu import abort_all
+
+    allocator = init_nvshmem(job.control)
+    job.monitor.on_failure(allocator.abandon)
+    job.monitor.on_failure(abort_all)
+
+
+def startup_digest(runner: ModelRunner, config: EngineConfig) -> str:
+    """What ranks compare at start-up: every graph's tables (rank left out) and the config."""
+    runner.compile(progress=False)
+    doc = repr((sorted(runner.buckets.report.digests.items()), asdict(config) | {"dtype": str(config.dtype)},
+                runner.model.cfg))
+    return hashlib.sha256(doc.encode()).hexdigest()
+
+
+def worker(job: Job) -> None:
+    """A worker rank: the engine's configuration from rank 0, then its steps until rank 0 stops."""
+    from mpk.engine.loading import load_model
+
+    channel = StepChannel(job)
+    kind, config = channel.recv()
+    if kind == STOP:  # rank 0 failed before it built its engine
+        return
+    device = _device(job, config.executor)
+    _nvshmem(job, config.executor)
+    model, _, _ = load_model(config.model, config.dtype, device, config.max_model_len)
+    runner = ModelRunner(model, tensor_parallel=(job.rank, job.world), **config.runner_args())
+    agree(job, startup_digest(runner, config))
+    serve_steps(job, runner.forward)
+
+
+def run_torchrun_worker(timeout_s: float = 30.0) -> None:
+    """Under torchrun, what ranks other than 0 call (rank 0 builds ``mpk.LLM(...,
+    tensor_parallel_size=N)``): serve rank 0's engine until it closes."""
+    info = RankInfo.from_env()
+    if info is None or info.rank == 0:
+        raise DistributedError("run_torchrun_worker() on rank 0 or outside torchrun; expected a rank > 0 of a "
+                               "torchrun job (rank 0 builds mpk.LLM(..., tensor_parallel_size=N))")
+    job = join(info, timeout_s=timeout_s)
+    try:
+        worker(job)
+    finally:
+        job.close()
+
+
+class ParallelRunner(ModelRunner):
+    """Rank 0's runner: each step's inputs go to the workers before its own shard runs; a
+    failed rank turns the step into ``RankFailedError`` naming it. ``close()`` stops the
+    workers and leaves the job."""
+
+    def __init__(self, job: Job, model: Any, config: EngineConfig):
+        self.job, self.channel = job, StepChannel(job)
+        self.channel.send(config)  # the workers load and compile meanwhile
+        _nvshmem(job, config.executor)
+        super().__init__(model, tensor_parallel=(job.rank, job.world), **config.runner_args())
+        agree(job, startup_digest(self, config))
+
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        self.channel.send(step)
+        return super().forward(step)
+
+    def execute(self, rows: list) -> list:
+        try:
+            out = super().execute(rows)
+        except (WatchdogTimeout, RuntimeError) as e:  # a launch waiting for a dead peer, aborted
+            if self.job.monitor.failure is not None:
+                raise self.job.monitor.failure from e
+            raise
+        # an aborted launch's outputs are not valid: a failure filed meanwhile voids the step
+        self.job.monitor.check()
+        return out
+
+    def close(self) -> None:
+        if self.job.closed:
+            return
+        if self.job.monitor.failure is None:
+            try:
+                self.channel.stop()
+            except RankFailedError:  # stopping anyway; the workers were told by the monitor
+                pass
+        self.job.close()
