@@ -71,7 +71,6 @@ class LLM:
                 raise OptionError(f"{name}={value!r}; expected an int ≥ {least}")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        executor = executor or default_executor(device)
         self.job = None
         if tensor_parallel_size > 1:
             from mpk.engine.parallel import check_parallel, start_job
@@ -82,8 +81,8 @@ class LLM:
                 device = torch.device("cuda", self.job.info.local_rank)
                 torch.cuda.set_device(device)
         try:
-            self._build(model, max_num_seqs, max_model_len, page_size, dtype, executor, max_num_batched_tokens,
-                        num_pages, seed, enable_prefix_caching, device, buckets)
+            self._build(model, max_num_seqs, max_model_len, page_size, dtype, executor or default_executor(device),
+                        max_num_batched_tokens, num_pages, seed, enable_prefix_caching, device, buckets)
         except BaseException as e:
             if self.job is not None:
                 self.job.abort(f"{type(e).__name__}: {e}")
@@ -116,7 +115,7 @@ class LLM:
             return
         from mpk.engine.parallel import EngineConfig, ParallelRunner
 
-        config = EngineConfig(None if model is None else os.fspath(model), dtype, executor, max_num_seqs,
+        config = EngineConfig(None if model is None else os.fspath(model), device.type, dtype, executor, max_num_seqs,
                               max_num_batched_tokens, num_pages, page_size, max_model_len,
                               None if buckets is None else list(buckets))
         self.runner = ParallelRunner(self.job, self.model, config)

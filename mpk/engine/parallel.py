@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -30,10 +30,11 @@ WORKER = "mpk.engine.parallel:worker"
 @dataclass(frozen=True)
 class EngineConfig:
     """What every rank needs to build the same runner: the model (a checkpoint path, or None
-    for the default model), its dtype and the ModelRunner's arguments (rank 0 decided
-    ``num_pages``)."""
+    for the default model), the device type ("cuda": each rank on its local rank's GPU), the
+    dtype and the ModelRunner's arguments (rank 0 decided ``num_pages``)."""
 
     model: str | None
+    device: str
     dtype: torch.dtype
     executor: str
     max_num_seqs: int
@@ -42,8 +43,6 @@ class EngineConfig:
     page_size: int
     max_model_len: int
     buckets: list[int] | None = None
-    timeout_s: float = 30.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def runner_args(self) -> dict[str, Any]:
         return {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
@@ -51,14 +50,14 @@ class EngineConfig:
                 "executor": self.executor, "buckets": self.buckets}
 
 
-def check_parallel(world: int, executor: str, device: torch.device, model: Any) -> None:
-    """OptionError unless a job of ``world`` ranks can run: one visible GPU per rank with the
-    GPU executor; eager PyTorch (each rank a full replica: the launcher's CPU test) on the CPU;
-    a checkpoint every rank loads itself."""
-    if executor not in ("gpu", "eager"):
+def check_parallel(world: int, executor: str | None, device: torch.device, model: Any) -> None:
+    """OptionError unless a job of ``world`` ranks can run: one visible GPU per rank for the
+    GPU executor (the default); ``executor="eager"`` asked for explicitly runs a full replica
+    per rank in PyTorch, on the CPU too (the launcher's test); a checkpoint every rank loads."""
+    if executor not in (None, "gpu", "eager"):
         raise OptionError(f"executor={executor!r} with tensor_parallel_size={world}; expected 'gpu' (or 'eager', "
                           "which runs a full replica per rank)")
-    if device.type == "cuda":
+    if executor != "eager" or device.type == "cuda":
         check_gpus(world)
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise OptionError(f"a model of type {type(model).__name__} with tensor_parallel_size={world}; expected a "
@@ -79,8 +78,8 @@ def start_job(world: int, timeout_s: float = 30.0) -> Job:
     return join(info, timeout_s=timeout_s)
 
 
-def _device(job: Job, executor: str) -> torch.device:
-    if executor != "gpu":
+def _device(job: Job, device: str) -> torch.device:
+    if device != "cuda":
         return torch.device("cpu")
     torch.cuda.set_device(job.info.local_rank)
     return torch.device("cuda", job.info.local_rank)
@@ -115,7 +114,7 @@ def worker(job: Job) -> None:
     kind, config = channel.recv()
     if kind == STOP:  # rank 0 failed before it built its engine
         return
-    device = _device(job, config.executor)
+    device = _device(job, config.device)
     _nvshmem(job, config.executor)
     model, _, _ = load_model(config.model, config.dtype, device, config.max_model_len)
     runner = ModelRunner(model, tensor_parallel=(job.rank, job.world), **config.runner_args())

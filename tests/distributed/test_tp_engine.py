@@ -1,0 +1,95 @@
+"""``mpk.LLM(tensor_parallel_size=N)`` and the CLI's ``--tensor-parallel-size`` on the CPU:
+option checks, and an engine whose workers are eager replicas (``executor="eager"``), which
+exercises the launcher, the configuration hand-over, the start-up agreement and the step
+broadcast of the real engine: its tokens equal one process's. A worker that dies turns the
+next step into ``RankFailedError`` naming it; the server then answers 503."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from mpk.cli import main
+from mpk.engine.llm import LLM
+from mpk.engine.parallel import check_parallel
+from mpk.engine.sampling import SamplingParams
+from mpk.errors import OptionError, RankFailedError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def random_prompt(n: int) -> list[int]:
+    return [random.randrange(256) for _ in range(n)]
+
+
+def test_options_are_checked_before_anything_starts(checkpoint):
+    cpu = torch.device("cpu")
+    with pytest.raises(OptionError, match="tensor_parallel_size=2; expected at most the 0 visible GPU"):
+        check_parallel(2, None, cpu, checkpoint)  # no GPU here: only an explicit eager replica runs
+    with pytest.raises(OptionError, match="executor='cpu' with tensor_parallel_size=2"):
+        check_parallel(2, "cpu", cpu, checkpoint)
+    with pytest.raises(OptionError, match="a model of type DecoderLM .* expected a checkpoint path"):
+        check_parallel(2, "eager", cpu, torch.nn.Module.__new__(type("DecoderLM", (torch.nn.Module,), {})))
+    check_parallel(2, "eager", cpu, checkpoint)
+    with pytest.raises(OptionError, match="tensor_parallel_size=2; expected at most"):
+        LLM(checkpoint, tensor_parallel_size=2, device="cpu")
+
+
+def test_cli_flag_reaches_the_engine(checkpoint, capsys):
+    assert main(["generate", "--model", str(checkpoint), "--prompt", "hi", "--tensor-parallel-size", "3",
+                 "--max-model-len", "64"]) == 2
+    assert "tensor_parallel_size=3; expected at most the 0 visible GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--tensor-parallel-size", "0"])
+    assert "expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_replicas_give_one_process_tokens_and_a_dead_worker_is_named(checkpoint):
+    prompts = [random_prompt(n) for n in (5, 17, 9)]
+    options = {"max_model_len": 64, "max_num_seqs": 4, "max_num_batched_tokens": 16, "executor": "eager"}
+    alone = [o.outputs[0].token_ids for o in LLM(checkpoint, **options).generate(prompts, GREEDY, use_tqdm=False)]
+    llm = LLM(checkpoint, tensor_parallel_size=2, **options)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == alone
+        worker = llm.job.procs[1]
+        worker.kill()
+        start = time.monotonic()
+        with pytest.raises(RankFailedError, match=rf"rank 1 \(pid {worker.pid}\) exited") as e:
+            while time.monotonic() - start < 60:
+                llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+        assert e.value.rank == 1
+    finally:
+        llm.close()
+    assert llm.job.closed
+
+
+def test_the_server_answers_503_after_a_rank_failed(checkpoint):
+    from mpk.serve.engine import AsyncEngine, EngineStoppedError
+    from mpk.serve.metrics import Metrics
+
+    llm = LLM(checkpoint, tensor_parallel_size=2, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+              executor="eager")
+    engine = AsyncEngine(llm, Metrics(), max_queue=4)
+    engine.start()
+
+    async def ask() -> list:
+        return [out async for out in engine.generate(random_prompt(6), GREEDY)]
+
+    try:
+        assert asyncio.run(ask())[-1].error is None
+        llm.job.procs[1].kill()
+        outs = asyncio.run(ask())
+        assert "rank 1" in outs[-1].error and outs[-1].finished
+        engine._thread.join(30)
+        assert not engine.alive and "rank 1" in engine.failure
+        with pytest.raises(EngineStoppedError, match="the engine stopped: .*rank 1"):
+            asyncio.run(ask())
+    finally:
+        engine.stop()
+        llm.close()
+    assert os.environ["NVSHMEM_DISABLE_NVLS"] == "1"
