@@ -52,7 +52,8 @@ class LLM:
     or "cpu" (mpk's CPU interpreter, slow); ``seed``: the seed of requests that give none;
     ``enable_prefix_caching``: share full KV pages of equal prompt prefixes across requests.
     ``tensor_parallel_size``: GPUs (ranks) the model is sharded over, one per visible GPU; the
-    engine starts ranks 1…N-1 itself, or joins them under torchrun (docs/guide.md, "Tensor
+    engine starts ranks 1…N-1 itself, or joins them under torchrun, where the other ranks'
+    ``LLM(...)`` serve rank 0's steps and end their processes (docs/guide.md, "Tensor
     parallelism"); ``close()`` stops them. ``buckets``: the step sizes
     (new tokens) compiled, each its own graph; the largest must be ``max_num_batched_tokens``
     (default ``mpk.llm.default_buckets(max_num_batched_tokens)``: 1, 2, 4, …). A model built in

@@ -3,7 +3,8 @@ schedules, sends each step's inputs to the workers and runs its own shard (``Par
 every other rank runs ``worker``: it takes the engine's configuration from rank 0, loads the
 model on its GPU, compiles its shard and runs the steps rank 0 sends until rank 0 stops.
 
-Start-up: rank 0 starts ranks 1…N-1 itself (``start_job``) unless torchrun started them, then
+Start-up: rank 0 starts ranks 1…N-1 itself (``start_job``) unless torchrun started them (then
+the other ranks' ``mpk.LLM(...)`` calls become workers and end their processes), then
 every rank joins, initialises NVSHMEM (GPU executor), compiles, and all compare a digest of
 their compiled tables and configuration (``agree``: a mismatch names the ranks that differ).
 A rank that dies stops the others (the job's monitor): GPU launches are aborted and the
@@ -22,7 +23,7 @@ import torch
 from mpk.distributed.launch import Job, RankInfo, check_gpus, join, start_driver
 from mpk.distributed.steps import STOP, StepChannel, agree, serve_steps
 from mpk.engine.runner import ModelRunner, StepInputs
-from mpk.errors import DistributedError, OptionError, RankFailedError, WatchdogTimeout
+from mpk.errors import OptionError, RankFailedError, WatchdogTimeout
 
 WORKER = "mpk.engine.parallel:worker"
 
@@ -66,16 +67,22 @@ def check_parallel(world: int, executor: str | None, device: torch.device, model
 
 def start_job(world: int, timeout_s: float = 30.0) -> Job:
     """Rank 0's job: joined from torchrun's environment when torchrun started ``world``
-    ranks (this process is rank 0), else started here (ranks 1…world-1 run ``worker``)."""
+    ranks, else started here (ranks 1…world-1 run ``worker``). Under torchrun a rank other
+    than 0 serves rank 0's steps here and then ends the process (``SystemExit(0)``): code after
+    ``mpk.LLM(...)`` runs on rank 0 only."""
     info = RankInfo.from_env()
     if info is None or info.world == 1:
         return start_driver(world, WORKER, {}, timeout_s=timeout_s)
     if info.world != world:
         raise OptionError(f"tensor_parallel_size={world} under torchrun with WORLD_SIZE={info.world}; expected equal")
-    if info.rank != 0:
-        raise DistributedError(f"rank {info.rank}: under torchrun only rank 0 builds the engine; the other ranks run "
-                               "mpk.engine.parallel.run_torchrun_worker()")
-    return join(info, timeout_s=timeout_s)
+    job = join(info, timeout_s=timeout_s)
+    if info.rank == 0:
+        return job
+    try:
+        worker(job)
+    finally:
+        job.close()
+    raise SystemExit(0)
 
 
 def _device(job: Job, device: str) -> torch.device:
@@ -120,20 +127,6 @@ def worker(job: Job) -> None:
     runner = ModelRunner(model, tensor_parallel=(job.rank, job.world), **config.runner_args())
     agree(job, startup_digest(runner, config))
     serve_steps(job, runner.forward)
-
-
-def run_torchrun_worker(timeout_s: float = 30.0) -> None:
-    """Under torchrun, what ranks other than 0 call (rank 0 builds ``mpk.LLM(...,
-    tensor_parallel_size=N)``): serve rank 0's engine until it closes."""
-    info = RankInfo.from_env()
-    if info is None or info.rank == 0:
-        raise DistributedError("run_torchrun_worker() on rank 0 or outside torchrun; expected a rank > 0 of a "
-                               "torchrun job (rank 0 builds mpk.LLM(..., tensor_parallel_size=N))")
-    job = join(info, timeout_s=timeout_s)
-    try:
-        worker(job)
-    finally:
-        job.close()
 
 
 class ParallelRunner(ModelRunner):

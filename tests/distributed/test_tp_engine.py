@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
+import subprocess
+import textwrap
 import time
 
 import pytest
@@ -66,6 +69,33 @@ def test_replicas_give_one_process_tokens_and_a_dead_worker_is_named(checkpoint)
     finally:
         llm.close()
     assert llm.job.closed
+
+
+TORCHRUN_SCRIPT = textwrap.dedent("""
+    import sys
+    from mpk.engine.llm import LLM
+    from mpk.engine.sampling import SamplingParams
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, executor="eager", max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=16)
+    out = llm.generate([[1, 2, 3], [40, 50]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                       use_tqdm=False)
+    print("rank 0 tokens", [o.outputs[0].token_ids for o in out], flush=True)
+    llm.close()
+""")
+
+
+def test_under_torchrun_every_rank_calls_llm_and_rank_0_generates(checkpoint, tmp_path):
+    torchrun = shutil.which("torchrun") or pytest.skip("torchrun is not on PATH")
+    script = tmp_path / "generate.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    done = subprocess.run([torchrun, "--nproc-per-node", "2", "--standalone", str(script), str(checkpoint)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    alone = LLM(checkpoint, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, executor="eager").generate(
+        [[1, 2, 3], [40, 50]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    # rank 1's LLM() served rank 0 and ended its process: one line of tokens, rank 0's
+    assert done.stdout.count("rank 0 tokens") == 1
+    assert f"rank 0 tokens {[o.outputs[0].token_ids for o in alone]}" in done.stdout
 
 
 def test_the_server_answers_503_after_a_rank_failed(checkpoint):
