@@ -123,3 +123,29 @@ def test_the_server_answers_503_after_a_rank_failed(checkpoint):
         engine.stop()
         llm.close()
     assert os.environ["NVSHMEM_DISABLE_NVLS"] == "1"
+
+
+@pytest.mark.gpu
+def test_gpu_abort_all_stops_a_launch_waiting_for_a_dead_peer():
+    """What the monitor does when a peer dies: a launch that waits for an event that never
+    fires (as for a dead peer's signal) returns within seconds of ``abort_all``, long before its
+    watchdog limit, and so does every later launch of the executor."""
+    from mpk.executors.gpu import GpuExecutor, abort_all
+    from mpk.testing.random_graphs import stamp_graph, stamp_inputs
+
+    preds = [(), (0,), (1,), (1, 2), (3,)]
+    tables = stamp_graph(preds, 1)
+    tables.events["num_triggers"][int(tables.tasks["dep_event"][3])] += 5  # never reaches its count
+    ex = GpuExecutor(tables, timeout_s=120.0, validate_tables=False)
+    args = stamp_inputs(tables, 1, "cuda")
+    done = ex.launch(args)
+    time.sleep(0.5)
+    assert not done.query()  # it hangs
+    start = time.monotonic()
+    abort_all()
+    while not done.query():
+        assert time.monotonic() - start < 10, "the launch outlived abort_all by 10 s"
+        time.sleep(0.01)
+    later = ex.launch(args)
+    torch.cuda.synchronize()
+    assert later.query() and time.monotonic() - start < 15
