@@ -52,7 +52,7 @@ def test_gpu_count_and_multicast_settings():
 
 
 def test_every_worker_runs_every_step_then_exits_cleanly():
-    job = start_driver(3, WORKER, {}, timeout_s=LIMIT_S)
+    job = start_driver(2, WORKER, {}, timeout_s=LIMIT_S)
     try:
         agree(job, "same")
         channel = StepChannel(job)
@@ -62,8 +62,8 @@ def test_every_worker_runs_every_step_then_exits_cleanly():
         channel.stop()
         job.close()
         expected = "".join(f"{s!r};" for s in sent).encode()
-        assert [job.store.get(f"steps/{r}") for r in (1, 2)] == [expected, expected]
-        assert [p.returncode for p in job.procs.values()] == [0, 0]
+        assert job.store.get("steps/1") == expected
+        assert [p.returncode for p in job.procs.values()] == [0]
         assert os.environ["NCCL_NVLS_ENABLE"] == "0"  # set before the workers started (they inherit it)
     finally:
         _reap(job)

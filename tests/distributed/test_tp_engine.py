@@ -30,9 +30,10 @@ def random_prompt(n: int) -> list[int]:
     return [random.randrange(256) for _ in range(n)]
 
 
-def test_options_are_checked_before_anything_starts(checkpoint):
+def test_options_are_checked_before_anything_starts(checkpoint, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # (the same on a one-GPU machine)
     cpu = torch.device("cpu")
-    with pytest.raises(OptionError, match="tensor_parallel_size=2; expected at most the 0 visible GPU"):
+    with pytest.raises(OptionError, match="tensor_parallel_size=2; expected at most the 1 visible GPU"):
         check_parallel(2, None, cpu, checkpoint)  # no GPU here: only an explicit eager replica runs
     with pytest.raises(OptionError, match="executor='cpu' with tensor_parallel_size=2"):
         check_parallel(2, "cpu", cpu, checkpoint)
@@ -43,10 +44,11 @@ def test_options_are_checked_before_anything_starts(checkpoint):
         LLM(checkpoint, tensor_parallel_size=2, device="cpu")
 
 
-def test_cli_flag_reaches_the_engine(checkpoint, capsys):
+def test_cli_flag_reaches_the_engine(checkpoint, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert main(["generate", "--model", str(checkpoint), "--prompt", "hi", "--tensor-parallel-size", "3",
                  "--max-model-len", "64"]) == 2
-    assert "tensor_parallel_size=3; expected at most the 0 visible GPU" in capsys.readouterr().err
+    assert "tensor_parallel_size=3; expected at most the 1 visible GPU" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--tensor-parallel-size", "0"])
     assert "expected an integer >= 1" in capsys.readouterr().err
@@ -54,7 +56,8 @@ def test_cli_flag_reaches_the_engine(checkpoint, capsys):
 
 def test_replicas_give_one_process_tokens_and_a_dead_worker_is_named(checkpoint):
     prompts = [random_prompt(n) for n in (5, 17, 9)]
-    options = {"max_model_len": 64, "max_num_seqs": 4, "max_num_batched_tokens": 16, "executor": "eager"}
+    options = {"max_model_len": 64, "max_num_seqs": 4, "max_num_batched_tokens": 16, "executor": "eager",
+               "device": "cpu"}
     alone = [o.outputs[0].token_ids for o in LLM(checkpoint, **options).generate(prompts, GREEDY, use_tqdm=False)]
     llm = LLM(checkpoint, tensor_parallel_size=2, **options)
     try:
@@ -75,7 +78,7 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
     import sys
     from mpk.engine.llm import LLM
     from mpk.engine.sampling import SamplingParams
-    llm = LLM(sys.argv[1], tensor_parallel_size=2, executor="eager", max_model_len=64, max_num_seqs=4,
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, executor="eager", device="cpu", max_model_len=64, max_num_seqs=4,
               max_num_batched_tokens=16)
     out = llm.generate([[1, 2, 3], [40, 50]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
                        use_tqdm=False)
@@ -91,7 +94,8 @@ def test_under_torchrun_every_rank_calls_llm_and_rank_0_generates(checkpoint, tm
     done = subprocess.run([torchrun, "--nproc-per-node", "2", "--standalone", str(script), str(checkpoint)],
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    alone = LLM(checkpoint, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, executor="eager").generate(
+    alone = LLM(checkpoint, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, executor="eager",
+                device="cpu").generate(
         [[1, 2, 3], [40, 50]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     # rank 1's LLM() served rank 0 and ended its process: one line of tokens, rank 0's
     assert done.stdout.count("rank 0 tokens") == 1
@@ -103,7 +107,7 @@ def test_the_server_answers_503_after_a_rank_failed(checkpoint):
     from mpk.serve.metrics import Metrics
 
     llm = LLM(checkpoint, tensor_parallel_size=2, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
-              executor="eager")
+              executor="eager", device="cpu")
     engine = AsyncEngine(llm, Metrics(), max_queue=4)
     engine.start()
 
