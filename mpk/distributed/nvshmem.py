@@ -59,9 +59,12 @@ def active_allocator() -> "NvshmemAllocator | None":
     return _active
 
 
-def init_nvshmem(group: Any = None, device: int | torch.device | None = None) -> "NvshmemAllocator":
+def init_nvshmem(group: Any = None, device: int | torch.device | None = None,
+                 close_at_exit: bool = True) -> "NvshmemAllocator":
     """Initialise NVSHMEM with one PE per rank of ``group`` (None: the default group) on
     ``device`` (default: the current CUDA device); returns the process's ``NvshmemAllocator``.
+    ``close_at_exit``: tear it down at interpreter exit (collective: right for SPMD scripts,
+    whose ranks all exit together; an engine closes it itself, after stopping its workers).
     Raises ``NvshmemUnavailableError`` when nvshmem4py is missing or NVSHMEM fails to start (the
     cause chained), ``RankMismatchError`` when NVSHMEM's PEs do not match the group."""
     global _active
@@ -95,7 +98,8 @@ def init_nvshmem(group: Any = None, device: int | torch.device | None = None) ->
         raise RankMismatchError(f"NVSHMEM started PE {pe} of {pes} for rank {rank} of {world}; expected PE {rank} of "
                                 f"{world} (was another NVSHMEM job started with this unique id?)", (rank,))
     _active = NvshmemAllocator(nv, rank, world, index)
-    atexit.register(_active.close)
+    if close_at_exit:
+        atexit.register(_active.close)
     return _active
 
 

@@ -92,17 +92,19 @@ def _device(job: Job, device: str) -> torch.device:
     return torch.device("cuda", job.info.local_rank)
 
 
-def _nvshmem(job: Job, executor: str) -> None:
-    """GPU ranks: NVSHMEM over the job's group; a failed peer abandons its collective teardown
-    and aborts this process's launches."""
+def _nvshmem(job: Job, executor: str) -> Any:
+    """GPU ranks: NVSHMEM over the job's group (its allocator; None for eager replicas); a
+    failed peer abandons its collective teardown and aborts this process's launches. The
+    caller closes it on every rank at one point of the protocol: after the last step."""
     if executor != "gpu":
-        return
+        return None
     from mpk.distributed.nvshmem import init_nvshmem
     from mpk.executors.gpu import abort_all
 
-    allocator = init_nvshmem(job.control)
+    allocator = init_nvshmem(job.control, close_at_exit=False)
     job.monitor.on_failure(allocator.abandon)
     job.monitor.on_failure(abort_all)
+    return allocator
 
 
 def startup_digest(runner: ModelRunner, config: EngineConfig) -> str:
@@ -122,11 +124,18 @@ def worker(job: Job) -> None:
     if kind == STOP:  # rank 0 failed before it built its engine
         return
     device = _device(job, config.device)
-    _nvshmem(job, config.executor)
-    model, _, _ = load_model(config.model, config.dtype, device, config.max_model_len)
-    runner = ModelRunner(model, tensor_parallel=(job.rank, job.world), **config.runner_args())
-    agree(job, startup_digest(runner, config))
-    serve_steps(job, runner.forward)
+    allocator = _nvshmem(job, config.executor)
+    try:
+        model, _, _ = load_model(config.model, config.dtype, device, config.max_model_len)
+        runner = ModelRunner(model, tensor_parallel=(job.rank, job.world), **config.runner_args())
+        agree(job, startup_digest(runner, config))
+        serve_steps(job, runner.forward)
+    except BaseException:
+        if allocator is not None:  # the others are told by the monitor; no collective teardown
+            allocator.abandon()
+        raise
+    if allocator is not None:  # with rank 0, which closes its own after the stop
+        allocator.close()
 
 
 class ParallelRunner(ModelRunner):
@@ -137,9 +146,14 @@ class ParallelRunner(ModelRunner):
     def __init__(self, job: Job, model: Any, config: EngineConfig):
         self.job, self.channel = job, StepChannel(job)
         self.channel.send(config)  # the workers load and compile meanwhile
-        _nvshmem(job, config.executor)
-        super().__init__(model, tensor_parallel=(job.rank, job.world), **config.runner_args())
-        agree(job, startup_digest(self, config))
+        self.allocator = _nvshmem(job, config.executor)
+        try:
+            super().__init__(model, tensor_parallel=(job.rank, job.world), **config.runner_args())
+            agree(job, startup_digest(self, config))
+        except BaseException:
+            if self.allocator is not None:
+                self.allocator.abandon()
+            raise
 
     def forward(self, step: StepInputs) -> torch.Tensor:
         self.channel.send(step)
@@ -157,11 +171,17 @@ class ParallelRunner(ModelRunner):
         return out
 
     def close(self) -> None:
+        """Stop the workers, tear NVSHMEM down with them, leave the job (once)."""
         if self.job.closed:
             return
-        if self.job.monitor.failure is None:
-            try:
+        try:
+            if self.job.monitor.failure is None:
                 self.channel.stop()
-            except RankFailedError:  # stopping anyway; the workers were told by the monitor
-                pass
-        self.job.close()
+        except RankFailedError:  # stopping anyway; the workers were told by the monitor
+            pass
+        finally:
+            if self.allocator is not None:
+                if self.job.monitor.failure is not None:
+                    self.allocator.abandon()
+                self.allocator.close()
+            self.job.close()
