@@ -6,7 +6,6 @@ next step into ``RankFailedError`` naming it; the server then answers 503."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import shutil
@@ -103,28 +102,29 @@ def test_under_torchrun_every_rank_calls_llm_and_rank_0_generates(checkpoint, tm
 
 
 def test_the_server_answers_503_after_a_rank_failed(checkpoint):
-    from mpk.serve.engine import AsyncEngine, EngineStoppedError
+    from fastapi.testclient import TestClient
+
+    from mpk.serve.app import build_app
+    from mpk.serve.engine import AsyncEngine
     from mpk.serve.metrics import Metrics
 
     llm = LLM(checkpoint, tensor_parallel_size=2, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
               executor="eager", device="cpu")
     engine = AsyncEngine(llm, Metrics(), max_queue=4)
-    engine.start()
-
-    async def ask() -> list:
-        return [out async for out in engine.generate(random_prompt(6), GREEDY)]
-
+    body = {"model": "tiny", "prompt": random_prompt(6), "max_tokens": 4, "temperature": 0}
     try:
-        assert asyncio.run(ask())[-1].error is None
-        llm.job.procs[1].kill()
-        outs = asyncio.run(ask())
-        assert "rank 1" in outs[-1].error and outs[-1].finished
-        engine._thread.join(30)
-        assert not engine.alive and "rank 1" in engine.failure
-        with pytest.raises(EngineStoppedError, match="the engine stopped: .*rank 1"):
-            asyncio.run(ask())
+        with TestClient(build_app(engine, "tiny")) as client:  # (its lifespan runs the engine thread)
+            assert client.post("/v1/completions", json=body).status_code == 200
+            llm.job.procs[1].kill()
+            assert llm.job.monitor.wait_failure(10) is not None  # the driver's monitor saw it exit
+            failed = client.post("/v1/completions", json=body)  # its step finds the rank gone
+            assert failed.status_code == 500 and "rank 1" in failed.json()["error"]["message"]
+            engine._thread.join(30)
+            later = client.post("/v1/completions", json=body)
+            assert later.status_code == 503 and "the engine stopped" in later.json()["error"]["message"]
+            health = client.get("/health")
+            assert health.status_code == 503 and "rank 1" in health.json()["status"]
     finally:
-        engine.stop()
         llm.close()
     assert os.environ["NVSHMEM_DISABLE_NVLS"] == "1"
 
