@@ -54,6 +54,23 @@ def _import() -> _Nvshmem:
     return _Nvshmem(core, bindings, Device)
 
 
+def _import_everywhere(group: Any, rank: int, world: int) -> _Nvshmem:
+    """``_import()`` on every rank, its failures compared first: a rank without nvshmem4py
+    stops them all with its reason (otherwise the others would wait in NVSHMEM's start-up for
+    a PE that never comes)."""
+    try:
+        nv, problem = _import(), None
+    except NvshmemUnavailableError as e:
+        nv, problem = None, str(e)
+    problems: list[Any] = [None] * world
+    dist.all_gather_object(problems, problem, group=group)
+    failed = [r for r, p in enumerate(problems) if p]
+    if failed:
+        raise NvshmemUnavailableError(f"NVSHMEM is unavailable on rank(s) {failed} (rank {failed[0]}: "
+                                      f"{problems[failed[0]]})")
+    return nv
+
+
 def active_allocator() -> "NvshmemAllocator | None":
     """This process's allocator (NVSHMEM is one per process), or None before ``init_nvshmem``."""
     return _active
@@ -76,8 +93,8 @@ def init_nvshmem(group: Any = None, device: int | torch.device | None = None,
         raise DistributedError("init_nvshmem needs torch.distributed initialised (mpk.distributed.launch.join, or "
                                "torch.distributed.init_process_group under torchrun)")
     disable_multicast()  # NVSHMEM reads its environment at init
-    nv = _import()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    nv = _import_everywhere(group, rank, world)
     index = torch.cuda.current_device() if device is None else device if isinstance(device, int) else device.index
     torch.cuda.set_device(index)
     uid = nv.core.get_unique_id(empty=rank != 0)

@@ -162,3 +162,17 @@ def pair_on_one_gpu(job: Job) -> str:
         job.store.set(f"pair/{job.rank}", answer)
         dist.barrier(group=job.control)  # free and finalize together
     return answer
+
+
+def nvshmem_missing_worker(job: Job) -> None:
+    """A rank where nvshmem4py does not import: ``init_nvshmem``'s error goes to the store."""
+    import sys
+
+    from mpk.distributed.nvshmem import init_nvshmem
+    from mpk.errors import NvshmemUnavailableError
+
+    sys.modules["nvshmem"] = None  # import nvshmem raises ImportError
+    try:
+        init_nvshmem()
+    except NvshmemUnavailableError as e:
+        job.store.set(f"missing/{job.rank}", str(e))

@@ -182,3 +182,16 @@ def test_gpu_two_pes_on_one_gpu_when_nvshmem_allows_it():
     if "unsupported:" in done.stdout:
         pytest.skip(f"NVSHMEM refuses two PEs on one GPU here: {done.stdout.strip()}")
     assert done.returncode == 0 and "rank 1: ok" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_rank_without_nvshmem4py_stops_every_rank_with_its_reason(monkeypatch):
+    _undo_patches(monkeypatch)
+    job = start_driver(2, "mpk.testing.distributed:nvshmem_missing_worker", {}, timeout_s=5)
+    try:
+        patch_nvshmem(FakeNvshmem())  # rank 0 has it; rank 1 does not
+        with pytest.raises(NvshmemUnavailableError, match=r"unavailable on rank\(s\) \[1\] .*pip install nvshmem4py"):
+            nv.init_nvshmem()
+        assert job.procs[1].wait(60) == 0  # (the worker raised the same and reported it)
+        assert b"unavailable on rank(s) [1]" in job.store.get("missing/1")
+    finally:
+        job.close(wait_s=1)

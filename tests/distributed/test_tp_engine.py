@@ -43,6 +43,15 @@ def test_options_are_checked_before_anything_starts(checkpoint, monkeypatch):
         LLM(checkpoint, tensor_parallel_size=2, device="cpu")
 
 
+def test_torchruns_world_must_be_the_engines(monkeypatch):
+    from mpk.engine.parallel import start_job
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(OptionError, match="tensor_parallel_size=4 under torchrun with WORLD_SIZE=2; expected equal"):
+        start_job(4)
+
+
 def test_cli_flag_reaches_the_engine(checkpoint, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert main(["generate", "--model", str(checkpoint), "--prompt", "hi", "--tensor-parallel-size", "3",
