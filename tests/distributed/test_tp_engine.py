@@ -139,13 +139,17 @@ def test_the_server_answers_503_after_a_rank_failed(checkpoint):
 
 
 @pytest.mark.gpu
-def test_gpu_abort_all_stops_a_launch_waiting_for_a_dead_peer():
+def test_gpu_abort_all_stops_a_launch_waiting_for_a_dead_peer(monkeypatch):
     """What the monitor does when a peer dies: a launch that waits for an event that never
     fires (as for a dead peer's signal) returns within seconds of ``abort_all``, long before its
     watchdog limit, and so does every later launch of the executor."""
+    import weakref
+
+    from mpk.executors import gpu
     from mpk.executors.gpu import GpuExecutor, abort_all
     from mpk.testing.random_graphs import stamp_graph, stamp_inputs
 
+    monkeypatch.setattr(gpu, "_LIVE", weakref.WeakSet())  # the other tests' executors stay usable
     preds = [(), (0,), (1,), (1, 2), (3,)]
     tables = stamp_graph(preds, 1)
     tables.events["num_triggers"][int(tables.tasks["dep_event"][3])] += 5  # never reaches its count
