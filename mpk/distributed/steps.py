@@ -75,6 +75,6 @@ def agree(job: Job, digest: str, what: str = "compiled tables") -> None:
     _guarded(job, f"comparing the {what}", lambda: dist.all_gather_object(digests, digest, group=job.control))
     differ = tuple(r for r, d in enumerate(digests) if d != digests[0])
     if differ:
-        raise RankMismatchError(
-            f"rank(s) {list(differ)} have other {what} than rank 0 ({', '.join(f'rank {r}: {str(d)[:12]}' for r, d in enumerate(digests))}); "
-            "expected every rank to run the same mpk, model, options and tensor_parallel_size", differ)
+        shown = ", ".join(f"rank {r}: {str(d)[:12]}" for r, d in enumerate(digests))
+        raise RankMismatchError(f"rank(s) {list(differ)} have other {what} than rank 0 ({shown}); expected every rank "
+                                "to run the same mpk, model, options and tensor_parallel_size", differ)

@@ -98,8 +98,9 @@ class ModelRunner:
     def inputs(rows: list[ScheduledRow]) -> StepInputs:
         """The step of ``rows``, as every rank runs it."""
         seqs, counts = [r.seq for r in rows], [r.count for r in rows]
-        return StepInputs([s.block.pages for s in seqs], [s.num_computed + n for s, n in zip(seqs, counts)],
-                          counts, [t for s, n in zip(seqs, counts) for t in s.token_ids[s.num_computed: s.num_computed + n]])
+        tokens = [t for s, n in zip(seqs, counts) for t in s.token_ids[s.num_computed: s.num_computed + n]]
+        return StepInputs([s.block.pages for s in seqs], [s.num_computed + n for s, n in zip(seqs, counts)], counts,
+                          tokens)
 
     def forward(self, step: StepInputs) -> torch.Tensor:
         """Write the page table and run the step's graph; its logits (``TokenBuckets.run``)."""
