@@ -7,6 +7,7 @@ import os
 import time
 import weakref
 from contextlib import closing
+from dataclasses import replace
 from typing import Any, Iterable, Iterator, Sequence as Seq
 
 import torch
@@ -94,7 +95,15 @@ class LLM:
                page_size: int, dtype: torch.dtype, executor: str, max_num_batched_tokens: int, num_pages: int | None,
                seed: int, enable_prefix_caching: bool, device: torch.device, buckets: Seq[int] | None) -> None:
         """The model, the page pool, the scheduler and the runner (a tensor-parallel job's:
-        ``ParallelRunner``, which hands the configuration to the workers)."""
+        ``ParallelRunner``; its workers are told the configuration first, and load the model
+        while this rank does)."""
+        if self.job is not None:
+            from mpk.engine.parallel import EngineConfig, announce
+
+            config = EngineConfig(None if model is None else os.fspath(model), device.type, dtype, executor,
+                                  max_num_seqs, max_num_batched_tokens, num_pages, page_size, max_model_len,
+                                  None if buckets is None else list(buckets))
+            allocator = announce(self.job, config)
         self.model, self.tokenizer, self.eos_ids = load_model(model, dtype, device, max_model_len)
         self.vocab = self.model.cfg.vocab
         self.max_model_len, self.seed = max_model_len, seed
@@ -114,12 +123,9 @@ class LLM:
             self.runner = ModelRunner(self.model, max_num_seqs, max_num_batched_tokens, num_pages, page_size,
                                       max_model_len, executor, buckets)
             return
-        from mpk.engine.parallel import EngineConfig, ParallelRunner
+        from mpk.engine.parallel import ParallelRunner
 
-        config = EngineConfig(None if model is None else os.fspath(model), device.type, dtype, executor, max_num_seqs,
-                              max_num_batched_tokens, num_pages, page_size, max_model_len,
-                              None if buckets is None else list(buckets))
-        self.runner = ParallelRunner(self.job, self.model, config)
+        self.runner = ParallelRunner(self.job, self.model, replace(config, num_pages=num_pages), allocator)
         # the workers are told to stop when this engine goes (at the latest at exit)
         weakref.finalize(self, self.runner.close)
 
@@ -128,8 +134,6 @@ class LLM:
         engine takes no steps afterwards."""
         if self.job is not None:
             self.runner.close()
-
-        self._next_id = 0
 
     @classmethod
     def from_model(cls, model: DecoderLM, tokenizer: Any = None, eos_ids: Iterable[int] = (),

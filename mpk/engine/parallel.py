@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from mpk.distributed.launch import Job, RankInfo, check_gpus, join, start_driver
-from mpk.distributed.steps import STOP, StepChannel, agree, serve_steps
+from mpk.distributed.steps import StepChannel, agree, serve_steps
 from mpk.engine.runner import ModelRunner, StepInputs
 from mpk.errors import OptionError, RankFailedError, WatchdogTimeout
 
@@ -32,7 +32,8 @@ WORKER = "mpk.engine.parallel:worker"
 class EngineConfig:
     """What every rank needs to build the same runner: the model (a checkpoint path, or None
     for the default model), the device type ("cuda": each rank on its local rank's GPU), the
-    dtype and the ModelRunner's arguments (rank 0 decided ``num_pages``)."""
+    dtype and the ModelRunner's arguments (``num_pages`` None until rank 0, having loaded the
+    model, decides it)."""
 
     model: str | None
     device: str
@@ -40,7 +41,7 @@ class EngineConfig:
     executor: str
     max_num_seqs: int
     max_num_batched_tokens: int
-    num_pages: int
+    num_pages: int | None
     page_size: int
     max_model_len: int
     buckets: list[int] | None = None
@@ -115,18 +116,26 @@ def startup_digest(runner: ModelRunner, config: EngineConfig) -> str:
     return hashlib.sha256(doc.encode()).hexdigest()
 
 
+def announce(job: Job, config: EngineConfig) -> Any:
+    """Rank 0, before it loads the model: the workers get ``config`` (and load theirs
+    meanwhile); NVSHMEM starts on every rank. Returns this rank's allocator (None: eager)."""
+    StepChannel(job).send(config)
+    return _nvshmem(job, config.executor)
+
+
 def worker(job: Job) -> None:
-    """A worker rank: the engine's configuration from rank 0, then its steps until rank 0 stops."""
+    """A worker rank: the engine's configuration from rank 0 (``announce``), the model loaded,
+    the page count once rank 0 decided it (``ParallelRunner``), then its steps until rank 0
+    stops."""
     from mpk.engine.loading import load_model
 
     channel = StepChannel(job)
-    kind, config = channel.recv()
-    if kind == STOP:  # rank 0 failed before it built its engine
-        return
+    _, config = channel.recv()
     device = _device(job, config.device)
     allocator = _nvshmem(job, config.executor)
     try:
         model, _, _ = load_model(config.model, config.dtype, device, config.max_model_len)
+        _, config = channel.recv()
         runner = ModelRunner(model, tensor_parallel=(job.rank, job.world), **config.runner_args())
         agree(job, startup_digest(runner, config))
         serve_steps(job, runner.forward)
@@ -139,14 +148,13 @@ def worker(job: Job) -> None:
 
 
 class ParallelRunner(ModelRunner):
-    """Rank 0's runner: each step's inputs go to the workers before its own shard runs; a
-    failed rank turns the step into ``RankFailedError`` naming it. ``close()`` stops the
-    workers and leaves the job."""
+    """Rank 0's runner (after ``announce``, whose allocator it takes over): each step's inputs
+    go to the workers before its own shard runs; a failed rank turns the step into
+    ``RankFailedError`` naming it. ``close()`` stops the workers and leaves the job."""
 
-    def __init__(self, job: Job, model: Any, config: EngineConfig):
-        self.job, self.channel = job, StepChannel(job)
-        self.channel.send(config)  # the workers load and compile meanwhile
-        self.allocator = _nvshmem(job, config.executor)
+    def __init__(self, job: Job, model: Any, config: EngineConfig, allocator: Any):
+        self.job, self.channel, self.allocator = job, StepChannel(job), allocator
+        self.channel.send(config)  # with the page count: the workers build and compile meanwhile
         try:
             super().__init__(model, tensor_parallel=(job.rank, job.world), **config.runner_args())
             agree(job, startup_digest(self, config))
