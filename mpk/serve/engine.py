@@ -25,8 +25,8 @@ log = logging.getLogger("mpk.serve")
 
 
 class EngineStoppedError(MpkError):
-    """The engine thread has stopped (a tensor-parallel rank failed, or the server is shutting
-    down): no request can run (HTTP 503)."""
+    """The engine thread stopped for good (a tensor-parallel rank failed): no request can run
+    (HTTP 503)."""
 
 
 class QueueFullError(MpkError):
@@ -83,7 +83,8 @@ class AsyncEngine:
         """Run one request: yields first its admission (an empty output; finished with
         ``error`` set if the engine refused it), then each step's new output until one is
         finished. Closing the generator early (the client left) aborts the request and frees
-        its pages. Raises ``QueueFullError`` at the first ``anext`` when the server is full."""
+        its pages. Raises ``QueueFullError`` at the first ``anext`` when the server is full,
+        ``EngineStoppedError`` when the engine stopped for good."""
         if self.failure is not None:
             raise EngineStoppedError(f"the engine stopped: {self.failure}")
         if self._in_flight >= self.capacity:
