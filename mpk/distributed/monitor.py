@@ -33,10 +33,11 @@ class Monitor:
     """Watches ranks ``0…world-1`` other than ``rank`` through ``store`` (a
     ``torch.distributed.Store``); ``procs``: the processes this rank started, by rank.
     ``start()`` begins beating and watching; ``check()`` raises the filed failure;
-    ``close()`` says goodbye and stops the thread."""
+    ``close()`` says goodbye and stops the thread. ``exit_grace_s``: how long a failed worker's
+    main thread has to end the process itself (None: it is never ended for it)."""
 
     def __init__(self, store, rank: int, world: int, timeout_s: float, procs: Mapping[int, subprocess.Popen] = {},
-                 interval_s: float | None = None, exit_grace_s: float = 5.0,
+                 interval_s: float | None = None, exit_grace_s: float | None = 5.0,
                  clock: Callable[[], float] = time.monotonic):
         self.store, self.rank, self.world, self.timeout_s = store, rank, world, timeout_s
         self.procs = dict(procs)
@@ -145,7 +146,7 @@ class Monitor:
                 abort()
             except Exception as e:  # one failing abort must not keep the others from running
                 print(f"mpk tensor parallel: an abort callback failed: {e!r}", file=sys.stderr, flush=True)
-        if self.rank != 0:
+        if self.rank != 0 and self.exit_grace_s is not None:
             # a worker's main thread may be blocked on the dead peer (a receive, a kernel): end it
             timer = threading.Timer(self.exit_grace_s, os._exit, args=(1,))
             timer.daemon = True

@@ -156,3 +156,75 @@ def _running(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# --- the monitor alone: in-process, on a HashStore (no processes, no sockets) ---
+
+
+class _Exited:
+    """A started process's stand-in that has exited with ``code``."""
+
+    pid = 4242
+
+    def __init__(self, code: int):
+        self.code, self.killed = code, False
+
+    def poll(self) -> int:
+        return self.code
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+def _monitor(store, rank: int, world: int, **kw):
+    from mpk.distributed.monitor import Monitor
+
+    return Monitor(store, rank, world, timeout_s=0.3, interval_s=0.02, exit_grace_s=None, **kw)
+
+
+def test_monitor_names_a_silent_rank_and_the_others_learn_it_from_the_store():
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    ranks = [_monitor(store, r, 3) for r in range(3)]
+    aborted = []
+    ranks[0].on_failure(lambda: aborted.append(0))
+    for m in ranks:
+        m.start()
+    try:
+        time.sleep(0.6)  # everyone beats: nobody is reported
+        assert all(m.failure is None for m in ranks)
+        ranks[2]._stop.set()  # rank 2 falls silent (its thread ends without a goodbye)
+        start = time.monotonic()
+        assert ranks[0].wait_failure(5) is not None and ranks[1].wait_failure(5) is not None
+        assert time.monotonic() - start < 2
+        for m in ranks[:2]:
+            assert m.failure.rank == 2 and "rank 2 sent no heartbeat" in str(m.failure)
+        assert aborted == [0]
+        ranks[0].on_failure(lambda: aborted.append("late"))  # registered after: runs at once
+        assert aborted == [0, "late"]
+        with pytest.raises(RankFailedError, match="rank 2"):
+            ranks[0].check()
+    finally:
+        for m in ranks:
+            m.close()
+
+
+def test_monitor_leaves_a_rank_that_said_goodbye_alone_and_sees_its_own_process_exit():
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    a, b = _monitor(store, 0, 2).start(), _monitor(store, 1, 2).start()
+    try:
+        b.close()  # a clean goodbye
+        time.sleep(0.8)
+        assert a.failure is None
+    finally:
+        a.close()
+    proc = _Exited(7)
+    c = _monitor(dist.HashStore(), 0, 2, procs={1: proc}).start()
+    try:
+        assert c.wait_failure(5) is not None and c.failure.rank == 1
+        assert "rank 1 (pid 4242) exited with status 7" in str(c.failure) and proc.killed
+    finally:
+        c.close()
