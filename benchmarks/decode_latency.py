@@ -11,6 +11,12 @@ span from its first task's start to its last task's end, summed per kind; what i
 step is event hops and ramp-up/down.
 
 Prints one JSON line per configuration (also appended to ``--out``) and a table last.
+
+Tensor parallelism: ``torchrun --nproc-per-node N benchmarks/decode_latency.py --tp N``. Every
+rank compiles its shard (the ``tensor_parallel`` compile option; NVSHMEM for the all-reduces)
+and the peer shards the same way with NCCL's all-reduce (``peer.PeerDecoder.shard_``); the
+ranks step in lockstep and rank 0 prints the slowest rank's median. Fewer than N visible GPUs:
+a message and exit status 1.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer import Shape, copy_bandwidth, floor_ms, kv_bytes, require_cuda, time_peer, time_step, weight_bytes  # noqa: E402
+from peer import (Shape, copy_bandwidth, floor_ms, kv_bytes, require_cuda, time_peer, time_step,  # noqa: E402
+                  tp_shape, weight_bytes)
 
 from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
 from mpk.cli import count, json_object, page_size as page_size_arg  # noqa: E402
@@ -181,6 +188,7 @@ def compile_step(model: DecoderLM, batch: int, position: int, page_size: int, op
 
 def bench_mpk(model: DecoderLM, batch: int, position: int, page_size: int, profile: bool,
               trace_path: Path | None = None, options: dict | None = None) -> dict:
+    tp = (options or {}).get("tensor_parallel")
     step, kv = compile_step(model, batch, position, page_size, options)
     with torch.no_grad():
         kv.cache.normal_()
@@ -188,7 +196,9 @@ def bench_mpk(model: DecoderLM, batch: int, position: int, page_size: int, profi
     with torch.no_grad():
         step(tokens, *kv.args())  # trace, compile, build
         torch.cuda.synchronize()
-        ms = time_step(lambda: step(tokens, *kv.args()), warmup=5, iters=30)
+        if tp is not None:
+            torch.distributed.barrier()  # the ranks' timed steps wait for each other's signals
+        ms = slowest(time_step(lambda: step(tokens, *kv.args()), warmup=5, iters=30), tp)
         # the host's time to issue a step (torch.compile's guards and wrappers, the executor's
         # binding and launch): a step whose host_ms exceeds its GPU time is host-bound
         t0 = time.perf_counter()
@@ -204,6 +214,50 @@ def bench_mpk(model: DecoderLM, batch: int, position: int, page_size: int, profi
     del step
     torch._dynamo.reset()
     return result
+
+
+def slowest(ms: float, tp: tuple[int, int] | None) -> float:
+    """The slowest rank's ``ms`` in a tensor-parallel job (a step ends when its last rank does)."""
+    if tp is None or tp[1] == 1:
+        return ms
+    every: list[float] = [0.0] * tp[1]
+    torch.distributed.all_gather_object(every, ms)
+    return max(every)
+
+
+def check_tp(tp: int, models: list[str], visible: int | None = None) -> str | None:
+    """Why ``--tp`` cannot run here (a model's sizes it does not divide, fewer visible GPUs
+    than ranks, not started by torchrun), or None."""
+    if tp == 1:
+        return None
+    for name in models:
+        try:
+            tp_shape(peer_shape(name), tp)
+        except ValueError as e:
+            return str(e)
+    visible = torch.cuda.device_count() if visible is None else visible
+    if visible < tp:
+        return f"--tp {tp} needs {tp} GPUs, one per rank; {visible} visible (CUDA_VISIBLE_DEVICES=" \
+               f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+    if os.environ.get("WORLD_SIZE") != str(tp):
+        return (f"--tp {tp} runs one rank per GPU under torchrun (WORLD_SIZE={os.environ.get('WORLD_SIZE')}): "
+                f"torchrun --nproc-per-node {tp} benchmarks/decode_latency.py --tp {tp} ...")
+    return None
+
+
+def join_tp(tp: int) -> tuple[int, int] | None:
+    """(rank, world) of this torchrun rank, joined (NCCL for the peer's all-reduces, NVSHMEM for
+    mpk's), on the GPU of its local rank; None for --tp 1."""
+    if tp == 1:
+        return None
+    from mpk.distributed.launch import RankInfo, join
+    from mpk.distributed.nvshmem import init_nvshmem
+
+    info = RankInfo.from_env()
+    torch.cuda.set_device(info.local_rank)
+    job = join(info, backend="nccl")
+    init_nvshmem(job.control)
+    return info.rank, info.world
 
 
 def main(argv=None) -> int:
@@ -222,10 +276,21 @@ def main(argv=None) -> int:
                          'model and inputs')
     ap.add_argument("--rounds", type=count(1), default=1, help="time every --options build this many times, alternating")
     ap.add_argument("--skip-peer", action="store_true", help="mpk alone (for comparing mpk builds; no speedup)")
+    ap.add_argument("--tp", type=count(1), default=1, help="tensor-parallel degree: one rank per GPU, started by "
+                                                           "torchrun --nproc-per-node N")
     args = ap.parse_args(argv)
     if args.trace_dir and not args.profile:
         ap.error("--trace-dir writes the profiled steps' traces: add --profile")
+    problem = check_tp(args.tp, args.models)
+    if problem:
+        print(f"decode_latency.py: {problem}", file=sys.stderr)
+        return 1
     require_cuda("decode_latency.py", "benchmarks/prebuild_decode.py builds its kernels without one")
+    tp = join_tp(args.tp)
+    if tp is not None:
+        args.options = [{**o, "tensor_parallel": tp} for o in args.options]
+        if tp[0] != 0:  # rank 0 prints and writes the rows
+            sys.stdout, args.out = open(os.devnull, "w"), None
     if args.trace_dir:
         args.trace_dir.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name()
@@ -238,8 +303,11 @@ def main(argv=None) -> int:
         for batch in args.batches:
             peer = (dict.fromkeys(("eager_ms", "eager_graph_ms", "compile_graph_ms", "peer_ms", "peer_mode"), None)
                     | {"errors": {}} if args.skip_peer else time_peer(shape, batch, args.position,
-                                                                      compile_mode=args.compile_mode))
-            floor = floor_ms(weight_bytes(shape) + kv_bytes(shape, batch, args.position + 1), bw)
+                                                                      compile_mode=args.compile_mode, tp=tp))
+            if tp is not None and peer["peer_ms"] is not None:
+                peer["peer_ms"] = slowest(peer["peer_ms"], tp)
+            rank_shape = tp_shape(shape, args.tp)  # the bytes one rank reads
+            floor = floor_ms(weight_bytes(rank_shape) + kv_bytes(rank_shape, batch, args.position + 1), bw)
             for rnd in range(args.rounds):
                 for v, options in enumerate(args.options):
                     tag = f"{name}-b{batch}" + (f"-v{v}" if len(args.options) > 1 else "") + (f"-r{rnd}" if rnd else "")
@@ -247,6 +315,7 @@ def main(argv=None) -> int:
                     mpk = bench_mpk(model, batch, args.position, args.page_size, args.profile, trace, options)
                     flags = os.environ["MPK_NVCC_FLAGS"]
                     row = {"date": datetime.date.today().isoformat(), "device": device, "model": name, "batch": batch,
+                           "tp": args.tp,
                            "position": args.position, "page_size": args.page_size, "num_splits": args.num_splits,
                            "nvcc_flags": flags, "options": options, "round": rnd, **mpk,
                            **{k: peer[k] for k in ("eager_ms", "eager_graph_ms", "compile_graph_ms", "peer_ms",

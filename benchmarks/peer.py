@@ -13,6 +13,7 @@ Floor: bytes a decode step must read (weights + KV cache) / measured device copy
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import statistics
 import time
@@ -89,6 +90,30 @@ def floor_ms(nbytes: int | float, bandwidth: float) -> float:
 # The peer model
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def tp_shape(shape: Shape, world: int) -> Shape:
+    """One rank's shape at tensor-parallel degree ``world`` (q and kv heads and the MLP's inner
+    size split; embedding and LM head replicated, as gpt-fast does); ValueError naming a size
+    the degree does not divide."""
+    for what, n in (("q_heads", shape.q_heads), ("kv_heads", shape.kv_heads), ("inter", shape.inter)):
+        if n % world:
+            raise ValueError(f"{shape.name}: {what}={n} is not divisible by the tensor-parallel degree {world}; "
+                             "expected a degree that divides the heads, the KV heads and the MLP's inner size")
+    return dataclasses.replace(shape, q_heads=shape.q_heads // world, kv_heads=shape.kv_heads // world,
+                               inter=shape.inter // world)
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x`` over the default process group's ranks (NCCL on GPUs): torch's
+    functional all-reduce, which torch.compile traces and a CUDA graph captures."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_reduce(x, "sum", torch.distributed.group.WORLD)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim; fp32 statistics (as HF/gpt-fast), result in x's dtype."""
     xf = x.float()
@@ -120,6 +145,8 @@ class _Block(nn.Module):
         super().__init__()
         s = shape
         self.s = s
+        # the sum over ranks of a row-parallel projection's partial output (identity on one GPU)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _identity
         self.attention_norm = make(s.hidden, norm=True)
         self.wqkv = make((s.q_heads + 2 * s.kv_heads) * s.head_dim, s.hidden)
         self.wo = make(s.hidden, s.q_heads * s.head_dim)
@@ -152,9 +179,31 @@ class _Block(nn.Module):
         self.k_cache.index_copy_(2, input_pos, k)
         self.v_cache.index_copy_(2, input_pos, v)
         o = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
-        x = x + F.linear(o.reshape(b, s.q_heads * s.head_dim), self.wo)
+        x = x + self.reduce(F.linear(o.reshape(b, s.q_heads * s.head_dim), self.wo))
         gate, up = F.linear(_rms_norm(x, self.ffn_norm, s.rms_eps), self.w13).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.w2)
+        return x + self.reduce(F.linear(F.silu(gate) * up, self.w2))
+
+    def shard_(self, rank: int, world: int, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Keep rank ``rank``'s shard of ``world`` (Megatron, as gpt-fast's tp.py): its heads of
+        q|k|v and their KV cache, its share of gate|up (column-parallel), the matching columns
+        of wo and w2 (row-parallel, their outputs summed by ``reduce``)."""
+        s, t = self.s, tp_shape(self.s, world)
+        d, hidden = s.head_dim, s.hidden
+        q, k, v = self.wqkv.split([s.q_heads * d, s.kv_heads * d, s.kv_heads * d])
+        qs, ks = slice(rank * t.q_heads * d, (rank + 1) * t.q_heads * d), slice(rank * t.kv_heads * d,
+                                                                                (rank + 1) * t.kv_heads * d)
+        inner = slice(rank * t.inter, (rank + 1) * t.inter)
+        gate, up = self.w13.split([s.inter, s.inter])
+
+        def keep(x: torch.Tensor) -> nn.Parameter:
+            return nn.Parameter(x.contiguous(), requires_grad=False)
+
+        self.wqkv = keep(torch.cat([q[qs], k[ks], v[ks]]).view(-1, hidden))
+        self.wo, self.w13, self.w2 = keep(self.wo[:, qs]), keep(torch.cat([gate[inner], up[inner]])), \
+            keep(self.w2[:, inner])
+        heads = slice(rank * t.kv_heads, (rank + 1) * t.kv_heads)
+        self.k_cache, self.v_cache = self.k_cache[:, heads].contiguous(), self.v_cache[:, heads].contiguous()
+        self.s, self.reduce = t, reduce
 
     def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, S, hidden] at positions 0 … S − 1 of an empty cache: the k/v written to the
@@ -237,6 +286,15 @@ class PeerDecoder(nn.Module):
             x = layer.prefill(x, cos, sin)
         x = x[torch.arange(x.shape[0], device=x.device), last]
         return F.linear(_rms_norm(x, self.norm, self.shape.rms_eps), self.output)
+
+    def shard_(self, rank: int, world: int, reduce: Callable[[torch.Tensor], torch.Tensor] = all_reduce_sum
+               ) -> "PeerDecoder":
+        """Keep rank ``rank``'s shard of every layer (``_Block.shard_``); the embedding, final
+        norm and LM head stay whole. Every rank must have built the same full model (same seed)."""
+        tp_shape(self.shape, world)  # the sizes are checked before any layer changes
+        for layer in self.layers:
+            layer.shard_(rank, world, reduce)
+        return self
 
     @torch.no_grad()
     def fill_cache_(self, position: int, seed: int = 1) -> None:
@@ -374,7 +432,7 @@ def _time_modes(model: Callable[..., torch.Tensor], tokens: torch.Tensor, pos: t
 
 def time_peer(shape: Shape | str, batch: int, position: int = 64, max_len: int | None = None,
               device: torch.device | str = "cuda", *, compile_mode: str = "default",
-              warmup: int = 5, iters: int = 30, seed: int = 0) -> dict:
+              warmup: int = 5, iters: int = 30, seed: int = 0, tp: tuple[int, int] | None = None) -> dict:
     """Time the peer's decode step at ``position`` (cache filled with random K/V below it):
     eager, eager under a CUDA graph, torch.compile + CUDA graph. A mode that fails is recorded
     in ``errors`` (and its time is None) instead of raising; eager failing raises.
@@ -385,7 +443,9 @@ def time_peer(shape: Shape | str, batch: int, position: int = 64, max_len: int |
     if that fails (or for "reduce-overhead" / "max-autotune"), Inductor's own CUDA graphs.
     "default" is the default: it is as fast as reduce-overhead here, and max-autotune's picks
     vary from run to run while costing minutes more of compilation.
-    ``max_rel_diff`` compares each graph mode's logits with eager's (a broken capture shows)."""
+    ``max_rel_diff`` compares each graph mode's logits with eager's (a broken capture shows).
+    ``tp``: (rank, world) of a torch.distributed job (NCCL): this rank's shard, its row-parallel
+    outputs all-reduced (``PeerDecoder.shard_``); every rank calls this in lockstep."""
     shape = SHAPES[shape] if isinstance(shape, str) else shape
     if max_len is None:
         max_len = -(-(position + 1) // 16) * 16  # 16-aligned: SDPA's mask-capable kernels want it
@@ -393,6 +453,8 @@ def time_peer(shape: Shape | str, batch: int, position: int = 64, max_len: int |
         raise ValueError(f"position {position} outside the cache of {max_len}")
     device = torch.device(device)
     model = PeerDecoder(shape, batch, max_len, device, seed=seed).eval()
+    if tp is not None and tp[1] > 1:
+        model.shard_(*tp)
     try:
         model.fill_cache_(position, seed=seed + 1)
         gen = torch.Generator(device=device).manual_seed(seed + 2)

@@ -67,6 +67,32 @@ class WatchdogTimeout(MpkError):
     watchdog's report of each stuck worker (mpk.executors.gpu)."""
 
 
+class DistributedError(MpkError):
+    """Tensor parallelism could not start or a rank failed (mpk.distributed)."""
+
+
+class NvshmemUnavailableError(DistributedError, ExecutorUnavailableError):
+    """nvshmem4py is not installed, or NVSHMEM failed to initialise (the cause is chained)."""
+
+
+class RankMismatchError(DistributedError):
+    """The ranks of one tensor-parallel job disagree: another world size, or other compiled
+    tables (``ranks`` lists the ranks whose tables differ from rank 0's)."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class RankFailedError(DistributedError):
+    """A rank of a tensor-parallel job died or stopped answering; ``rank`` names it and the
+    message is the monitor's report."""
+
+    def __init__(self, message: str, rank: int = -1):
+        super().__init__(message)
+        self.rank = rank
+
+
 # cuda/mpk_tasks/common.cuh's BadInputCode -> what the value was, what it had to be; the CPU
 # paths word the same faults the same way
 BAD_INPUTS = {1: ("token id", "the embedding table's {limit} rows [0, {limit})"),

@@ -146,6 +146,16 @@ class Tables:
     def digest(self) -> str:
         return hashlib.sha256(self.to_bytes()).hexdigest()
 
+    def rank_free_digest(self) -> str:
+        """``digest`` with the ``tensor_parallel`` option's rank left out: the ranks of one job
+        compile equal tables (their shards differ in weights, run-time inputs), so equal
+        digests across ranks mean they run one graph."""
+        tp = self.meta.get("options", {}).get("tensor_parallel")
+        if tp is None:
+            return self.digest()
+        meta = dict(self.meta, options=dict(self.meta["options"], tensor_parallel=["*", tp[1]]))
+        return hashlib.sha256(Tables(meta=meta, **{k: getattr(self, k) for k in ARRAYS}).to_bytes()).hexdigest()
+
 
 def _json_value(x):
     if isinstance(x, torch.dtype):

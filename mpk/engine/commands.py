@@ -32,6 +32,9 @@ def _engine_flags(p: argparse.ArgumentParser, count: Callable[[int], Callable[[s
     p.add_argument("--seed", type=count(0), default=0,
                    help="the engine's seed, from which each request's sampling seed derives (default %(default)s)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV pages of equal prefixes")
+    p.add_argument("--tensor-parallel-size", type=count(1), default=1,
+                   help="GPUs the model is sharded over, one rank each; the command starts ranks 1…N-1 itself "
+                        "(default %(default)s)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser, count: Callable[[int], Callable[[str], int]]) -> None:
@@ -48,7 +51,8 @@ def _llm(ns: argparse.Namespace, max_model_len: int | None = None):
 
     return LLM(ns.model, max_num_seqs=ns.max_num_seqs, max_model_len=max_model_len or ns.max_model_len,
                page_size=ns.page_size, executor=ns.executor, max_num_batched_tokens=ns.max_num_batched_tokens,
-               num_pages=ns.num_pages, seed=ns.seed, enable_prefix_caching=not ns.no_prefix_caching)
+               num_pages=ns.num_pages, seed=ns.seed, enable_prefix_caching=not ns.no_prefix_caching,
+               tensor_parallel_size=ns.tensor_parallel_size)
 
 
 def _params(ns: argparse.Namespace):
@@ -216,7 +220,6 @@ def add_commands(sub: argparse._SubParsersAction, count: Callable[[int], Callabl
     p.add_argument("--port", type=count(1), default=8000, help="port (default %(default)s)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: the model file's stem or "
                                                "directory's name)")
-    p.add_argument("--tensor-parallel-size", type=count(1), default=1, help="GPUs (only 1 for now)")
     p.add_argument("--api-key", help="answer 401 to requests without `Authorization: Bearer KEY`")
     p.add_argument("--max-queue", type=count(0), default=256,
                    help="requests that may wait beyond --max-num-seqs running; more get 429 (default %(default)s)")

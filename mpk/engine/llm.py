@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from contextlib import closing
+from dataclasses import replace
 from typing import Any, Iterable, Iterator, Sequence as Seq
 
 import torch
@@ -17,7 +19,7 @@ from mpk.engine.runner import ModelRunner, default_executor
 from mpk.engine.sampling import SamplingParams, mix64
 from mpk.engine.scheduler import Scheduler
 from mpk.engine.sequence import Sequence
-from mpk.errors import MpkError, NotSupportedError, OptionError
+from mpk.errors import MpkError, OptionError
 from mpk.llm.config import is_count
 from mpk.llm.model import DecoderLM
 
@@ -50,7 +52,10 @@ class LLM:
     by default; ``executor``: "gpu" (default on CUDA), "eager" (PyTorch; default on the CPU)
     or "cpu" (mpk's CPU interpreter, slow); ``seed``: the seed of requests that give none;
     ``enable_prefix_caching``: share full KV pages of equal prompt prefixes across requests.
-    ``tensor_parallel_size``: 1 (more raises ``NotSupportedError``). ``buckets``: the step sizes
+    ``tensor_parallel_size``: GPUs (ranks) the model is sharded over, one per visible GPU; the
+    engine starts ranks 1…N-1 itself, or joins them under torchrun, where the other ranks'
+    ``LLM(...)`` serve rank 0's steps and end their processes (docs/guide.md, "Tensor
+    parallelism"); ``close()`` stops them. ``buckets``: the step sizes
     (new tokens) compiled, each its own graph; the largest must be ``max_num_batched_tokens``
     (default ``mpk.llm.default_buckets(max_num_batched_tokens)``: 1, 2, 4, …). A model built in
     the process (random weights): ``LLM.from_model``.
@@ -61,15 +66,44 @@ class LLM:
                  tensor_parallel_size: int = 1, executor: str | None = None, max_num_batched_tokens: int = 512,
                  num_pages: int | None = None, seed: int = 0, enable_prefix_caching: bool = True,
                  device: str | torch.device | None = None, buckets: Seq[int] | None = None):
-        if tensor_parallel_size != 1:
-            raise NotSupportedError(f"tensor_parallel_size={tensor_parallel_size!r}; mpk.LLM runs on one GPU for now "
-                                    "(tensor_parallel_size=1)")
         for name, value, least in (("max_num_seqs", max_num_seqs, 1), ("max_model_len", max_model_len, 2),
-                                   ("max_num_batched_tokens", max_num_batched_tokens, 1), ("seed", seed, 0)):
+                                   ("max_num_batched_tokens", max_num_batched_tokens, 1), ("seed", seed, 0),
+                                   ("tensor_parallel_size", tensor_parallel_size, 1)):
             if not is_count(value, least):
                 raise OptionError(f"{name}={value!r}; expected an int ≥ {least}")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        self.job = None
+        if tensor_parallel_size > 1:
+            from mpk.engine.parallel import check_parallel, start_job
+
+            check_parallel(tensor_parallel_size, executor, device, model)
+            self.job = start_job(tensor_parallel_size)
+            if device.type == "cuda":  # rank 0's GPU (each rank takes the GPU of its local rank)
+                device = torch.device("cuda", self.job.info.local_rank)
+                torch.cuda.set_device(device)
+        try:
+            self._build(model, max_num_seqs, max_model_len, page_size, dtype, executor or default_executor(device),
+                        max_num_batched_tokens, num_pages, seed, enable_prefix_caching, device, buckets)
+        except BaseException as e:
+            if self.job is not None:
+                self.job.abort(f"{type(e).__name__}: {e}")
+            raise
+        self._next_id = 0
+
+    def _build(self, model: str | os.PathLike | LoadedModel | None, max_num_seqs: int, max_model_len: int,
+               page_size: int, dtype: torch.dtype, executor: str, max_num_batched_tokens: int, num_pages: int | None,
+               seed: int, enable_prefix_caching: bool, device: torch.device, buckets: Seq[int] | None) -> None:
+        """The model, the page pool, the scheduler and the runner (a tensor-parallel job's:
+        ``ParallelRunner``; its workers are told the configuration first, and load the model
+        while this rank does)."""
+        if self.job is not None:
+            from mpk.engine.parallel import EngineConfig, announce
+
+            config = EngineConfig(None if model is None else os.fspath(model), device.type, dtype, executor,
+                                  max_num_seqs, max_num_batched_tokens, num_pages, page_size, max_model_len,
+                                  None if buckets is None else list(buckets))
+            allocator = announce(self.job, config)
         self.model, self.tokenizer, self.eos_ids = load_model(model, dtype, device, max_model_len)
         self.vocab = self.model.cfg.vocab
         self.max_model_len, self.seed = max_model_len, seed
@@ -85,9 +119,21 @@ class LLM:
                               "free memory; lower max_model_len)")
         self.blocks = BlockManager(num_pages, page_size, prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, max_num_seqs, max_num_batched_tokens, num_pages, page_size,
-                                  max_model_len, executor or default_executor(device), buckets)
-        self._next_id = 0
+        if self.job is None:
+            self.runner = ModelRunner(self.model, max_num_seqs, max_num_batched_tokens, num_pages, page_size,
+                                      max_model_len, executor, buckets)
+            return
+        from mpk.engine.parallel import ParallelRunner
+
+        self.runner = ParallelRunner(self.job, self.model, replace(config, num_pages=num_pages), allocator)
+        # the workers are told to stop when this engine goes (at the latest at exit)
+        weakref.finalize(self, self.runner.close)
+
+    def close(self) -> None:
+        """Stop a tensor-parallel job's workers and leave it (nothing to do on one GPU); the
+        engine takes no steps afterwards."""
+        if self.job is not None:
+            self.runner.close()
 
     @classmethod
     def from_model(cls, model: DecoderLM, tokenizer: Any = None, eos_ids: Iterable[int] = (),

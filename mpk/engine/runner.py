@@ -4,6 +4,7 @@ the next token sampled for each sequence whose last token the step computed."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence as Seq
 
 import torch
@@ -24,14 +25,29 @@ def default_executor(device: torch.device) -> str:
     return "gpu" if device.type == "cuda" else "eager"
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """One step as the host prepared it: each row's pages and length after the step, its new
+    tokens' count, and those tokens in row order. Every rank of a tensor-parallel job runs the
+    same (rank 0 broadcasts it)."""
+
+    pages: list[list[int]]
+    lens: list[int]
+    counts: list[int]
+    tokens: list[int]
+
+
 class ModelRunner:
     """``model`` over a cache of ``num_pages`` pages, in steps of up to ``max_num_seqs``
     sequences and ``max_num_batched_tokens`` new tokens. ``executor``: "gpu" (the mega-kernel),
     "cpu" (mpk's CPU interpreter) or "eager" (PyTorch, nothing compiled). ``buckets``: the step
-    sizes compiled (``TokenBuckets``'; None: its default for ``max_num_batched_tokens``)."""
+    sizes compiled (``TokenBuckets``'; None: its default for ``max_num_batched_tokens``).
+    ``tensor_parallel``: (rank, world) of a tensor-parallel job, whose GPU steps compile this
+    rank's shard (the ``tensor_parallel`` compile option); None: the whole model."""
 
     def __init__(self, model: DecoderLM, max_num_seqs: int, max_num_batched_tokens: int, num_pages: int,
-                 page_size: int, max_model_len: int, executor: str, buckets: Seq[int] | None = None):
+                 page_size: int, max_model_len: int, executor: str, buckets: Seq[int] | None = None,
+                 tensor_parallel: tuple[int, int] | None = None):
         if executor not in EXECUTORS:
             raise OptionError(f"executor={executor!r}; expected one of {EXECUTORS} (None: "
                               f"{default_executor(model.embed.device)!r} here)")
@@ -42,13 +58,17 @@ class ModelRunner:
         self.table = PageTable(model, max_num_seqs, num_pages, page_size, capacity)
         eager = executor == "eager"
         self.buckets = TokenBuckets(model, self.table, max_num_batched_tokens, buckets, eager=eager,
-                                    options=None if eager else self.options(executor))
+                                    options=None if eager else self.options(executor, tensor_parallel))
 
     @staticmethod
-    def options(executor: str) -> dict:
+    def options(executor: str, tensor_parallel: tuple[int, int] | None = None) -> dict:
         """mpk's compile options of the steps: the GPU executor returns at once (outputs ordered
-        on the stream), so the host queues the sampling behind the step rather than waiting."""
-        return {"executor": executor, "sync": False} if executor == "gpu" else {"executor": executor}
+        on the stream), so the host queues the sampling behind the step rather than waiting;
+        a rank of a tensor-parallel job compiles its shard."""
+        opts = {"executor": executor, "sync": False} if executor == "gpu" else {"executor": executor}
+        if tensor_parallel is not None and tensor_parallel[1] > 1:
+            opts["tensor_parallel"] = tuple(tensor_parallel)
+        return opts
 
     def compile(self, progress: bool | None = None) -> CompileReport:
         """Compile every bucket now (else at the first step)."""
@@ -58,10 +78,7 @@ class ModelRunner:
         """Run the step of ``rows``; per row, (the sampled token, its logprobs if asked for) or
         None for a row whose prefill chunk is not its sequence's last."""
         seqs = [r.seq for r in rows]
-        counts = [r.count for r in rows]
-        self.table.write([s.block.pages for s in seqs], [s.num_computed + n for s, n in zip(seqs, counts)], counts)
-        tokens = [t for s, n in zip(seqs, counts) for t in s.token_ids[s.num_computed: s.num_computed + n]]
-        logits = self.buckets.run(tokens, counts)
+        logits = self.forward(self.inputs(rows))
         picked = [i for i, r in enumerate(rows) if r.samples]
         out: list[tuple[int, dict[int, float] | None] | None] = [None] * len(rows)
         if not picked:
@@ -76,6 +93,19 @@ class ModelRunner:
         for i, tok, p in zip(picked, tokens, probs):
             out[i] = (tok, p)
         return out
+
+    @staticmethod
+    def inputs(rows: list[ScheduledRow]) -> StepInputs:
+        """The step of ``rows``, as every rank runs it."""
+        seqs, counts = [r.seq for r in rows], [r.count for r in rows]
+        tokens = [t for s, n in zip(seqs, counts) for t in s.token_ids[s.num_computed: s.num_computed + n]]
+        return StepInputs([s.block.pages for s in seqs], [s.num_computed + n for s, n in zip(seqs, counts)], counts,
+                          tokens)
+
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """Write the page table and run the step's graph; its logits (``TokenBuckets.run``)."""
+        self.table.write(step.pages, step.lens, step.counts)
+        return self.buckets.run(step.tokens, step.counts)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The next token of each of ``seqs`` (int64 [n], on the device) from its row of

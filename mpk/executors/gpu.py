@@ -17,6 +17,7 @@ import json
 import operator
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -50,6 +51,19 @@ EVENT_HAS_JIT, EVENT_ALL_JIT, EVENT_LOCAL_JIT = 2, 4, 8
 # buffers), with that launch's done-event: kept until the event completes, since the kernel
 # uses them until then (a launch that never ends keeps them for good).
 _DROPPED: list[tuple[torch.cuda.Event, list[Any]]] = []
+
+
+# every executor of the process, for abort_all (weakly: an executor's life is its runner's)
+_LIVE: "weakref.WeakSet[GpuExecutor]" = weakref.WeakSet()
+ABORT_ALL = 2**31 - 1  # an abort-flag value past every epoch: the launch in flight and all later ones stop
+
+
+def abort_all() -> None:
+    """Stop every launch in flight, and every later one, of every GPU executor of this process
+    (a tensor-parallel peer died: the signals its launches wait for will never come). The
+    kernels return at their next wait; their outputs must not be read."""
+    for ex in list(_LIVE):
+        ex.h_abort.array[0] = ABORT_ALL
 
 
 def _release_dropped() -> None:
@@ -288,6 +302,7 @@ class GpuExecutor:
         self.grid = self.num_workers + self.scheduler_ctas
         self.num_schedulers = self.layout.num_schedulers
         self._setup(profile, profile_capacity)
+        _LIVE.add(self)
 
     # --- device state ---------------------------------------------------------------------
     def _setup(self, profile: bool, profile_capacity: int) -> None:

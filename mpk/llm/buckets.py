@@ -65,10 +65,13 @@ def default_buckets(max_num_batched_tokens: int) -> list[int]:
 class CompileReport:
     """What ``TokenBuckets.compile`` did: the graphs it traced ("decode" or "T=<rows>") with the
     seconds each took (Dynamo, AOTAutograd, mpk's compiler), and the seconds of the kernels'
-    parallel nvcc build (0 for the CPU interpreter, which builds nothing)."""
+    parallel nvcc build (0 for the CPU interpreter, which builds nothing); ``digests``: each
+    graph's tables' SHA-256 without the rank (``Tables.rank_free_digest``: the ranks of a
+    tensor-parallel job compare them)."""
 
     trace_s: dict[str, float] = field(default_factory=dict)
     build_s: float = 0.0
+    digests: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_s(self) -> float:
@@ -167,6 +170,7 @@ caller wrote).
                 except TracedOnly as traced:
                     compiled.append(traced.compiled)
                     self._compiled[name] = traced.compiled
+                    report.digests[_graph_name(name)] = traced.compiled.tables.rank_free_digest()
                 else:
                     raise MpkError(f"TokenBuckets: the {_graph_name(name)} graph ran instead of being traced; expected "
                                    "the mpk backend (did options select another?)")

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from mpk.engine.outputs import RequestOutput
 from mpk.errors import MpkError
-from mpk.serve.engine import AsyncEngine, QueueFullError
+from mpk.serve.engine import AsyncEngine, EngineStoppedError, QueueFullError
 from mpk.serve.metrics import Metrics
 from mpk.serve.protocol import (
     ChatCompletionRequest,
@@ -120,7 +120,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/health")
     async def health() -> Response:
-        return JSONResponse({"status": "ok" if engine.alive else "engine stopped"},
+        why = engine.failure or "shut down"
+        return JSONResponse({"status": "ok" if engine.alive else f"engine stopped: {why}"},
                             status_code=200 if engine.alive else 503)
 
     @app.get("/metrics")
@@ -196,8 +197,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             admitted = await anext(outputs)
         except QueueFullError as e:
             raise ApiError(429, str(e), code="queue_full", kind="rate_limit_error") from None
+        except EngineStoppedError as e:
+            raise ApiError(503, str(e), kind="server_error") from None
         if admitted.error:
             await outputs.aclose()
+            if engine.failure is not None:  # refused because the engine stopped, not for its content
+                raise ApiError(503, admitted.error, kind="server_error")
             raise ApiError(400, f"{prompt_field}: {admitted.error}", param=prompt_field)
         render = Rendering(llm.tokenizer, chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                            int(time.time()), body.model, len(ids), top)

@@ -18,10 +18,15 @@ from dataclasses import dataclass, field
 from mpk.engine.llm import LLM
 from mpk.engine.outputs import CompletionOutput, RequestOutput
 from mpk.engine.sampling import SamplingParams
-from mpk.errors import MpkError
+from mpk.errors import DistributedError, MpkError
 from mpk.serve.metrics import Metrics
 
 log = logging.getLogger("mpk.serve")
+
+
+class EngineStoppedError(MpkError):
+    """The engine thread stopped for good (a tensor-parallel rank failed): no request can run
+    (HTTP 503)."""
 
 
 class QueueFullError(MpkError):
@@ -55,6 +60,7 @@ class AsyncEngine:
         self._wake = threading.Condition()
         self._inbox: list[tuple[str, _Request]] = []
         self._stopping = False
+        self.failure: str | None = None  # why the engine stopped for good (a rank failed)
         self._active: dict[int, _Request] = {}  # engine thread only
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # engine thread only: the step's outputs
         self._thread = threading.Thread(target=self._run, name="mpk-engine", daemon=True)
@@ -78,7 +84,10 @@ class AsyncEngine:
         """Run one request: yields first its admission (an empty output; finished with
         ``error`` set if the engine refused it), then each step's new output until one is
         finished. Closing the generator early (the client left) aborts the request and frees
-        its pages. Raises ``QueueFullError`` at the first ``anext`` when the server is full."""
+        its pages. Raises ``QueueFullError`` at the first ``anext`` when the server is full,
+        ``EngineStoppedError`` when the engine stopped for good."""
+        if self.failure is not None:
+            raise EngineStoppedError(f"the engine stopped: {self.failure}")
         if self._in_flight >= self.capacity:
             raise QueueFullError(f"the server holds {self._in_flight} requests, its limit (--max-num-seqs + "
                                  "--max-queue); retry later")
@@ -98,6 +107,10 @@ class AsyncEngine:
 
     def _send(self, command: str, req: _Request) -> None:
         with self._wake:
+            if self.failure is not None:  # the thread has gone: answer here (on the event loop)
+                if command == "add":
+                    req.queue.put_nowait(_failed(None, req, f"the engine stopped: {self.failure}"))
+                return
             self._inbox.append((command, req))
             self._wake.notify()
 
@@ -122,6 +135,11 @@ class AsyncEngine:
             if self.llm.has_unfinished():
                 try:
                     outputs = self.llm.step()
+                except DistributedError as e:  # a rank failed: the job is gone, so is this engine
+                    log.error("engine stopped: %s", e)
+                    self._stop_for_good(str(e))
+                    self._flush()
+                    return
                 except Exception as e:  # the step's state is gone: fail its requests, keep serving
                     log.exception("engine step failed")
                     self._fail_all(f"the engine step failed: {type(e).__name__}: {e}")
@@ -169,8 +187,18 @@ class AsyncEngine:
             self.llm.abort(rid)
             req = self._active.pop(rid)
             self.metrics.finished.labels("error").inc()
-            failed = CompletionOutput(finish_reason="error")
-            self._post(req, RequestOutput(rid, None, req.ids, [failed], finished=True, error=message))
+            self._post(req, _failed(rid, req, message))
+
+    def _stop_for_good(self, why: str) -> None:
+        """End the thread after a failure nothing recovers from: every request, active or
+        waiting in the inbox, fails with ``why``; later ones are answered at once (503)."""
+        with self._wake:
+            self.failure = why
+            waiting, self._inbox = self._inbox, []
+        self._fail_all(f"the engine stopped: {why}")
+        for command, req in waiting:
+            if command == "add":
+                self._post(req, _failed(None, req, f"the engine stopped: {why}"))
 
     def _post(self, req: _Request, out: RequestOutput) -> None:
         self._outbox.setdefault(req.loop, []).append((req.queue, out))
@@ -195,3 +223,8 @@ class AsyncEngine:
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for queue, out in items:
         queue.put_nowait(out)
+
+
+def _failed(rid: int | None, req: _Request, message: str) -> RequestOutput:
+    """A request's last output: failed with ``message``."""
+    return RequestOutput(rid, None, req.ids, [CompletionOutput(finish_reason="error")], finished=True, error=message)

@@ -64,5 +64,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     logging.getLogger("mpk.serve").info("serving %s on http://%s:%d", name, ns.host, ns.port)
     server = _Server(uvicorn.Config(app, host=ns.host, port=ns.port, timeout_graceful_shutdown=DRAIN_SECONDS,
                                     log_level=ns.log_level))
-    server.run()
+    try:
+        server.run()
+    finally:
+        llm.close()  # a tensor-parallel job's workers stop with the server
     return 0

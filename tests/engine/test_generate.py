@@ -10,7 +10,7 @@ import pytest
 
 import mpk
 from mpk import LLM, SamplingParams
-from mpk.errors import NotSupportedError, OptionError
+from mpk.errors import OptionError
 from mpk.testing.decode import small_config
 from mpk.testing.engine import compared_prefix, gap_tolerance, greedy
 
@@ -124,8 +124,8 @@ def test_a_bad_request_fails_alone(checkpoint):
             assert out.error is None and len(out.outputs[0].token_ids) == 4
         else:
             assert message in out.error and out.outputs[0].finish_reason == "error" and not out.outputs[0].token_ids
-    with pytest.raises(NotSupportedError, match="tensor_parallel_size=2"):
-        LLM(checkpoint, tensor_parallel_size=2)
+    with pytest.raises(OptionError, match="tensor_parallel_size=0; expected an int ≥ 1"):
+        LLM(checkpoint, tensor_parallel_size=0)
     with pytest.raises(OptionError, match="executor='tpu'"):
         LLM(checkpoint, max_model_len=64, executor="tpu")
 
