@@ -18,7 +18,7 @@ from mpk.errors import OptionError
 from mpk.llm.buckets import CompileReport, TokenBuckets
 from mpk.llm.kv_cache import PageTable, check_max_len
 from mpk.llm.model import DecoderLM
-from mpk.llm.multistep import MAX_STOPS, MultiStepDecode, Row
+from mpk.llm.multistep import MultiStepDecode, Row
 
 EXECUTORS = ("gpu", "cpu", "eager")
 
@@ -106,15 +106,17 @@ class ModelRunner:
         left = [min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - len(s.token_ids)) for s in seqs]
         k = min(self.decode_iterations, max(left))
         # tokens fed back: at most min(k, left − 1); each needs its position's page
-        need = sum(max(0, -(-(len(s.token_ids) + min(k, n - 1)) // ps) - len(s.block.pages)) for s, n in zip(seqs, left))
+        need = sum(max(0, -(-(len(s.token_ids) + min(k, n - 1)) // ps) - len(s.block.pages))
+                   for s, n in zip(seqs, left))
         padding = len(seqs) < ms.batch
         reserved = BlockTable()
         if not blocks.grow(reserved, min(need + padding, blocks.num_free) * ps) or (padding and not reserved.pages):
             return None
         pad_page = reserved.pages[0] if padding else None
         free = reserved.pages[1:] if padding else reserved.pages
-        rows = [Row(s.token_ids[-1], len(s.token_ids), list(s.block.pages), len(s.output_token_ids), s.params.max_tokens,
-                    ids, s.params.temperature, s.params.top_k, s.params.top_p, s.params.min_p, s.seed)
+        rows = [Row(s.token_ids[-1], len(s.token_ids), list(s.block.pages), len(s.output_token_ids),
+                    s.params.max_tokens, ids, s.params.temperature, s.params.top_k, s.params.top_p, s.params.min_p,
+                    s.seed)
                 for s, ids in zip(seqs, stop_ids)]
         ms.load(rows, free, pad_page)
         ms.run(k)

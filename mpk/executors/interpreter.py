@@ -99,7 +99,8 @@ class Interpreter:
         op = self.ops[int(self.t.tasks[tid]["op"])]
         if op.opdef.carried_writes is None:
             return []
-        return [(self.views[op.inputs[i]][0], self._element_ids(op.inputs[i])[tuple(slice(a, c) for a, c in r)].reshape(-1))
+        return [(self.views[op.inputs[i]][0],
+                 self._element_ids(op.inputs[i])[tuple(slice(a, c) for a, c in r)].reshape(-1))
                 for i, r in op.opdef.carried_writes(op.sig, op.tile_rect(int(self.t.tasks[tid]["tile"])))]
 
     def _inplace_ids(self, tid: int) -> list[tuple[int, torch.Tensor]]:

@@ -411,8 +411,8 @@ def check_advance(next_tokens, tokens, kv_indptr, kv_indices, kv_last_page_len, 
             or kv_indices.shape[0] < B * pages):
         raise BadInputError(f"decode_advance(): seqs {list(seqs.shape)}, pool {list(pool.shape)}, out "
                             f"{list(out.shape)}, kv_indices {list(kv_indices.shape)}; expected [{B}, "
-                            f"{SEQ_FIELDS} + {stops} + {pages}], [{POOL_FIELDS} + free pages], [K ≥ 1, {B}] and at least "
-                            f"{B * pages} entries (every row's pages up to max_len)")
+                            f"{SEQ_FIELDS} + {stops} + {pages}], [{POOL_FIELDS} + free pages], [K ≥ 1, {B}] and "
+                            f"at least {B * pages} entries (every row's pages up to max_len)")
 
 
 @torch.library.custom_op("mpk::decode_advance",

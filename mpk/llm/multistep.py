@@ -102,11 +102,12 @@ class MultiStepDecode:
     def __init__(self, model: DecoderLM, cache: torch.Tensor, batch: int, page_size: int, max_len: int, ring: int,
                  free_pages: int, executor: str = "gpu", options: dict | None = None, stops: int = MAX_STOPS):
         if not (is_count(batch, 1) and batch <= MAX_BATCH):
-            raise OptionError(f"batch={batch!r}; expected an int in [1, {MAX_BATCH}] (decode_advance: a thread per row)")
+            raise OptionError(f"batch={batch!r}; expected an int in [1, {MAX_BATCH}] (decode_advance: a thread a row)")
         if not is_page_size(page_size) or not is_count(max_len, 2) or not is_count(ring, 1) \
                 or not is_count(free_pages) or not is_count(stops):
-            raise OptionError(f"page_size={page_size!r}, max_len={max_len!r}, ring={ring!r}, free_pages={free_pages!r}, "
-                              f"stops={stops!r}; expected a power-of-two page size, max_len ≥ 2, ring ≥ 1 and counts ≥ 0")
+            raise OptionError(f"page_size={page_size!r}, max_len={max_len!r}, ring={ring!r}, "
+                              f"free_pages={free_pages!r}, stops={stops!r}; expected a power-of-two page size, "
+                              "max_len ≥ 2, ring ≥ 1 and counts ≥ 0")
         if executor not in ("gpu", "cpu", "eager"):
             raise OptionError(f"executor={executor!r}; expected 'gpu', 'cpu' or 'eager'")
         self.batch, self.page_size, self.max_len, self.ring, self.stops = batch, page_size, max_len, ring, stops
@@ -125,7 +126,8 @@ class MultiStepDecode:
         self.module = DecodeIteration(model, page_size, max_len, stops)
         self.executor = executor
         self._run: Callable = self.module if executor == "eager" else torch.compile(
-            self.module, backend="mpk", fullgraph=True, dynamic=False, options={**(options or {}), "executor": executor})
+            self.module, backend="mpk", fullgraph=True, dynamic=False,
+            options={**(options or {}), "executor": executor})
         self.traced = executor == "eager"
         self._free: list[int] = []
 
@@ -165,7 +167,8 @@ class MultiStepDecode:
         tokens = np.zeros(B, np.int64)
         seqs[:, SEQ_FIELDS: SEQ_FIELDS + S] = -1
         for b, r in enumerate(rows):
-            if len(r.stop_ids) > S or len(r.pages) != -(-r.length // self.page_size) or not 1 <= r.length < self.max_len:
+            if (len(r.stop_ids) > S or len(r.pages) != -(-r.length // self.page_size)
+                    or not 1 <= r.length < self.max_len):
                 raise BadInputError(f"row {b}: {len(r.stop_ids)} stop ids, {len(r.pages)} pages for length {r.length}; "
                                     f"expected at most {S}, the pages of its length, 1 ≤ length < {self.max_len}")
             seqs[b, [LEN, GEN, MAX, DONE]] = r.length, r.generated, r.max_tokens, 0

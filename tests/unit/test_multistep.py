@@ -18,7 +18,7 @@ from mpk.llm.buckets import TokenBuckets, prefill
 from mpk.llm.kv_cache import PagedKVCache
 from mpk.llm.model import DecoderLM
 from mpk.llm.multistep import MultiStepDecode, Row
-from mpk.ops.iteration import DONE, GEN, LEN, MAX, POOL_FIELDS, SEQ_FIELDS, STEP, TOP, advance
+from mpk.ops.iteration import DONE, GEN, LEN, MAX, POOL_FIELDS, SEQ_FIELDS, advance
 from mpk.testing.decode import small_config
 
 PS, MAX_LEN, K = 4, 40, 12
@@ -46,7 +46,7 @@ def test_advance_grows_pops_stops_and_rebuilds_the_table():
     seqs[4, DONE] = 1
     tokens = torch.tensor([1, 2, 3, 4, 5])
     out = torch.full((2, 5), -9, dtype=torch.int32)
-    indptr, indices, last = torch.zeros(6, dtype=torch.int32), torch.zeros(20, dtype=torch.int32), torch.zeros(5, dtype=torch.int32)
+    indptr, indices, last = (torch.zeros(n, dtype=torch.int32) for n in (6, 20, 5))
     nxt = torch.tensor([40, 41, 77, 43, 44])
     emitted = advance(nxt, tokens, indptr, indices, last, seqs, pool, out, page_size=PS, max_len=MAX_LEN, stops=2)
     assert emitted.tolist() == [40, 41, 77, 43, -1]
@@ -104,7 +104,8 @@ def _reference(kv, steps, first, k, maxes, stops, free):
             out[b][1].append(_gap(logits[b]))
             gen[b] += 1
             n = lens[b] + 1
-            why = "stop" if t in stops[b] else "max_tokens" if gen[b] >= maxes[b] else "max_len" if n >= MAX_LEN else None
+            why = ("stop" if t in stops[b] else "max_tokens" if gen[b] >= maxes[b] else "max_len" if n >= MAX_LEN
+                   else None)
             if why is None and (n - 1) % PS == 0:
                 if free == 0:
                     why = "pages"
@@ -231,9 +232,8 @@ def test_happens_before_check_rejects_a_reader_not_ordered_before_the_advance():
 
 @pytest.mark.parametrize("k", [0, -1, 1.5, True, 2 ** 31])
 def test_bad_iteration_counts_raise(k):
-    with pytest.raises(OptionError, match="iterations"):
-        with iterations(k):
-            pass
+    with pytest.raises(OptionError, match="iterations"), iterations(k):
+        pass
 
 
 def test_run_past_the_ring_raises():
