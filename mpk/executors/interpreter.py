@@ -183,7 +183,7 @@ class Interpreter:
         rect = op.tile_rect(int(rec["tile"]))
         index = tuple(slice(a, b) for a, b in rect)
         if writer is not None:
-            for b, ids in self._inplace_ids(tid):
+            for b, ids in self._inplace_ids(tid) if carried is not None else []:
                 self._check_carried(carried, b, ids, tid, iteration)
             # in-place writes are recorded first, so a task reading what it appends itself is no race
             for b, ids in self._inplace_ids(tid):
@@ -202,7 +202,7 @@ class Interpreter:
                 continue
             sl = tuple(slice(a, b) for a, b in region)
             buf = self.views[v][0]
-            if writer is not None and buf in carried:
+            if writer is not None and carried is not None and buf in carried:
                 self._check_carried(carried, buf, self._element_ids(v)[sl].reshape(-1), tid, iteration)
             if writer is not None and buf in self.key_shape and buf in self.planned:
                 # the op's own keyed read, or (any other read of the buffer) the whole key space
@@ -243,7 +243,7 @@ class Interpreter:
                                 f"{self._describe_task(other)} both write buffer "
                                 f"{self.t.meta['buffers'][op.output]['name']!r}")
             writer[op.output][ids] = tid
-            for b, ids in self._carried_ids(tid):
+            for b, ids in self._carried_ids(tid) if carried is not None else []:
                 carried.setdefault(b, torch.zeros(math.prod(self.buf_shape[b]), dtype=torch.bool))[ids] = True
         out[index] = result
 

@@ -17,7 +17,7 @@ the free list), and how many free pages are left.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -82,14 +82,13 @@ class Burst:
     """What a launch of k iterations gave: ``tokens[b]`` row b's emitted tokens in order (its
     ring slots up to the first −1), ``pages[b]`` its block table after (the pages it popped
     appended), ``lengths``, ``done`` per row, and ``free_left`` the free list's size after (the
-    pages ``free[:free_left]`` were not taken)."""
+    first ``free_left`` pages ``load`` was given were not taken)."""
 
     tokens: list[list[int]]
     pages: list[list[int]]
     lengths: list[int]
     done: list[bool]
     free_left: int
-    free: list[int] = field(default_factory=list)
 
 
 class MultiStepDecode:
@@ -129,7 +128,6 @@ class MultiStepDecode:
             self.module, backend="mpk", fullgraph=True, dynamic=False,
             options={**(options or {}), "executor": executor})
         self.traced = executor == "eager"
-        self._free: list[int] = []
 
     def args(self) -> tuple[torch.Tensor, ...]:
         return (self.tokens, self.cache, self.kv_indptr, self.kv_indices, self.kv_last_page_len, self.seqs, self.pool,
@@ -184,7 +182,6 @@ class MultiStepDecode:
         pool = np.zeros(self.pool.shape[0], np.int32)
         pool[STEP], pool[TOP] = 0, len(free)
         pool[POOL_FIELDS: POOL_FIELDS + len(free)] = free
-        self._free = list(free)
         table = [torch.from_numpy(x) for x in (np.zeros(B + 1, np.int32), np.zeros(self.kv_indices.shape[0], np.int32),
                                                np.zeros(B, np.int32))]
         rebuild_table(torch.from_numpy(seqs), *table, self.page_size, S)
@@ -222,4 +219,4 @@ class MultiStepDecode:
             n = int(np.argmax(col < 0)) if (col < 0).any() else k
             tokens.append(col[:n].tolist())
             pages.append(table[b, : -(-int(seqs[b, LEN]) // self.page_size)].tolist())
-        return Burst(tokens, pages, seqs[:, LEN].tolist(), (seqs[:, DONE] != 0).tolist(), int(pool[TOP]), self._free)
+        return Burst(tokens, pages, seqs[:, LEN].tolist(), (seqs[:, DONE] != 0).tolist(), int(pool[TOP]))

@@ -150,7 +150,7 @@ def _check(op: OpInfo) -> None:
 
 register(OpDef(
     kind="decode_advance", type_id=100, input_regions=_regions, cpu=_cpu,
-    splittable=lambda sig: (False,), min_tile_elems=1 << 30,  # one task: rows share the free list
+    splittable=lambda sig: (False,),  # one task: the rows share the free list
     carried_writes=_writes,
     gpu=GpuSpec(params=_params, check=_check, float64_exact=True),
     doc="emitted [B] int64: the start-of-iteration task: feed each sequence's next token back, record it in the "
