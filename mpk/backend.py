@@ -66,7 +66,8 @@ def iterations(k: int) -> Iterator[None]:
     """Within it, each call of an mpk-compiled graph is ONE launch running ``k`` iterations of
     the graph back to back (the runtime's event counters; the end event of iteration i starts
     iteration i + 1), for graphs that feed their own inputs (``mpk.ops.iteration``): a
-    multi-step decode (``mpk.llm.multistep``). The outputs are the last iteration's."""
+    multi-step decode (``mpk.llm.multistep``). The outputs are the last iteration's. Meant for
+    graphs compiled whole: with ``fallback="eager"`` the PyTorch parts would run once."""
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k < 2 ** 31:
         raise OptionError(f"iterations({k!r}); expected an int in [1, 2^31)")
     token = _ITERATIONS.set(k)
