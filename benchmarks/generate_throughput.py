@@ -12,7 +12,13 @@ cut to one token (the prefill step); the decode phase is their difference, TPOT 
 decode form, same batch) timed back to back by CUDA events at four positions spread over the
 decode phase (their mean: attention's cost grows linearly with the position); ``tpot_overhead``
 = TPOT / bare step − 1 is what the engine's host loop adds (target ≤ 3% at c = 1). Launches per
-token: the CUDA kernels and copies a short ``generate`` issues (torch.profiler), per token.
+token: the CUDA kernels and copies a short ``generate`` issues (torch.profiler), per token;
+host launches per token: the engine's own count (``LLM.stats``: a step, or a burst, is one).
+
+``--decode-iterations k`` (> 1) also runs, in the same run, an engine of ``decode_iterations=k``
+(k decode iterations per launch: ``mpk.llm.multistep``) on the same prompts: its tok/s, TPOT and
+launches per token appear beside the single-step engine's as ``multistep_*`` (``--prebuild``
+then builds its multi-step graphs too, one per batch size 1, 2, 4, … c).
 
 Peers, at the same c: the gpt-fast-style loop (``peer.PeerDecoder``: its prefill, then one
 CUDA graph per token of ``torch.compile``'d step + greedy argmax + position increment, replayed
@@ -54,14 +60,15 @@ from mpk.llm import DecoderLM, LLMConfig  # noqa: E402
 BARE_POSITIONS = 4
 
 
-def engine_options(c: int, prompt_len: int, output_len: int, page_size: int) -> dict:
+def engine_options(c: int, prompt_len: int, output_len: int, page_size: int, decode_iterations: int = 1) -> dict:
     """The engine of concurrency ``c``: c sequences, one prefill bucket of every prompt (with
-    the decode form, two graphs), a page pool of exactly c sequences (the cache's shape is part
-    of the graphs: the prebuild and the run must agree)."""
+    the decode form, two graphs; with ``decode_iterations`` > 1 the multi-step graphs too), a
+    page pool of exactly c sequences (the cache's shape is part of the graphs: the prebuild and
+    the run must agree)."""
     max_len = prompt_len + output_len
     return dict(max_num_seqs=c, max_model_len=max_len, max_num_batched_tokens=c * prompt_len,
                 buckets=[c * prompt_len], page_size=page_size, num_pages=c * -(-max_len // page_size),
-                executor="gpu")
+                executor="gpu", decode_iterations=decode_iterations)
 
 
 def model_config(name: str, layers: int | None) -> LLMConfig:
@@ -91,11 +98,14 @@ def launches(fn: Callable[[], object]) -> dict:
     return {"kernels": len(names) - copies, "copies": copies}
 
 
-def bench_engine(model: DecoderLM, c: int, args) -> dict:
-    """The engine's run at concurrency ``c`` (see the module)."""
-    llm = LLM.from_model(model, **engine_options(c, args.prompt_len, args.output_len, args.page_size))
+def bench_engine(model: DecoderLM, c: int, args, decode_iterations: int = 1) -> dict:
+    """The engine's run at concurrency ``c`` (see the module); with ``decode_iterations`` > 1
+    the multi-step engine's, its keys prefixed ``multistep_`` and without the bare step."""
+    llm = LLM.from_model(model, **engine_options(c, args.prompt_len, args.output_len, args.page_size,
+                                                 decode_iterations))
     report = llm.runner.compile(progress=args.progress)
-    print(f"  c={c}: {report}", flush=True)
+    print(f"  c={c}{f' decode_iterations={decode_iterations}' if decode_iterations > 1 else ''}: {report}",
+          flush=True)
     if args.prebuild:
         return {}
     g = torch.Generator().manual_seed(c)
@@ -109,27 +119,35 @@ def bench_engine(model: DecoderLM, c: int, args) -> dict:
 
     run(8)  # warm-up: the first launches load the kernels and bind their arguments
     prefill_s = statistics.median(timed(lambda: run(1)) for _ in range(3))
+    before = (llm.stats().launches, llm.stats().tokens)
     total_s = timed(lambda: run(args.output_len))
+    host_lpt = (llm.stats().launches - before[0]) / (llm.stats().tokens - before[1])
     decode_s = total_s - prefill_s
     tpot_ms = decode_s / (args.output_len - 1) * 1e3
     count_tokens = 16
     issued = launches(lambda: run(count_tokens))
-    # the engine's decode graph alone, at positions spread over the decode phase
-    runner, pps = llm.runner, -(-(args.prompt_len + args.output_len) // args.page_size)
-    bare = []
-    for i in range(BARE_POSITIONS):
-        pos = args.prompt_len + int((i + 0.5) / BARE_POSITIONS * (args.output_len - 1))
-        runner.table.write([list(range(b * pps, (b + 1) * pps)) for b in range(c)], [pos + 1] * c, [1] * c)
-        tokens = [0] * c
-        bare.append(time_step(lambda: runner.buckets.run(tokens, [1] * c)))
-    bare_ms = statistics.mean(bare)
+    measured = {"tok_s": c * args.output_len / total_s, "decode_tok_s": c * (args.output_len - 1) / decode_s,
+                "tpot_ms": tpot_ms, "host_launches_per_token": host_lpt,
+                "launches_per_token": {k: v / (c * count_tokens) for k, v in issued.items()}}
+    if decode_iterations > 1:
+        result = {f"multistep_{k}": v for k, v in measured.items()} | {"decode_iterations": decode_iterations}
+    else:
+        # the engine's decode graph alone, at positions spread over the decode phase
+        runner, pps = llm.runner, -(-(args.prompt_len + args.output_len) // args.page_size)
+        bare = []
+        for i in range(BARE_POSITIONS):
+            pos = args.prompt_len + int((i + 0.5) / BARE_POSITIONS * (args.output_len - 1))
+            runner.table.write([list(range(b * pps, (b + 1) * pps)) for b in range(c)], [pos + 1] * c, [1] * c)
+            tokens = [0] * c
+            bare.append(time_step(lambda: runner.buckets.run(tokens, [1] * c)))
+        bare_ms = statistics.mean(bare)
+        result = measured | {"graphs": len(report.trace_s), "compile_s": report.total_s, "prefill_ms": prefill_s * 1e3,
+                             "total_s": total_s, "bare_step_ms": bare_ms, "bare_steps_ms": bare,
+                             "tpot_overhead": tpot_ms / bare_ms - 1,
+                             "launches_per_step": {k: v / count_tokens for k, v in issued.items()}}
     del llm
     gc.collect()
-    return {"graphs": len(report.trace_s), "compile_s": report.total_s, "prefill_ms": prefill_s * 1e3,
-            "total_s": total_s, "tok_s": c * args.output_len / total_s, "decode_tok_s": c * (args.output_len - 1) / decode_s,
-            "tpot_ms": tpot_ms, "bare_step_ms": bare_ms, "bare_steps_ms": bare, "tpot_overhead": tpot_ms / bare_ms - 1,
-            "launches_per_token": {k: v / (c * count_tokens) for k, v in issued.items()},
-            "launches_per_step": {k: v / count_tokens for k, v in issued.items()}}
+    return result
 
 
 def bench_gptfast(shape: Shape, c: int, args, compiled: Callable) -> dict:
@@ -219,7 +237,9 @@ def bench_model(name: str, args, bandwidth: float | None) -> list[dict]:
                 p.normal_(1.0 if "norm" in pname else 0.0, 0.02)
     shape = replace(peer_shape(name), layers=cfg.layers)
     rows = []
-    engine = {c: bench_engine(model, c, args) for c in args.concurrency}
+    engine = {c: bench_engine(model, c, args) | (bench_engine(model, c, args, args.decode_iterations)
+                                                  if args.decode_iterations > 1 else {})
+              for c in args.concurrency}
     torch._dynamo.reset()
     del model
     gc.collect()
@@ -270,6 +290,9 @@ def main(argv=None) -> int:
                     help="cut the models to this many layers (quick checks; default: the full models)")
     ap.add_argument("--compile-mode", default="default", help="torch.compile mode of the gpt-fast loop's step")
     ap.add_argument("--skip-peers", action="store_true", help="the engine alone")
+    ap.add_argument("--decode-iterations", type=count(1), default=1,
+                    help="also run an engine of this many decode iterations per launch (> 1) beside the single-step "
+                         "one")
     ap.add_argument("--prebuild", action="store_true",
                     help="trace the engines' graphs and build their kernels into $MPK_CACHE_DIR (no GPU needed), "
                          "time nothing")
@@ -289,13 +312,16 @@ def main(argv=None) -> int:
         return format(v, spec) if v is not None else "-"
 
     print(f"\n{'model':12s} {'c':>3s} {'mpk tok/s':>10s} {'gptfast':>9s} {'hf':>9s} {'speedup':>8s} {'TPOT ms':>8s} "
-          f"{'bare ms':>8s} {'overhead':>8s} {'floor ms':>8s} {'util':>5s} {'launch/tok':>10s}")
+          f"{'bare ms':>8s} {'overhead':>8s} {'floor ms':>8s} {'util':>5s} {'launch/tok':>10s} {'host/tok':>8s}"
+          + (f" {'ms tok/s':>9s} {'ms TPOT':>8s} {'ms host/tok':>11s}" if args.decode_iterations > 1 else ""))
     for r in rows:
         lpt = r["launches_per_token"]
         print(f"{r['model']:12s} {r['concurrency']:3d} {r['tok_s']:10.0f} {fmt(r.get('gptfast_tok_s'), '9.0f')} "
               f"{fmt(r.get('hf_tok_s'), '9.0f')} {fmt(r['speedup'], '7.2f')}x {r['tpot_ms']:8.3f} "
               f"{r['bare_step_ms']:8.3f} {r['tpot_overhead']:8.1%} {r['floor_ms']:8.3f} {r['floor_util']:5.2f} "
-              f"{lpt['kernels'] + lpt['copies']:10.2f}")
+              f"{lpt['kernels'] + lpt['copies']:10.2f} {r['host_launches_per_token']:8.3f}"
+              + (f" {r['multistep_tok_s']:9.0f} {r['multistep_tpot_ms']:8.3f} "
+                 f"{r['multistep_host_launches_per_token']:11.3f}" if args.decode_iterations > 1 else ""))
     return 0
 
 

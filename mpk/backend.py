@@ -20,7 +20,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from mpk.compiler import CompiledGraph
-from mpk.errors import MpkError, UnsupportedOpError
+from mpk.errors import MpkError, OptionError, UnsupportedOpError
 from mpk.fx_pipeline import compile_tables, trace_inference, unsupported_report
 from mpk.inspection import dump
 from mpk.options import CompileOptions
@@ -56,6 +56,25 @@ def trace_only() -> Iterator[None]:
         yield
     finally:
         _TRACE_ONLY.reset(token)
+
+
+_ITERATIONS: contextvars.ContextVar[int] = contextvars.ContextVar("mpk_iterations", default=1)
+
+
+@contextlib.contextmanager
+def iterations(k: int) -> Iterator[None]:
+    """Within it, each call of an mpk-compiled graph is ONE launch running ``k`` iterations of
+    the graph back to back (the runtime's event counters; the end event of iteration i starts
+    iteration i + 1), for graphs that feed their own inputs (``mpk.ops.iteration``): a
+    multi-step decode (``mpk.llm.multistep``). The outputs are the last iteration's. Meant for
+    graphs compiled whole: with ``fallback="eager"`` the PyTorch parts would run once."""
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k < 2 ** 31:
+        raise OptionError(f"iterations({k!r}); expected an int in [1, 2^31)")
+    token = _ITERATIONS.set(k)
+    try:
+        yield
+    finally:
+        _ITERATIONS.reset(token)
 
 
 def mpk_backend(gm: GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None):
@@ -147,7 +166,7 @@ def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
                 state["ex"] = GpuExecutor(compiled.tables, timeout_s=opts.timeout_s,
                                           profile=opts.profile_dir is not None)
             _remember(state, args)
-            out = state["ex"].run(args, wait=opts.sync)
+            out = state["ex"].run(args, iterations=_ITERATIONS.get(), wait=opts.sync)
             if opts.profile_dir:
                 Path(opts.profile_dir).mkdir(parents=True, exist_ok=True)
                 state["ex"].trace(Path(opts.profile_dir) / f"trace{COMPILED.index(compiled)}.json")
@@ -161,7 +180,7 @@ def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
             if _TRACE_ONLY.get():
                 raise TracedOnly(compiled)
             _remember(state, args)
-            return interp.run(args, seed=opts.seed)
+            return interp.run(args, seed=opts.seed, iterations=_ITERATIONS.get())
 
     run.compiled = compiled  # type: ignore[attr-defined]
     run.state = state  # type: ignore[attr-defined]

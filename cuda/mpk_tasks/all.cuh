@@ -4,6 +4,7 @@
 #include "data_movement.cuh"
 #include "diagnostic.cuh"
 #include "gemm.cuh"
+#include "iteration.cuh"
 #include "linalg.cuh"
 #include "paged_attention.cuh"
 #include "paged_plan.cuh"

@@ -765,8 +765,14 @@ __device__ __forceinline__ void for_plan_items(const OpC& c, const Rect& r, cons
   }
 }
 
-template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal, bool kRagged = false, bool kPlan = false>
-__device__ __forceinline__ void attn_partial(const OpC& c, const Rect& r, const TaskEnv& env) {
+// kTableAfterGate: the graph rewrites the page table for its next iteration (the
+// start-of-iteration task, iteration.cuh), so a task started before its event fired could read
+// the previous iteration's: it reads the table only once the gate has opened.
+template <int kPer, int kG, typename T, typename I, bool kRope, bool kFinal, bool kRagged = false, bool kPlan = false,
+          bool kTableAfterGate = false>
+__device__ __forceinline__ void attn_partial(const OpC& c, const Rect& r, const TaskEnv& gated) {
+  if (kTableAfterGate && !acquire_inputs(gated)) return;
+  const TaskEnv env{gated.buffers, kTableAfterGate ? nullptr : gated.gate};  // (an open gate: acquire returns at once)
   constexpr int kU = kAttnStep<kPer, T>;
   const ViewC &indptr = c.in[2], &indices = c.in[3], &last = c.in[4];
   const int C = kFinal ? 1 : static_cast<int>(c.out_shape[2]);

@@ -286,22 +286,41 @@ class OpLayout:
     sig: OpSig
 
 
+def op_layout(tables: Tables, i: int) -> OpLayout:
+    """Op ``i``'s ``OpLayout``."""
+    views, o = tables.views, tables.ops[i]
+    ins = [int(x) for x in tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]]
+    grid = tuple(int(g) for g in o["grid"][: int(o["ndim"])])
+    bounds, pos = [], int(o["bounds_offset"])
+    for g in grid:
+        bounds.append(tuple(int(b) for b in tables.bounds[pos: pos + g + 1]))
+        pos += g + 1
+    buf = tables.buffers[int(o["output"])]
+    sig = OpSig(tuple(tuple(int(s) for s in views[v]["shape"][: views[v]["ndim"]]) for v in ins),
+                tuple(int(s) for s in buf["shape"][: buf["ndim"]]), DTYPES[int(buf["dtype"])],
+                tables.meta["ops"][i]["attrs"])
+    return OpLayout(ins, int(o["output"]), grid, bounds, sig)
+
+
 def op_layouts(tables: Tables) -> list[OpLayout]:
     """Every op's ``OpLayout``, in op order (what the executors and the verifier read per op)."""
-    views, out = tables.views, []
-    for i, o in enumerate(tables.ops):
-        ins = [int(x) for x in tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]]
-        grid = tuple(int(g) for g in o["grid"][: int(o["ndim"])])
-        bounds, pos = [], int(o["bounds_offset"])
-        for g in grid:
-            bounds.append(tuple(int(b) for b in tables.bounds[pos: pos + g + 1]))
-            pos += g + 1
-        buf = tables.buffers[int(o["output"])]
-        sig = OpSig(tuple(tuple(int(s) for s in views[v]["shape"][: views[v]["ndim"]]) for v in ins),
-                    tuple(int(s) for s in buf["shape"][: buf["ndim"]]), DTYPES[int(buf["dtype"])],
-                    tables.meta["ops"][i]["attrs"])
-        out.append(OpLayout(ins, int(o["output"]), grid, bounds, sig))
-    return out
+    return [op_layout(tables, i) for i in range(len(tables.ops))]
+
+
+def carried_buffers(tables: Tables) -> frozenset[int]:
+    """The graph-input buffers an op rewrites for the next iteration (``OpDef.carried_writes``:
+    the start-of-iteration task's tokens and page table): a task must not read them before its
+    event fires, when they may still hold the previous iteration's values."""
+    from mpk.ops import REGISTRY, op_by_type_id
+
+    kinds = [d.type_id for d in REGISTRY.values() if d.carried_writes is not None]
+    out: set[int] = set()
+    for i in np.nonzero(np.isin(tables.ops["type_id"], kinds))[0].tolist():
+        lay = op_layout(tables, i)
+        whole = tuple((0, n) for n in lay.sig.out_shape)
+        for j, _ in op_by_type_id(int(tables.ops[i]["type_id"])).carried_writes(lay.sig, whole):
+            out.add(int(tables.views[lay.inputs[j]]["buffer"]))
+    return frozenset(out)
 
 
 def check_argument(tables: Tables, buffer: int, arg: object, shape: tuple[int, ...], dtype: torch.dtype) -> None:

@@ -5,8 +5,11 @@ reader by the event graph (task → its triggering event → the tasks that even
 transitively, within one iteration), and no two unordered tasks may write one element. Writes
 are a task's output tile, its in-place writes into inputs (``OpDef.inplace_writes``: the
 KV-cache append) and accumulating writes alike; inputs addressed through run-time data are
-checked in their key spaces (``OpDef.key_spaces``). Every task must also be ordered before the
-end event, so one iteration ends before the next begins.
+checked in their key spaces (``OpDef.key_spaces``). Writes for the next iteration
+(``OpDef.carried_writes``: the start-of-iteration task feeding tokens and the page table back)
+go the other way: every other task reading or writing such an element must finish before the
+writer starts. Every task must also be ordered before the end event, so one iteration ends
+before the next begins.
 
 It reads only the tables and the registry's region declarations, and maps rects through the
 tables' strided views (shape, strides, offset) — not through ``View.base_regions`` or the
@@ -107,6 +110,7 @@ class _Space:
         self.name, self.shape, self.dims = name, shape, dims
         self.w: list[tuple[np.ndarray, np.ndarray, int]] = []
         self.r: list[tuple[np.ndarray, np.ndarray, int]] = []
+        self.c: list[tuple[np.ndarray, np.ndarray, int]] = []  # writes for the next iteration
 
     def coord(self, flat: int) -> tuple[int, ...]:
         out = []
@@ -172,6 +176,34 @@ def _reachability(tables: Tables) -> np.ndarray:
         np.bitwise_or.at(row, ts >> 3, (1 << (ts & 7)).astype(np.uint8))
         anc[e] = row
     return anc
+
+
+def _carried(sp: _Space, n: int, ordered, bad: dict, max_pairs: int) -> int:
+    """Every access to ``sp`` overlapping a write for the next iteration (``sp.c``) by another
+    task must be ordered before that writer, and two such writers one way or the other; the
+    failures go into ``bad`` keyed (writer, other) as "carried". Returns the pairs tested."""
+    clo, chi, ct = _flat(sp.c)
+    cuts = np.unique(np.concatenate([clo, chi]))
+    s0, s1 = np.searchsorted(cuts, clo), np.searchsorted(cuts, chi)
+    seg, owner = _expand(s0, s1 - s0)
+    key = np.unique(seg * n + ct[owner])
+    seg_of, writer_of = key // n, key % n
+    seg_ptr = np.searchsorted(seg_of, np.arange(len(cuts)))
+    olo, ohi, ot = _flat(sp.r + sp.w + sp.c)
+    carried = np.concatenate([np.zeros(len(olo) - len(clo), bool), np.ones(len(clo), bool)])
+    k0 = np.maximum(np.searchsorted(cuts, olo, "right") - 1, 0)
+    k1 = np.minimum(np.searchsorted(cuts, ohi, "left"), len(cuts) - 1)
+    segs, oi = _expand(k0, np.maximum(k1 - k0, 0))
+    wi, pi = _expand(seg_ptr[segs], seg_ptr[segs + 1] - seg_ptr[segs])
+    w, o, both, where = writer_of[wi], ot[oi[pi]], carried[oi[pi]], cuts[segs[pi]]
+    keep = w != o
+    w, o, both, where = w[keep], o[keep], both[keep], where[keep]
+    fine = ordered(o, w) | (both & ordered(w, o))
+    for j in np.nonzero(~fine)[0].tolist():
+        if len(bad) >= max_pairs:
+            break
+        bad.setdefault((int(w[j]), int(o[j])), ("carried", sp, int(where[j])))
+    return len(w)
 
 
 def verify(tables: Tables, max_pairs: int = 1000) -> VerifyReport:
@@ -255,6 +287,10 @@ def verify(tables: Tables, max_pairs: int = 1000) -> VerifyReport:
             else:
                 lo, hi = strided_intervals(strides, off, r)
             space(b).w.append((lo, hi, t))
+        for i, r in (op.opdef.carried_writes(op.sig, rect) if op.opdef.carried_writes else []):
+            b, strides, off = views[op.inputs[i]]
+            lo, hi = whole(b) if b in keyed else strided_intervals(strides, off, r)
+            space(b).c.append((lo, hi, t))
         for i, r in enumerate(op.opdef.input_regions(op.sig, rect)):
             if i in op_keys[o]:
                 r = op_keys[o][i].reads(op.sig, rect)
@@ -264,7 +300,7 @@ def verify(tables: Tables, max_pairs: int = 1000) -> VerifyReport:
     for t, v, ki, r in reads:
         b, strides, off = views[v]
         sp = spaces.get(b)
-        if sp is None or not sp.w:
+        if sp is None or not (sp.w or sp.c):
             continue  # nothing writes it (weights, plain inputs)
         key = (v, ki is not None, r)
         got = memo.get(key)
@@ -286,6 +322,8 @@ def verify(tables: Tables, max_pairs: int = 1000) -> VerifyReport:
     bad: dict[tuple[int, int], tuple[str, _Space, int]] = {}  # (writer, reader) -> (kind, space, flat)
     for b in sorted(spaces):
         sp = spaces[b]
+        if sp.c:
+            pairs_checked += _carried(sp, n, ordered, bad, max_pairs)
         if not sp.w:
             continue
         wlo, whi, wt = _flat(sp.w)
@@ -334,7 +372,11 @@ def verify(tables: Tables, max_pairs: int = 1000) -> VerifyReport:
     if bad:
         (w, r), (what, sp, flat) = min(bad.items(), key=lambda kv: (kv[0][1], kv[0][0]))
         where = f"buffer {sp.name!r} {sp.describe(flat)}"
-        if what == "read":
+        if what == "carried":
+            msg = (f"{describe(r)} reads or writes {where}, which {describe(w)} writes for the next iteration, but "
+                   f"no event path orders it before that writer (it triggers event {int(trig[r])}; the writer waits "
+                   f"on event {int(dep[w])}, which does not follow it)")
+        elif what == "read":
             msg = (f"{describe(r)} reads {where}, which {describe(w)} writes, but no event path orders the "
                    f"writer first (the writer triggers event {int(trig[w])}; the reader waits on event "
                    f"{int(dep[r])}, which does not follow it)")

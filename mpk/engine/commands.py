@@ -32,6 +32,8 @@ def _engine_flags(p: argparse.ArgumentParser, count: Callable[[int], Callable[[s
     p.add_argument("--seed", type=count(0), default=0,
                    help="the engine's seed, from which each request's sampling seed derives (default %(default)s)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV pages of equal prefixes")
+    p.add_argument("--decode-iterations", type=count(1), default=1,
+                   help="decode iterations per launch when every running sequence decodes (default %(default)s)")
     p.add_argument("--tensor-parallel-size", type=count(1), default=1,
                    help="GPUs the model is sharded over, one rank each; the command starts ranks 1…N-1 itself "
                         "(default %(default)s)")
@@ -52,7 +54,7 @@ def _llm(ns: argparse.Namespace, max_model_len: int | None = None):
     return LLM(ns.model, max_num_seqs=ns.max_num_seqs, max_model_len=max_model_len or ns.max_model_len,
                page_size=ns.page_size, executor=ns.executor, max_num_batched_tokens=ns.max_num_batched_tokens,
                num_pages=ns.num_pages, seed=ns.seed, enable_prefix_caching=not ns.no_prefix_caching,
-               tensor_parallel_size=ns.tensor_parallel_size)
+               tensor_parallel_size=ns.tensor_parallel_size, decode_iterations=ns.decode_iterations)
 
 
 def _params(ns: argparse.Namespace):

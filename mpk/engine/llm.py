@@ -8,7 +8,8 @@ import time
 import weakref
 from contextlib import closing
 from dataclasses import replace
-from typing import Any, Iterable, Iterator, Sequence as Seq
+from typing import Any, Iterable, Iterator
+from typing import Sequence as Seq
 
 import torch
 
@@ -19,9 +20,11 @@ from mpk.engine.runner import ModelRunner, default_executor
 from mpk.engine.sampling import SamplingParams, mix64
 from mpk.engine.scheduler import Scheduler
 from mpk.engine.sequence import Sequence
-from mpk.errors import MpkError, OptionError
+from mpk.engine.stats import EngineStats
+from mpk.errors import MpkError, NotSupportedError, OptionError
 from mpk.llm.config import is_count
 from mpk.llm.model import DecoderLM
+from mpk.llm.multistep import MAX_STOPS
 
 Prompt = str | list[int]
 Conversation = list[dict[str, str]]
@@ -59,21 +62,36 @@ class LLM:
     (new tokens) compiled, each its own graph; the largest must be ``max_num_batched_tokens``
     (default ``mpk.llm.default_buckets(max_num_batched_tokens)``: 1, 2, 4, …). A model built in
     the process (random weights): ``LLM.from_model``.
+
+    ``decode_iterations``: when every running sequence decodes and no waiting request can be
+    admitted, run up to this many decode iterations in one launch (sampling, stop checks and
+    page growth on the device; ``mpk.llm.multistep``), then detokenize, stream and check stop
+    strings from what came back. Default 1 (every step its own launch): a multi-step graph per
+    batch size 1, 2, 4, … ``max_num_seqs`` adds to the compile, and the gain is the host's work
+    per token, which matters on the GPU executor (``stats().launches_per_token`` shows it). A
+    burst is skipped for batches with ``logprobs`` or more than ``mpk.llm.multistep.MAX_STOPS``
+    stop token ids (EOS included) in a request.
     """
 
     def __init__(self, model: str | os.PathLike | LoadedModel | None = None, max_num_seqs: int = 64,
                  max_model_len: int = 4096, page_size: int = 16, dtype: torch.dtype | None = None,
                  tensor_parallel_size: int = 1, executor: str | None = None, max_num_batched_tokens: int = 512,
                  num_pages: int | None = None, seed: int = 0, enable_prefix_caching: bool = True,
-                 device: str | torch.device | None = None, buckets: Seq[int] | None = None):
+                 device: str | torch.device | None = None, buckets: Seq[int] | None = None,
+                 decode_iterations: int = 1):
         for name, value, least in (("max_num_seqs", max_num_seqs, 1), ("max_model_len", max_model_len, 2),
                                    ("max_num_batched_tokens", max_num_batched_tokens, 1), ("seed", seed, 0),
-                                   ("tensor_parallel_size", tensor_parallel_size, 1)):
+                                   ("tensor_parallel_size", tensor_parallel_size, 1),
+                                   ("decode_iterations", decode_iterations, 1)):
             if not is_count(value, least):
                 raise OptionError(f"{name}={value!r}; expected an int ≥ {least}")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         self.job = None
+        if tensor_parallel_size > 1 and decode_iterations > 1:
+            raise NotSupportedError(f"decode_iterations={decode_iterations} with tensor_parallel_size="
+                                    f"{tensor_parallel_size}: the multi-step graph runs on one GPU for now "
+                                    "(decode_iterations=1)")
         if tensor_parallel_size > 1:
             from mpk.engine.parallel import check_parallel, start_job
 
@@ -84,16 +102,19 @@ class LLM:
                 torch.cuda.set_device(device)
         try:
             self._build(model, max_num_seqs, max_model_len, page_size, dtype, executor or default_executor(device),
-                        max_num_batched_tokens, num_pages, seed, enable_prefix_caching, device, buckets)
+                        max_num_batched_tokens, num_pages, seed, enable_prefix_caching, device, buckets,
+                        decode_iterations)
         except BaseException as e:
             if self.job is not None:
                 self.job.abort(f"{type(e).__name__}: {e}")
             raise
         self._next_id = 0
+        self._stats = EngineStats()
 
     def _build(self, model: str | os.PathLike | LoadedModel | None, max_num_seqs: int, max_model_len: int,
                page_size: int, dtype: torch.dtype, executor: str, max_num_batched_tokens: int, num_pages: int | None,
-               seed: int, enable_prefix_caching: bool, device: torch.device, buckets: Seq[int] | None) -> None:
+               seed: int, enable_prefix_caching: bool, device: torch.device, buckets: Seq[int] | None,
+               decode_iterations: int) -> None:
         """The model, the page pool, the scheduler and the runner (a tensor-parallel job's:
         ``ParallelRunner``; its workers are told the configuration first, and load the model
         while this rank does)."""
@@ -121,7 +142,7 @@ class LLM:
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         if self.job is None:
             self.runner = ModelRunner(self.model, max_num_seqs, max_num_batched_tokens, num_pages, page_size,
-                                      max_model_len, executor, buckets)
+                                      max_model_len, executor, buckets, decode_iterations=decode_iterations)
             return
         from mpk.engine.parallel import ParallelRunner
 
@@ -245,6 +266,12 @@ class LLM:
         rows = self.scheduler.schedule()
         if not rows:
             raise MpkError("the scheduler found no step to run (a sequence needs more pages than the pool holds?)")
+        self._stats.launches += 1
+        if self._bursts(rows):
+            seqs = [r.seq for r in rows]
+            tokens = self.runner.burst(seqs, self.blocks, [self._stop_ids(s) for s in seqs])
+            if tokens is not None:
+                return self._take_burst(seqs, tokens)
         sampled = self.runner.execute(rows)
         self.scheduler.advance(rows)
         changed = []
@@ -253,10 +280,46 @@ class LLM:
                 continue
             seq = row.seq
             seq.append(got[0], self.eos_ids, self.max_model_len, got[1])
+            self._stats.tokens += 1
             if seq.finished:
                 self.scheduler.retire(seq)
             changed.append(_output(seq, *seq.take_delta()))
         return changed
+
+    def _stop_ids(self, seq: Sequence) -> list[int]:
+        """The token ids that finish ``seq`` (its stop_token_ids, and EOS unless ignore_eos)."""
+        p = seq.params
+        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids)))
+
+    def _bursts(self, rows: list) -> bool:
+        """Whether this step runs as a burst of decode iterations: the option is on, every
+        running sequence decodes in it (so the scheduler admitted nothing), and none asks for
+        what a burst does not give (logprobs; more stop ids than its table holds)."""
+        return (self.runner.decode_iterations > 1 and len(rows) == len(self.scheduler.running)
+                and all(r.count == 1 and r.samples for r in rows)
+                and all(r.seq.params.logprobs is None and len(self._stop_ids(r.seq)) <= MAX_STOPS for r in rows))
+
+    def _take_burst(self, seqs: list[Sequence], tokens: list[list[int]]) -> list[RequestOutput]:
+        """Append each sequence's burst tokens one by one, as steps would (stop strings,
+        detokenizing), dropping those after it finishes; retire the finished ones."""
+        changed = []
+        for seq, got in zip(seqs, tokens):
+            for t in got:
+                seq.append(t, self.eos_ids, self.max_model_len)
+                self._stats.tokens += 1
+                if seq.finished:
+                    break
+            if seq.finished:
+                self.scheduler.retire(seq)
+            else:  # every token but the last is in the cache now
+                seq.num_computed = len(seq.token_ids) - 1
+                self.blocks.commit(seq.block, seq.token_ids, seq.num_computed)
+            changed.append(_output(seq, *seq.take_delta()))
+        return changed
+
+    def stats(self) -> EngineStats:
+        """Host launches and generated tokens so far (``launches_per_token``)."""
+        return self._stats
 
     def _steps(self) -> Iterator[list[RequestOutput]]:
         """Run steps until every queued request finished, yielding each step's outputs.
@@ -304,7 +367,7 @@ class LLM:
         with tqdm(total=len(seqs), desc="generating", unit="req", disable=not use_tqdm) as bar, closing(steps):
             bar.update(sum(s.finished for s in seqs))  # failed at submission
             for changed in steps:
-                tokens_out += len(changed)
+                tokens_out += sum(len(o.outputs[0].token_ids) for o in changed)
                 done = [o for o in changed if o.finished]
                 tokens_in += sum(len(o.prompt_token_ids) for o in done)
                 if done:

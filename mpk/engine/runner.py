@@ -1,6 +1,8 @@
 """``ModelRunner``: one engine step on the model — the page table written from the scheduled
 sequences' block tables, their new tokens run through ``TokenBuckets`` (padded to a bucket),
-the next token sampled for each sequence whose last token the step computed."""
+the next token sampled for each sequence whose last token the step computed — or a burst of
+decode iterations in one launch (``mpk.llm.multistep``), pages for it reserved from the block
+manager into the launch's free list and the unused ones given back."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from mpk.engine.block_manager import BlockManager, BlockTable
 from mpk.engine.sampling import sample
 from mpk.engine.scheduler import ScheduledRow
 from mpk.engine.sequence import Sequence
@@ -16,6 +19,7 @@ from mpk.errors import OptionError
 from mpk.llm.buckets import CompileReport, TokenBuckets
 from mpk.llm.kv_cache import PageTable, check_max_len
 from mpk.llm.model import DecoderLM
+from mpk.llm.multistep import MultiStepDecode, Row
 
 EXECUTORS = ("gpu", "cpu", "eager")
 
@@ -43,11 +47,13 @@ class ModelRunner:
     "cpu" (mpk's CPU interpreter) or "eager" (PyTorch, nothing compiled). ``buckets``: the step
     sizes compiled (``TokenBuckets``'; None: its default for ``max_num_batched_tokens``).
     ``tensor_parallel``: (rank, world) of a tensor-parallel job, whose GPU steps compile this
-    rank's shard (the ``tensor_parallel`` compile option); None: the whole model."""
+    rank's shard (the ``tensor_parallel`` compile option); None: the whole model.
+    ``decode_iterations``: > 1 compiles the multi-step decode graph (one per batch size 1, 2,
+    4, … ``max_num_seqs``) that ``burst`` runs that many iterations of per launch."""
 
     def __init__(self, model: DecoderLM, max_num_seqs: int, max_num_batched_tokens: int, num_pages: int,
                  page_size: int, max_model_len: int, executor: str, buckets: Seq[int] | None = None,
-                 tensor_parallel: tuple[int, int] | None = None):
+                 tensor_parallel: tuple[int, int] | None = None, decode_iterations: int = 1):
         if executor not in EXECUTORS:
             raise OptionError(f"executor={executor!r}; expected one of {EXECUTORS} (None: "
                               f"{default_executor(model.embed.device)!r} here)")
@@ -59,6 +65,9 @@ class ModelRunner:
         eager = executor == "eager"
         self.buckets = TokenBuckets(model, self.table, max_num_batched_tokens, buckets, eager=eager,
                                     options=None if eager else self.options(executor, tensor_parallel))
+        self.executor, self.decode_iterations, self.max_model_len = executor, decode_iterations, max_model_len
+        self.max_num_seqs = max_num_seqs
+        self._multistep: dict[int, MultiStepDecode] = {}
 
     @staticmethod
     def options(executor: str, tensor_parallel: tuple[int, int] | None = None) -> dict:
@@ -71,8 +80,73 @@ class ModelRunner:
         return opts
 
     def compile(self, progress: bool | None = None) -> CompileReport:
-        """Compile every bucket now (else at the first step)."""
-        return self.buckets.compile(progress)
+        """Compile every bucket (and the multi-step graphs) now, else at their first use."""
+        report = self.buckets.compile(progress)
+        if self.decode_iterations > 1:
+            import time
+
+            traced = []
+            for size in self.burst_sizes():
+                start = time.perf_counter()
+                traced.append(self.multistep(size).trace())
+                report.trace_s[f"multistep B={size}"] = time.perf_counter() - start
+            if self.executor == "gpu":
+                from mpk.executors import build
+                from mpk.executors.codegen import generate
+
+                start = time.perf_counter()
+                build.prebuild([generate(c.tables) for c in traced if c is not None], progress=progress)
+                report.build_s += time.perf_counter() - start
+        return report
+
+    def burst_sizes(self) -> list[int]:
+        """The batch sizes of the multi-step graphs: 1, 2, 4, … below max_num_seqs, and it."""
+        sizes = [1 << i for i in range(self.max_num_seqs.bit_length()) if 1 << i < self.max_num_seqs]
+        return sizes + [self.max_num_seqs]
+
+    def multistep(self, rows: int) -> MultiStepDecode:
+        """The multi-step graph for ``rows`` sequences: the smallest batch size that holds them."""
+        size = next(b for b in self.burst_sizes() if b >= rows)
+        if size not in self._multistep:
+            k, ps = self.decode_iterations, self.table.page_size
+            # a row takes at most a page per page_size iterations, and one more at a boundary
+            self._multistep[size] = MultiStepDecode(
+                self.model, self.table.cache, size, ps, self.max_model_len, ring=k, free_pages=size * (k // ps + 2),
+                executor=self.executor, options=None if self.executor == "eager" else self.options(self.executor))
+        return self._multistep[size]
+
+    def burst(self, seqs: list[Sequence], blocks: BlockManager, stop_ids: list[list[int]]) -> list[list[int]] | None:
+        """Up to ``decode_iterations`` decode iterations of ``seqs`` (each decoding: its last
+        token not in the cache, its pages covering it) in one launch; per sequence, the tokens
+        it generated, in order (it stopped at a stop id in ``stop_ids``, its max_tokens or
+        max_model_len, or when the reserved pages ran out). Their pages grow by what they took;
+        the reservation's rest goes back to ``blocks``. None (nothing ran) when a padding row
+        would need a page the pool lacks."""
+        ms = self.multistep(len(seqs))
+        ps = self.table.page_size
+        left = [min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - len(s.token_ids)) for s in seqs]
+        k = min(self.decode_iterations, max(left))
+        # tokens fed back: at most min(k, left − 1); each needs its position's page
+        need = sum(max(0, -(-(len(s.token_ids) + min(k, n - 1)) // ps) - len(s.block.pages))
+                   for s, n in zip(seqs, left))
+        padding = len(seqs) < ms.batch
+        reserved = BlockTable()
+        if not blocks.grow(reserved, min(need + padding, blocks.num_free) * ps) or (padding and not reserved.pages):
+            return None
+        pad_page = reserved.pages[0] if padding else None
+        free = reserved.pages[1:] if padding else reserved.pages
+        rows = [Row(s.token_ids[-1], len(s.token_ids), list(s.block.pages), len(s.output_token_ids),
+                    s.params.max_tokens, ids, s.params.temperature, s.params.top_k, s.params.top_p, s.params.min_p,
+                    s.seed)
+                for s, ids in zip(seqs, stop_ids)]
+        ms.load(rows, free, pad_page)
+        ms.run(k)
+        out = ms.read(k, len(seqs))
+        for s, pages in zip(seqs, out.pages):
+            s.block.pages.extend(pages[len(s.block.pages):])
+        reserved.pages = ([pad_page] if padding else []) + free[: out.free_left]
+        blocks.release(reserved)
+        return out.tokens
 
     def execute(self, rows: list[ScheduledRow]) -> list[tuple[int, dict[int, float] | None] | None]:
         """Run the step of ``rows``; per row, (the sampled token, its logprobs if asked for) or

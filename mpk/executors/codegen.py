@@ -18,7 +18,7 @@ import warnings
 import numpy as np
 import torch
 
-from mpk.compiler.tables import DTYPE_CODE, DTYPES, MAX_DIMS, ROLE_INPUT, Tables
+from mpk.compiler.tables import DTYPE_CODE, DTYPES, MAX_DIMS, ROLE_INPUT, Tables, carried_buffers
 from mpk.errors import CompileError, PerformanceWarning, PrecisionWarning
 from mpk.ops import get_op
 from mpk.ops.attention import MAX_HEAD_DIM
@@ -46,21 +46,22 @@ def opc_bytes(inputs: int) -> int:
     return -(-(OPC_BYTES + VIEWC_BYTES * (inputs - MAX_INPUTS)) // 16) * 16
 
 
-def _view_info(tables: Tables, view_id: int) -> ViewInfo:
+def _view_info(tables: Tables, view_id: int, carried: frozenset[int] = frozenset()) -> ViewInfo:
     v = tables.views[view_id]
     nd, buf = int(v["ndim"]), int(v["buffer"])
     return ViewInfo(shape=tuple(int(s) for s in v["shape"][:nd]), strides=tuple(int(s) for s in v["strides"][:nd]),
                     offset=int(v["offset"]), dtype=DTYPES[int(tables.buffers[buf]["dtype"])], buffer=buf,
-                    graph_input=int(tables.buffers[buf]["role"]) == ROLE_INPUT)
+                    graph_input=int(tables.buffers[buf]["role"]) == ROLE_INPUT, carried=buf in carried)
 
 
 def op_info(tables: Tables, op: int) -> OpInfo:
     """Op ``op`` of ``tables`` as the kinds' GPU specs read it."""
+    carried = carried_buffers(tables)
     o, meta = tables.ops[op], tables.meta["ops"][op]
     nd, out = int(o["ndim"]), tables.buffers[int(o["output"])]
     views = tables.op_inputs[o["first_input"]: o["first_input"] + o["num_inputs"]]
     return OpInfo(index=op, name=meta["name"], kind=meta["kind"], attrs=meta["attrs"],
-                  inputs=tuple(_view_info(tables, int(v)) for v in views),
+                  inputs=tuple(_view_info(tables, int(v), carried) for v in views),
                   out_shape=tuple(int(s) for s in out["shape"][:nd]), out_dtype=DTYPES[int(out["dtype"])],
                   grid=tuple(int(g) for g in o["grid"][:nd]), dtype_code=DTYPE_CODE.__getitem__)
 

@@ -94,6 +94,15 @@ class Interpreter:
             return torch.arange(math.prod(shape))
         return torch.arange(math.prod(shape)).view(shape)[tuple(slice(a, c) for a, c in rect)].reshape(-1)
 
+    def _carried_ids(self, tid: int) -> list[tuple[int, torch.Tensor]]:
+        """(buffer, element ids) task ``tid`` writes for the next iteration (``OpDef.carried_writes``)."""
+        op = self.ops[int(self.t.tasks[tid]["op"])]
+        if op.opdef.carried_writes is None:
+            return []
+        return [(self.views[op.inputs[i]][0],
+                 self._element_ids(op.inputs[i])[tuple(slice(a, c) for a, c in r)].reshape(-1))
+                for i, r in op.opdef.carried_writes(op.sig, op.tile_rect(int(self.t.tasks[tid]["tile"])))]
+
     def _inplace_ids(self, tid: int) -> list[tuple[int, torch.Tensor]]:
         """(buffer, element or key ids) task ``tid`` writes in place."""
         op_id = int(self.t.tasks[tid]["op"])
@@ -164,7 +173,9 @@ class Interpreter:
         return f"element {coord}, which no task writes"
 
     # --- execution ---------------------------------------------------------------------------
-    def _run_task(self, tid: int, bufs, writer, iteration: int) -> None:
+    def _run_task(self, tid: int, bufs, writer, iteration: int, carried: dict[int, torch.Tensor] | None = None) -> None:
+        """Run task ``tid``; with ``writer`` (race tracking), ``carried`` marks per input buffer
+        the elements already written for the next iteration, which no task may touch after."""
         rec = self.t.tasks[tid]
         if rec["op"] < 0:
             return
@@ -172,6 +183,8 @@ class Interpreter:
         rect = op.tile_rect(int(rec["tile"]))
         index = tuple(slice(a, b) for a, b in rect)
         if writer is not None:
+            for b, ids in self._inplace_ids(tid) if carried is not None else []:
+                self._check_carried(carried, b, ids, tid, iteration)
             # in-place writes are recorded first, so a task reading what it appends itself is no race
             for b, ids in self._inplace_ids(tid):
                 prev = writer[b][ids]
@@ -189,6 +202,8 @@ class Interpreter:
                 continue
             sl = tuple(slice(a, b) for a, b in region)
             buf = self.views[v][0]
+            if writer is not None and carried is not None and buf in carried:
+                self._check_carried(carried, buf, self._element_ids(v)[sl].reshape(-1), tid, iteration)
             if writer is not None and buf in self.key_shape and buf in self.planned:
                 # the op's own keyed read, or (any other read of the buffer) the whole key space
                 kr = keys[i].reads(op.sig, rect) if i in keys else None
@@ -228,7 +243,16 @@ class Interpreter:
                                 f"{self._describe_task(other)} both write buffer "
                                 f"{self.t.meta['buffers'][op.output]['name']!r}")
             writer[op.output][ids] = tid
+            for b, ids in self._carried_ids(tid) if carried is not None else []:
+                carried.setdefault(b, torch.zeros(math.prod(self.buf_shape[b]), dtype=torch.bool))[ids] = True
         out[index] = result
+
+    def _check_carried(self, carried: dict[int, torch.Tensor], b: int, ids: torch.Tensor, tid: int,
+                       iteration: int) -> None:
+        if b in carried and bool(carried[b][ids].any()):
+            raise RaceError(f"race in iteration {iteration}: {self._describe_task(tid)} touched buffer "
+                            f"{self.t.meta['buffers'][b]['name']!r} after a task wrote its next iteration's value "
+                            "(OpDef.carried_writes); expected it ordered before that writer")
 
     def run(self, args: Sequence[torch.Tensor], seed: int = 0, iterations: int = 1) -> list[Any]:
         """Run ``iterations`` iterations in one 'launch'; returns the graph outputs."""
@@ -255,6 +279,7 @@ class Interpreter:
                           for r, b in zip(self.t.buffers, bufs)]
                 for b, plan in self.planned.items():
                     writer[b] = torch.full_like(plan, -1)
+            carried: dict[int, torch.Tensor] = {}
             released = [False] * num_tasks
             done = 0
             heads = [0] * self.num_workers
@@ -282,7 +307,7 @@ class Interpreter:
                     raise DeadlockError(self._deadlock_report(k, released, counters, queues, heads, done))
                 t, w = ready.pop(rng.randrange(len(ready)))
                 self.schedule.append((k, t, w))
-                self._run_task(t, bufs, writer, k)
+                self._run_task(t, bufs, writer, k, carried)
                 done += 1
                 if w >= 0:
                     heads[w] += 1

@@ -381,3 +381,63 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 def _(logits, temperature, top_k, top_p, min_p, seed, counter):
     check_sample(logits, temperature, top_k, top_p, min_p, seed, counter)
     return logits.new_empty((logits.shape[0],), dtype=torch.int64)
+
+
+# --- the start-of-iteration task (mpk.ops.iteration) ---------------------------------------------
+
+def check_advance(next_tokens, tokens, kv_indptr, kv_indices, kv_last_page_len, seqs, pool, out, page_size: int,
+                  max_len: int, stops: int) -> None:
+    """``decode_advance``'s shapes and dtypes (anything with ``.shape`` and ``.dtype``), as
+    mpk.ops.iteration lays them out; a BadInputError names the bad one."""
+    from mpk.ops.iteration import POOL_FIELDS, SEQ_FIELDS
+
+    B = next_tokens.shape[0] if len(next_tokens.shape) == 1 else -1
+    want = {"next_tokens": ((B,), torch.int64), "tokens": ((B,), torch.int64), "kv_indptr": ((B + 1,), torch.int32),
+            "kv_indices": (None, torch.int32), "kv_last_page_len": ((B,), torch.int32), "seqs": (None, torch.int32),
+            "pool": (None, torch.int32), "out": (None, torch.int32)}
+    given = dict(next_tokens=next_tokens, tokens=tokens, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                 kv_last_page_len=kv_last_page_len, seqs=seqs, pool=pool, out=out)
+    for name, (shape, dtype) in want.items():
+        t = given[name]
+        if t.dtype != dtype or (shape is not None and tuple(t.shape) != shape):
+            raise BadInputError(f"decode_advance(): {name} is {str(t.dtype)[6:]} {list(t.shape)}; expected "
+                                f"{str(dtype)[6:]} {list(shape) if shape else ''} (mpk.ops.iteration)")
+    if not is_page_size(page_size) or max_len < 2 or stops < 0:
+        raise BadInputError(f"decode_advance(): page_size {page_size}, max_len {max_len}, stops {stops}; expected a "
+                            f"page size in {PAGE_SIZES}, max_len ≥ 2 and stops ≥ 0")
+    pages = -(-max_len // page_size)
+    if (len(seqs.shape) != 2 or tuple(seqs.shape) != (B, SEQ_FIELDS + stops + pages) or len(pool.shape) != 1
+            or pool.shape[0] < POOL_FIELDS or len(out.shape) != 2 or out.shape[1] != B or out.shape[0] < 1
+            or kv_indices.shape[0] < B * pages):
+        raise BadInputError(f"decode_advance(): seqs {list(seqs.shape)}, pool {list(pool.shape)}, out "
+                            f"{list(out.shape)}, kv_indices {list(kv_indices.shape)}; expected [{B}, "
+                            f"{SEQ_FIELDS} + {stops} + {pages}], [{POOL_FIELDS} + free pages], [K ≥ 1, {B}] and "
+                            f"at least {B * pages} entries (every row's pages up to max_len)")
+
+
+@torch.library.custom_op("mpk::decode_advance",
+                         mutates_args=("tokens", "kv_indptr", "kv_indices", "kv_last_page_len", "seqs", "pool", "out"))
+def decode_advance(next_tokens: torch.Tensor, tokens: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                   kv_last_page_len: torch.Tensor, seqs: torch.Tensor, pool: torch.Tensor, out: torch.Tensor,
+                   page_size: int, max_len: int, stops: int) -> torch.Tensor:
+    """The start-of-iteration task (mpk.ops.iteration): feed each live sequence's
+    ``next_tokens`` back into ``tokens``, record it in the ring ``out``, grow the sequence (pages
+    from ``pool``'s free list), rebuild the page table and check stop conditions, all in place.
+    Returns this iteration's tokens [B] int64 (−1 for sequences already done)."""
+    from mpk.ops.iteration import advance
+
+    args = (next_tokens, tokens, kv_indptr, kv_indices, kv_last_page_len, seqs, pool, out)
+    check_advance(*args, page_size, max_len, stops)
+    work = [t.cpu() for t in args]
+    emitted = advance(*work, page_size=page_size, max_len=max_len, stops=stops)
+    for dst, src in zip(args[1:], work[1:]):
+        if dst.device.type != "cpu":
+            dst.copy_(src)
+    return emitted.to(next_tokens.device)
+
+
+@decode_advance.register_fake
+def _(next_tokens, tokens, kv_indptr, kv_indices, kv_last_page_len, seqs, pool, out, page_size, max_len, stops):
+    check_advance(next_tokens, tokens, kv_indptr, kv_indices, kv_last_page_len, seqs, pool, out, page_size, max_len,
+                  stops)
+    return next_tokens.new_empty(next_tokens.shape)

@@ -21,7 +21,8 @@ from mpk.errors import CompileError
 @dataclass(frozen=True)
 class ViewInfo:
     """One input view of an op: its shape, strides and offset in elements, its buffer's dtype,
-    and whether that buffer is a graph input (not computed in the graph)."""
+    whether that buffer is a graph input (not computed in the graph) and whether the graph
+    rewrites it for the next iteration (``carried``)."""
 
     shape: tuple[int, ...]
     strides: tuple[int, ...]
@@ -29,6 +30,9 @@ class ViewInfo:
     dtype: torch.dtype
     buffer: int
     graph_input: bool
+    # a graph input the graph rewrites for its next iteration (mpk.ops.iteration): read it only
+    # after the task's gate has opened
+    carried: bool = False
 
     @property
     def ndim(self) -> int:

@@ -168,10 +168,14 @@ def _attn_partial_task(op: OpInfo) -> str:
         check_contiguous(op, what, v, 1 if fused else D // 32)
     check_contiguous(op, "kv_cache", cache, 16 // DTYPE_SIZE[ctype])  # rows are copied in 16-byte pieces
     index = _page_table_ctype(op)
-    # attn_partial's kRagged (each row on its own) and kPlan (the balanced split)
-    ragged = (", true" + (", true" if op.attrs.get("balanced") else "")) if op.attrs.get("ragged") else ""
+    # attn_partial's kRagged (each row on its own), kPlan (the balanced split) and kTableAfterGate
+    # (the graph rewrites the page table for its next iteration: read it once the event fired)
+    flags = [bool(op.attrs.get("ragged")), bool(op.attrs.get("balanced")), any(v.carried for v in views[2:5])]
+    while flags and not flags[-1]:  # the template's defaults
+        flags.pop()
+    tail = "".join(", true" if f else ", false" for f in flags)
     return (f"mpk::attn_partial<{D // 32}, {heads // kv}, {ctype}, {index}, {'true' if fused else 'false'}, "
-            f"{'true' if final else 'false'}{ragged}>")
+            f"{'true' if final else 'false'}{tail}>")
 
 
 def _page_table_ctype(op: OpInfo) -> str:

@@ -71,6 +71,13 @@ class OpDef:
     # (mpk.compiler.verify) and the interpreter's race tracking read it; dependency analysis
     # does not, so the op must be ordered after such a write by what else it reads.
     inplace_writes: Callable[[OpSig, Rect], list[tuple[int, Rect]]] | None = None
+    # What a tile writes into its inputs for the *next* iteration of a launch (the
+    # start-of-iteration task, mpk.ops.iteration), as (input index, rect of the input view):
+    # every other task of the iteration that touches those elements must finish before the
+    # writer starts (the happens-before check verifies it; the interpreter reports a read of an
+    # element after its next-iteration value was written). Readers in the next iteration are
+    # ordered by the end event.
+    carried_writes: Callable[[OpSig, Rect], list[tuple[int, Rect]]] | None = None
     key_spaces: Callable[[OpSig], list["KeySpace"]] | None = None
 
 

@@ -57,7 +57,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     llm = LLM(ns.model, max_num_seqs=ns.max_num_seqs, max_model_len=ns.max_model_len, page_size=ns.page_size,
               tensor_parallel_size=ns.tensor_parallel_size, executor=ns.executor,
               max_num_batched_tokens=ns.max_num_batched_tokens, num_pages=ns.num_pages, seed=ns.seed,
-              enable_prefix_caching=not ns.no_prefix_caching)
+              enable_prefix_caching=not ns.no_prefix_caching, decode_iterations=ns.decode_iterations)
     name = ns.served_model_name or served_name(ns.model)
     engine = AsyncEngine(llm, Metrics(), ns.max_queue)
     app = build_app(engine, name, ns.api_key, aliases=(ns.model,) if ns.model else ())

@@ -90,9 +90,11 @@ def _rope_append(L, node, qkv, cos_sin, kv_indptr, kv_indices, kv_last_page_len,
     else:
         q = L.emit("rope_append", ins, attrs, shape=shape, dtype=qkv_val.dtype)
         L.appended_q[(kv_cache.buffer, layer)] = q.buffer
-    return q, kv_cache  # the cache is written in place: its new value is the input buffer
+    return q
 
 
+# custom ops that mutate graph inputs, lowered to an op writing them in place; a rule returns
+# the op's output (the mutated inputs' new values are the inputs themselves)
 MUTATING_OPS = {mpk_ops.rope_append.default: _rope_append}
 
 
@@ -108,8 +110,7 @@ def _auto_functionalized(L, node, op, **kwargs):
     views = sorted(k for k in kwargs if k.startswith("_"))
     if views:  # the op mutates a view of its base (slice/alias metadata): not lowered
         raise Unsupported(f"{op} mutates a view of its input ({views}); pass the whole cache tensor")
-    out, *new_bases = MUTATING_OPS[op](L, node, **kwargs)
-    return (out, *new_bases)
+    return (MUTATING_OPS[op](L, node, **kwargs), *bases)
 
 
 def _fake(node, index: int, name: str):

@@ -1,0 +1,136 @@
+"""Decode iterations inside one persistent-kernel launch on the GPU (marker ``gpu``; skipped
+without CUDA): the multi-step graph (decode step, in-kernel sampler, the advance task) run as
+ONE launch of k iterations gives the eager loop's tokens (the same module called k times, same
+device and dtype) up to near-ties, for a tiny bf16 model through page crossings, a stop token
+and a free list running dry; seeded sampled rows reproduce bit for bit; and the engine with
+``decode_iterations`` gives eager single steps' greedy tokens, for the tiny model and the
+default model's text."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mpk import LLM
+from mpk.errors import MpkError
+from mpk.llm.default_model import default_model_path
+from mpk.llm.model import DecoderLM
+from mpk.llm.multistep import MultiStepDecode, Row
+from mpk.testing.decode import small_config
+from mpk.testing.engine import VOCAB, compared_prefix, gap_tolerance, greedy, tiny_checkpoint
+
+pytestmark = pytest.mark.gpu
+BF16_UNIT = 2.0 ** -8
+PS, MAX_LEN, K = 16, 256, 40
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    # head dim 64: the CUDA attention tasks' smallest (the engine tests' checkpoint has 16)
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"), small_config("qwen3", vocab=VOCAB, head_dim=64),
+                           random.randrange(1 << 30))
+
+
+def _model() -> DecoderLM:
+    # head dim 64: the paged attention task's smallest; vocabulary 260: the sampler pads it to 264
+    cfg = small_config("qwen3", vocab=260, head_dim=64, hidden=128, inter=256)
+    return DecoderLM(cfg, torch.bfloat16, "cuda", max_len=MAX_LEN).randomize(random.randrange(1 << 30), 0.1)
+
+
+def _rows(model, batch: int) -> tuple[list[Row], list[int]]:
+    """``batch`` rows of random lengths and last tokens over interleaved pages (their context:
+    random k/v, ``_launches`` fills the cache), and the pages nobody holds."""
+    pages_per_seq = -(-MAX_LEN // PS)
+    rows = []
+    for b in range(batch):
+        length = random.randint(1, 3 * PS)
+        pages = [b + batch * i for i in range(-(-length // PS))]
+        rows.append(Row(random.randrange(model.cfg.vocab), length, pages, 0, K + 10))
+    used = {p for r in rows for p in r.pages}
+    return rows, [p for p in range(batch * pages_per_seq) if p not in used]
+
+
+def _launches(model, rows, free, executor: str) -> torch.Tensor:
+    cache = model.new_cache(len(rows) * -(-MAX_LEN // PS), PS)
+    torch.manual_seed(0)  # the same random context for both executors
+    with torch.no_grad():
+        cache.normal_(0, 1)
+    ms = MultiStepDecode(model, cache, len(rows), PS, MAX_LEN, K, len(free), executor)
+    ms.load(rows, free)
+    ms.run(K)
+    return ms.read(K, len(rows))
+
+
+def test_one_launch_of_k_iterations_equals_the_eager_loop():
+    """K iterations in ONE launch against K eager calls of the same module: greedy tokens equal
+    up to the first near-tie per row (the eager loop's logits are not returned, so a row's
+    first difference must be where their bf16 roundings can flip a top-2 pair: the test only
+    requires most tokens to agree), the same pages popped where the tokens agree, and a stop
+    token mid-burst plus a short free list applied alike."""
+    model = _model()
+    rows, free = _rows(model, 4)
+    eager0 = _launches(model, rows, free, "eager")
+    rows[1].stop_ids = (eager0.tokens[1][K // 2],)  # row 1 stops mid-burst
+    free = free[:3]  # the free list runs dry
+    eager = _launches(model, rows, free, "eager")
+    gpu = _launches(model, rows, free, "gpu")
+    agree = sum(next((i for i, (a, b) in enumerate(zip(e, g)) if a != b), min(len(e), len(g)))
+                for e, g in zip(eager.tokens, gpu.tokens))
+    assert agree >= 0.8 * sum(len(e) for e in eager.tokens), (eager.tokens, gpu.tokens)
+    for e, g, ep, gp in zip(eager.tokens, gpu.tokens, eager.pages, gpu.pages):
+        if e == g:
+            assert ep == gp
+    assert len(eager.tokens[1]) <= K // 2 + 1 and eager.done[1]
+
+
+def test_seeded_sampling_in_one_launch_reproduces():
+    """Sampled and greedy rows: two launches from the same state give the same tokens bit for
+    bit, and one launch of K iterations equals K launches of one."""
+    model = _model()
+    rows, free = _rows(model, 3)
+    for r, t in zip(rows, (0.0, 0.8, 1.2)):
+        r.temperature, r.top_k, r.top_p, r.seed = t, 50, 0.9, random.randrange(1 << 62)
+    a, b = _launches(model, rows, free, "gpu"), _launches(model, rows, free, "gpu")
+    assert a.tokens == b.tokens
+    cache = model.new_cache(len(rows) * -(-MAX_LEN // PS), PS)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        cache.normal_(0, 1)
+    ms = MultiStepDecode(model, cache, len(rows), PS, MAX_LEN, K, len(free), "gpu")
+    ms.load(rows, free)
+    for _ in range(K):
+        ms.run(1)
+    assert ms.read(K, len(rows)).tokens == a.tokens
+
+
+def test_engine_bursts_give_eager_greedy_tokens(checkpoint):
+    """12 requests of random lengths through 4 sequences, bursts of 8 iterations on the GPU
+    executor, against the eager engine of single steps (bf16), near-ties excepted; launches per
+    token fall."""
+    prompts = [[random.randrange(256) for _ in range(random.randint(1, 80))] for _ in range(12)]
+    kw = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, dtype=torch.bfloat16)
+    gpu = LLM(checkpoint, executor="gpu", decode_iterations=8, **kw)
+    outs = gpu.generate(prompts, greedy(24), use_tqdm=False)
+    eager = LLM(checkpoint, executor="eager", **kw)
+    refs = eager.generate(prompts, greedy(24, logprobs=2), use_tqdm=False)
+    tol = gap_tolerance(eager, 128, BF16_UNIT)
+    compared = sum(compared_prefix(r.outputs[0], o.outputs[0], tol) for r, o in zip(refs, outs))
+    assert compared >= 0.5 * 12 * 24, compared
+    assert gpu.blocks.num_free == gpu.blocks.num_pages
+    assert gpu.stats().launches_per_token < 0.5 * eager.stats().launches_per_token
+
+
+def test_default_model_text_with_bursts():
+    """The default model's greedy continuation with bursts of 8 on the GPU against eager steps."""
+    try:
+        default_model_path()
+    except MpkError as e:
+        pytest.skip(str(e))
+    kw = dict(max_num_seqs=2, max_model_len=256, max_num_batched_tokens=64, dtype=torch.bfloat16)
+    gpu, eager = LLM(None, executor="gpu", decode_iterations=8, **kw), LLM(None, executor="eager", **kw)
+    prompt = "The capital of France is"
+    ref = eager.generate([prompt], greedy(32, logprobs=2), use_tqdm=False)[0].outputs[0]
+    out = gpu.generate([prompt], greedy(32), use_tqdm=False)[0].outputs[0]
+    assert compared_prefix(ref, out, gap_tolerance(eager, 256, BF16_UNIT)) >= 1
