@@ -100,6 +100,32 @@ def one_thread() -> Iterator[None]:
 
 # --- comparing generated tokens ------------------------------------------------------------
 
+def teacher_forced_agreement(model, prompts: list[list[int]], generated: list[list[int]]) -> dict[str, float]:
+    """Teacher-forced over each prompt and its generated tokens, the float32 twin of ``model``:
+    the share of generated tokens that are the twin's argmax where the twin is decisive (its
+    best logit leads by more than DECISIVE_MARGIN of its largest |logit|: bf16 rounding alone
+    moves logits by about that much), and the share of decisive positions."""
+    from mpk.llm import PagedKVCache, TokenBuckets
+    from mpk.testing.decode import float32_twin
+    from mpk.testing.parity import DECISIVE_MARGIN
+
+    twin = float32_twin(model)
+    longest = max(len(p) + len(g) for p, g in zip(prompts, generated))
+    steps = TokenBuckets(twin, PagedKVCache(twin, 1, longest, 16), buckets=[longest], logits="all", eager=True)
+    agree = decisive = total = 0
+    for p, g in zip(prompts, generated):
+        steps.cache.reset()
+        with torch.no_grad():
+            logits = steps.step([p + g]).double()[len(p) - 1: len(p) + len(g) - 1]
+        best2 = logits.topk(2, dim=-1).values
+        sure = (best2[:, 0] - best2[:, 1]) > DECISIVE_MARGIN * logits.abs().amax(-1)
+        hits = logits.argmax(-1).cpu() == torch.tensor(g)
+        agree += int(hits[sure.cpu()].sum())
+        decisive += int(sure.sum())
+        total += len(g)
+    return {"top1_decisive": agree / max(decisive, 1), "decisive_share": decisive / total}
+
+
 def gap_tolerance(llm, max_len: int, unit: float = 2.0 ** -24) -> float:
     """The top-2 logit gap below which a batched and an alone run may pick different greedy
     tokens. Batching changes only rounding (other matmul blockings, other prefill chunk

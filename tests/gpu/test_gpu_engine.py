@@ -12,11 +12,8 @@ import torch
 
 from mpk import LLM
 from mpk.errors import MpkError
-from mpk.llm import PagedKVCache, TokenBuckets
 from mpk.llm.default_model import default_model_path
-from mpk.testing.decode import float32_twin
-from mpk.testing.engine import greedy, seeded_checkpoint
-from mpk.testing.parity import DECISIVE_MARGIN
+from mpk.testing.engine import greedy, seeded_checkpoint, teacher_forced_agreement
 
 pytestmark = pytest.mark.gpu
 
@@ -25,28 +22,6 @@ pytestmark = pytest.mark.gpu
 def checkpoint(tmp_path_factory):
     # the GPU's paged attention tasks take head dims of multiples of 64
     return seeded_checkpoint(tmp_path_factory.mktemp("tiny"), hidden=256, inter=512, head_dim=64)
-
-
-def _greedy_agreement(model, prompts: list[list[int]], generated: list[list[int]]) -> dict[str, float]:
-    """Teacher-forced over each prompt and its generated tokens, the float32 twin of ``model``:
-    the share of generated tokens that are the twin's argmax where the twin is decisive (its
-    best logit leads by more than DECISIVE_MARGIN of its largest |logit|: bf16 rounding alone
-    moves logits by about that much), and the share of decisive positions."""
-    twin = float32_twin(model)
-    longest = max(len(p) + len(g) for p, g in zip(prompts, generated))
-    steps = TokenBuckets(twin, PagedKVCache(twin, 1, longest, 16), buckets=[longest], logits="all", eager=True)
-    agree = decisive = total = 0
-    for p, g in zip(prompts, generated):
-        steps.cache.reset()
-        with torch.no_grad():
-            logits = steps.step([p + g]).double()[len(p) - 1: len(p) + len(g) - 1]
-        best2 = logits.topk(2, dim=-1).values
-        sure = (best2[:, 0] - best2[:, 1]) > DECISIVE_MARGIN * logits.abs().amax(-1)
-        hits = logits.argmax(-1).cpu() == torch.tensor(g)
-        agree += int(hits[sure.cpu()].sum())
-        decisive += int(sure.sum())
-        total += len(g)
-    return {"top1_decisive": agree / max(decisive, 1), "decisive_share": decisive / total}
 
 
 def test_gpu_steps_give_the_models_greedy_tokens(checkpoint):
@@ -60,7 +35,7 @@ def test_gpu_steps_give_the_models_greedy_tokens(checkpoint):
     outs = [o.outputs[0].token_ids for o in gpu.generate(prompts, greedy(12), use_tqdm=False)]
     eager = LLM(checkpoint, executor="eager", **kw)
     refs = [o.outputs[0].token_ids for o in eager.generate(prompts, greedy(12), use_tqdm=False)]
-    mine, theirs = _greedy_agreement(gpu.model, prompts, outs), _greedy_agreement(eager.model, prompts, refs)
+    mine, theirs = teacher_forced_agreement(gpu.model, prompts, outs), teacher_forced_agreement(eager.model, prompts, refs)
     assert mine["decisive_share"] >= 0.25, mine  # else the check decided little
     assert mine["top1_decisive"] >= 0.99 and theirs["top1_decisive"] >= 0.99, (mine, theirs)
     assert gpu.blocks.num_free == gpu.blocks.num_pages
@@ -76,5 +51,5 @@ def test_default_model_text_on_the_gpu_executor():
     kw = dict(max_num_seqs=2, max_model_len=256, max_num_batched_tokens=64, dtype=torch.bfloat16)
     gpu = LLM(None, executor="gpu", **kw)
     out = gpu.generate(["The capital of France is"], greedy(16), use_tqdm=False)[0]
-    stats = _greedy_agreement(gpu.model, [out.prompt_token_ids], [out.outputs[0].token_ids])
+    stats = teacher_forced_agreement(gpu.model, [out.prompt_token_ids], [out.outputs[0].token_ids])
     assert out.outputs[0].text.strip() and stats["top1_decisive"] == 1.0, (out.outputs[0].text, stats)
