@@ -374,7 +374,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     from mpk.ops.sampling import sample_eager
 
     check_sample(logits, temperature, top_k, top_p, min_p, seed, counter)
-    return sample_eager([logits, temperature, top_k, top_p, min_p, seed, counter])
+    # the reference's tiles run on the CPU (exact int64 fixed point, as the interpreter's)
+    args = [t.cpu() for t in (logits, temperature, top_k, top_p, min_p, seed, counter)]
+    return sample_eager(args).to(logits.device)
 
 
 @sample.register_fake
