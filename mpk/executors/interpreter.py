@@ -232,9 +232,42 @@ class Interpreter:
 
     def run(self, args: Sequence[torch.Tensor], seed: int = 0, iterations: int = 1) -> list[Any]:
         """Run ``iterations`` iterations in one 'launch'; returns the graph outputs."""
+        bufs = self._bind(args)
+        for blocked in self.steps(bufs, seed, iterations):
+            if blocked:  # only peers could wake it, and a lone interpreter has none
+                raise DeadlockError("nothing is runnable; tasks wait on run-time data no task of this graph "
+                                    "writes:\n  " + "\n  ".join(blocked))
+        return self._outputs(bufs)
+
+    def start(self, args: Sequence[torch.Tensor], seed: int = 0, iterations: int = 1):
+        """(bound buffers, step generator) of a launch driven from outside (mpk.distributed.ranks
+        interleaves ranks): see ``steps``; ``outputs(bufs)`` once it is exhausted."""
+        bufs = self._bind(args)
+        return bufs, self.steps(bufs, seed, iterations)
+
+    def outputs(self, bufs) -> list[Any]:
+        return self._outputs(bufs)
+
+    def _waiting(self, t: int, bufs) -> str | None:
+        """What ready task ``t`` waits for before it may run (OpDef.wait), or None."""
+        rec = self.t.tasks[t]
+        if rec["op"] < 0:
+            return None
+        op = self.ops[int(rec["op"])]
+        if op.opdef.wait is None:
+            return None
+        rect = op.tile_rect(int(rec["tile"]))
+        slices = [None if r is None else self._view(bufs, v)[tuple(slice(a, b) for a, b in r)]
+                  for v, r in zip(op.inputs, op.opdef.input_regions(op.sig, rect))]
+        why = op.opdef.wait(op.sig, rect, slices)
+        return None if why is None else f"{self._describe_task(t)} waits for {why}"
+
+    def steps(self, bufs, seed: int = 0, iterations: int = 1):
+        """Run the launch one task per step: yields [] after each task, or, when every ready
+        task waits on run-time data (OpDef.wait: a peer's signal), the list of what they wait
+        for, without running anything (the caller lets peers progress, then resumes)."""
         rng = random.Random(seed)
         tasks, events = self.t.tasks, self.t.events
-        bufs = self._bind(args)
         if self.planned is None:
             self._plan_inplace()
         num_tasks = len(tasks)
@@ -280,7 +313,12 @@ class Interpreter:
             while done < num_tasks:
                 if not ready:
                     raise DeadlockError(self._deadlock_report(k, released, counters, queues, heads, done))
-                t, w = ready.pop(rng.randrange(len(ready)))
+                waits = [self._waiting(t, bufs) for t, _ in ready]
+                runnable = [i for i, why in enumerate(waits) if why is None]
+                if not runnable:
+                    yield [f"iteration {k}: {why}" for why in waits]
+                    continue
+                t, w = ready.pop(runnable[rng.randrange(len(runnable))])
                 self.schedule.append((k, t, w))
                 self._run_task(t, bufs, writer, k)
                 done += 1
@@ -289,6 +327,7 @@ class Interpreter:
                     if heads[w] < len(queues[w]) and released[queues[w][heads[w]]]:
                         ready.append((queues[w][heads[w]], w))
                 arrive(int(tasks[t]["trig_event"]))
+                yield []
             if counters[end] != k * int(events[end]["num_triggers"]) and num_tasks:
                 raise DeadlockError(f"iteration {k}: all {num_tasks} tasks ran but the end event {end} "
                                     f"has {counters[end]} of {k * int(events[end]['num_triggers'])} arrivals")
@@ -303,7 +342,6 @@ class Interpreter:
                     if w is not None and b not in self.planned and bool((w < 0).any()):
                         raise RaceError(f"iteration {k}: buffer {self.t.meta['buffers'][b]['name']!r} has "
                                         f"{int((w < 0).sum())} elements no task wrote")
-        return self._outputs(bufs)
 
     def _outputs(self, bufs) -> list[Any]:
         out = []

@@ -1,6 +1,6 @@
 """Op kinds as data (see ``registry``). Importing this package registers all of them."""
 
-from mpk.ops import attention, data_movement, diagnostic, linalg, paged, pointwise, rows, sampling  # noqa: F401  (registration)
+from mpk.ops import attention, collective, data_movement, diagnostic, linalg, paged, pointwise, rows, sampling  # noqa: F401  (registration)
 from mpk.ops.registry import REGISTRY, OpDef, OpSig, get_op, op_by_type_id
 
 __all__ = ["REGISTRY", "OpDef", "OpSig", "get_op", "op_by_type_id"]
