@@ -20,7 +20,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from mpk.compiler import CompiledGraph
-from mpk.errors import MpkError, UnsupportedOpError
+from mpk.errors import MpkError, NotSupportedError, UnsupportedOpError
 from mpk.fx_pipeline import compile_tables, trace_inference, unsupported_report
 from mpk.inspection import dump
 from mpk.options import CompileOptions
@@ -124,6 +124,28 @@ def last_args(runner: Callable) -> list[Any]:
     return args
 
 
+def _sharded(run: Callable, compiled: CompiledGraph, opts: CompileOptions) -> Callable:
+    """The runner of a tensor-parallel rank's graph: the caller passes the full model's
+    arguments (mpk.distributed.binding: shards made once and cached, communication buffers from
+    the process's SymmetricAllocator)."""
+    from mpk.distributed.binding import sharded_runner
+    from mpk.distributed.symmetric import allocator_for
+
+    rank, world = opts.tensor_parallel
+    if opts.executor == "cpu" and world > 1:
+        raise NotSupportedError(f"tensor_parallel=({rank}, {world}) with the cpu executor: one interpreter runs one "
+                                "rank; run the ranks together with mpk.distributed.ranks.run_ranks")
+    device = torch.device("cuda" if opts.executor == "gpu" else "cpu")
+    state: dict[str, Callable] = {}
+
+    def run_rank(*full):
+        if "run" not in state:  # the allocator is asked at the first call (the compiler ran under fake tensors)
+            state["run"] = sharded_runner(run, compiled.sharded, allocator_for(rank, world, device))
+        return state["run"](*full)
+
+    return run_rank
+
+
 def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
     if opts.executor == "gpu":
         from mpk.executors.gpu import GpuExecutor
@@ -158,6 +180,8 @@ def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
                 raise TracedOnly(compiled)
             return interp.run(args, seed=opts.seed)
 
+    if compiled.sharded is not None:
+        run = _sharded(run, compiled, opts)
     run.compiled = compiled  # type: ignore[attr-defined]
     if opts.executor == "gpu":
         run.state = state  # type: ignore[attr-defined]

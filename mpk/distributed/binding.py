@@ -12,7 +12,7 @@ given the full tensor, the binder copies the shard in before the launch and back
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -72,3 +72,25 @@ class RankBinder:
             for a, b in spec.ranges:
                 full.narrow(spec.dim, a, b - a).copy_(shard.narrow(spec.dim, at, b - a))
                 at += b - a
+
+
+def sharded_runner(run: Callable[..., list[Any]], sharded: ShardedGraph, allocator: SymmetricAllocator):
+    """``run`` (a runner of the sharded graph's arguments) as a runner of the full ones: binds
+    each call's shards, writes state back, and returns the caller's full state tensor where an
+    output is a state input (the KV cache the step returns)."""
+    binder = RankBinder(sharded, allocator)
+    state_out = {}
+    for i, o in enumerate(sharded.graph.outputs):
+        buf = sharded.graph.buffers[o.view.buffer] if o.view is not None else None
+        if buf is not None and buf.role == "input" and sharded.inputs[buf.input_index].state:
+            state_out[i] = sharded.inputs[buf.input_index].source
+
+    def run_full(*full):
+        args, back = binder.bind(full)
+        out = list(run(*args))
+        RankBinder.write_back(back)
+        for i, src in state_out.items():
+            out[i] = full[src]
+        return out
+
+    return run_full

@@ -42,6 +42,46 @@ class SymmetricAllocator(Protocol):
 
 
 @dataclass
+class LocalAllocator:
+    """The SymmetricAllocator of a world of one rank: plain device memory, its own address its
+    only peer's (a degree-1 graph runs its collectives' tasks without any peer)."""
+
+    device: torch.device
+    rank: int = 0
+    world: int = 1
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def peer_pointers(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([tensor.data_ptr()], dtype=torch.int64, device=tensor.device)
+
+
+_PROCESS_ALLOCATOR: SymmetricAllocator | None = None
+
+
+def set_allocator(allocator: SymmetricAllocator | None) -> None:
+    """Make ``allocator`` the process's (the NVSHMEM bootstrap calls this once its PEs are up;
+    None on teardown). Runners of tensor-parallel graphs take their buffers from it."""
+    global _PROCESS_ALLOCATOR
+    _PROCESS_ALLOCATOR = allocator
+
+
+def allocator_for(rank: int, world: int, device: torch.device) -> SymmetricAllocator:
+    """The allocator a runner of rank ``rank`` of ``world`` uses: the process's, or for a world
+    of one without one, a LocalAllocator on ``device``."""
+    a = _PROCESS_ALLOCATOR
+    if a is not None and (a.rank, a.world) == (rank, world):
+        return a
+    if world == 1 and a is None:
+        return LocalAllocator(device)
+    have = "none is set" if a is None else f"the process's is rank {a.rank} of {a.world}"
+    raise MpkError(f"a graph compiled with tensor_parallel=({rank}, {world}) needs the process's symmetric allocator "
+                   f"for rank {rank} of {world} ({have}); initialise NVSHMEM first (mpk.distributed.nvshmem), which "
+                   "calls mpk.distributed.symmetric.set_allocator")
+
+
+@dataclass
 class _Object:
     name: str
     copies: list[torch.Tensor]
