@@ -232,7 +232,7 @@ def _matmul(p: _Pass, op: Op, readers, producer) -> None:
         p.reshape_buffer(op.output, (out.shape[0], hi - lo))
     elif src is not None and (src.kind in ATTENTION_OUT or src.attrs.get("epilogue") == "silu_mul"):
         _row_parallel(p, op, w)
-    elif not users and _wshape(op)[0] == out.shape[-1] and pro in (None, "rms_norm"):
+    elif not users and (pro == "rms_norm" or (src is not None and src.kind == "rms_norm")):  # after the final norm
         _lm_head(p, op, w)
     else:
         raise ShardingError(f"cannot classify projection {op.name!r} (weight {p.g.buffers[w].name!r} "
