@@ -50,6 +50,7 @@ from mpk.ops.gpu import CTYPES, GpuSpec, OpInfo, Params
 from mpk.ops.registry import OpDef, OpSig, register
 
 COLLECTIVES = ("all_reduce", "all_gather")
+MAX_RANKS = 64  # cuda/mpk_tasks/comm.cuh: kMaxRanks
 
 
 def slot_of(seq: int) -> int:
@@ -211,6 +212,8 @@ def _params(op: OpInfo) -> Params:
 
 
 def _check(op: OpInfo) -> None:
+    if op.attrs["world"] > MAX_RANKS:
+        raise op.error(f"world {op.attrs['world']}; the CUDA collectives take at most {MAX_RANKS} ranks")
     for v in op.inputs[:1] + op.inputs[5:]:
         if v.strides[-1] != 1 and v.shape[-1] > 1:
             raise op.error(f"the collective's data must be contiguous along its last dim; strides {list(v.strides)}")
@@ -229,7 +232,7 @@ def _typed(name: str):
 register(OpDef(
     kind="comm_put", type_id=50, input_regions=_put_regions, cpu=_put_cpu,
     default_grid=lambda sig, workers: tuple(sig.attrs["tiles"]), inplace_writes=_put_writes,
-    gpu=GpuSpec(params=_params, task=_typed("comm_put"), check=_check, self_gated=True),
+    gpu=GpuSpec(params=_params, task=_typed("comm_put"), check=_check),
     doc="put tile t of src into every peer's receive slot [seq % 2, rank], then signal it",
 ))
 register(OpDef(

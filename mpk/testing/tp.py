@@ -32,19 +32,19 @@ class TracedStep:
 
 
 def traced_step(family: str, ragged: bool, seed: int, lens: list[int], new: list[int] | None = None,
-                num_splits: int = 0, **cfg) -> TracedStep:
-    """A random tiny Llama / Qwen3 (float32) and one step over sequences of ``lens`` positions,
+                num_splits: int = 0, dtype: torch.dtype = torch.float32, **cfg) -> TracedStep:
+    """A random tiny Llama / Qwen3 (``dtype``) and one step over sequences of ``lens`` positions,
     the last ``new[b]`` of each new (ragged) or one (decode); the cache holds random earlier k/v.
     ``cfg`` overrides small_config's fields (vocab 96 here: divisible by 2 and 4)."""
     config = small_config(family, **({"vocab": 96} | cfg))
     max_len = 8 * -(-max(lens) // 8)
-    model = DecoderLM(config, torch.float32, max_len=max_len, num_splits=num_splits)
+    model = DecoderLM(config, dtype, max_len=max_len, num_splits=num_splits)
     model.randomize(seed, scale=0.1)
     g = torch.Generator().manual_seed(seed)
     cache = PagedKVCache(model, len(lens), max_len, 8)
     counts = new if ragged else [1] * len(lens)
     cache.grow([n - k for n, k in zip(lens, counts)])
-    cache.cache.copy_(torch.randn(cache.cache.shape, generator=g))
+    cache.cache.copy_(torch.randn(cache.cache.shape, generator=g).to(dtype))
     cache.grow(counts)
     rows = sum(counts) + (2 if ragged else 0)  # a ragged step: two padding rows
     tokens = torch.randint(0, config.vocab, (rows,), generator=g)
