@@ -66,6 +66,7 @@ class Interpreter:
                        tuple(int(s) for s in v["strides"][: v["ndim"]]), int(v["offset"])) for v in tables.views]
         self.ops = [_Op(m["name"], op_by_type_id(int(o["type_id"])), lay.sig, lay.inputs, lay.output, lay.grid,
                         lay.bounds) for o, m, lay in zip(tables.ops, meta["ops"], op_layouts(tables))]
+        self.waits = any(op.opdef.wait is not None for op in self.ops)  # tiles that may wait on peers (OpDef.wait)
         self._index_cache: dict[int, torch.Tensor] = {}
         self.planned: dict[int, torch.Tensor] | None = None  # built at the first run, outside fake-tensor tracing
 
@@ -313,12 +314,15 @@ class Interpreter:
             while done < num_tasks:
                 if not ready:
                     raise DeadlockError(self._deadlock_report(k, released, counters, queues, heads, done))
-                waits = [self._waiting(t, bufs) for t, _ in ready]
-                runnable = [i for i, why in enumerate(waits) if why is None]
-                if not runnable:
-                    yield [f"iteration {k}: {why}" for why in waits]
-                    continue
-                t, w = ready.pop(runnable[rng.randrange(len(runnable))])
+                if self.waits:
+                    waits = [self._waiting(t, bufs) for t, _ in ready]
+                    runnable = [i for i, why in enumerate(waits) if why is None]
+                    if not runnable:
+                        yield [f"iteration {k}: {why}" for why in waits]
+                        continue
+                    t, w = ready.pop(runnable[rng.randrange(len(runnable))])
+                else:
+                    t, w = ready.pop(rng.randrange(len(ready)))
                 self.schedule.append((k, t, w))
                 self._run_task(t, bufs, writer, k)
                 done += 1

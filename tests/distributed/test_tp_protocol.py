@@ -84,3 +84,25 @@ def test_tensor_parallel_option_is_checked(tp):
 def test_tensor_parallel_option():
     opts = CompileOptions.parse({"executor": "cpu", "tensor_parallel": [1, 4]})
     assert opts.tensor_parallel == (1, 4) and "norm_stats" not in opts.optional_fusions()
+
+
+def test_input_specs_say_where_each_input_comes_from():
+    from mpk.distributed.shard import describe_inputs
+
+    step = traced_step("llama", False, 0, lens=[3])  # tied embedding, kv_heads 2, vocab 96
+    sharded = shard_graph(step.compiled.graph, 1, 2)
+    specs = {d["name"]: d for d in describe_inputs(sharded)}
+    full = {b.name: b.input_index for b in step.compiled.graph.inputs}
+    assert specs["kv_cache"]["kind"] == "slice"
+    assert specs["kv_cache"]["dim"] == 3 and specs["kv_cache"]["ranges"] == ((1, 2),) and specs["kv_cache"]["state"]
+    assert specs["embed"]["ranges"] == ((48, 96),) and specs["embed"]["source"] == full["embed"]  # both its uses
+    hd, q, kv = 16, 64, 32
+    assert specs["layers.0.qkv"]["ranges"] == ((32, 64), (q + hd, q + 2 * hd), (q + kv + hd, q + kv + 2 * hd))
+    assert specs["layers.0.gate_up"]["ranges"] == ((48, 96), (96 + 48, 192))
+    assert specs["layers.1.o"]["dim"] == 1 and specs["layers.1.o"]["ranges"] == ((32, 64),)
+    assert specs["tokens"]["kind"] == "full"
+    comm = [d for d in specs.values() if d["kind"] in ("symmetric", "peers", "local")]
+    assert len(comm) == 5 * (2 + 2 * 2)  # recv, signals, two peer tables, seq per collective
+    for d in comm:
+        if d["kind"] == "peers":
+            assert sharded.inputs[d["of"]].kind == "symmetric"
