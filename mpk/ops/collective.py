@@ -37,7 +37,8 @@ tile. The receiver reads only after the signal (acquire), so it never reads earl
 put's token t, so in the linear task order (shared by all ranks, each worker's queue following
 it) the put precedes its reduce. By induction over that order every task completes: its events
 and its queue predecessors are earlier tasks, and a reduce's signals come from peers' puts,
-earlier tasks too.
+earlier tasks too. This holds for AOT tasks (a DecoderLM step's collectives are); a JIT
+reduce waiting inside its task would hold its worker's ring, which the argument does not cover.
 """
 
 from __future__ import annotations
