@@ -106,3 +106,36 @@ def test_input_specs_say_where_each_input_comes_from():
     for d in comm:
         if d["kind"] == "peers":
             assert sharded.inputs[d["of"]].kind == "symmetric"
+
+
+def test_puts_wait_for_exactly_the_matmul_tiles_they_send():
+    """A put of columns [a, b) depends on the producer tiles that write them and nothing else,
+    so early tiles' transfers start while later tiles compute; its reduce on its put."""
+    from mpk.compiler import compile_graph
+    from mpk.ops.collective import tile_bounds
+
+    step = traced_step("llama", False, 0, lens=[3, 5])
+    sharded = shard_graph(step.compiled.graph, 0, 2, comm_tiles=4)
+    tg = compile_graph(sharded.graph, 8, partition={"matmul": [1, 8]}).taskgraph
+    ops = sharded.graph.ops
+    writer = {op.output: op.id for op in ops}
+    first = {t.op_id: t.first_task for t in tg.tiles}
+    checked = 0
+    for tiles in tg.tiles:
+        op = ops[tiles.op_id]
+        if op.kind != "comm_put":
+            continue
+        prod = writer[op.inputs[0].buffer]
+        n = op.inputs[0].shape[1]
+        for k in range(tiles.num_tasks):
+            task = tiles.first_task + k
+            a, b = tile_bounds(n, op.attrs["tiles"][1], k)
+            ptiles = tg.tiles[prod]
+            want = {ptiles.first_task + i for i in range(ptiles.num_tasks)
+                    if ptiles.tile_rect(i)[-1][0] < b and ptiles.tile_rect(i)[-1][1] > a}
+            assert set(tg.preds[task]) == want, (op.name, k)
+            checked += 1
+        reduce = next(o for o in ops if o.inputs[1].buffer == op.output and o.kind != "comm_put")
+        for k in range(tiles.num_tasks):
+            assert tiles.first_task + k in tg.preds[first[reduce.id] + k]
+    assert checked == 4 * (2 + 2 * 2)
