@@ -139,3 +139,22 @@ def test_puts_wait_for_exactly_the_matmul_tiles_they_send():
         for k in range(tiles.num_tasks):
             assert tiles.first_task + k in tg.preds[first[reduce.id] + k]
     assert checked == 4 * (2 + 2 * 2)
+
+
+def test_a_reduce_that_does_not_wait_for_the_signal_races(monkeypatch):
+    """Without the signal wait (the put → reduce order across ranks), some schedule reduces a
+    peer's slot before the put landed: a RaceError naming it."""
+    import dataclasses
+
+    from mpk.ops import registry
+
+    opdef = registry.get_op("all_reduce")
+    monkeypatch.setitem(registry._BY_TYPE_ID, opdef.type_id, dataclasses.replace(opdef, wait=None))
+    graph, args = _embedding_graph()
+    caught = []
+    for seed in range(6):
+        try:
+            run_ranks(build_ranks(graph, 2, comm_tiles=2), args, seed=seed)
+        except RaceError as e:
+            caught.append(str(e))
+    assert caught and "no put yet" in caught[0]
