@@ -60,7 +60,7 @@ def run_ranks(ranks: Sequence[Rank], full_args: Sequence[torch.Tensor], seed: in
     whole (the KV cache) get the ranks' writes back."""
     rng = random.Random(seed)
     bound, steps, backs = [], [], []
-    for r, rank in enumerate(ranks):
+    for rank in ranks:
         args, back = rank.binder.bind(full_args)
         bufs, gen = rank.interpreter.start(args, seed=rng.randrange(1 << 30), iterations=iterations)
         bound.append(bufs)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from mpk.errors import ShardingError
-from mpk.ir.opgraph import Buffer, Op, OpGraph
+from mpk.ir.opgraph import Op, OpGraph
 from mpk.ir.views import View, identity_view
 
 ATTENTION = ("rope_append", "rope_attn_partial")
@@ -93,7 +93,8 @@ class _Pass:
         k = n // self.world
         return self.rank * k, (self.rank + 1) * k
 
-    def kv_range(self, kv: int, heads: int) -> tuple[int, int]:
+    def kv_range(self, kv: int) -> tuple[int, int]:
+        """This rank's kv heads: its share, or with fewer kv heads than ranks the one its query heads use."""
         if kv >= self.world:
             return self.part(kv, "kv_heads")
         if self.world % kv:
@@ -153,7 +154,9 @@ class _Pass:
         peers_sig = self.add_input(f"{op.name}.signal_peers", InputSpec("peers", (w,), torch.int64, of=self.index(signals)))
         seq = self.add_input(f"{op.name}.seq", InputSpec("local", (1 + w, t), torch.int64))
         attrs = {"rank": self.rank, "world": w, "tiles": tiles}
-        v = lambda b: identity_view(b, self.g.buffers[b].shape)  # noqa: E731
+        def v(b: int) -> View:
+            return identity_view(b, self.g.buffers[b].shape)
+
         token = self.out_buffer(f"{op.name}.sent", (1, tn), torch.int64)
         self.add_op("comm_put", [v(local), v(peers_recv), v(peers_sig), v(seq)], token, attrs, f"{op.name}.put",
                     op.source)
@@ -251,7 +254,7 @@ def _qkv(p: _Pass, op: Op, w: int, rope: Op) -> None:
     H, KV, D = rope.attrs["heads"], rope.attrs["kv_heads"], rope.attrs["head_dim"]
     p.heads = (H, KV, D)
     q0, q1 = p.part(H, "the number of attention heads")
-    k0, k1 = p.kv_range(KV, H)
+    k0, k1 = p.kv_range(KV)
     q, kv = H * D, KV * D
     p.slice_input(w, 0, [(q0 * D, q1 * D), (q + k0 * D, q + k1 * D), (q + kv + k0 * D, q + kv + k1 * D)])
     p.reshape_buffer(op.output, (p.g.buffers[op.output].shape[0], (q1 - q0 + 2 * (k1 - k0)) * D))
@@ -260,9 +263,9 @@ def _qkv(p: _Pass, op: Op, w: int, rope: Op) -> None:
 def _attention(p: _Pass, op: Op) -> None:
     if p.heads is None:
         raise ShardingError(f"attention op {op.name!r} before any q|k|v projection; cannot tell its heads")
-    H, KV, D = p.heads
+    H, KV, _ = p.heads
     q0, q1 = p.part(H, "the number of attention heads")
-    k0, k1 = p.kv_range(KV, H)
+    k0, k1 = p.kv_range(KV)
     hl, kvl = q1 - q0, k1 - k0
     if "heads" in op.attrs:
         op.attrs = dict(op.attrs, heads=hl, kv_heads=kvl)
@@ -384,7 +387,7 @@ def _check_shapes(g: OpGraph) -> None:
         last = tuple(split_bounds(n, k)[-2:] for n, k in zip(sig.out_shape, grid))  # reaches every end
         try:
             regions = opdef.input_regions(sig, last)
-        except Exception as e:  # noqa: BLE001  (a kind's shape assertion: reword it with the op)
+        except Exception as e:  # a kind's shape assertion: reword it with the op
             raise ShardingError(f"sharded op {op.name!r} ({op.kind}) is inconsistent: {e}") from e
         for v, r in zip(op.inputs, regions):
             if r is not None and any(b > n for (_, b), n in zip(r, v.shape)):

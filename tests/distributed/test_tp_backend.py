@@ -4,7 +4,7 @@ degree 1 runs its collectives in the one interpreter and matches eager."""
 import pytest
 import torch
 
-import mpk.backend as backend
+from mpk import backend
 from mpk.errors import NotSupportedError
 from mpk.llm.kv_cache import PagedKVCache
 from mpk.llm.model import DecoderLM

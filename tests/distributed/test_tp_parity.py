@@ -10,7 +10,7 @@ import torch
 from mpk.distributed.ranks import build_ranks, run_ranks
 from mpk.executors import Interpreter
 from mpk.testing.graphs import relative_error
-from mpk.testing.tp import traced_step, tp_logits_bound
+from mpk.testing.tp import tp_logits_bound, traced_step
 
 
 @lru_cache(maxsize=None)
@@ -68,6 +68,6 @@ def test_tp_iterations_and_launches_reuse_the_buffers():
     for launch in range(2):
         outs = run_ranks(ranks, args, seed=launch, iterations=2)
         assert relative_error(outs[0][-1], ref) <= tp_logits_bound(step.model.cfg, step.positions, 2)
-    seq = ranks[0].binder._made  # noqa: SLF001  (the counters the tiles advanced)
+    seq = ranks[0].binder._made  # the counters the tiles advanced
     counters = [t for _, t in seq.values() if t.dtype == torch.int64 and t.dim() == 2 and t.shape[0] == 3]
     assert counters and all(bool((c == 4).all()) for c in counters), "4 iterations: every tile sent and consumed 4 times"

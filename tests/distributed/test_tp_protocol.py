@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import mpk.distributed.symmetric as symmetric
+from mpk.distributed import symmetric
 from mpk.distributed.ranks import build_ranks, run_ranks
 from mpk.distributed.shard import shard_graph
 from mpk.errors import DeadlockError, OptionError, RaceError, ShardingError
