@@ -50,6 +50,9 @@ def traced_step(family: str, ragged: bool, seed: int, lens: list[int], new: list
     tokens = torch.randint(0, config.vocab, (rows,), generator=g)
     inputs = dict(zip(STEP_INPUTS, (tokens, *cache.args(), cache.qo_indptr if ragged else None)))
     call = [inputs[k] for k in STEP_INPUTS[:5]] + ([inputs["qo_indptr"]] if ragged else [])
+    # each traced step is a new model (new shapes): without a reset, a session tracing many of
+    # them (the whole suite) would reach Dynamo's recompile limit for DecoderLM.forward and run it eagerly
+    torch._dynamo.reset()
     step = torch.compile(model, backend="mpk", options={"executor": "cpu", "num_workers": 8,
                                                         "fuse_norm_stats": False}, fullgraph=True)
     with torch.no_grad(), trace_only():
