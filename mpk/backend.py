@@ -20,7 +20,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from mpk.compiler import CompiledGraph
-from mpk.errors import MpkError, OptionError, UnsupportedOpError
+from mpk.errors import MpkError, NotSupportedError, OptionError, UnsupportedOpError
 from mpk.fx_pipeline import compile_tables, trace_inference, unsupported_report
 from mpk.inspection import dump
 from mpk.options import CompileOptions
@@ -153,6 +153,28 @@ def _remember(state: dict, args: tuple) -> None:
         state["args"] = [weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in args]
 
 
+def _sharded(run: Callable, compiled: CompiledGraph, opts: CompileOptions) -> Callable:
+    """The runner of a tensor-parallel rank's graph: the caller passes the full model's
+    arguments (mpk.distributed.binding: shards made once and cached, communication buffers from
+    the process's SymmetricAllocator)."""
+    from mpk.distributed.binding import sharded_runner
+    from mpk.distributed.symmetric import allocator_for
+
+    rank, world = opts.tensor_parallel
+    if opts.executor == "cpu" and world > 1:
+        raise NotSupportedError(f"tensor_parallel=({rank}, {world}) with the cpu executor: one interpreter runs one "
+                                "rank; run the ranks together with mpk.distributed.ranks.run_ranks")
+    device = torch.device("cuda" if opts.executor == "gpu" else "cpu")
+    state: dict[str, Callable] = {}
+
+    def run_rank(*full):
+        if "run" not in state:  # the allocator is asked at the first call (the compiler ran under fake tensors)
+            state["run"] = sharded_runner(run, compiled.sharded, allocator_for(rank, world, device))
+        return state["run"](*full)
+
+    return run_rank
+
+
 def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
     state: dict[str, Any] = {}
     if opts.executor == "gpu":
@@ -182,6 +204,8 @@ def make_runner(compiled: CompiledGraph, opts: CompileOptions) -> Callable:
             _remember(state, args)
             return interp.run(args, seed=opts.seed, iterations=_ITERATIONS.get())
 
+    if compiled.sharded is not None:
+        run = _sharded(run, compiled, opts)
     run.compiled = compiled  # type: ignore[attr-defined]
     run.state = state  # type: ignore[attr-defined]
     RUNNERS[id(compiled)] = run

@@ -36,6 +36,11 @@ class VerifyError(CompileError):
         self.writer, self.reader, self.buffer, self.element, self.pairs = writer, reader, buffer, element, pairs
 
 
+class ShardingError(CompileError):
+    """The tensor-parallel sharding pass (mpk.distributed.shard) cannot split the graph over the
+    degree asked for: a size not divisible by it, or a projection it cannot classify."""
+
+
 class ExecutorUnavailableError(MpkError):
     """The requested executor cannot run on this machine / in this build."""
 

@@ -77,8 +77,16 @@ def compile_tables(gm: GraphModule, opts: CompileOptions, param_flags: list[bool
     if failures:
         return failures
     graph = lower(gm, param_flags, input_names, opts.fuse_rope_attention, opts.partition_workers)
+    sharded = None
+    if opts.tensor_parallel is not None:
+        from mpk.distributed.shard import shard_graph
+
+        sharded = shard_graph(graph, *opts.tensor_parallel)
+        graph = sharded.graph
     # the happens-before check runs on every compile for the CPU interpreter (whose random
     # schedules alone can miss a missing order) and on request for the GPU kernel
-    return compile_graph(graph, opts.partition_workers, opts.partition, {"executor": opts.executor},
-                         scheduler_ctas=opts.scheduler_ctas, fill_sms=opts.fill_sms,
-                         check=(opts.executor == "cpu" or opts.verify) if check is None else check)
+    compiled = compile_graph(graph, opts.partition_workers, opts.partition, {"executor": opts.executor},
+                             scheduler_ctas=opts.scheduler_ctas, fill_sms=opts.fill_sms,
+                             check=(opts.executor == "cpu" or opts.verify) if check is None else check)
+    compiled.sharded = sharded
+    return compiled

@@ -87,6 +87,12 @@ class CompileOptions:
                  prepares step k+1 while step k runs). Either way the watchdog aborts a launch
                  that outlives timeout_s and the next call raises its report.
     profile_dir  gpu executor: write a Chrome/Perfetto trace of each launch there.
+    tensor_parallel  (rank, world): compile rank ``rank``'s share of a DecoderLM step split over
+                 ``world`` ranks (mpk.distributed.shard; the norm_stats split is off then).
+                 None (default): no sharding. World 1 still inserts the collectives, so one
+                 rank runs the communication path. The runner binds weight shards made once
+                 from the full weights (mpk.distributed.binding) and takes communication buffers
+                 from the process's SymmetricAllocator (mpk.distributed.symmetric).
     """
 
     executor: str = "cpu"
@@ -104,6 +110,7 @@ class CompileOptions:
     timeout_s: float = 30.0
     sync: bool = True
     profile_dir: str | None = None
+    tensor_parallel: tuple[int, int] | None = None
 
     @property
     def partition_workers(self) -> int:
@@ -117,8 +124,9 @@ class CompileOptions:
 
     def optional_fusions(self) -> tuple[str, ...]:
         """The optional pattern fusions (mpk.frontend.patterns.OPTIONAL_MATCHERS) these options
-        ask for, in the order they apply."""
-        if self.fuse_norm_stats is False:
+        ask for, in the order they apply. Under tensor_parallel no norm_stats split: its row
+        sums need the whole product a row-parallel projection only has after its all_reduce."""
+        if self.fuse_norm_stats is False or self.tensor_parallel is not None:
             split = ()
         elif self.fuse_norm_stats == "auto" and self.fuse_norm_prologue:  # small norms: the prologue's
             split = ("norm_stats_large",)
@@ -178,6 +186,8 @@ class CompileOptions:
         stats = opts.get("fuse_norm_stats", "auto")
         if not (isinstance(stats, bool) or (isinstance(stats, str) and stats == "auto")):
             raise OptionError(f"fuse_norm_stats={stats!r}; expected True, False or 'auto'")
+        if opts.get("tensor_parallel") is not None:
+            opts["tensor_parallel"] = _check_tensor_parallel(opts["tensor_parallel"])
         part = opts.get("partition", {})
         if not isinstance(part, Mapping):
             raise OptionError(f"partition={part!r}; expected a dict mapping op name or kind to tile counts")
@@ -185,6 +195,19 @@ class CompileOptions:
             _check_partition_spec(name, spec)
         opts["partition"] = dict(part)
         return cls(**opts)
+
+
+def _check_tensor_parallel(tp: object) -> tuple[int, int]:
+    """(rank, world) of a tensor_parallel option, or OptionError naming what is wrong."""
+    def is_int(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not isinstance(tp, (tuple, list)) or len(tp) != 2 or not all(is_int(v) for v in tp):
+        raise OptionError(f"tensor_parallel={tp!r}; expected None or (rank, world), two ints")
+    rank, world = tp
+    if world < 1 or not 0 <= rank < world:
+        raise OptionError(f"tensor_parallel=({rank}, {world}); expected world ≥ 1 and 0 ≤ rank < world")
+    return rank, world
 
 
 def _check_cta_bounds(executor: str, num_workers: int | None, scheduler_ctas: int | None) -> None:

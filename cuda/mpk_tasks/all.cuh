@@ -1,6 +1,7 @@
 // Every task family; the generated dispatch includes this.
 #pragma once
 #include "attention.cuh"
+#include "comm.cuh"
 #include "data_movement.cuh"
 #include "diagnostic.cuh"
 #include "gemm.cuh"

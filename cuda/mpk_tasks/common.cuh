@@ -477,7 +477,7 @@ __device__ __forceinline__ LaunchShared& launch_shared() {
 __device__ __forceinline__ int& launch_epoch() { return launch_shared().epoch; }
 
 // A wait inside a task body, as its status row names it.
-enum TaskWait : int { kWaitMbarrier = 1, kWaitBusy = 2 };
+enum TaskWait : int { kWaitMbarrier = 1, kWaitBusy = 2, kWaitSignal = 3 };
 constexpr long long kTaskWaitCheck = 1024;  // polls between two back-offs of such a wait
 
 // The back-off of a wait inside a task, every kTaskWaitCheck polls: tell the watchdog which

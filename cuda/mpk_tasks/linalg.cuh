@@ -567,16 +567,20 @@ __device__ void linear_task(const OpC& c, const Rect& r, const TaskEnv& env) {
   }
 }
 
-// Whether token id tok (of output row `row`) indexes the table; if not, reported (its row is
-// written as zeros).
-__device__ __forceinline__ bool token_in_table(const OpC& c, long long tok, long long row) {
-  const long long vocab = c.in[0].shape[0];
-  if (tok >= 0 && tok < vocab) return true;
-  report_bad_input(kBadTokenId, c.out_buffer, row, tok, vocab);
-  return false;
+// The table row of token id tok (of output row `row`), or -1: an id outside the vocabulary is
+// reported, one another rank's shard holds (iparam[0] the shard's first row, iparam[1] the whole
+// vocabulary, 0: the table's rows) is not; either row is written as zeros.
+__device__ __forceinline__ long long table_row(const OpC& c, long long tok, long long row) {
+  const long long rows = c.in[0].shape[0], vocab = c.iparam[1] ? c.iparam[1] : rows;
+  if (tok < 0 || tok >= vocab) {
+    report_bad_input(kBadTokenId, c.out_buffer, row, tok, vocab);
+    return -1;
+  }
+  const long long local = tok - c.iparam[0];
+  return local >= 0 && local < rows ? local : -1;
 }
 
-// out[..., d] = weight[ids[...], d]; inputs weight [V, D], ids. Rows of a 2-byte table that
+// out[..., d] = weight[ids[...] - iparam[0], d]; inputs weight [V, D], ids. Rows of a 2-byte table that
 // copy as 16-byte words (the decode step's embedding) take the fast path: a thread per word of
 // the tile, every row at once — the token ids in one round trip, then all the words (a loop
 // over rows would cost a round trip pair per row); the general loop looks the id up per element.
@@ -595,7 +599,8 @@ __device__ void task_embedding(const OpC& c, const Rect& r, const TaskEnv& env) 
       const long long row = r.lo[0] + e / n, j = e % n;
       const long long tok = load_i(env.buffers[ids.buffer], ids.dtype, ids.offset + row * ids.stride[0]);
       uint4 v = make_uint4(0, 0, 0, 0);
-      if (token_in_table(c, tok, row)) v = table[(w.offset + tok * w.stride[0] + r.lo[1]) / 8 + j];
+      const long long t = table_row(c, tok, row);
+      if (t >= 0) v = table[(w.offset + t * w.stride[0] + r.lo[1]) / 8 + j];
       out[(row * c.out_shape[1] + r.lo[1]) / 8 + j] = v;
     }
     return;
@@ -605,9 +610,10 @@ __device__ void task_embedding(const OpC& c, const Rect& r, const TaskEnv& env) 
     long long idx[kMaxDims];
     rect_unravel(r, c.ndim, e, idx);
     const long long tok = load_i(env.buffers[ids.buffer], ids.dtype, view_index(ids, idx, c.ndim - 1));
-    long long widx[2] = {tok, idx[c.ndim - 1]};
+    const long long t = table_row(c, tok, ravel(idx, c.out_shape, c.ndim - 1));
+    long long widx[2] = {t, idx[c.ndim - 1]};
     const long long o = ravel(idx, c.out_shape, c.ndim);
-    if (token_in_table(c, tok, ravel(idx, c.out_shape, c.ndim - 1)))
+    if (t >= 0)
       move_elem(env.buffers[w.buffer], w.dtype, view_index(w, widx, 2), env.buffers[c.out_buffer], c.out_dtype, o);
     else
       store_i(env.buffers[c.out_buffer], c.out_dtype, o, 0);

@@ -73,6 +73,9 @@ class CompiledGraph:
     taskgraph: TaskGraph
     tables: Tables
     stats: CompileStats
+    # the tensor-parallel sharding the graph came from (mpk.distributed.shard.ShardedGraph):
+    # how its inputs derive from the caller's; None when unsharded
+    sharded: Any = None
 
 
 def compile_graph(graph: OpGraph, num_workers: int = 128,

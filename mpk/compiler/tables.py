@@ -79,6 +79,8 @@ BUFFER_DTYPE = np.dtype([("role", "<i4"), ("dtype", "<i4"), ("ndim", "<i4"), ("s
                          ("input_index", "<i4")])
 VIEW_DTYPE = np.dtype([("buffer", "<i4"), ("ndim", "<i4"), ("offset", "<i8"), ("shape", "<i8", (MAX_DIMS,)),
                        ("strides", "<i8", (MAX_DIMS,))])
+# op attrs that name the rank of a tensor-parallel graph (mpk.distributed.shard)
+RANK_ATTRS = ("rank", "vocab_start")
 ARRAYS = {"tasks": TASK_DTYPE, "events": EVENT_DTYPE, "ops": OP_DTYPE, "buffers": BUFFER_DTYPE,
           "views": VIEW_DTYPE, "op_inputs": np.dtype("<i4"), "bounds": np.dtype("<i8"),
           "worker_offsets": np.dtype("<i4"), "worker_tasks": np.dtype("<i4")}
@@ -147,13 +149,17 @@ class Tables:
         return hashlib.sha256(self.to_bytes()).hexdigest()
 
     def rank_free_digest(self) -> str:
-        """``digest`` with the ``tensor_parallel`` option's rank left out: the ranks of one job
-        compile equal tables (their shards differ in weights, run-time inputs), so equal
+        """``digest`` with what names the rank left out: the ``tensor_parallel`` option's rank
+        and the ops' rank-dependent attrs (``RANK_ATTRS``: a collective's rank, the embedding
+        shard's first row). The ranks of one job then compile
+        equal digests (their shards differ in weights and run-time inputs only), so equal
         digests across ranks mean they run one graph."""
         tp = self.meta.get("options", {}).get("tensor_parallel")
         if tp is None:
             return self.digest()
-        meta = dict(self.meta, options=dict(self.meta["options"], tensor_parallel=["*", tp[1]]))
+        ops = [dict(o, attrs={k: ("*" if k in RANK_ATTRS else v) for k, v in o.get("attrs", {}).items()})
+               for o in self.meta.get("ops", [])]
+        meta = dict(self.meta, ops=ops, options=dict(self.meta["options"], tensor_parallel=["*", tp[1]]))
         return hashlib.sha256(Tables(meta=meta, **{k: getattr(self, k) for k in ARRAYS}).to_bytes()).hexdigest()
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mpk.distributed.launch import disable_multicast
+from mpk.distributed.symmetric import set_allocator
 from mpk.errors import DistributedError, NvshmemUnavailableError, RankMismatchError
 
 PIP = "pip install nvshmem4py-cu13 nvidia-nvshmem-cu13"
@@ -115,6 +116,7 @@ def init_nvshmem(group: Any = None, device: int | torch.device | None = None,
         raise RankMismatchError(f"NVSHMEM started PE {pe} of {pes} for rank {rank} of {world}; expected PE {rank} of "
                                 f"{world} (was another NVSHMEM job started with this unique id?)", (rank,))
     _active = NvshmemAllocator(nv, rank, world, index)
+    set_allocator(_active)  # tensor-parallel graphs' runners take their buffers from it
     if close_at_exit:
         atexit.register(_active.close)
     return _active
@@ -188,6 +190,7 @@ class NvshmemAllocator:
         global _active
         if _active is self:
             _active = None
+            set_allocator(None)
         atexit.unregister(self.close)
 
     def __enter__(self) -> "NvshmemAllocator":

@@ -66,6 +66,7 @@ class Interpreter:
                        tuple(int(s) for s in v["strides"][: v["ndim"]]), int(v["offset"])) for v in tables.views]
         self.ops = [_Op(m["name"], op_by_type_id(int(o["type_id"])), lay.sig, lay.inputs, lay.output, lay.grid,
                         lay.bounds) for o, m, lay in zip(tables.ops, meta["ops"], op_layouts(tables))]
+        self.waits = any(op.opdef.wait is not None for op in self.ops)  # tiles that may wait on peers (OpDef.wait)
         self._index_cache: dict[int, torch.Tensor] = {}
         self.planned: dict[int, torch.Tensor] | None = None  # built at the first run, outside fake-tensor tracing
 
@@ -256,9 +257,42 @@ class Interpreter:
 
     def run(self, args: Sequence[torch.Tensor], seed: int = 0, iterations: int = 1) -> list[Any]:
         """Run ``iterations`` iterations in one 'launch'; returns the graph outputs."""
+        bufs = self._bind(args)
+        for blocked in self.steps(bufs, seed, iterations):
+            if blocked:  # only peers could wake it, and a lone interpreter has none
+                raise DeadlockError("nothing is runnable; tasks wait on run-time data no task of this graph "
+                                    "writes:\n  " + "\n  ".join(blocked))
+        return self._outputs(bufs)
+
+    def start(self, args: Sequence[torch.Tensor], seed: int = 0, iterations: int = 1):
+        """(bound buffers, step generator) of a launch driven from outside (mpk.distributed.ranks
+        interleaves ranks): see ``steps``; ``outputs(bufs)`` once it is exhausted."""
+        bufs = self._bind(args)
+        return bufs, self.steps(bufs, seed, iterations)
+
+    def outputs(self, bufs) -> list[Any]:
+        return self._outputs(bufs)
+
+    def _waiting(self, t: int, bufs) -> str | None:
+        """What ready task ``t`` waits for before it may run (OpDef.wait), or None."""
+        rec = self.t.tasks[t]
+        if rec["op"] < 0:
+            return None
+        op = self.ops[int(rec["op"])]
+        if op.opdef.wait is None:
+            return None
+        rect = op.tile_rect(int(rec["tile"]))
+        slices = [None if r is None else self._view(bufs, v)[tuple(slice(a, b) for a, b in r)]
+                  for v, r in zip(op.inputs, op.opdef.input_regions(op.sig, rect))]
+        why = op.opdef.wait(op.sig, rect, slices)
+        return None if why is None else f"{self._describe_task(t)} waits for {why}"
+
+    def steps(self, bufs, seed: int = 0, iterations: int = 1):
+        """Run the launch one task per step: yields [] after each task, or, when every ready
+        task waits on run-time data (OpDef.wait: a peer's signal), the list of what they wait
+        for, without running anything (the caller lets peers progress, then resumes)."""
         rng = random.Random(seed)
         tasks, events = self.t.tasks, self.t.events
-        bufs = self._bind(args)
         if self.planned is None:
             self._plan_inplace()
         num_tasks = len(tasks)
@@ -305,7 +339,15 @@ class Interpreter:
             while done < num_tasks:
                 if not ready:
                     raise DeadlockError(self._deadlock_report(k, released, counters, queues, heads, done))
-                t, w = ready.pop(rng.randrange(len(ready)))
+                if self.waits:
+                    waits = [self._waiting(t, bufs) for t, _ in ready]
+                    runnable = [i for i, why in enumerate(waits) if why is None]
+                    if not runnable:
+                        yield [f"iteration {k}: {why}" for why in waits]
+                        continue
+                    t, w = ready.pop(runnable[rng.randrange(len(runnable))])
+                else:
+                    t, w = ready.pop(rng.randrange(len(ready)))
                 self.schedule.append((k, t, w))
                 self._run_task(t, bufs, writer, k, carried)
                 done += 1
@@ -314,6 +356,7 @@ class Interpreter:
                     if heads[w] < len(queues[w]) and released[queues[w][heads[w]]]:
                         ready.append((queues[w][heads[w]], w))
                 arrive(int(tasks[t]["trig_event"]))
+                yield []
             if counters[end] != k * int(events[end]["num_triggers"]) and num_tasks:
                 raise DeadlockError(f"iteration {k}: all {num_tasks} tasks ran but the end event {end} "
                                     f"has {counters[end]} of {k * int(events[end]['num_triggers'])} arrivals")
@@ -328,7 +371,6 @@ class Interpreter:
                     if w is not None and b not in self.planned and bool((w < 0).any()):
                         raise RaceError(f"iteration {k}: buffer {self.t.meta['buffers'][b]['name']!r} has "
                                         f"{int((w < 0).sum())} elements no task wrote")
-        return self._outputs(bufs)
 
     def _outputs(self, bufs) -> list[Any]:
         out = []

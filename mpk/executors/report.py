@@ -26,7 +26,8 @@ STARTING, WAITING_AOT, IDLE, EXITED, ABORTED, GATE, IN_TASK, SCHED_WAITING = ran
 STATES = {STARTING: "starting", WAITING_AOT: "waiting for its AOT task", IDLE: "idle (no AOT work left)",
           EXITED: "exited", ABORTED: "aborted", GATE: "waiting at a task's gate", IN_TASK: "waiting inside a task",
           SCHED_WAITING: "waiting for a JIT event"}
-TASK_WAITS = {1: "an mbarrier (copies into shared memory)", 2: "a busy spin"}  # common.cuh: TaskWait
+TASK_WAITS = {1: "an mbarrier (copies into shared memory)", 2: "a busy spin",
+              3: "a peer rank's signal (a collective: is every rank running?)"}  # common.cuh: TaskWait
 MAX_LISTED = 6  # triggering tasks named per event, busy workers named in full
 
 

@@ -280,11 +280,13 @@ class DirectStep:
     @classmethod
     def capture(cls, compiled, model: DecoderLM) -> DirectStep | None:
         """The step of ``compiled`` as its last launch ran it; None where there is none to replay
-        (not compiled by mpk, no launch recorded, or outputs other than the logits)."""
+        (not compiled by mpk, no launch recorded, a tensor-parallel rank's graph, or outputs
+        other than the logits)."""
         from mpk.backend import RUNNERS, last_args
 
         runner = RUNNERS.get(id(compiled)) if compiled is not None else None
-        if runner is None or "args" not in getattr(runner, "state", {}):
+        # a rank's runner takes the full model's arguments, its last launch the shard's
+        if runner is None or "args" not in getattr(runner, "state", {}) or compiled.sharded is not None:
             return None
         graph = compiled.graph
         inputs = {b.id for b in graph.inputs}

@@ -185,17 +185,29 @@ def _embedding_regions(sig: OpSig, rect):
 
 def _embedding_cpu(sig: OpSig, rect, xs):
     w, ids = xs
-    bad = ((ids < 0) | (ids >= w.shape[0])).nonzero()
+    start, vocab = _vocab_range(sig.attrs, w.shape[0])
+    bad = ((ids < 0) | (ids >= vocab)).nonzero()
     if len(bad):
         at = tuple(int(i) for i in bad[0])
         row = tuple(lo + i for (lo, _), i in zip(rect[:-1], at))
-        raise BadInputError(bad_input_message(BAD_TOKEN, int(ids[at]), row[0] if len(row) == 1 else row, w.shape[0]))
-    return F.embedding(ids, w).to(sig.out_dtype)
+        raise BadInputError(bad_input_message(BAD_TOKEN, int(ids[at]), row[0] if len(row) == 1 else row, vocab))
+    local = ids - start
+    held = (local >= 0) & (local < w.shape[0])  # a vocabulary shard: other ranks' rows are zeros
+    out = F.embedding(torch.where(held, local, 0), w) * held.unsqueeze(-1)
+    return out.to(sig.out_dtype)
+
+
+def _vocab_range(attrs: dict, rows: int) -> tuple[int, int]:
+    """(first vocabulary row the table holds, the whole vocabulary): attrs vocab_start and vocab
+    of a vocabulary-parallel shard (mpk.distributed.shard), else (0, the table's rows)."""
+    return int(attrs.get("vocab_start", 0)), int(attrs.get("vocab", rows))
 
 
 register(OpDef(
     kind="embedding", type_id=21, input_regions=_embedding_regions, cpu=_embedding_cpu,
-    gpu=GpuSpec(float64_exact=True),  # rows are moved, not computed
+    # rows are moved, not computed; iparam: vocab_start, vocab (0: the table's rows)
+    gpu=GpuSpec(float64_exact=True, params=lambda op: ([int(op.attrs.get("vocab_start", 0)),
+                                                         int(op.attrs.get("vocab", 0))], [])),
     doc="out[..., :] = weight[ids[...], :]",
 ))
 

@@ -79,6 +79,10 @@ class OpDef:
     # ordered by the end event.
     carried_writes: Callable[[OpSig, Rect], list[tuple[int, Rect]]] | None = None
     key_spaces: Callable[[OpSig], list["KeySpace"]] | None = None
+    # A tile that waits on run-time data before it may run (a collective's reduce: its peers'
+    # signals): given the slices ``cpu`` would get, None when it may run, else what it waits
+    # for. The CPU interpreter runs only tiles whose wait is None; the CUDA task spins itself.
+    wait: Callable[[OpSig, Rect, list[torch.Tensor | None]], str | None] | None = None
 
 
 @dataclass(frozen=True)

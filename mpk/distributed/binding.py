@@ -1,0 +1,96 @@
+"""Binding a sharded graph's inputs from the caller's full ones (mpk.distributed.shard.InputSpec).
+
+A ``RankBinder`` holds what it made for one rank, so each is made once: weight shards (sliced
+from the full weight at the first call and cached; a later call with a different tensor at that
+argument, or one modified in place since — torch's version counter — makes it again), the
+communication buffers (from the SymmetricAllocator, kept for the binder's life: their sequence
+counters and signals carry over from launch to launch) and their peer-address tables. A state
+input (the KV cache) is bound live when the caller passes the rank's shard (its sharded shape);
+given the full tensor, the binder copies the shard in before the launch and back after it
+(correct, not fast: an engine allocates each rank's own cache).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from mpk.distributed.shard import InputSpec, ShardedGraph
+from mpk.distributed.symmetric import SymmetricAllocator
+from mpk.errors import ShardingError
+
+
+class RankBinder:
+    """The argument list of ``sharded`` for one call, from the caller's full arguments."""
+
+    def __init__(self, sharded: ShardedGraph, allocator: SymmetricAllocator):
+        if (allocator.rank, allocator.world) != (sharded.rank, sharded.world):
+            raise ShardingError(f"allocator of rank {allocator.rank} of {allocator.world} for the graph of rank "
+                                f"{sharded.rank} of {sharded.world}; expected the same rank and world")
+        self.sharded, self.allocator = sharded, allocator
+        self._made: dict[int, tuple[Any, torch.Tensor]] = {}  # input → (key of its source, tensor)
+
+    def _comm(self, i: int, spec: InputSpec, device: torch.device) -> torch.Tensor:
+        if i not in self._made:
+            if spec.kind == "symmetric":
+                t = self.allocator.allocate(spec.shape, spec.dtype)
+            elif spec.kind == "peers":
+                t = self.allocator.peer_pointers(self._comm(spec.of, self.sharded.inputs[spec.of], device))
+            else:
+                t = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+            self._made[i] = (None, t)
+        return self._made[i][1]
+
+    def bind(self, full: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """(the sharded graph's arguments, the (full, shard) state pairs to ``write_back``)."""
+        args, back = [], []
+        device = next((a.device for a in full if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        for i, spec in enumerate(self.sharded.inputs):
+            if spec.kind == "full":
+                args.append(full[spec.source])
+            elif spec.kind == "slice":
+                src = full[spec.source]
+                if spec.state and tuple(src.shape) == spec.shape:
+                    args.append(src)
+                    continue
+                key = (src.data_ptr(), src._version, tuple(src.shape))
+                if spec.state or self._made.get(i, (None,))[0] != key:
+                    self._made[i] = (key, spec.take(src))
+                if spec.state:
+                    back.append((src, self._made[i][1], spec))
+                args.append(self._made[i][1])
+            else:
+                args.append(self._comm(i, spec, device))
+        return args, back
+
+    @staticmethod
+    def write_back(back) -> None:
+        """Copy each state shard the launch wrote back into the caller's full tensor."""
+        for full, shard, spec in back:
+            at = 0
+            for a, b in spec.ranges:
+                full.narrow(spec.dim, a, b - a).copy_(shard.narrow(spec.dim, at, b - a))
+                at += b - a
+
+
+def sharded_runner(run: Callable[..., list[Any]], sharded: ShardedGraph, allocator: SymmetricAllocator):
+    """``run`` (a runner of the sharded graph's arguments) as a runner of the full ones: binds
+    each call's shards, writes state back, and returns the caller's full state tensor where an
+    output is a state input (the KV cache the step returns)."""
+    binder = RankBinder(sharded, allocator)
+    state_out = {}
+    for i, o in enumerate(sharded.graph.outputs):
+        buf = sharded.graph.buffers[o.view.buffer] if o.view is not None else None
+        if buf is not None and buf.role == "input" and sharded.inputs[buf.input_index].state:
+            state_out[i] = sharded.inputs[buf.input_index].source
+
+    def run_full(*full):
+        args, back = binder.bind(full)
+        out = list(run(*args))
+        RankBinder.write_back(back)
+        for i, src in state_out.items():
+            out[i] = full[src]
+        return out
+
+    return run_full

@@ -1,0 +1,73 @@
+"""TP 2 and 4 logits equal TP 1's, the unsharded graph's and eager PyTorch's, within the
+float32 bound derived from the step's roundings and reduction lengths (mpk.testing.tp), for a
+Llama and a Qwen3 config, a decode step and a ragged step; every rank gets the same bits."""
+
+from functools import lru_cache
+
+import pytest
+import torch
+
+from mpk.distributed.ranks import build_ranks, run_ranks
+from mpk.executors import Interpreter
+from mpk.testing.graphs import relative_error
+from mpk.testing.tp import tp_logits_bound, traced_step
+
+
+@lru_cache(maxsize=None)
+def _step(family: str, ragged: bool):
+    seed = int(torch.randint(0, 1 << 20, ()))
+    # Llama: kv_heads 2, so TP 4 replicates each kv head on two ranks; Qwen3 (qk-norm) with 4
+    # kv heads splits them at TP 4 too
+    cfg = {} if family == "llama" else {"kv_heads": 4}
+    step = traced_step(family, ragged, seed, lens=[13, 6, 9], new=[5, 1, 3] if ragged else None, **cfg)
+    unsharded = Interpreter(step.compiled.tables).run(step.fresh_args())
+    return step, unsharded
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["decode", "ragged"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tp_logits_match_unsharded(family, ragged):
+    step, (ref_cache, ref) = _step(family, ragged)
+    cfg = step.model.cfg
+    assert relative_error(ref, step.eager) <= tp_logits_bound(cfg, step.positions, 1)
+    by_world = {}
+    for world in (1, 2, 4):
+        args = step.fresh_args()
+        outs = run_ranks(build_ranks(step.compiled.graph, world), args, seed=world)
+        logits = [o[-1] for o in outs]
+        for r in range(1, world):
+            assert torch.equal(logits[r], logits[0]), f"rank {r} of {world} differs from rank 0"
+        bound = tp_logits_bound(cfg, step.positions, world)
+        assert relative_error(logits[0], ref) <= bound, (world, relative_error(logits[0], ref), bound)
+        assert relative_error(logits[0], step.eager) <= bound
+        # the ranks' KV heads, written back into the full cache: the unsharded step's appends
+        cache = args[[b.name for b in step.compiled.graph.inputs].index("kv_cache")]
+        assert relative_error(cache, ref_cache) <= bound
+        by_world[world] = logits[0]
+    assert relative_error(by_world[2], by_world[1]) <= tp_logits_bound(cfg, step.positions, 2)
+    assert relative_error(by_world[4], by_world[1]) <= tp_logits_bound(cfg, step.positions, 4)
+
+
+def test_tp_attention_with_chunks_and_merge():
+    """A prefix long enough for several KV chunks a row (attn_plan, attn_merge per rank)."""
+    step = traced_step("qwen3", True, int(torch.randint(0, 1 << 20, ())), lens=[136, 12], new=[4, 3], num_splits=4)
+    assert "attn_merge" in [op.kind for op in step.compiled.graph.ops]
+    ref = Interpreter(step.compiled.tables).run(step.fresh_args())[-1]
+    outs = run_ranks(build_ranks(step.compiled.graph, 2), step.fresh_args(), seed=7)
+    assert torch.equal(outs[0][-1], outs[1][-1])
+    assert relative_error(outs[0][-1], ref) <= tp_logits_bound(step.model.cfg, step.positions, 2)
+
+
+def test_tp_iterations_and_launches_reuse_the_buffers():
+    """Two launches of two iterations each over the same communication buffers: the sequence
+    numbers and parity slots carry over, and every iteration gives the first one's logits (a
+    decode step rewrites the same cache slot with the same values)."""
+    step, (_, ref) = _step("llama", False)
+    ranks = build_ranks(step.compiled.graph, 2)
+    args = step.fresh_args()
+    for launch in range(2):
+        outs = run_ranks(ranks, args, seed=launch, iterations=2)
+        assert relative_error(outs[0][-1], ref) <= tp_logits_bound(step.model.cfg, step.positions, 2)
+    seq = ranks[0].binder._made  # the counters the tiles advanced
+    counters = [t for _, t in seq.values() if t.dtype == torch.int64 and t.dim() == 2 and t.shape[0] == 3]
+    assert counters and all(bool((c == 4).all()) for c in counters), "4 iterations: every tile sent and consumed 4 times"
