@@ -1,6 +1,6 @@
 // Task family: data movement. ``copy`` (out = reshape(view, out_shape): the i-th element in
 // row-major order of the output is the i-th of the input view), ``cat`` along a dim and
-// ``gather`` (torch.gather; index_select and x[idx] lower to it).
+// ``gather`` (torch.gather; index_select and x[idx] lower to it) and ``triangle`` (tril / triu).
 #pragma once
 #include "common.cuh"
 
@@ -73,6 +73,27 @@ __device__ void task_gather(const OpC& c, const Rect& r, const TaskEnv& env) {
     }
     for (int d = d0 + k; d < x.ndim; ++d) src[d] = idx[d - k + nb];
     move_elem(env.buffers[x.buffer], x.dtype, view_index(x, src, x.ndim), env.buffers[c.out_buffer], c.out_dtype, o);
+  }
+}
+
+// tril / triu over the last two dims: an element (…, i, j) is x's where j - i is on the kept side
+// of the diagonal, else 0. iparam[0] the diagonal, iparam[1] 1: triu (j - i >= diagonal), 0: tril
+// (j - i <= diagonal).
+__device__ void task_triangle(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const ViewC& x = c.in[0];
+  const long long diagonal = c.iparam[0];
+  const bool upper = c.iparam[1] != 0;
+  const long long n = rect_numel(r, c.ndim);
+  void* out = env.buffers[c.out_buffer];
+  for (long long e = threadIdx.x; e < n; e += blockDim.x) {
+    long long idx[kMaxDims];
+    rect_unravel(r, c.ndim, e, idx);
+    const long long o = ravel(idx, c.out_shape, c.ndim);
+    const long long offset = idx[c.ndim - 1] - idx[c.ndim - 2];
+    if (upper ? offset >= diagonal : offset <= diagonal)
+      move_elem(env.buffers[x.buffer], x.dtype, view_index(x, idx, c.ndim), out, c.out_dtype, o);
+    else
+      store_i(out, c.out_dtype, o, 0);  // 0 in any dtype (+0.0 for floats, false for bools)
   }
 }
 

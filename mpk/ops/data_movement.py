@@ -1,4 +1,5 @@
-"""``copy`` (materialise a view that has no strided form, reshaping it), ``cat`` and ``gather``."""
+"""``copy`` (materialise a view that has no strided form, reshaping it), ``cat``, ``gather`` and
+``triangle`` (tril / triu)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,24 @@ register(OpDef(
     kind="cat", type_id=41, input_regions=_cat_regions, cpu=_cat_cpu,
     gpu=GpuSpec(params=lambda op: ([op.attrs["dim"]], []), float64_exact=True),
     doc="out = cat(inputs, dim)",
+))
+
+
+def _triangle_cpu(sig: OpSig, rect, xs):
+    # the tile's own rows and columns decide which elements stay: j - i against the diagonal
+    (r0, r1), (c0, c1) = rect[-2], rect[-1]
+    offset = torch.arange(c0, c1).unsqueeze(0) - torch.arange(r0, r1).unsqueeze(1)
+    diagonal = sig.attrs["diagonal"]
+    keep = offset >= diagonal if sig.attrs["upper"] else offset <= diagonal
+    return torch.where(keep, xs[0], torch.zeros((), dtype=xs[0].dtype)).to(sig.out_dtype)
+
+
+register(OpDef(
+    kind="triangle", type_id=43, input_regions=lambda sig, rect: [rect], cpu=_triangle_cpu,
+    # iparam[0] the diagonal, [1] 1 for triu (keep j - i >= diagonal), 0 for tril (j - i <= diagonal)
+    gpu=GpuSpec(params=lambda op: ([int(op.attrs["diagonal"]), int(op.attrs["upper"])], []), float64_exact=True),
+    doc="out = triu(x, diagonal) if attrs['upper'] else tril(x, diagonal), over the last two dims "
+        "(elements outside the triangle are 0)",
 ))
 
 

@@ -1,5 +1,5 @@
-"""Rules for matmuls (mm / bmm / addmm / linear) and their fused forms, embedding, cat,
-gather and indexing by tensors, and padding."""
+"""Rules for matmuls (mm / bmm / addmm / baddbmm / addbmm / linear) and their fused forms,
+embedding, cat, tril / triu, gather and indexing by tensors, and padding."""
 
 from __future__ import annotations
 
@@ -63,6 +63,23 @@ def _addmm(L, node, bias: View, a: View, b: View, *, beta=1, alpha=1):
     return L.emit("matmul", [a, b] + ([bias] if beta != 0 else []), {"alpha": alpha, "beta": beta})
 
 
+
+@handles(aten.baddbmm.default)
+def _baddbmm(L, node, bias: View, a: View, b: View, *, beta=1, alpha=1):
+    # the matmul kind's own form (alpha·a @ b + beta·bias over batch dims): one op, nothing extra
+    return L.emit("matmul", [a, b] + ([bias] if beta != 0 else []), {"alpha": alpha, "beta": beta})
+
+
+@handles(aten.addbmm.default)
+def _addbmm(L, node, bias: View, a: View, b: View, *, beta=1, alpha=1):
+    # Σ_i a[i] @ b[i] is one product over the joined batch and contraction dims:
+    # [M, B·K] @ [B·K, N] (a's permuted reshape is a copy op where it has no strided form)
+    batch, m, k = a.shape
+    n = b.shape[2]
+    a2 = a.then(("permute", (1, 0, 2))).then(("reshape", (m, batch * k)))
+    b2 = b.then(("reshape", (batch * k, n)))
+    return L.emit("matmul", [a2, b2] + ([bias] if beta != 0 else []), {"alpha": alpha, "beta": beta})
+
 @handles(aten.embedding.default)
 def _embedding(L, node, weight: View, ids: View, *args):
     return L.emit("embedding", [weight, ids])
@@ -75,6 +92,13 @@ def _cat(L, node, tensors, dim=0):
     d = norm_dim(dim, tensors[0].ndim)
     return L.emit("cat", tensors, {"dim": d})
 
+
+
+@handles(aten.tril.default, aten.triu.default)
+def _triangle(L, node, x: View, diagonal: int = 0):
+    if x.ndim < 2:
+        raise Unsupported(f"{node.target.overloadpacket.__name__} of a {x.ndim}-d tensor (it needs at least 2 dims)")
+    return L.emit("triangle", [x], {"diagonal": int(diagonal), "upper": node.target is aten.triu.default})
 
 MAX_INDEX_TENSORS = 7  # codegen.MAX_INPUTS, less x
 

@@ -56,6 +56,20 @@ def _expand(L, node, x: View, sizes, implicit=False):
     return x.then(("expand", out))
 
 
+
+@handles(aten.repeat.default)
+def _repeat(L, node, x: View, repeats):
+    # repeat is an expand of x between new unit dims, then a reshape joining each repeat with its
+    # dim: [r0, n0, r1, n1, …] -> [r0·n0, r1·n1, …]; that reshape has no strided form unless every
+    # r or n but the first is 1, and then the consumer's read materialises it as one copy op
+    reps = tuple(int(r) for r in repeats)
+    if len(reps) < x.ndim:
+        raise Unsupported(f"repeat({list(reps)}) of a {x.ndim}-d tensor: fewer repeats than dims")
+    shape = (1,) * (len(reps) - x.ndim) + x.shape
+    spread = x.then(("reshape", tuple(d for n in shape for d in (1, n))))
+    spread = spread.then(("expand", tuple(d for r, n in zip(reps, shape) for d in (r, n))))
+    return spread.then(("reshape", tuple(r * n for r, n in zip(reps, shape))))
+
 @handles(aten.slice.Tensor)
 def _slice(L, node, x: View, dim=0, start=None, end=None, step=1):
     return slice_view(x, norm_dim(dim, x.ndim), start, end, step)
