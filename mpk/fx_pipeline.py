@@ -49,9 +49,58 @@ def trace_inference(gm: GraphModule, example_inputs: Sequence[Any],
     def fw(fx_gm: GraphModule, fw_inputs):
         n_in = sum(1 for n in fx_gm.graph.nodes if n.op == "placeholder")
         same = n_in == len(names)
-        return fw_compiler(fx_gm, flags if same else None, names if same else None)
+        constants = lift_constants(fx_gm)
+        fx_flags = flags + [True] * len(constants) if same else None
+        fx_names = names + [name for name, _ in constants] if same else None
+        return with_constants(fw_compiler(fx_gm, fx_flags, fx_names), [value for _, value in constants])
 
     return aot_module_simplified(gm, example_inputs, fw_compiler=fw, bw_compiler=_no_training)
+
+
+def lift_constants(gm: GraphModule) -> list[tuple[str, torch.Tensor]]:
+    """Turn each tensor constant made inside forward (``torch.tensor([...])``, which AOTAutograd
+    keeps as a ``get_attr`` of the graph module) into a graph input after the others, as
+    lowering reads every tensor from an input. Returns (name, value) per new input, in order;
+    the compiled callable must receive the values after the graph's own inputs
+    (``with_constants``). A fill or count made in forward (``torch.ones``, ``arange``) is no
+    constant here: lowering computes it in the kernel."""
+    nodes = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    lifted: list[tuple[str, torch.Tensor]] = []
+    for node in nodes:
+        value = getattr(gm, str(node.target))
+        if not isinstance(value, torch.Tensor) or not node.users:
+            continue  # a submodule or an unused attribute: lowering reports what it must
+        anchor = placeholders[-1] if placeholders else next(iter(gm.graph.nodes))
+        with gm.graph.inserting_after(anchor) if placeholders else gm.graph.inserting_before(anchor):
+            ph = gm.graph.placeholder(f"const_{node.name}")
+        ph.meta.update(node.meta)  # its fake value, stack trace
+        node.replace_all_uses_with(ph)
+        gm.graph.erase_node(node)
+        placeholders.append(ph)
+        lifted.append((str(node.target), value))
+    if lifted:
+        gm.recompile()
+    return lifted
+
+
+def with_constants(fn: Callable, constants: list[torch.Tensor]) -> Callable:
+    """``fn`` called with ``constants`` after the caller's arguments, on the first tensor
+    argument's device (a CUDA graph's constants live beside its inputs), moved once per device."""
+    if not constants:
+        return fn
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+
+    def run(*args):
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), constants[0].device)
+        if device not in by_device:
+            by_device[device] = [c.to(device) for c in constants]
+        return fn(*args, *by_device[device])
+
+    for attr in ("compiled", "state"):  # what mpk.backend's runners carry (last_args, RUNNERS)
+        if hasattr(fn, attr):
+            setattr(run, attr, getattr(fn, attr))
+    return run
 
 
 def _no_training(gm, example_inputs):

@@ -180,9 +180,10 @@ class Lowering:
                 self._outputs(node)
                 continue
             if node.op == "get_attr":
+                # torch.compile's path lifts these into inputs first (fx_pipeline.lift_constants)
                 self._fail(node, "a tensor constant made inside forward (torch.tensor(...) there, or a list index "
-                                 "such as x[:, [i]], which x[:, i:i + 1] replaces); mpk reads tensors from inputs, "
-                                 "parameters and buffers: register it as a buffer")
+                                 "such as x[:, [i]]) in a graph whose constants were not lifted into inputs: "
+                                 "call mpk.fx_pipeline.lift_constants on the graph first")
                 continue
             if node.op != "call_function":
                 self._fail(node, f"FX node kind {node.op!r} (only call_function is lowered)")
