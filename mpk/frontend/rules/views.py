@@ -66,6 +66,8 @@ def _repeat(L, node, x: View, repeats):
     if len(reps) < x.ndim:
         raise Unsupported(f"repeat({list(reps)}) of a {x.ndim}-d tensor: fewer repeats than dims")
     shape = (1,) * (len(reps) - x.ndim) + x.shape
+    if 0 in reps or 0 in shape:  # an empty result (a view step of size 0 has nothing to read)
+        return emit_pointwise(L, "cast", [0], shape=node_shape(L), dtype=L.meta().dtype)
     spread = x.then(("reshape", tuple(d for n in shape for d in (1, n))))
     spread = spread.then(("expand", tuple(d for r, n in zip(reps, shape) for d in (r, n))))
     return spread.then(("reshape", tuple(r * n for r, n in zip(reps, shape))))
