@@ -115,6 +115,13 @@ CASES = {
     "indexing": _indexing,
     "sorting": _sorting,
     "float64_precision": _float64_precision,
+    # tril / triu (the triangle task) of floats and ints, through a strided view; repeat / tile
+    # (an expand where strided, else a copy); a constant made in forward from data (lifted)
+    "triangles_repeats": lambda x, y, i, j, k, _: (torch.tril(x, 1), torch.triu(y.transpose(1, 2), -2), torch.tril(i),
+                                                torch.triu(x > 0, 3), x.repeat(1, 2, 1), torch.tile(k, (2, 1)),
+                                                x[:1].repeat(3, 1, 1) - x[1:],
+                                                x * torch.tensor([0.5, -1.0, 2.0, 3.0] * 2 + [1.0, 0.0],
+                                                                 device=x.device, dtype=x.dtype)),
     "int_reductions": lambda x, y, i, j, k, _: (i.sum(-1), i.amax(0), i.amin(1), i.argmax(-1), i.argmin(0),
                                              (i > 0).sum(-1), k.sum(1), *i.max(dim=2)),
 }
