@@ -227,3 +227,31 @@ def test_generated_cuda_of_the_new_tasks_compiles_for_sm90a(tmp_path, monkeypatc
     assert "task_triangle" in src
     cubin = build.build_cubin(src, "sm_90a", tile_kernel=True)
     assert cubin.read_bytes()[:4] == b"\x7fELF"
+
+
+# --- Hugging Face's default cache ----------------------------------------------------------------
+
+def _tiny_lm(family: str):
+    transformers = pytest.importorskip("transformers")
+    if family == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2)
+        return transformers.LlamaForCausalLM(cfg).eval()
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_default_cache_call_compiles_whole(family):
+    """model(input_ids) as transformers calls it (use_cache=True: a DynamicCache that makes its
+    empty key and value tensors with torch.tensor([]) inside forward) compiles in strict mode."""
+    model = _tiny_lm(family)
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        ref = model(ids)
+    out = _compiled(model, ids)
+    # float32 against eager float32, as issue 65 asks (1e-5 of the largest |logit|)
+    assert relative_error(out.logits, ref.logits) <= 1e-5
+    keys = lambda o: [layer.keys for layer in o.past_key_values.layers]  # noqa: E731
+    for k, r in zip(keys(out), keys(ref)):
+        assert relative_error(k, r) <= 1e-5
