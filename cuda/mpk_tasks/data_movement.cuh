@@ -103,8 +103,8 @@ __device__ void task_slice_scatter(const OpC& c, const Rect& r, const TaskEnv& e
 enum ScatterReduce : int { kScatterNone = 0, kScatterSum = 1, kScatterAmax = 2, kScatterAmin = 3 };
 
 // One output element of ``scatter``: base's value with every entry that lands on it folded in,
-// in entry order (eager's loop), in T (float rounded to the output dtype after each step, as
-// eager's 16-bit sums are; double for float64; long long for integers, exactly).
+// in entry order (eager's loop), in T (float for float32 and 16-bit floats, double for float64,
+// long long for integers, exactly).
 template <typename T>
 __device__ __forceinline__ void scatter_elem(const OpC& c, const TaskEnv& env, long long* idx, long long o) {
   const ViewC& base = c.in[0];
@@ -141,7 +141,10 @@ __device__ __forceinline__ void scatter_elem(const OpC& c, const TaskEnv& env, l
     else if (reduce == kScatterSum) acc = acc + v;
     else if (reduce == kScatterAmax) acc = (v > acc || v != v) ? v : acc;  // NaN propagates, as torch's max
     else acc = (v < acc || v != v) ? v : acc;
-    if constexpr (std::is_same_v<T, float>) acc = round_to(c.out_dtype, acc);
+    // a 1-D index (index_add, index_put) rounds a 16-bit sum to its dtype at every step, as
+    // eager's loop does; torch.scatter_add / scatter_reduce sum in float and round once
+    if constexpr (std::is_same_v<T, float>)
+      if (line) acc = round_to(c.out_dtype, acc);
   }
   store_as<T>(env.buffers[c.out_buffer], c.out_dtype, o, acc);
 }

@@ -191,6 +191,10 @@ def _scatter_cpu(sig: OpSig, rect, xs):
     bad = ((index < 0) | (index >= n)).nonzero()
     if len(bad):
         raise BadInputError(bad_input_message(BAD_INDEX, int(index[tuple(bad[0])]), tuple(int(i) for i in bad[0]), n))
+    if sig.attrs["index_1d"] and reduce == "sum":
+        # eager's index_add / index_put(accumulate) loop rounds a 16-bit sum at every entry,
+        # where scatter_add sums in float32 and rounds once
+        return out.index_add_(dim, index.long(), src.to(sig.out_dtype))
     if sig.attrs["index_1d"]:  # entry j of the index carries src's slice j along the dim
         index = index.reshape([-1 if d == dim else 1 for d in range(src.ndim)]).expand(src.shape)
     index = index.long()
@@ -214,6 +218,6 @@ register(OpDef(
     doc="out = base with src's entries folded into out[…, index[…], …] along attrs['dim'] in entry order "
         "(torch.scatter / scatter_add / scatter_reduce; attrs['reduce'] in SCATTER_REDUCES, 'include_self'). "
         "attrs['index_1d']: index is 1-D and entry j carries src's slice j along the dim (index_put with one "
-        "index tensor, index_add); attrs['wrap']: negative indices count from the end. An index outside the "
+        "index tensor, index_add; a 16-bit sum then rounds at every entry, as eager's does); attrs['wrap']: negative indices count from the end. An index outside the "
         "dim is reported (BAD_INDEX) and its entry skipped",
 ))

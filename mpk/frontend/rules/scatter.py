@@ -87,16 +87,23 @@ def _index_add(L, node, base: View, dim, index: View, source: View, alpha=1):
     return _scatter_op(L, base, index, _line_src(source, base, d, index.shape[0]), d, "sum", index_1d=True)
 
 
-@handles(aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.scatter_reduce.two)
-def _scatter(L, node, base: View, dim, index: View, src, reduce="sum", include_self=True):
+@handles(aten.scatter.src, aten.scatter.value, aten.scatter.reduce, aten.scatter.value_reduce,
+         aten.scatter_add.default, aten.scatter_reduce.two)
+def _scatter(L, node, base: View, dim, index: View, src, reduce=None, include_self=True):
     d = norm_dim(dim, base.ndim)
     if not isinstance(src, View):  # scatter(…, value): a constant for every index entry
         src = emit_pointwise(L, "cast", [src], shape=index.shape, dtype=L.graph.buffers[base.buffer].dtype)
-    if node.target is aten.scatter_reduce.two:
+    if node.target is aten.scatter_add.default:
+        reduce = "sum"
+    elif node.target in (aten.scatter.reduce, aten.scatter.value_reduce):  # scatter(…, reduce="add")
+        if reduce != "add":
+            raise Unsupported(f"scatter with reduce={reduce!r} ('add' lowers)")
+        reduce = "sum"
+    elif node.target is aten.scatter_reduce.two:
         if reduce not in ("sum", "amax", "amin"):
             raise Unsupported(f"scatter_reduce with reduce={reduce!r} (sum, amax, amin lower)")
     else:
-        reduce = "sum" if node.target is aten.scatter_add.default else "none"
+        reduce = "none"
     if base.ndim == 0:
         raise Unsupported("scatter into a 0-d tensor")
     return _scatter_op(L, base, index, src, d, reduce, include_self=bool(include_self))
