@@ -209,8 +209,16 @@ def _scatter_splittable(sig: OpSig) -> tuple[bool, ...]:
     return tuple(d != sig.attrs["dim"] for d in range(len(sig.out_shape)))
 
 
+def _scatter_min_tile(sig: OpSig) -> int:
+    # each output element scans every entry along the dim (the index's length there), so the
+    # default 1024-element tile shrinks as that scan grows
+    entries = sig.in_shapes[1][0 if sig.attrs["index_1d"] else sig.attrs["dim"]]
+    return max(1, 1024 // max(1, entries))
+
+
 register(OpDef(
     kind="scatter", type_id=44, input_regions=_scatter_regions, cpu=_scatter_cpu, splittable=_scatter_splittable,
+    min_tile_elems=_scatter_min_tile,
     gpu=GpuSpec(params=lambda op: ([op.attrs["dim"], SCATTER_REDUCES.index(op.attrs["reduce"]),
                                     int(op.attrs["include_self"]), int(op.attrs["index_1d"]), int(op.attrs["wrap"])],
                                    []),
