@@ -79,7 +79,7 @@ def _triangle_cpu(sig: OpSig, rect, xs):
 
 
 register(OpDef(
-    kind="triangle", type_id=43, input_regions=lambda sig, rect: [rect], cpu=_triangle_cpu,
+    kind="triangle", type_id=45, input_regions=lambda sig, rect: [rect], cpu=_triangle_cpu,
     # iparam[0] the diagonal, [1] 1 for triu (keep j - i >= diagonal), 0 for tril (j - i <= diagonal)
     gpu=GpuSpec(params=lambda op: ([int(op.attrs["diagonal"]), int(op.attrs["upper"])], []), float64_exact=True),
     doc="out = triu(x, diagonal) if attrs['upper'] else tril(x, diagonal), over the last two dims "
@@ -133,4 +133,118 @@ register(OpDef(
         "the k index inputs (views of the output's shape; torch.gather has k = 1 and b one dim); attrs['wrap']: "
         "negative indices count from the end (x[idx]); an index outside its dim is reported (BAD_INDEX), its "
         "element written as 0",
+))
+
+
+# --- scatter-style updates: the output is the base input with some elements replaced ----------
+
+def _slice_positions(sig: OpSig, lo: int, hi: int) -> tuple[int, int]:
+    """The src positions k whose target start + k·step along the dim lies in [lo, hi)."""
+    start, step, n = sig.attrs["start"], sig.attrs["step"], sig.in_shapes[1][sig.attrs["dim"]]
+    first = max(0, -(-(lo - start) // step))
+    last = min(n, -(-(hi - start) // step))
+    return first, max(first, last)
+
+
+def _slice_scatter_regions(sig: OpSig, rect):
+    # base is read where the tile keeps it (its whole rect: along the dim the replaced positions
+    # interleave with the kept ones at a step), src where the tile's rect meets the slice
+    dim = sig.attrs["dim"]
+    k0, k1 = _slice_positions(sig, *rect[dim])
+    return [rect, rect[:dim] + ((k0, k1),) + rect[dim + 1:] if k0 < k1 else None]
+
+
+def _slice_scatter_cpu(sig: OpSig, rect, xs):
+    base, src = xs
+    out = base.to(sig.out_dtype, copy=True)
+    if src is not None:
+        dim, start, step = sig.attrs["dim"], sig.attrs["start"], sig.attrs["step"]
+        k0, k1 = _slice_positions(sig, *rect[dim])
+        first = start + k0 * step - rect[dim][0]  # the first replaced position, in the tile
+        at = [slice(None)] * out.ndim
+        at[dim] = slice(first, first + (k1 - k0 - 1) * step + 1, step)
+        out[tuple(at)] = src.to(sig.out_dtype)
+    return out
+
+
+register(OpDef(
+    kind="slice_scatter", type_id=43, input_regions=_slice_scatter_regions, cpu=_slice_scatter_cpu,
+    gpu=GpuSpec(params=lambda op: ([op.attrs["dim"], op.attrs["start"], op.attrs["step"]], []),
+                float64_exact=True),
+    doc="out = base with out[…, start + k·step, …] = src[…, k, …] along attrs['dim'] (torch.slice_scatter; "
+        "select_scatter is the slice of one position)",
+))
+
+
+SCATTER_REDUCES = ("none", "sum", "amax", "amin")  # the CUDA task's iparam[1] is the position
+
+
+def _scatter_index_region(sig: OpSig, rect):
+    """The rect of the index (and src) that can land in output ``rect``: the whole scatter dim
+    (any entry along it may hit the tile's positions), the tile's rect clipped to the index's
+    shape elsewhere; None where that is empty. A 1-D index (index_put / index_add) is read whole."""
+    dim, index_shape = sig.attrs["dim"], sig.in_shapes[1]
+    if sig.attrs["index_1d"]:
+        return ((0, index_shape[0]),) if index_shape[0] else None
+    region = tuple((0, n) if d == dim else (rect[d][0], min(rect[d][1], n)) for d, n in enumerate(index_shape))
+    return region if all(a < b for a, b in region) else None
+
+
+def _scatter_regions(sig: OpSig, rect):
+    index = _scatter_index_region(sig, rect)
+    if index is None:
+        return [rect, None, None]
+    dim = sig.attrs["dim"]
+    src = rect[:dim] + (index[0],) + rect[dim + 1:] if sig.attrs["index_1d"] else index
+    return [rect, index, src]
+
+
+def _scatter_cpu(sig: OpSig, rect, xs):
+    base, index, src = xs
+    out = base.to(sig.out_dtype, copy=True)
+    if index is None:
+        return out
+    dim, n, reduce = sig.attrs["dim"], sig.out_shape[sig.attrs["dim"]], sig.attrs["reduce"]
+    if sig.attrs["wrap"]:
+        index = torch.where(index < 0, index + n, index)
+    bad = ((index < 0) | (index >= n)).nonzero()
+    if len(bad):
+        raise BadInputError(bad_input_message(BAD_INDEX, int(index[tuple(bad[0])]), tuple(int(i) for i in bad[0]), n))
+    if sig.attrs["index_1d"] and reduce == "sum":
+        # eager's index_add / index_put(accumulate) loop rounds a 16-bit sum at every entry,
+        # where scatter_add sums in float32 and rounds once
+        return out.index_add_(dim, index.long(), src.to(sig.out_dtype))
+    if sig.attrs["index_1d"]:  # entry j of the index carries src's slice j along the dim
+        index = index.reshape([-1 if d == dim else 1 for d in range(src.ndim)]).expand(src.shape)
+    index = index.long()
+    if reduce == "none":  # eager's loop over the entries in order: a duplicate's last entry wins
+        return out.scatter_(dim, index, src.to(sig.out_dtype))
+    return out.scatter_reduce_(dim, index, src.to(sig.out_dtype), reduce, include_self=sig.attrs["include_self"])
+
+
+def _scatter_splittable(sig: OpSig) -> tuple[bool, ...]:
+    # a tile owns whole lines along the scatter dim: every entry landing in them is its own to
+    # fold in order, so duplicates need no atomics and sums keep eager's order
+    return tuple(d != sig.attrs["dim"] for d in range(len(sig.out_shape)))
+
+
+def _scatter_min_tile(sig: OpSig) -> int:
+    # each output element scans every entry along the dim (the index's length there), so the
+    # default 1024-element tile shrinks as that scan grows
+    entries = sig.in_shapes[1][0 if sig.attrs["index_1d"] else sig.attrs["dim"]]
+    return max(1, 1024 // max(1, entries))
+
+
+register(OpDef(
+    kind="scatter", type_id=44, input_regions=_scatter_regions, cpu=_scatter_cpu, splittable=_scatter_splittable,
+    min_tile_elems=_scatter_min_tile,
+    gpu=GpuSpec(params=lambda op: ([op.attrs["dim"], SCATTER_REDUCES.index(op.attrs["reduce"]),
+                                    int(op.attrs["include_self"]), int(op.attrs["index_1d"]), int(op.attrs["wrap"])],
+                                   []),
+                float64_exact=True),
+    doc="out = base with src's entries folded into out[…, index[…], …] along attrs['dim'] in entry order "
+        "(torch.scatter / scatter_add / scatter_reduce; attrs['reduce'] in SCATTER_REDUCES, 'include_self'). "
+        "attrs['index_1d']: index is 1-D and entry j carries src's slice j along the dim (index_put with one "
+        "index tensor, index_add; a 16-bit sum then rounds at every entry, as eager's does); attrs['wrap']: negative indices count from the end. An index outside the "
+        "dim is reported (BAD_INDEX) and its entry skipped",
 ))
