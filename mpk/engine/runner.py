@@ -6,6 +6,7 @@ manager into the launch's free list and the unused ones given back."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
@@ -16,7 +17,7 @@ from mpk.engine.sampling import sample
 from mpk.engine.scheduler import ScheduledRow
 from mpk.engine.sequence import Sequence
 from mpk.errors import OptionError
-from mpk.llm.buckets import CompileReport, TokenBuckets
+from mpk.llm.buckets import CompileReport, TokenBuckets, build_kernels
 from mpk.llm.kv_cache import PageTable, check_max_len
 from mpk.llm.model import DecoderLM
 from mpk.llm.multistep import MultiStepDecode, Row
@@ -83,20 +84,12 @@ class ModelRunner:
         """Compile every bucket (and the multi-step graphs) now, else at their first use."""
         report = self.buckets.compile(progress)
         if self.decode_iterations > 1:
-            import time
-
             traced = []
             for size in self.burst_sizes():
                 start = time.perf_counter()
                 traced.append(self.multistep(size).trace())
                 report.trace_s[f"multistep B={size}"] = time.perf_counter() - start
-            if self.executor == "gpu":
-                from mpk.executors import build
-                from mpk.executors.codegen import generate
-
-                start = time.perf_counter()
-                build.prebuild([generate(c.tables) for c in traced if c is not None], progress=progress)
-                report.build_s += time.perf_counter() - start
+            report.build_s += build_kernels(traced, progress)
         return report
 
     def burst_sizes(self) -> list[int]:

@@ -34,7 +34,6 @@ from mpk.llm.kv_cache import PagedKVCache, PageTable
 from mpk.llm.model import LOGITS, DecoderLM
 from mpk.llm.staging import PinnedWriter
 
-
 # A decode step whose longest sequence is this many positions past the median runs as a ragged
 # step: the decode form splits every sequence into the same chunks, so the long one's tasks set
 # the attention stage's time, while the ragged form spreads it by the balanced split
@@ -175,13 +174,7 @@ caller wrote).
                     raise MpkError(f"TokenBuckets: the {_graph_name(name)} graph ran instead of being traced; expected "
                                    "the mpk backend (did options select another?)")
                 report.trace_s[_graph_name(name)] = time.perf_counter() - start
-        if any(c.tables.meta["options"].get("executor") == "gpu" for c in compiled):
-            from mpk.executors import build
-            from mpk.executors.codegen import generate
-
-            start = time.perf_counter()
-            build.prebuild([generate(c.tables) for c in compiled], progress=progress)
-            report.build_s = time.perf_counter() - start
+        report.build_s = build_kernels(compiled, progress)
         self.report = report
         return report
 
@@ -254,6 +247,20 @@ caller wrote).
             raise MpkError(f"a step of {list(counts)} new tokens would compile a new graph (after torch._dynamo.reset() "
                            "or torch.compiler.reset(), which drop every bucket's graph?); expected the graphs "
                            "compile() made: call compile() again") from e
+
+
+def build_kernels(compiled: Sequence, progress: bool | None = None) -> float:
+    """Build the kernels of the ``compiled`` graphs meant for the GPU executor together
+    (parallel nvcc into the cubin cache); the seconds it took (0 when none is)."""
+    gpu = [c for c in compiled if c is not None and c.tables.meta["options"].get("executor") == "gpu"]
+    if not gpu:
+        return 0.0
+    from mpk.executors import build
+    from mpk.executors.codegen import generate
+
+    start = time.perf_counter()
+    build.prebuild([generate(c.tables) for c in gpu], progress=progress)
+    return time.perf_counter() - start
 
 
 def _graph_name(key: int | str) -> str:
