@@ -135,12 +135,14 @@ class Monitor:
             self.store.compare_set("failed", "", f"{rank}:{why}")
         except Exception:  # the store is gone with rank 0: the others see that themselves
             pass
+        # a hung worker of ours: ended before the failure is published, so whoever sees the
+        # failure finds collectives with it failing at once
+        if rank in self.procs:
+            self.procs[rank].kill()
         with self._lock:
             self.failure = RankFailedError(text, rank)
             aborts = list(self._aborts)
         print(text, file=sys.stderr, flush=True)
-        if rank in self.procs:  # a hung worker of ours: ended, so collectives with it fail at once
-            self.procs[rank].kill()
         for abort in aborts:
             try:
                 abort()
