@@ -24,9 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_latency import add_step_args, build_options, compile_step, max_len  # noqa: E402
 
-from mpk.backend import COMPILED  # noqa: E402
+from mpk.backend import TracedOnly, trace_only  # noqa: E402
 from mpk.cli import count  # noqa: E402
-from mpk.errors import ExecutorUnavailableError  # noqa: E402
 from mpk.executors import build  # noqa: E402
 from mpk.executors.codegen import generate  # noqa: E402
 from mpk.llm import SHAPES, DecoderLM  # noqa: E402
@@ -39,16 +38,16 @@ def decode_source(name: str, batch: int, position: int, page_size: int, num_spli
     cfg = SHAPES[name] if layers is None else replace(SHAPES[name], layers=layers)
     model = DecoderLM(cfg, torch.bfloat16, "cpu", max_len=max_len(position), num_splits=num_splits)
     step, kv = compile_step(model, batch, position, page_size, options)
-    COMPILED.clear()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), trace_only():
             step(torch.zeros(batch, dtype=torch.long), *kv.args())
-    except ExecutorUnavailableError:
-        pass  # compiled, then refused to run without CUDA: the tables are what we came for
-    if not COMPILED:
+    except TracedOnly as e:  # compiled, not run: the tables are what we came for
+        compiled = e.compiled
+    else:
         raise RuntimeError(f"{name} batch {batch}: nothing was compiled")
-    torch._dynamo.reset()
-    return generate(COMPILED[-1].tables)
+    finally:
+        torch._dynamo.reset()
+    return generate(compiled.tables)
 
 
 def main(argv=None) -> int:
@@ -62,7 +61,11 @@ def main(argv=None) -> int:
                     help="repeatable, e.g. --nvcc-flags=-DMPK_PHASES: build every step once per flag set (as "
                          "$MPK_NVCC_FLAGS; default: the environment's) unless its options name their own "
                          "\"nvcc_flags\"")
+    ap.add_argument("--tp", type=count(1), default=1,
+                    help="tensor-parallel degree: build every rank's shard (decode_latency.py --tp N)")
     args = ap.parse_args(argv)
+    if args.tp > 1:
+        args.options = [{**o, "tensor_parallel": (r, args.tp)} for o in args.options for r in range(args.tp)]
     env_flags = os.environ.get("MPK_NVCC_FLAGS", "")
     by_flags: dict[str, list[str]] = {}  # an option's own "nvcc_flags" replaces the flag sets
     for name in args.models:

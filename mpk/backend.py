@@ -168,6 +168,8 @@ def _sharded(run: Callable, compiled: CompiledGraph, opts: CompileOptions) -> Ca
     state: dict[str, Callable] = {}
 
     def run_rank(*full):
+        if _TRACE_ONLY.get():
+            raise TracedOnly(compiled)
         if "run" not in state:  # the allocator is asked at the first call (the compiler ran under fake tensors)
             state["run"] = sharded_runner(run, compiled.sharded, allocator_for(rank, world, device))
         return state["run"](*full)

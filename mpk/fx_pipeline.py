@@ -130,7 +130,7 @@ def compile_tables(gm: GraphModule, opts: CompileOptions, param_flags: list[bool
     if opts.tensor_parallel is not None:
         from mpk.distributed.shard import shard_graph
 
-        sharded = shard_graph(graph, *opts.tensor_parallel)
+        sharded = shard_graph(graph, *opts.tensor_parallel, opts.comm_tiles)
         graph = sharded.graph
     # the happens-before check runs on every compile for the CPU interpreter (whose random
     # schedules alone can miss a missing order) and on request for the GPU kernel

@@ -93,6 +93,10 @@ class CompileOptions:
                  rank runs the communication path. The runner binds weight shards made once
                  from the full weights (mpk.distributed.binding) and takes communication buffers
                  from the process's SymmetricAllocator (mpk.distributed.symmetric).
+    comm_tiles   column tiles of each collective under tensor_parallel (None, default: up to 8,
+                 each ≥ 16 columns). Tile t is sent once the producer's tiles covering it are
+                 written, so early tiles' transfers overlap later tiles' matmuls; 1 serialises
+                 each collective behind its whole producer (the no-overlap baseline).
     """
 
     executor: str = "cpu"
@@ -111,6 +115,7 @@ class CompileOptions:
     sync: bool = True
     profile_dir: str | None = None
     tensor_parallel: tuple[int, int] | None = None
+    comm_tiles: int | None = None
 
     @property
     def partition_workers(self) -> int:
@@ -188,6 +193,9 @@ class CompileOptions:
             raise OptionError(f"fuse_norm_stats={stats!r}; expected True, False or 'auto'")
         if opts.get("tensor_parallel") is not None:
             opts["tensor_parallel"] = _check_tensor_parallel(opts["tensor_parallel"])
+        tiles = opts.get("comm_tiles")
+        if tiles is not None and (not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1):
+            raise OptionError(f"comm_tiles={tiles!r}; expected None or an int ≥ 1 (1: no overlap)")
         part = opts.get("partition", {})
         if not isinstance(part, Mapping):
             raise OptionError(f"partition={part!r}; expected a dict mapping op name or kind to tile counts")

@@ -145,7 +145,7 @@ class _Pass:
         """comm_put + ``kind`` after ``op``, combining the ranks' ``local`` [M, N] into ``out``."""
         m, n = self.g.buffers[local].shape
         dtype = self.g.buffers[local].dtype
-        tn = self.tiles or max(1, min(8, n // 16))
+        tn = min(self.tiles, n) if self.tiles else max(1, min(8, n // 16))
         tiles, t = [1, tn], tn
         w = self.world
         recv = self.add_input(f"{op.name}.recv", InputSpec("symmetric", (2, w, m, n), dtype))

@@ -9,12 +9,12 @@ from typing import Callable
 import torch
 
 from mpk.llm import DecoderLM, LLMConfig, PagedKVCache, load_pretrained
+from mpk.llm.checkpoint import weight_plan
 
 
-def hf_twin(cfg: LLMConfig, seed: int, dtype: torch.dtype, device=None, num_splits: int = 0,
-            max_len: int = 256, init_std: float = 0.1):
-    """(transformers model, DecoderLM) with identical random weights: the HF model is created
-    from ``cfg.to_hf()``, saved as safetensors and loaded back by ``load_pretrained``.
+def hf_model(cfg: LLMConfig, seed: int, dtype: torch.dtype, device=None, init_std: float = 0.1):
+    """A transformers model of ``cfg`` with random weights drawn from ``seed`` (HF's init at
+    std ``init_std``, norm weights perturbed), in ``dtype`` on ``device``, in eval mode.
     ``init_std``: HF's initializer_range; above its 0.02 default so that random models have
     decisive next-token logits (at 0.02 a small model's logits are near-ties everywhere and
     top-1 agreement measures rounding noise rather than correctness)."""
@@ -31,11 +31,29 @@ def hf_twin(cfg: LLMConfig, seed: int, dtype: torch.dtype, device=None, num_spli
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
-    hf = hf.eval()
+    return hf.eval()
+
+
+def hf_twin(cfg: LLMConfig, seed: int, dtype: torch.dtype, device=None, num_splits: int = 0,
+            max_len: int = 256, init_std: float = 0.1):
+    """(transformers model, DecoderLM) with identical random weights (``hf_model``): the HF
+    model is saved as safetensors and loaded back by ``load_pretrained``, so the loader is part
+    of what a parity test checks."""
+    hf = hf_model(cfg, seed, dtype, device, init_std)
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp, safe_serialization=True)
         ours = load_pretrained(tmp, dtype, device, max_len=max_len, num_splits=num_splits)
     return hf, ours
+
+
+def copy_hf_weights(hf, model: DecoderLM) -> DecoderLM:
+    """Copy a transformers model's weights into ``model`` (same config) in memory, converted
+    to its dtype and device (a model too large to save and load back in a benchmark)."""
+    state = hf.state_dict()
+    with torch.no_grad():
+        for owner, attr, names in weight_plan(model):
+            getattr(owner, attr).copy_(torch.cat([state[n] for n in names], 0))
+    return model
 
 
 def hf_logits(hf, tokens: torch.Tensor) -> torch.Tensor:
@@ -76,3 +94,20 @@ def compare_logits(out: torch.Tensor, ref: torch.Tensor, margin: float = DECISIV
             "top1_decisive": agree[decisive].double().mean().item() if decisive.any() else float("nan"),
             "decisive_share": decisive.double().mean().item(), "max_rel": err.max().item(),
             "median_rel": err.median().item()}
+
+
+def greedy_decode(step: Callable, model: DecoderLM, prompt: torch.Tensor, steps: int, page_size: int) -> torch.Tensor:
+    """[B, steps] greedy tokens of ``step`` after feeding ``prompt`` [B, P] one position per
+    step, over a fresh paged cache of P + steps positions (``decode_logits``' for the same
+    tokens: one compiled graph serves both)."""
+    B, P = prompt.shape
+    kv = PagedKVCache(model, B, P + steps, page_size)
+    out, token = [], prompt[:, 0]
+    with torch.no_grad():
+        for t in range(P + steps - 1):
+            kv.grow(1)
+            logits = step(token.contiguous(), *kv.args())
+            token = prompt[:, t + 1] if t + 1 < P else logits.argmax(-1)
+            if t + 1 >= P:
+                out.append(token)
+    return torch.stack(out, 1)
