@@ -10,6 +10,13 @@ flight at once (TTFT, TPOT, end-to-end p50/p99, output tokens/s). Then the serve
 offline in this process: ``--waves`` rounds of ``LLM.generate`` over c prompts. The server's
 overhead at c is 1 − served tokens/s ÷ offline tokens/s (target ≤ 5% at 64 streams).
 
+``--tensor-parallel-size N`` serves (and runs offline) over N GPUs. ``--kill-rank R`` instead
+tests a rank's death under load: ``--kill-after`` seconds into the largest concurrency's
+streams, rank R's worker process is killed (SIGKILL); the row records how long every other
+worker took to exit, what /health and a new completion answered (503 expected), how many
+streams failed, and whether the server's log names the dead rank (target: all within 30 s,
+nothing hangs).
+
 ``--prebuild`` traces the engine's graphs on (uninitialised) CPU weights and builds their kernels into
 ``$MPK_CACHE_DIR`` (no GPU needed): the server and the offline engine then skip nvcc. Prints one
 JSON line per concurrency (also appended to ``--out``) and a table last.
@@ -25,11 +32,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import httpx
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,23 +59,25 @@ def engine_options(args) -> dict:
     max_len = args.input_len + args.output_len
     seqs = max(args.concurrency)
     return dict(max_num_seqs=seqs, max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                page_size=16, num_pages=seqs * -(-max_len // 16), executor="gpu")
+                page_size=16, num_pages=seqs * -(-max_len // 16), executor="gpu",
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def prebuild(args) -> None:
     model = DecoderLM(args.cfg, torch.bfloat16, "cpu", max_len=args.input_len + args.output_len)
-    llm = LLM.from_model(model, **engine_options(args))
+    llm = LLM.from_model(model, **{**engine_options(args), "tensor_parallel_size": 1})
     print(llm.runner.compile(progress=True), flush=True)
 
 
-def serve(ckpt: Path, args) -> subprocess.Popen:
+def serve(ckpt: Path, args, log=None) -> subprocess.Popen:
+    """``mpk serve`` started and answering /health (``log``: a file for its stderr and its workers')."""
     o = engine_options(args)
     cmd = [sys.executable, "-m", "mpk.cli", "serve", "--model", str(ckpt), "--port", str(args.port),
            "--max-num-seqs", str(o["max_num_seqs"]), "--max-model-len", str(o["max_model_len"]),
            "--max-num-batched-tokens", str(o["max_num_batched_tokens"]), "--num-pages", str(o["num_pages"]),
            "--page-size", str(o["page_size"]), "--max-queue", str(args.waves * max(args.concurrency)),
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd)
+           "--tensor-parallel-size", str(args.tensor_parallel_size), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stderr=log)
     deadline = time.monotonic() + HEALTH_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -90,6 +101,56 @@ def served(args) -> dict[int, dict]:
                                 output_len=args.output_len)
         rows[c] = asyncio.run(sweep(ns))[0]
     return rows
+
+
+def workers(proc: subprocess.Popen) -> dict[int, psutil.Process]:
+    """The server's worker ranks by rank (``python -m mpk.distributed.worker`` children)."""
+    found = {}
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if "mpk.distributed.worker" in " ".join(child.cmdline()):
+                found[int(child.environ()["RANK"])] = child
+        except (psutil.NoSuchProcess, KeyError):
+            pass
+    return found
+
+
+def kill_under_load(ckpt: Path, args, log_path: Path) -> dict:
+    """Serve ``max(concurrency)`` streams, kill rank ``args.kill_rank`` mid-load, and time what follows."""
+    c = max(args.concurrency)
+    ns = argparse.Namespace(url=f"http://127.0.0.1:{args.port}", api_key=None, seed=c, rates=None, concurrency=[c],
+                            num_prompts=c, input_len=args.input_len, output_len=args.output_len)
+    with log_path.open("w") as log:
+        proc = serve(ckpt, args, log)
+        try:
+            ranks = workers(proc)
+            if args.kill_rank not in ranks:
+                raise RuntimeError(f"--kill-rank {args.kill_rank}: the server's workers are ranks {sorted(ranks)}")
+            result: dict = {}
+            load = threading.Thread(target=lambda: result.update(asyncio.run(sweep(ns))[0]), daemon=True)
+            load.start()
+            time.sleep(args.kill_after)
+            victim = ranks.pop(args.kill_rank)
+            victim.kill()
+            killed = time.monotonic()
+            _, alive = psutil.wait_procs(list(ranks.values()), timeout=60)
+            exited_s = time.monotonic() - killed if not alive else None
+            health = httpx.get(f"{ns.url}/health", timeout=10)
+            name = httpx.get(f"{ns.url}/v1/models", timeout=10).json()["data"][0]["id"]
+            late = httpx.post(f"{ns.url}/v1/completions", timeout=30,
+                              json={"model": name, "prompt": [1, 2, 3], "max_tokens": 4})
+            load.join(120)
+            answered_s = time.monotonic() - killed
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    text = log_path.read_text(errors="replace")
+    return {"kill_rank": args.kill_rank, "kill_after_s": args.kill_after, "concurrency": c,
+            "workers_exited_s": exited_s, "workers_still_alive": [p.pid for p in alive],
+            "health_status": health.status_code, "completion_status": late.status_code,
+            "load_finished": not load.is_alive(), "load_done_s": answered_s,
+            "failed_streams": result.get("failed"), "completed_streams": result.get("completed"),
+            "log_names_rank": f"rank {args.kill_rank}" in text, "log_tail": text[-1500:]}
 
 
 def offline(ckpt: Path, args) -> dict[int, dict]:
@@ -124,10 +185,16 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=count(2), default=256, help="tokens per completion")
     ap.add_argument("--max-num-batched-tokens", type=count(1), default=512, help="new tokens per step")
     ap.add_argument("--port", type=count(1), default=8731, help="the server's port on 127.0.0.1")
+    ap.add_argument("--tensor-parallel-size", type=count(1), default=1, help="GPUs (ranks) the server runs on")
+    ap.add_argument("--kill-rank", type=count(1), default=None,
+                    help="kill this worker rank under load instead of measuring throughput")
+    ap.add_argument("--kill-after", type=float, default=10.0, help="seconds into the load before --kill-rank")
     ap.add_argument("--prebuild", action="store_true", help="build the kernels into $MPK_CACHE_DIR, time nothing")
     ap.add_argument("--out", type=Path, default=None, help="append the rows as JSON lines to this file")
     args = ap.parse_args(argv)
     args.cfg = replace(MODELS[args.model], layers=args.layers) if args.layers else MODELS[args.model]
+    if args.kill_rank is not None and args.kill_rank >= args.tensor_parallel_size:
+        ap.error(f"--kill-rank {args.kill_rank}: expected a worker rank in [1, {args.tensor_parallel_size})")
     if args.prebuild:
         prebuild(args)
         return 0
@@ -138,6 +205,18 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = tiny_checkpoint(Path(tmp) / args.model, args.cfg, seed=0, init_std=0.02, dtype=torch.bfloat16)
+        if args.kill_rank is not None:
+            row = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+                   "model": args.model, "layers": args.cfg.layers, "tp": args.tensor_parallel_size,
+                   **kill_under_load(ckpt, args, Path(tmp) / "server.log")}
+            emit_row(row, args.out)
+            ok = row["workers_exited_s"] is not None and row["workers_exited_s"] <= 30 and row["log_names_rank"] \
+                and row["health_status"] == 503 and row["completion_status"] == 503 and row["load_finished"]
+            print(f"\nkill rank {args.kill_rank} of {args.tensor_parallel_size}: workers exited in "
+                  f"{row['workers_exited_s']} s, /health {row['health_status']}, completion {row['completion_status']}, "
+                  f"streams failed {row['failed_streams']}, log names the rank: {row['log_names_rank']} -> "
+                  f"{'PASS' if ok else 'FAIL'}")
+            return 0 if ok else 1
         proc = serve(ckpt, args)
         try:
             online = served(args)

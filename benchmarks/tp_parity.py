@@ -7,7 +7,9 @@ real shape with random weights in bf16.
 Rank 0 draws a transformers model (``mpk.testing.parity.hf_model``: init std 0.1, so that
 next-token logits are decisive) in float32, copies it into a bf16 ``DecoderLM`` and
 broadcasts the weights to the other ranks. The batch's sequences are random tokens: a
-``--prompt-len`` prompt and ``--steps`` forced tokens. Teacher forced, every position is one
+``--prompt-len`` prompt and ``--steps`` forced tokens (by default the cache of
+``decode_latency.py``'s steps at position 64, so that ``prebuild_decode.py --batches 4`` builds
+their kernels). Teacher forced, every position is one
 decode step (``mpk.testing.parity.decode_logits``); the last ``--steps`` positions' logits are
 compared (``compare_logits``: top-1 agreement over all and over decisive positions, error
 relative to the largest |logit|) with transformers' one causal forward and with TP 1's. Free
@@ -29,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_latency import emit_row  # noqa: E402
+from decode_latency import emit_row, max_len  # noqa: E402
 
 from mpk.cli import count, page_size as page_size_arg  # noqa: E402
 from mpk.llm import SHAPES as MODELS  # noqa: E402
@@ -62,7 +64,8 @@ def mpk_step(model: DecoderLM, tp: tuple[int, int] | None):
 def run_model(name: str, args, rank: int, world: int) -> dict | None:
     cfg = MODELS[name] if args.layers is None else replace(MODELS[name], layers=args.layers)
     total = args.prompt_len + args.steps
-    model = DecoderLM(cfg, torch.bfloat16, "cuda", max_len=total)
+    # decode_latency.py's shapes at position total - 1 (prebuild_decode.py's kernels serve both)
+    model = DecoderLM(cfg, torch.bfloat16, "cuda", max_len=max_len(total - 1))
     hf = None
     if rank == 0:
         hf = hf_model(cfg, args.seed, torch.float32, "cuda")
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
                     metavar="MODEL", help=f"any of {', '.join(sorted(MODELS))}")
     ap.add_argument("--layers", type=count(1), default=None, help="cut the models to this many layers")
     ap.add_argument("--batch", type=count(1), default=4, help="sequences per step")
-    ap.add_argument("--prompt-len", type=count(1), default=16, help="prompt tokens before the compared ones")
+    ap.add_argument("--prompt-len", type=count(1), default=1, help="prompt tokens before the compared ones")
     ap.add_argument("--steps", type=count(1), default=64, help="compared (teacher-forced / greedy) positions")
     ap.add_argument("--page-size", type=page_size_arg, default=16, help="KV-cache page size")
     ap.add_argument("--seed", type=int, default=0, help="weights and tokens")

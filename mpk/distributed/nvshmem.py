@@ -163,7 +163,7 @@ class NvshmemAllocator:
             raise DistributedError(f"PE(s) {far} have no peer pointer from PE {self.rank}'s GPU (not on its NVLink / "
                                    "P2P domain); mpk's communication tasks store through peer pointers, so every "
                                    "rank must be on one node's NVLink")
-        return torch.tensor(ptrs, dtype=torch.int64)
+        return torch.tensor(ptrs, dtype=torch.int64, device=tensor.device)
 
     def abandon(self) -> None:
         """A peer failed: skip the collective teardown (it would wait for the dead peer)."""
