@@ -134,7 +134,10 @@ def compile_tables(gm: GraphModule, opts: CompileOptions, param_flags: list[bool
         graph = sharded.graph
     # the happens-before check runs on every compile for the CPU interpreter (whose random
     # schedules alone can miss a missing order) and on request for the GPU kernel
-    compiled = compile_graph(graph, opts.partition_workers, opts.partition, {"executor": opts.executor},
+    meta_options = {"executor": opts.executor}
+    if opts.tensor_parallel is not None:  # (Tables.rank_free_digest reads the rank from here)
+        meta_options["tensor_parallel"] = list(opts.tensor_parallel)
+    compiled = compile_graph(graph, opts.partition_workers, opts.partition, meta_options,
                              scheduler_ctas=opts.scheduler_ctas, fill_sms=opts.fill_sms,
                              check=(opts.executor == "cpu" or opts.verify) if check is None else check)
     compiled.sharded = sharded

@@ -67,3 +67,21 @@ def test_the_ranks_of_one_job_agree_on_the_rank_free_digest():
     assert ranks[0].rank_free_digest() == ranks[1].rank_free_digest()
     assert tables(step, 0, 4).rank_free_digest() != ranks[0].rank_free_digest()
     assert tables(other, 0, 2).rank_free_digest() != ranks[0].rank_free_digest()
+
+
+def test_torch_compiles_ranks_agree_on_the_rank_free_digest():
+    """Through torch.compile for the GPU (traced only; what the engine's ranks compare at
+    start-up): the tables carry
+    the tensor_parallel option, so the ranks of one job agree and another degree differs."""
+    m, _, args = _model_and_args(0)
+
+    def digest(rank: int, world: int) -> str:
+        torch._dynamo.reset()
+        step = torch.compile(m, backend="mpk", fullgraph=True,
+                             options={"executor": "gpu", "num_workers": 8, "tensor_parallel": (rank, world)})
+        with torch.no_grad(), backend.trace_only(), pytest.raises(backend.TracedOnly) as e:
+            step(*args)
+        return e.value.compiled.tables.rank_free_digest()
+
+    ranks = [digest(r, 2) for r in range(2)]
+    assert ranks[0] == ranks[1] != digest(0, 4)
