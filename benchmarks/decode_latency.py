@@ -245,9 +245,9 @@ def check_tp(tp: int, models: list[str], visible: int | None = None) -> str | No
     return None
 
 
-def join_tp(tp: int) -> tuple[int, int] | None:
-    """(rank, world) of this torchrun rank, joined (NCCL for the peer's all-reduces, NVSHMEM for
-    mpk's), on the GPU of its local rank; None for --tp 1."""
+def join_tp(tp: int):
+    """This torchrun rank's job, joined (NCCL for the peer's all-reduces, NVSHMEM for mpk's), on
+    the GPU of its local rank; None for --tp 1."""
     if tp == 1:
         return None
     from mpk.distributed.launch import RankInfo, join
@@ -257,7 +257,7 @@ def join_tp(tp: int) -> tuple[int, int] | None:
     torch.cuda.set_device(info.local_rank)
     job = join(info, backend="nccl")
     init_nvshmem(job.control)
-    return info.rank, info.world
+    return job
 
 
 def main(argv=None) -> int:
@@ -286,7 +286,18 @@ def main(argv=None) -> int:
         print(f"decode_latency.py: {problem}", file=sys.stderr)
         return 1
     require_cuda("decode_latency.py", "benchmarks/prebuild_decode.py builds its kernels without one")
-    tp = join_tp(args.tp)
+    job = join_tp(args.tp)
+    try:
+        return run(args, job)
+    finally:
+        if job is not None:
+            from mpk.distributed.launch import leave
+
+            leave(job)
+
+
+def run(args, job) -> int:
+    tp = (job.rank, job.world) if job is not None else None
     if tp is not None:
         args.options = [{**o, "tensor_parallel": tp} for o in args.options]
         if tp[0] != 0:  # rank 0 prints and writes the rows

@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("tp_parity.py needs CUDA GPUs, one per rank", file=sys.stderr)
         return 1
-    rank, world = 0, 1
+    rank, world, job = 0, 1, None
     if "WORLD_SIZE" in os.environ:
         from mpk.distributed.launch import RankInfo, join
         from mpk.distributed.nvshmem import init_nvshmem
@@ -140,15 +140,21 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 1
         torch.cuda.set_device(info.local_rank)
-        join(info, backend="nccl")
-        init_nvshmem()
+        job = join(info, backend="nccl")
+        init_nvshmem(job.control)
         rank, world = info.rank, info.world
     rows = []
-    for name in args.models:
-        row = run_model(name, args, rank, world)
-        if row is not None:
-            rows.append(row)
-            emit_row(row, args.out)
+    try:
+        for name in args.models:
+            row = run_model(name, args, rank, world)
+            if row is not None:
+                rows.append(row)
+                emit_row(row, args.out)
+    finally:
+        if job is not None:
+            from mpk.distributed.launch import leave
+
+            leave(job)
     if rank == 0:
         print(f"\n{'model':12s} {'tp':>3s} {'top1 hf':>8s} {'decisive':>9s} {'top1 tp1':>9s} {'rel/tp1':>8s} "
               f"{'bound':>8s} {'greedy=tp1':>10s} {'greedy=hf':>9s}")
