@@ -6,8 +6,17 @@ argument, or one modified in place since — torch's version counter — makes i
 communication buffers (from the SymmetricAllocator, kept for the binder's life: their sequence
 counters and signals carry over from launch to launch) and their peer-address tables. A state
 input (the KV cache) is bound live when the caller passes the rank's shard (its sharded shape);
-given the full tensor, the binder copies the shard in before the launch and back after it
-(correct, not fast: an engine allocates each rank's own cache).
+given the full tensor, the binder keeps one shard tensor, copies the shard into it when
+another tensor is passed (identity or address) and copies it back after every launch, so the
+caller's tensor always holds the steps' writes; each step then copies the rank's part of the
+whole cache (rank-local caches, which the sharding pass does not accept yet, would avoid it).
+The caller's own in-place writes to the full tensor between launches are not read back: the
+version counter cannot tell them from AOT autograd's copy of the returned state into it.
+
+A call whose sliced sources are the last call's tensors, the weights unmodified since
+(identity, address and version counter; the state sources by identity and address),
+reuses the last argument list: the executor then
+sees the addresses it bound last time and skips its own full check.
 """
 
 from __future__ import annotations
@@ -30,6 +39,14 @@ class RankBinder:
                                 f"{sharded.rank} of {sharded.world}; expected the same rank and world")
         self.sharded, self.allocator = sharded, allocator
         self._made: dict[int, tuple[Any, torch.Tensor]] = {}  # input → (key of its source, tensor)
+        self._sources = sorted({s.source for s in sharded.inputs if s.kind == "slice" and not s.state})
+        self._states = sorted({s.source for s in sharded.inputs if s.kind == "slice" and s.state})
+        self._fulls = [(i, s.source) for i, s in enumerate(sharded.inputs) if s.kind == "full"]
+        self._last: tuple[Any, list[torch.Tensor], list] | None = None  # (sources' keys, args, back)
+
+    def _keys(self, full: Sequence[torch.Tensor]) -> tuple:
+        return (tuple((id(full[s]), full[s].data_ptr(), full[s]._version) for s in self._sources),
+                tuple((id(full[s]), full[s].data_ptr()) for s in self._states))
 
     def _comm(self, i: int, spec: InputSpec, device: torch.device) -> torch.Tensor:
         if i not in self._made:
@@ -44,6 +61,12 @@ class RankBinder:
 
     def bind(self, full: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
         """(the sharded graph's arguments, the (full, shard) state pairs to ``write_back``)."""
+        keys = self._keys(full)  # (the write-back leaves them as they are: it writes state sources only)
+        if self._last is not None and self._last[0] == keys:
+            args = list(self._last[1])
+            for i, source in self._fulls:
+                args[i] = full[source]
+            return args, self._last[2]
         args, back = [], []
         device = next((a.device for a in full if isinstance(a, torch.Tensor)), torch.device("cpu"))
         for i, spec in enumerate(self.sharded.inputs):
@@ -55,13 +78,17 @@ class RankBinder:
                     args.append(src)
                     continue
                 key = (src.data_ptr(), src._version, tuple(src.shape))
-                if spec.state or self._made.get(i, (None,))[0] != key:
+                if spec.state and i in self._made:  # the same shard tensor: its address stays bound
+                    if self._made[i][0][0] != src.data_ptr():
+                        self._made[i] = (key, spec.take(src, self._made[i][1]))
+                elif self._made.get(i, (None,))[0] != key:
                     self._made[i] = (key, spec.take(src))
                 if spec.state:
                     back.append((src, self._made[i][1], spec))
                 args.append(self._made[i][1])
             else:
                 args.append(self._comm(i, spec, device))
+        self._last = (keys, args, back)
         return args, back
 
     @staticmethod

@@ -59,9 +59,16 @@ class InputSpec:
     state: bool = False  # slice: written in place by the graph (bind the live tensor)
     of: int | None = None  # peers: the sharded graph's input index of the symmetric buffer
 
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This input's shard of the full tensor (a copy, contiguous)."""
-        return torch.cat([full.narrow(self.dim, a, b - a) for a, b in self.ranges], self.dim).contiguous()
+    def take(self, full: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """This input's shard of the full tensor: a contiguous copy, into ``out`` when given
+        (a shard tensor of this spec's shape, whose address then stays bound)."""
+        if out is None:
+            return torch.cat([full.narrow(self.dim, a, b - a) for a, b in self.ranges], self.dim).contiguous()
+        at = 0
+        for a, b in self.ranges:
+            out.narrow(self.dim, at, b - a).copy_(full.narrow(self.dim, a, b - a))
+            at += b - a
+        return out
 
 
 @dataclass
