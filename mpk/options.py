@@ -93,8 +93,8 @@ class CompileOptions:
                  rank runs the communication path. The runner binds weight shards made once
                  from the full weights (mpk.distributed.binding) and takes communication buffers
                  from the process's SymmetricAllocator (mpk.distributed.symmetric).
-    comm_tiles   column tiles of each collective under tensor_parallel (None, default: up to 8,
-                 each ≥ 16 columns). Tile t is sent once the producer's tiles covering it are
+    comm_tiles   column tiles of each collective under tensor_parallel (None, default:
+                 mpk.distributed.shard.default_comm_tiles). Tile t is sent once the producer's tiles covering it are
                  written, so early tiles' transfers overlap later tiles' matmuls; 1 serialises
                  each collective behind its whole producer (the no-overlap baseline).
     """

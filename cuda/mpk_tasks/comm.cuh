@@ -97,9 +97,29 @@ __device__ void comm_put(const OpC& c, const Rect& r, const TaskEnv& env) {
   const auto* peers_sig = static_cast<const long long*>(env.buffers[ps.buffer]) + ps.offset;
   const T* x = static_cast<const T*>(env.buffers[src.buffer]) + src.offset;
   const long long w = c1 - c0, count = (r1 - r0) * w;
+  // 16-byte stores where rows are contiguous and aligned on both sides (the tile's columns
+  // rounded inwards to whole vectors, its edge columns element-wise): a peer store crosses
+  // NVLink as its own transaction, so an element-wise copy pays one per 2 or 4 bytes
+  constexpr long long V = 16 / sizeof(T);
+  const long long ca = (c0 + V - 1) / V * V, cb = c1 / V * V;
+  const bool vec = src.stride[1] == 1 && s.N % V == 0 && src.stride[0] % V == 0 && ca < cb &&
+                   reinterpret_cast<uintptr_t>(x) % 16 == 0;
   for (long long p = 0; p < s.world; ++p) {
     if (p == s.rank) continue;
     T* dst = reinterpret_cast<T*>(peers_recv[p]);
+    if (vec && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+      const long long wv = (cb - ca) / V, we = (ca - c0) + (c1 - cb);
+      for (long long e = threadIdx.x; e < (r1 - r0) * wv; e += blockDim.x) {
+        const long long row = r0 + e / wv, col = ca + (e % wv) * V;
+        *reinterpret_cast<uint4*>(dst + s.slot_index(n % 2, s.rank, row, col)) =
+            *reinterpret_cast<const uint4*>(x + row * src.stride[0] + col);
+      }
+      for (long long e = threadIdx.x; e < (r1 - r0) * we; e += blockDim.x) {
+        const long long row = r0 + e / we, k = e % we, col = k < ca - c0 ? c0 + k : cb + (k - (ca - c0));
+        dst[s.slot_index(n % 2, s.rank, row, col)] = x[row * src.stride[0] + col];
+      }
+      continue;
+    }
     for (long long e = threadIdx.x; e < count; e += blockDim.x) {
       const long long row = r0 + e / w, col = c0 + e % w;
       dst[s.slot_index(n % 2, s.rank, row, col)] = x[row * src.stride[0] + col * src.stride[1]];

@@ -71,6 +71,13 @@ class InputSpec:
         return out
 
 
+def default_comm_tiles(n: int) -> int:
+    """Column tiles of a collective over ``n`` columns: up to 8 of ≥ 16 columns (a hidden-size
+    all-reduce: its transfers start as the producer's tiles finish), and for wide ones (the LM
+    head's vocabulary gather) one per ≥ 512 columns up to 64, so that more CTAs move them."""
+    return max(1, min(64, max(min(8, n // 16), n // 512)))
+
+
 @dataclass
 class ShardedGraph:
     """Rank ``rank`` of ``world``'s graph and where each of its inputs comes from."""
@@ -152,7 +159,7 @@ class _Pass:
         """comm_put + ``kind`` after ``op``, combining the ranks' ``local`` [M, N] into ``out``."""
         m, n = self.g.buffers[local].shape
         dtype = self.g.buffers[local].dtype
-        tn = min(self.tiles, n) if self.tiles else max(1, min(8, n // 16))
+        tn = min(self.tiles, n) if self.tiles else default_comm_tiles(n)
         tiles, t = [1, tn], tn
         w = self.world
         recv = self.add_input(f"{op.name}.recv", InputSpec("symmetric", (2, w, m, n), dtype))

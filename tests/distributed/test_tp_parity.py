@@ -71,3 +71,15 @@ def test_tp_iterations_and_launches_reuse_the_buffers():
     seq = ranks[0].binder._made  # the counters the tiles advanced
     counters = [t for _, t in seq.values() if t.dtype == torch.int64 and t.dim() == 2 and t.shape[0] == 3]
     assert counters and all(bool((c == 4).all()) for c in counters), "4 iterations: every tile sent and consumed 4 times"
+
+
+def test_many_uneven_collective_tiles():
+    """16 column tiles of uneven widths per collective (the LM head's 48 columns of a rank: 3
+    each; hidden 64: 4 each), as wide collectives get by default (default_comm_tiles)."""
+    from mpk.distributed.shard import default_comm_tiles
+
+    assert [default_comm_tiles(n) for n in (8, 64, 2048, 4096, 37984)] == [1, 4, 8, 8, 64]
+    step, (_, ref) = _step("qwen3", False)
+    outs = run_ranks(build_ranks(step.compiled.graph, 2, comm_tiles=16), step.fresh_args(), seed=3)
+    assert torch.equal(outs[0][-1], outs[1][-1])
+    assert relative_error(outs[0][-1], ref) <= tp_logits_bound(step.model.cfg, step.positions, 2)
