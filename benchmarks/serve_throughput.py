@@ -17,7 +17,8 @@ worker took to exit, what /health and a new completion answered (503 expected), 
 streams failed, and whether the server's log names the dead rank (target: all within 30 s,
 nothing hangs).
 
-``--prebuild`` traces the engine's graphs on (uninitialised) CPU weights and builds their kernels into
+``--prebuild`` traces the engine's graphs (every rank's shard under ``--tensor-parallel-size``) on
+(uninitialised) CPU weights and builds their kernels into
 ``$MPK_CACHE_DIR`` (no GPU needed): the server and the offline engine then skip nvcc. Prints one
 JSON line per concurrency (also appended to ``--out``) and a table last.
 """
@@ -64,9 +65,21 @@ def engine_options(args) -> dict:
 
 
 def prebuild(args) -> None:
+    """Trace the engine's graphs (every rank's shard under --tensor-parallel-size) and build
+    their kernels."""
     model = DecoderLM(args.cfg, torch.bfloat16, "cpu", max_len=args.input_len + args.output_len)
-    llm = LLM.from_model(model, **{**engine_options(args), "tensor_parallel_size": 1})
-    print(llm.runner.compile(progress=True), flush=True)
+    options = engine_options(args)
+    world = options.pop("tensor_parallel_size")
+    if world == 1:
+        print(LLM.from_model(model, **options).runner.compile(progress=True), flush=True)
+        return
+    from mpk.engine.runner import ModelRunner
+
+    options.pop("executor")
+    for rank in range(world):
+        torch._dynamo.reset()  # each rank's graphs are new entries for the model's forward
+        runner = ModelRunner(model, executor="gpu", tensor_parallel=(rank, world), **options)
+        print(f"rank {rank} of {world}:", runner.compile(progress=True), flush=True)
 
 
 def serve(ckpt: Path, args, log=None) -> subprocess.Popen:
