@@ -291,7 +291,7 @@ def main(argv=None) -> int:
         return run(args, job)
     finally:
         if job is not None:
-            from mpk.distributed.launch import leave
+            from mpk.distributed.nvshmem import leave
 
             leave(job)
 

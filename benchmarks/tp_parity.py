@@ -152,7 +152,7 @@ def main(argv=None) -> int:
                 emit_row(row, args.out)
     finally:
         if job is not None:
-            from mpk.distributed.launch import leave
+            from mpk.distributed.nvshmem import leave
 
             leave(job)
     if rank == 0:

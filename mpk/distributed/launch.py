@@ -140,19 +140,6 @@ class Job:
             dist.destroy_process_group()
 
 
-def leave(job: Job) -> None:
-    """End an SPMD script's job on every rank together (torchrun): a barrier (no rank still
-    reads a peer's buffers), NVSHMEM torn down if this process started it, then ``close``.
-    Leaving without it lets interpreter exit destroy the groups under the monitor's thread."""
-    from mpk.distributed.nvshmem import active_allocator
-
-    dist.barrier(group=job.control)
-    allocator = active_allocator()
-    if allocator is not None:
-        allocator.close()
-    job.close()
-
-
 # the groups' own limit: a server's workers wait for the next step as long as it idles; a dead
 # peer is found by the monitor (a closed socket fails the collective at once, and the driver
 # kills a worker that stopped beating), not by a collective's timeout

@@ -198,3 +198,14 @@ class NvshmemAllocator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def leave(job: Any) -> None:
+    """End an SPMD script's job (``mpk.distributed.launch.Job``) on every rank together
+    (torchrun): a barrier (no rank still reads a peer's buffers), this process's NVSHMEM torn
+    down if it started it, then ``job.close()``. Leaving without it lets interpreter exit
+    destroy the groups under the monitor's thread (torchrun then reports aborted ranks)."""
+    dist.barrier(group=job.control)
+    if _active is not None:
+        _active.close()
+    job.close()
