@@ -22,7 +22,7 @@ inside what rounding alone allows while standing 20× or more above the errors t
 from __future__ import annotations
 
 import random
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -31,18 +31,20 @@ from mpk.testing.graphs import relative_error
 
 transformers = pytest.importorskip("transformers")
 
+# strict mode (the default fallback, spelled out); 8 simulated workers rather than the CPU
+# executor's 128 keep the interpreter's task count, and the suite's time, small
 OPTIONS = {"executor": "cpu", "num_workers": 8, "fallback": "error"}
 TOLERANCE = 1e-5
 VOCAB, HIDDEN, INTER, HEADS, POSITIONS = 96, 32, 64, 4, 32
 BATCH, SEQ = 2, 7
+TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 # the usual decoder fields; kv heads and head_dim spelled out where a config's defaults are not tiny
-LM = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,
-          num_attention_heads=HEADS, max_position_embeddings=POSITIONS, pad_token_id=0, bos_token_id=1,
-          eos_token_id=2)
-GQA = dict(LM, num_key_value_heads=2)
-ENCODER = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,
-               num_attention_heads=HEADS, max_position_embeddings=POSITIONS + 2, pad_token_id=0)
-TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+LM = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": 1,
+      "num_attention_heads": HEADS, "max_position_embeddings": POSITIONS, **TOKENS}
+GQA = {**LM, "num_key_value_heads": 2}
+# RoBERTa's positions start after the padding index: two more than the sequence
+ENCODER = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": 1,
+           "num_attention_heads": HEADS, "max_position_embeddings": POSITIONS + 2, "pad_token_id": 0}
 
 
 def _t(name: str) -> type:

@@ -182,12 +182,12 @@ def test_repeat_along_unit_dims_moves_no_data():
 def test_roll_matches_eager(shape, shifts, dims, dtype):
     # no dims: the flattened tensor rolls; a shift of a whole turn, or along an empty dim, moves nothing
     x = torch.randn(shape).mul(100).to(dtype)
-    fn = lambda x: ((x * 2).roll(shifts) if dims is None else (x * 2).roll(shifts, dims),)  # noqa: E731
+    fn = lambda x: ((x * 2).roll(shifts) if dims is None else (x * 2).roll(shifts, dims),)
     _assert_exact(_compiled(fn, x), fn(x))
 
 
 def test_roll_is_one_cat_per_rolled_dim():
-    fn = lambda x: x.roll((1, 0, 2), (0, 1, 2)) + 1.0  # noqa: E731
+    fn = lambda x: x.roll((1, 0, 2), (0, 1, 2)) + 1.0
     x = torch.randn(3, 4, 5)
     _assert_exact([_compiled(fn, x)], [fn(x)])
     assert _kinds().count("cat") == 2
