@@ -245,6 +245,6 @@ register(OpDef(
     doc="out = base with src's entries folded into out[…, index[…], …] along attrs['dim'] in entry order "
         "(torch.scatter / scatter_add / scatter_reduce; attrs['reduce'] in SCATTER_REDUCES, 'include_self'). "
         "attrs['index_1d']: index is 1-D and entry j carries src's slice j along the dim (index_put with one "
-        "index tensor, index_add; a 16-bit sum then rounds at every entry, as eager's does); attrs['wrap']: negative indices count from the end. An index outside the "
+        "index tensor, index_add, index_copy; a 16-bit sum then rounds at every entry, as eager's does); attrs['wrap']: negative indices count from the end. An index outside the "
         "dim is reported (BAD_INDEX) and its entry skipped",
 ))

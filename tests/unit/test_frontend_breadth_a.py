@@ -1,5 +1,5 @@
 """Issue 65, first slice: ``tril`` / ``triu``, ``baddbmm`` / ``addbmm``, tensor constants made
-inside forward and ``repeat`` / ``tile`` through ``torch.compile(backend="mpk")`` in strict mode
+inside forward, ``repeat`` / ``tile`` and ``roll`` through ``torch.compile(backend="mpk")`` in strict mode
 (fallback "error") on the CPU interpreter, against eager PyTorch; a causal-mask and a BLOOM-style
 ALiBi snippet; and the generated CUDA of a graph of the new tasks built for sm_90a.
 
@@ -171,6 +171,26 @@ def test_repeat_along_unit_dims_moves_no_data():
     x = torch.randn(3, 1, 5)
     _assert_exact([_compiled(fn, x)], [fn(x)])
     assert _kinds() == ["pointwise"]
+
+
+# --- roll ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape,shifts,dims", [((6, 8), 3, 1), ((6, 8), -2, 0), ((2, 3, 4), -1, -2),
+                                               ((4, 5, 9), (1, -7), (0, 2)), ((2, 3, 4), (2, 1, 3), (0, 1, 2)),
+                                               ((3, 4), 5, None), ((5,), 10, 0), ((2, 0, 3), 1, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_roll_matches_eager(shape, shifts, dims, dtype):
+    # no dims: the flattened tensor rolls; a shift of a whole turn, or along an empty dim, moves nothing
+    x = torch.randn(shape).mul(100).to(dtype)
+    fn = lambda x: ((x * 2).roll(shifts) if dims is None else (x * 2).roll(shifts, dims),)
+    _assert_exact(_compiled(fn, x), fn(x))
+
+
+def test_roll_is_one_cat_per_rolled_dim():
+    fn = lambda x: x.roll((1, 0, 2), (0, 1, 2)) + 1.0
+    x = torch.randn(3, 4, 5)
+    _assert_exact([_compiled(fn, x)], [fn(x)])
+    assert _kinds().count("cat") == 2
 
 
 # --- model snippets ------------------------------------------------------------------------------

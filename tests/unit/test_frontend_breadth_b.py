@@ -1,6 +1,6 @@
 """Scatter-style updates (issue 65): in-place slice writes (``x[:, 2:5] = y``, ``x[:, 3] = y``,
 ``copy_`` into a slice: slice_scatter / select_scatter after functionalization), ``index_put``
-with one 1-D index, ``index_add``, ``scatter`` / ``scatter_add`` / ``scatter_reduce``. Each
+with one 1-D index, ``index_add``, ``index_copy``, ``scatter`` / ``scatter_add`` / ``scatter_reduce``. Each
 compiles whole in strict mode on the CPU executor and equals eager exactly in float32, int64 and
 bfloat16 (the ops move data, and sums fold in eager's entry order and rounding); random tilings run on the interpreter under several
 schedules with the compiler's happens-before check and the element-level dependency oracle;
@@ -73,6 +73,10 @@ def index_add(x, i, v):
     return (x * 2).index_add(1, i, v)
 
 
+def index_copy(x, i, v):
+    return (x + 1).index_copy(1, i, v)  # a static KV cache's write at the cache positions
+
+
 def scatter_add(x, i, s):
     return (x + 1).scatter_add(1, i, s)
 
@@ -114,6 +118,8 @@ def _patterns(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator):
     yield index_put_accumulate, (x, torch.randint(0, n0, (k,), generator=g), _rand((k,) + shape[1:], dtype, g))
     yield index_put_dim1_accumulate, (x, torch.randint(0, n1, (k,), generator=g), _rand((n0, k) + rest, dtype, g))
     yield index_add, (x, torch.randint(0, n1, (k,), generator=g), _rand((n0, k) + rest, dtype, g))
+    k = max(1, n1 // 2)  # distinct positions: eager leaves a duplicate's copy unspecified
+    yield index_copy, (x, torch.randperm(n1, generator=g)[:k], _rand((n0, k) + rest, dtype, g))
     src_shape = (max(1, n0 - 1), n1 + 3) + rest  # the index covers part of the base (dim 0) and repeats along dim 1
     dup, src = torch.randint(0, n1, src_shape, generator=g), _rand(src_shape, dtype, g)
     for fn in (scatter_add, scatter_sum_exclude_self, scatter_amax, scatter_amax_exclude_self):
@@ -180,7 +186,7 @@ def test_one_dim_counts_and_sums_equal_eager(n, k, dtype):
 
 
 @pytest.mark.parametrize("name", ["slice_assign", "strided_slice_assign", "select_assign", "index_put_dim1_accumulate",
-                                  "index_add", "scatter_add", "scatter_amax_exclude_self", "scatter"])
+                                  "index_add", "index_copy", "scatter_add", "scatter_amax_exclude_self", "scatter"])
 def test_random_tilings_are_ordered_and_exact(name):
     """Random tilings of every op (the scatter's tiles hold whole lines along its dim): the
     compiler's happens-before check passes (compile_with checks), the element-level oracle finds

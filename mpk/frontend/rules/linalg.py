@@ -1,5 +1,5 @@
 """Rules for matmuls (mm / bmm / addmm / baddbmm / addbmm / linear) and their fused forms,
-embedding, cat, tril / triu, gather and indexing by tensors, and padding."""
+embedding, cat and roll, tril / triu, gather and indexing by tensors, and padding."""
 
 from __future__ import annotations
 
@@ -91,6 +91,31 @@ def _cat(L, node, tensors, dim=0):
     tensors = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)] or tensors[:1]
     d = norm_dim(dim, tensors[0].ndim)
     return L.emit("cat", tensors, {"dim": d})
+
+
+@handles(aten.roll.default)
+def _roll(L, node, x: View, shifts, dims=()):
+    """``x.roll(shifts, dims)`` (a sliding-window cache's shift): along each dim the last
+    ``shift`` entries move to the front, a cat of two slices of x; without dims the flattened
+    tensor rolls and takes x's shape back."""
+    shifts = [shifts] if isinstance(shifts, int) else list(shifts)
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if not dims:
+        flat = x.then(("reshape", (math.prod(x.shape),)))
+        return _roll_dims(L, flat, shifts, [0]).then(("reshape", x.shape))
+    return _roll_dims(L, x, shifts, [norm_dim(d, x.ndim) for d in dims])
+
+
+def _roll_dims(L, x: View, shifts: list[int], dims: list[int]) -> View:
+    """x rolled by ``shifts[i]`` along ``dims[i]``: one cat per dim whose shift is not a whole
+    turn (such a dim, or an empty one, keeps x's view)."""
+    for shift, d in zip(shifts, dims, strict=True):
+        n = x.shape[d]
+        s = shift % n if n else 0
+        if s:
+            x = L.emit("cat", [slice_view(x, d, n - s, n, 1), slice_view(x, d, 0, n - s, 1)], {"dim": d},
+                       shape=x.shape)
+    return x
 
 
 

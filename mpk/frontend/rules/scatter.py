@@ -1,6 +1,7 @@
 """Rules for scatter-style updates, what functionalization makes of in-place writes into a
-tensor (``x[:, 2:5] = y``, ``x[i] = v``, ``x.index_add_(…)``): each becomes an op whose output
-is the base with some elements replaced (the IR's ops write a fresh buffer whole)."""
+tensor (``x[:, 2:5] = y``, ``x[i] = v``, ``x.index_add_(…)``, ``x.index_copy_(…)``): each
+becomes an op whose output is the base with some elements replaced (the IR's ops write a fresh
+buffer whole)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,16 @@ def _index_add(L, node, base: View, dim, index: View, source: View, alpha=1):
     if index.ndim == 0:
         index = index.then(("reshape", (1,)))
     return _scatter_op(L, base, index, _line_src(source, base, d, index.shape[0]), d, "sum", index_1d=True)
+
+
+@handles(aten.index_copy.default)
+def _index_copy(L, node, base: View, dim, index: View, source: View):
+    """``x.index_copy_(dim, i, src)`` (a static KV cache's write at the cache positions): entries
+    of src replace base's lines at i along dim, as index_add's scatter without the sum."""
+    d = norm_dim(dim, base.ndim)
+    if index.ndim == 0:
+        index = index.then(("reshape", (1,)))
+    return _scatter_op(L, base, index, _line_src(source, base, d, index.shape[0]), d, "none", index_1d=True)
 
 
 @handles(aten.scatter.src, aten.scatter.value, aten.scatter.reduce, aten.scatter.value_reduce,
