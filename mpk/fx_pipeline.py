@@ -18,6 +18,7 @@ from mpk.compiler import CompiledGraph, compile_graph
 from mpk.errors import MpkError
 from mpk.frontend import find_unsupported, fuse_patterns, lower
 from mpk.frontend.lower import describe_inputs, op_name, source_line
+from mpk.frontend.moe import route_moe
 from mpk.frontend.patterns import route_attention
 from mpk.options import CompileOptions
 
@@ -41,6 +42,7 @@ def trace_inference(gm: GraphModule, example_inputs: Sequence[Any],
         # what backward saves (a layer norm's mean and rstd, which mpk does not compute)
         _no_training(gm, example_inputs)
     route_attention(gm)
+    route_moe(gm)
     dynamo_inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     lifted = [name for name, _ in gm.named_parameters()] + [name for name, _ in gm.named_buffers()]
     names = lifted + [pretty_input_name(str(n.target)) for n in dynamo_inputs]
