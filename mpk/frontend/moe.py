@@ -104,16 +104,14 @@ def _drop_size_asserts(gm: GraphModule, node: Node, n: int) -> None:
 
 def route_moe(gm: GraphModule) -> int:
     """On a Dynamo graph, turn ``F.one_hot`` and ``torch.bincount`` calls into ``mpk.one_hot`` /
-    ``mpk.bincount`` (module docstring). Raises UnsupportedOpError where the output size would be
-    data-dependent (num_classes=-1, bincount without minlength). Returns how many were rewritten."""
+    ``mpk.bincount`` (module docstring). Raises UnsupportedOpError for a bincount without minlength
+    (its length would be data-dependent). Returns how many were rewritten."""
     count = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _ONE_HOT:
+            # (Dynamo itself refuses num_classes=-1, the data-dependent class count)
             args = _bound(node, ("input", "num_classes"))
-            n = args.get("num_classes", -1)
-            if not isinstance(n, int) or n < 1:
-                raise UnsupportedOpError(f"one_hot with num_classes={n!r}: the class count would be data-dependent "
-                                         "(max(x) + 1); pass num_classes, a positive int")
+            n = args["num_classes"]
             target, new_args = torch.ops.mpk.one_hot.default, (args["input"], n)
         elif (node.op == "call_function" and node.target is torch.bincount) or (
                 node.op == "call_method" and node.target == "bincount"):

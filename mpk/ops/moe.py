@@ -118,7 +118,7 @@ def _expert_cpu(sig: OpSig, rect, xs):
 
 register(OpDef(
     kind="expert_matmul", type_id=55, input_regions=_expert_regions, cpu=_expert_cpu,
-    gpu=GpuSpec(params=lambda op: ([op.attrs["gathered"]], [])),
+    gpu=GpuSpec(params=lambda op: ([op.attrs["gathered"]], []), float64_exact=True),
     doc="out[s] = A_s @ B_s over [S, M, N] with A_s = a[index[s]] if attrs['gathered'] == 0 else a[s], "
         "B_s = b[index[s]] if attrs['gathered'] == 1 else b[s]: a batched matmul whose one operand is an "
         "expert's weight picked by the run-time index (the grouped GEMM of MoE layers); an index outside "
