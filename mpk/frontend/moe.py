@@ -83,8 +83,8 @@ def _(a, b, index, gathered):
 _ONE_HOT = {torch.nn.functional.one_hot, torch._C._nn.one_hot}
 
 
-def _bound(node: Node, names: tuple[str, ...], skip: int = 0) -> dict:
-    args = dict(zip(names, node.args[skip:]))
+def _bound(node: Node, names: tuple[str, ...]) -> dict:
+    args = dict(zip(names, node.args))
     args.update(node.kwargs)
     return args
 

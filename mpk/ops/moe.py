@@ -5,6 +5,8 @@ Their CUDA tasks are in cuda/mpk_tasks/moe.cuh."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mpk.errors import BAD_INDEX, BadInputError, bad_input_message
@@ -68,10 +70,7 @@ def _histogram_cpu(sig: OpSig, rect, xs):
 
 def _histogram_min_tile(sig: OpSig) -> int:
     # each bin scans every entry
-    entries = 1
-    for n in sig.in_shapes[0]:
-        entries *= n
-    return max(1, 1024 // max(1, entries))
+    return max(1, 1024 // max(1, math.prod(sig.in_shapes[0])))
 
 
 def _histogram_params(op) -> tuple[list[int], list[float]]:

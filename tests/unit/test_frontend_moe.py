@@ -3,9 +3,9 @@ bincount (its length static: minlength), the softmax → topk → renormalise ro
 grouped expert GEMM (``expert_matmul``: bmm of a per-row gathered expert weight, fused from
 ``W[ids]`` + bmm / matmul). Each compiles whole in strict mode on the CPU executor against
 eager float32; a tiny Mixtral- / Qwen3-MoE-shaped layer (transformers' sparse MoE blocks with
-the ``batched_mm`` experts, and a plain torch module) within 1e-5 relative, as do tiny Mixtral and
-Qwen3-MoE models compiled whole; random tilings run
-on the interpreter with the dependency oracle; the generated CUDA builds for sm_90a."""
+the ``batched_mm`` experts, and a plain torch module) within 1e-5 relative, as do tiny Mixtral
+and Qwen3-MoE causal LMs compiled whole; random tilings run on the interpreter with the
+dependency oracle; the generated CUDA builds for sm_90a."""
 
 from __future__ import annotations
 
@@ -229,8 +229,9 @@ def test_moe_tasks_compile_for_sm90a(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
 def test_tiny_transformers_moe_model_compiles_whole(name):
     transformers = pytest.importorskip("transformers")
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64)
+    common = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts_per_tok": 2,
+              "max_position_embeddings": 64}
     if name == "mixtral":
         cfg = transformers.MixtralConfig(num_local_experts=4, **common)
         model_cls = transformers.MixtralForCausalLM
