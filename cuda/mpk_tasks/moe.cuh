@@ -103,8 +103,8 @@ __device__ void task_histogram(const OpC& c, const Rect& r, const TaskEnv& env) 
 
 // out[s, m, n] = Σ_k A_s[m, k] · B_s[k, n] with A_s = a[index[s]] (iparam[0] == 0) or a[s], B_s =
 // b[index[s]] (iparam[0] == 1) or b[s]: the expert's weight read where it sits. One thread per
-// output element, fp32 accumulation (float64 for a float64 output). An index outside the experts
-// is reported (kBadIndex) and its rows written as 0.
+// output element, fp32 accumulation (float64 for a float64 output). A negative index counts from
+// the end (W[index]); one outside the experts is reported (kBadIndex) and its rows written as 0.
 __device__ void task_expert_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
   const ViewC& a = c.in[0];
   const ViewC& b = c.in[1];
@@ -118,9 +118,10 @@ __device__ void task_expert_matmul(const OpC& c, const Rect& r, const TaskEnv& e
     rect_unravel(r, c.ndim, e, idx);
     const long long o = ravel(idx, c.out_shape, c.ndim);
     const long long s = idx[0];
-    const long long expert = load_i(env.buffers[index.buffer], index.dtype, index.offset + s * index.stride[0]);
+    const long long given = load_i(env.buffers[index.buffer], index.dtype, index.offset + s * index.stride[0]);
+    const long long expert = given < 0 ? given + experts : given;
     if (expert < 0 || expert >= experts) {
-      if (idx[1] == 0 && idx[2] == 0) report_bad_input(kBadIndex, c.out_buffer, s, expert, experts);
+      if (idx[1] == 0 && idx[2] == 0) report_bad_input(kBadIndex, c.out_buffer, s, given, experts);
       store_i(env.buffers[c.out_buffer], c.out_dtype, o, 0);
       continue;
     }

@@ -64,7 +64,7 @@ def _(x, weights, minlength):
 @torch.library.custom_op("mpk::expert_bmm", mutates_args=())
 def expert_bmm(a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, gathered: int) -> torch.Tensor:
     """``torch.bmm(a[index], b)`` (``gathered`` 0) or ``torch.bmm(a, b[index])`` (1) without the
-    gathered copy; an index outside the experts raises BadInputError."""
+    gathered copy; a negative index counts from the end, one outside the experts raises BadInputError."""
     return _run("expert_matmul", [a, b, index], _bmm_shape(a, b, index), torch.promote_types(a.dtype, b.dtype),
                 gathered=gathered)
 

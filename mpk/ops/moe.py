@@ -105,6 +105,7 @@ def _expert_cpu(sig: OpSig, rect, xs):
     a, b, index = xs
     g = sig.attrs["gathered"]
     experts = (a if g == 0 else b).shape[0]
+    index = torch.where(index < 0, index + experts, index)  # W[ids] counts a negative id from the end
     _check_range(index, experts, rect[:1], sig.in_shapes[2])
     if g == 0:
         a = a[index.long()]
@@ -120,6 +121,6 @@ register(OpDef(
     gpu=GpuSpec(params=lambda op: ([op.attrs["gathered"]], []), float64_exact=True),
     doc="out[s] = A_s @ B_s over [S, M, N] with A_s = a[index[s]] if attrs['gathered'] == 0 else a[s], "
         "B_s = b[index[s]] if attrs['gathered'] == 1 else b[s]: a batched matmul whose one operand is an "
-        "expert's weight picked by the run-time index (the grouped GEMM of MoE layers); an index outside "
-        "the experts is reported (BAD_INDEX) and its rows written as 0",
+        "expert's weight picked by the run-time index (the grouped GEMM of MoE layers); a negative index counts "
+        "from the end (W[index]), one outside the experts is reported (BAD_INDEX) and its rows written as 0",
 ))

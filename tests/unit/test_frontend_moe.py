@@ -80,6 +80,16 @@ def test_out_of_range_values_are_reported():
     with torch.no_grad(), pytest.raises(BadInputError, match="9"):
         _compile(lambda i: F.one_hot(i, 4) + 1)(idx)
 
+    w, x = torch.randn(5, 3, 4), torch.randn(6, 4)
+    ids = torch.tensor([0, -1, 4, -5, 2, 1])  # negative ids count from the end, as W[ids] does
+    fn = _compile(lambda x, w, i: torch.bmm(w[i], x.unsqueeze(-1)))
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x, w, ids), torch.bmm(w[ids], x.unsqueeze(-1)))
+        assert "expert_matmul" in _kinds()
+        ids[2] = 7
+        with pytest.raises(BadInputError, match="7"):
+            fn(x, w, ids)
+
 
 def test_data_dependent_sizes_are_refused_with_the_reason():
     from torch._dynamo.exc import BackendCompilerFailed  # wraps mpk's UnsupportedOpError
