@@ -102,9 +102,11 @@ __device__ void task_histogram(const OpC& c, const Rect& r, const TaskEnv& env) 
 }
 
 // out[s, m, n] = Σ_k A_s[m, k] · B_s[k, n] with A_s = a[index[s]] (iparam[0] == 0) or a[s], B_s =
-// b[index[s]] (iparam[0] == 1) or b[s]: the expert's weight read where it sits. One thread per
-// output element, fp32 accumulation (float64 for a float64 output). A negative index counts from
-// the end (W[index]); one outside the experts is reported (kBadIndex) and its rows written as 0.
+// b[index[s]] (iparam[0] == 1) or b[s]: the expert's weight read where it sits. One warp per
+// output element, its lanes striding over k (coalesced along a weight row stored k-contiguous,
+// as nn.Linear-style expert weights are), fp32 accumulation (float64 for a float64 output). A
+// negative index counts from the end (W[index]); one outside the experts is reported (kBadIndex)
+// and its rows written as 0.
 __device__ void task_expert_matmul(const OpC& c, const Rect& r, const TaskEnv& env) {
   const ViewC& a = c.in[0];
   const ViewC& b = c.in[1];
@@ -112,8 +114,12 @@ __device__ void task_expert_matmul(const OpC& c, const Rect& r, const TaskEnv& e
   const int gathered = static_cast<int>(c.iparam[0]);
   const long long experts = (gathered == 0 ? a : b).shape[0], K = a.shape[2];
   const bool f64 = c.out_dtype == kF64;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const void* ab = env.buffers[a.buffer];
+  const void* bb = env.buffers[b.buffer];
+  void* out = env.buffers[c.out_buffer];
   const long long n = rect_numel(r, c.ndim);
-  for (long long e = threadIdx.x; e < n; e += blockDim.x) {
+  for (long long e = warp; e < n; e += warps) {  // e is warp-uniform: the shuffles below see every lane
     long long idx[kMaxDims];
     rect_unravel(r, c.ndim, e, idx);
     const long long o = ravel(idx, c.out_shape, c.ndim);
@@ -121,25 +127,27 @@ __device__ void task_expert_matmul(const OpC& c, const Rect& r, const TaskEnv& e
     const long long given = load_i(env.buffers[index.buffer], index.dtype, index.offset + s * index.stride[0]);
     const long long expert = given < 0 ? given + experts : given;
     if (expert < 0 || expert >= experts) {
-      if (idx[1] == 0 && idx[2] == 0) report_bad_input(kBadIndex, c.out_buffer, s, given, experts);
-      store_i(env.buffers[c.out_buffer], c.out_dtype, o, 0);
+      if (lane == 0) {
+        if (idx[1] == 0 && idx[2] == 0) report_bad_input(kBadIndex, c.out_buffer, s, given, experts);
+        store_i(out, c.out_dtype, o, 0);
+      }
       continue;
     }
     const long long ra = gathered == 0 ? expert : s, rb = gathered == 1 ? expert : s;
     const long long a0 = a.offset + ra * a.stride[0] + idx[1] * a.stride[1];
     const long long b0 = b.offset + rb * b.stride[0] + idx[2] * b.stride[2];
-    const void* ab = env.buffers[a.buffer];
-    const void* bb = env.buffers[b.buffer];
     if (f64) {
       double acc = 0.0;
-      for (long long k = 0; k < K; ++k)
+      for (long long k = lane; k < K; k += 32)
         acc += load_d(ab, a.dtype, a0 + k * a.stride[2]) * load_d(bb, b.dtype, b0 + k * b.stride[1]);
-      store_f(env.buffers[c.out_buffer], c.out_dtype, o, acc);
+      for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      if (lane == 0) store_f(out, c.out_dtype, o, acc);
     } else {
       float acc = 0.f;
-      for (long long k = 0; k < K; ++k)
+      for (long long k = lane; k < K; k += 32)
         acc = fmaf(load_f(ab, a.dtype, a0 + k * a.stride[2]), load_f(bb, b.dtype, b0 + k * b.stride[1]), acc);
-      store_f(env.buffers[c.out_buffer], c.out_dtype, o, acc);
+      acc = warp_sum(acc);
+      if (lane == 0) store_f(out, c.out_dtype, o, acc);
     }
   }
 }
