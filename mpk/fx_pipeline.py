@@ -32,7 +32,8 @@ def pretty_input_name(name: str) -> str:
 
 def trace_inference(gm: GraphModule, example_inputs: Sequence[Any],
                     fw_compiler: Callable[[GraphModule, list[bool] | None, list[str] | None], Callable]) -> Callable:
-    """A Dynamo graph → the functionalized ATen graph mpk compiles: SDPA kept whole, AOTAutograd
+    """A Dynamo graph → the functionalized ATen graph mpk compiles: SDPA kept whole, one_hot and
+    bincount given static sizes (mpk.frontend.moe.route_moe), AOTAutograd
     (parameters lifted, inference only). ``fw_compiler(aten_gm, param_flags, input_names)``
     compiles it (flags and names are None where AOTAutograd's inputs differ from Dynamo's)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in [*gm.parameters(), *example_inputs]
