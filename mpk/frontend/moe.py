@@ -142,24 +142,46 @@ def _val(node) -> torch.Tensor | None:
     return node.meta.get("val") if isinstance(node, Node) else None
 
 
-def _gathered_weight(node) -> tuple[Node, Node] | None:
-    """(weight, 1-D index) where ``node`` is ``weight[index]`` of a 3-D weight, the index
-    possibly n-D with the result flattened to 3-D (``W[idx] @ x`` with idx of [tokens, k])."""
-    if isinstance(node, Node) and node.op == "call_function" and node.target in (aten.view.default,
-                                                                                 aten._unsafe_view.default):
-        src = node.args[0]
-        if isinstance(src, Node) and src.target is aten.expand.default and tuple(_val(src).shape) == tuple(
-                _val(src.args[0]).shape):
-            src = src.args[0]  # an expand to its own shape
-        found = _plain_gather(src)
-        if found is None or _val(node).dim() != 3 or tuple(_val(node).shape[1:]) != tuple(_val(src).shape[-2:]):
-            return None
-        weight, index = found
-        return weight, ("flatten", index, int(_val(node).shape[0]))
-    found = _plain_gather(node)
-    if found is None or _val(found[1]).dim() != 1:
+# ops that leave a tensor's shape (and so each row's slice) as it is
+_SAME_SHAPE = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+               aten.clone.default)
+_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _call(node, *targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def _skip_same_shape(node):
+    while _call(node, *_SAME_SHAPE) and tuple(_val(node).shape) == tuple(_val(node.args[0]).shape):
+        node = node.args[0]
+    return node
+
+
+def _gathered_weight(node) -> tuple[Node, Node, tuple[int, ...], int | None] | None:
+    """(weight, index, dims, rows) where ``node`` is ``weight[index]`` of a 3-D weight seen
+    through what keeps each row's slice its own: permutes that keep dim 0 first (einsum's),
+    same-shape views, and the flatten of an n-D index's leading dims into ``rows`` rows
+    (``W[idx] @ x`` with idx of [tokens, k]; None: a 1-D index). ``dims``: the permute that
+    turns the weight into the operand's layout."""
+    dims = (0, 1, 2)
+    node = _skip_same_shape(node)
+    while _call(node, aten.permute.default):
+        p = [d % 3 for d in node.args[1]]
+        dims = tuple(p[t] for t in dims)
+        node = _skip_same_shape(node.args[0])
+    if dims[0] != 0:
         return None
-    return found
+    rows = None
+    if _call(node, *_RESHAPES):
+        rows, trailing = int(_val(node).shape[0]), tuple(_val(node).shape[1:])
+        node = _skip_same_shape(node.args[0])
+        if _val(node).dim() < 3 or tuple(_val(node).shape[-2:]) != trailing:
+            return None
+    found = _plain_gather(node)
+    if found is None or (rows is None and _val(found[1]).dim() != 1):
+        return None
+    return (*found, dims, rows)
 
 
 def _plain_gather(node) -> tuple[Node, Node] | None:
@@ -181,13 +203,16 @@ def _match_expert_matmul(node: Node):
         found = _gathered_weight(node.args[gathered])
         if found is None:
             continue
-        weight, index = found
-        if isinstance(index, tuple):  # an n-D index whose gathered rows were flattened: flatten it too
-            _, index, rows = index
-            with node.graph.inserting_before(node):
+        weight, index, dims, rows = found
+        with node.graph.inserting_before(node):
+            if rows is not None:  # an n-D index whose gathered rows were flattened: flatten it too
                 flat = node.graph.call_function(aten.reshape.default, (index, [rows]))
-            flat.meta = {"val": _val(index).reshape(rows)}
-            index = flat
+                flat.meta = {"val": _val(index).reshape(rows)}
+                index = flat
+            if dims != (0, 1, 2):  # the operand's layout, on the weight itself
+                permuted = node.graph.call_function(aten.permute.default, (weight, list(dims)))
+                permuted.meta = {"val": _val(weight).permute(dims)}
+                weight = permuted
         operands = [node.args[0], node.args[1]]
         operands[gathered] = weight
         return node, (torch.ops.mpk.expert_bmm.default, (*operands, index, gathered))

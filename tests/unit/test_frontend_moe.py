@@ -1,7 +1,7 @@
 """Mixture-of-experts routing (issue 65): floor_divide and div's rounding modes, one_hot, histc,
 bincount (its length static: minlength), the softmax → topk → renormalise routing, and the
 grouped expert GEMM (``expert_matmul``: bmm of a per-row gathered expert weight, fused from
-``W[ids]`` + bmm / matmul). Each compiles whole in strict mode on the CPU executor against
+``W[ids]`` + bmm / matmul / einsum). Each compiles whole in strict mode on the CPU executor against
 eager float32; a tiny Mixtral- / Qwen3-MoE-shaped layer (transformers' sparse MoE blocks with
 the ``batched_mm`` experts, and a plain torch module) within 1e-5 relative, as do tiny Mixtral
 and Qwen3-MoE causal LMs compiled whole; random tilings run on the interpreter with the
@@ -139,6 +139,19 @@ class MatmulMoE(PlainMoE):
         return (y * weights.unsqueeze(-1)).sum(1)
 
 
+class EinsumMoE(PlainMoE):
+    """The same layer with the experts as einsums over the gathered weights."""
+
+    def forward(self, x):
+        tokens, hidden = x.shape
+        weights, experts = self.routing(x)
+        ids = experts.reshape(-1)
+        xs = x.repeat_interleave(self.k, dim=0)
+        gate, up = torch.einsum("sh,sih->si", xs, self.gate_up[ids]).chunk(2, dim=-1)
+        y = torch.einsum("si,shi->sh", F.silu(gate) * up, self.down[ids])
+        return torch.einsum("tkh,tk->th", y.view(tokens, self.k, hidden), weights)
+
+
 class DenseMoE(PlainMoE):
     """The dense formulation: the top-k weights scattered into a [tokens, experts] matrix, every
     expert run on every token and weighted by its column."""
@@ -154,7 +167,7 @@ class DenseMoE(PlainMoE):
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 64])
-@pytest.mark.parametrize("cls", [PlainMoE, MatmulMoE, DenseMoE])
+@pytest.mark.parametrize("cls", [PlainMoE, MatmulMoE, EinsumMoE, DenseMoE])
 def test_plain_moe_layer_matches_eager(cls, tokens):
     torch.manual_seed(tokens)
     m = cls().eval()
