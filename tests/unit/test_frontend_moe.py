@@ -215,7 +215,8 @@ def _moe_ops(x, w, ids, v):
     """Every new kind in one graph (the custom ops as route_moe / pattern fusion make them)."""
     flat = ids.flatten()
     y = torch.bmm(w[flat], x.repeat_interleave(2, dim=0).unsqueeze(-1)).squeeze(-1)
-    return (y, torch.ops.mpk.one_hot(ids, 5), torch.ops.mpk.bincount(flat, None, 5),
+    back = torch.einsum("sn,snk->sk", y, w[flat])  # the gathered weight transposed
+    return (y, back, torch.ops.mpk.one_hot(ids, 5), torch.ops.mpk.bincount(flat, None, 5),
             torch.ops.mpk.bincount(flat, y[:, 0], 5), torch.histc(v, 6, -2, 2), flat // 2)
 
 
@@ -229,12 +230,13 @@ def _moe_args(seed: int):
 def test_random_tilings_on_the_interpreter(seed):
     args = _moe_args(seed)
     graph = trace_graph(_moe_ops, args)
-    assert {"expert_matmul", "one_hot", "histogram"} <= {op.kind for op in graph.ops}
+    kinds = [op.kind for op in graph.ops]
+    assert kinds.count("expert_matmul") == 2 and {"one_hot", "histogram"} <= set(kinds)
     compiled = compile_with(graph, partition=random_partition(graph, random.Random(seed)))
     check_dependencies(compiled.tables)
     outs = Interpreter(compiled.tables).run(list(args))
     for o, r in zip(outs, _moe_ops(*args)):
-        bound = rounding_bound(torch.float32, 1, k=16) if o.is_floating_point() else 0
+        bound = rounding_bound(torch.float32, 2, k=16 + 12) if o.is_floating_point() else 0
         assert relative_error(o, r) <= bound
 
 
