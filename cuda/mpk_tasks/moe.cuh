@@ -1,4 +1,5 @@
-// Task family: mixture-of-experts routing (mpk/ops/moe.py). ``one_hot`` (the expert mask),
+// Task family: mixture-of-experts routing (mpk/ops/moe.py). ``rounded_div`` (floor / trunc
+// division), ``one_hot`` (the expert mask),
 // ``histogram`` (torch.histc, and torch.bincount with a static bin count) and ``expert_matmul``
 // (the grouped expert GEMM: a batched matmul whose one operand is the expert weight picked per
 // row by a run-time index).
@@ -6,6 +7,48 @@
 #include "common.cuh"
 
 namespace mpk {
+
+// a / b rounded toward -inf, as PyTorch's div_floor_floating: from the exact remainder, so a
+// quotient whose rounding reaches the next integer is not floored past it (1 // 0.1 = 9).
+template <typename T>
+__device__ __forceinline__ T floor_div_float(T a, T b) {
+  if (b == T(0)) return a / b;
+  const T mod = fmod(a, b);
+  T div = (a - mod) / b;
+  if (mod != T(0) && (b < T(0)) != (mod < T(0))) div -= T(1);
+  if (div == T(0)) return copysign(T(0), a / b);
+  T floordiv = floor(div);
+  if (div - floordiv > T(0.5)) floordiv += T(1);
+  return floordiv;
+}
+
+// out = a / b rounded toward -inf (iparam[0] 0) or toward 0 (1), a and b broadcast, in the
+// output's dtype: integers exactly (a zero divisor gives 0), floats in float (double for float64).
+__device__ void task_rounded_div(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const ViewC& a = c.in[0];
+  const ViewC& b = c.in[1];
+  const bool floor_mode = c.iparam[0] == 0;
+  void* out = env.buffers[c.out_buffer];
+  const long long n = rect_numel(r, c.ndim);
+  for (long long e = threadIdx.x; e < n; e += blockDim.x) {
+    long long idx[kMaxDims];
+    rect_unravel(r, c.ndim, e, idx);
+    const long long o = ravel(idx, c.out_shape, c.ndim);
+    const long long ia = view_index(a, idx, c.ndim), ib = view_index(b, idx, c.ndim);
+    if (is_int(c.out_dtype)) {
+      const long long x = load_i(env.buffers[a.buffer], a.dtype, ia), y = load_i(env.buffers[b.buffer], b.dtype, ib);
+      long long q = y == 0 ? 0 : x / y;  // C++ divides toward 0
+      if (floor_mode && y != 0 && x % y != 0 && ((x < 0) != (y < 0))) q -= 1;
+      store_i(out, c.out_dtype, o, q);
+    } else if (c.out_dtype == kF64) {
+      const double x = load_d(env.buffers[a.buffer], a.dtype, ia), y = load_d(env.buffers[b.buffer], b.dtype, ib);
+      store_f(out, c.out_dtype, o, floor_mode ? floor_div_float(x, y) : trunc(x / y));
+    } else {
+      const float x = load_f(env.buffers[a.buffer], a.dtype, ia), y = load_f(env.buffers[b.buffer], b.dtype, ib);
+      store_f(out, c.out_dtype, o, floor_mode ? floor_div_float(x, y) : truncf(x / y));
+    }
+  }
+}
 
 // out[…, c] = (x[…] == c). An index outside [0, classes) is reported (kBadIndex) and its row
 // written as 0.

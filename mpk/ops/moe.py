@@ -1,5 +1,6 @@
-"""Op kinds of mixture-of-experts layers: ``one_hot`` (the expert mask), ``histogram`` (torch.histc
-and torch.bincount with a static bin count: tokens per expert) and ``expert_matmul`` (the grouped
+"""Op kinds of mixture-of-experts layers: ``rounded_div`` (floor / trunc division: expert and slot
+arithmetic on flat indices), ``one_hot`` (the expert mask), ``histogram`` (torch.histc and
+torch.bincount with a static bin count: tokens per expert) and ``expert_matmul`` (the grouped
 expert GEMM: a batched matmul whose one operand is an expert weight picked per row at run time).
 Their CUDA tasks are in cuda/mpk_tasks/moe.cuh."""
 
@@ -11,7 +12,7 @@ import torch
 
 from mpk.errors import BAD_INDEX, BadInputError, bad_input_message
 from mpk.ops.gpu import GpuSpec, float_bits
-from mpk.ops.registry import OpDef, OpSig, register
+from mpk.ops.registry import OpDef, OpSig, broadcast_region, register
 
 
 def _flat_position(at: tuple[int, ...], rect, shape) -> int:
@@ -28,6 +29,26 @@ def _check_range(values: torch.Tensor, n: int, rect, shape) -> None:
     if len(bad):
         at = tuple(int(i) for i in bad[0])
         raise BadInputError(bad_input_message(BAD_INDEX, int(values[at]), _flat_position(at, rect, shape), n))
+
+
+# --- rounded_div --------------------------------------------------------------------------------
+
+ROUNDING_MODES = ("floor", "trunc")  # the CUDA task's iparam[0] is the position
+
+
+def _rounded_div_cpu(sig: OpSig, rect, xs):
+    a, b = (x.to(sig.out_dtype) for x in xs)
+    shape = tuple(hi - lo for lo, hi in rect)
+    return torch.div(a, b, rounding_mode=sig.attrs["mode"]).expand(shape)
+
+
+register(OpDef(
+    kind="rounded_div", type_id=56, cpu=_rounded_div_cpu,
+    input_regions=lambda sig, rect: [broadcast_region(s, sig.out_shape, rect) for s in sig.in_shapes],
+    gpu=GpuSpec(params=lambda op: ([ROUNDING_MODES.index(op.attrs["mode"])], []), float64_exact=True),
+    doc="out = torch.div(a, b, rounding_mode=attrs['mode']) in the output dtype, a and b broadcast: integers "
+        "exactly, floats as eager rounds them (floor: from the exact remainder, 1 // 0.1 = 9)",
+))
 
 
 # --- one_hot ------------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ def _compile(fn):
 def _routing_ops(idx, w, v, a, b):
     flat = idx.flatten()
     return (F.one_hot(idx, 6), torch.bincount(flat, minlength=6), torch.histc(v, bins=7, min=-3, max=3),
-            torch.histc(v, bins=4), a // b, torch.div(a, b, rounding_mode="trunc"), flat.bincount(w, 6))
+            torch.histc(v, bins=4), a // b, torch.div(a, b, rounding_mode="trunc"), v // (w[:35].view(5, 7) + 3),
+            torch.tensor([1.0, -1.0, 0.3], device=v.device) // 0.1, flat.bincount(w, 6))
 
 
 def test_routing_ops_match_eager():

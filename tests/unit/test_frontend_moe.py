@@ -41,13 +41,16 @@ def test_floor_and_trunc_division_match_eager():
     a = torch.randint(-1000, 1000, (7, 9), generator=g)
     b = torch.randint(1, 13, (7, 9), generator=g) * torch.where(torch.rand(7, 9, generator=g) > 0.5, 1, -1)
     x, y = torch.randn(7, 9, generator=g) * 10, torch.randn(7, 9, generator=g) + 3
+    x[0, :3], y[0, :3] = torch.tensor([1.0, -1.0, 0.3]), 0.1  # floor(1 / 0.1) = 10, but 1 // 0.1 = 9
 
     def fn(a, b, x, y):
         return (a // b, torch.floor_divide(a, 4), torch.div(a, b, rounding_mode="trunc"), a // -3,
-                x // y, torch.div(x, y, rounding_mode="floor"), torch.div(x, 0.7, rounding_mode="trunc"))
+                x // y, torch.div(x, y, rounding_mode="floor"), torch.div(x, 0.7, rounding_mode="trunc"),
+                a // 2.5, x.double() // y)
 
     with torch.no_grad():
         out, ref = _compile(fn)(a, b, x, y), fn(a, b, x, y)
+    assert "rounded_div" in _kinds()
     for o, r in zip(out, ref):
         assert o.dtype == r.dtype
         torch.testing.assert_close(o, r, rtol=0, atol=0)
@@ -231,7 +234,7 @@ def test_random_tilings_on_the_interpreter(seed):
     args = _moe_args(seed)
     graph = trace_graph(_moe_ops, args)
     kinds = [op.kind for op in graph.ops]
-    assert kinds.count("expert_matmul") == 2 and {"one_hot", "histogram"} <= set(kinds)
+    assert kinds.count("expert_matmul") == 2 and {"one_hot", "histogram", "rounded_div"} <= set(kinds)
     compiled = compile_with(graph, partition=random_partition(graph, random.Random(seed)))
     check_dependencies(compiled.tables)
     outs = Interpreter(compiled.tables).run(list(args))
@@ -245,7 +248,7 @@ def test_moe_tasks_compile_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setenv("MPK_CACHE_DIR", str(tmp_path))
     graph = trace_graph(_moe_ops, _moe_args(0))
     src = generate(compile_with(graph, partition=random_partition(graph, random.Random(0))).tables)
-    for task in ("task_expert_matmul", "task_one_hot", "task_histogram"):
+    for task in ("task_expert_matmul", "task_one_hot", "task_histogram", "task_rounded_div"):
         assert task in src
     cubin = build.build_cubin(src, "sm_90a", tile_kernel=True)
     assert cubin.read_bytes()[:4] == b"\x7fELF"

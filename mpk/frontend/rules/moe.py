@@ -7,14 +7,13 @@ from __future__ import annotations
 import torch
 
 from mpk.frontend.moe import bincount_dtype
-from mpk.frontend.rules.pointwise import emit_pointwise, is_integral
+from mpk.frontend.rules.pointwise import emit_pointwise
 from mpk.frontend.rules.registry import handles, mpk_ops
-from mpk.frontend.values import ScalarConst, Unsupported
+from mpk.frontend.values import Unsupported
 from mpk.ir.views import View
+from mpk.ops.moe import ROUNDING_MODES
 
 aten = torch.ops.aten
-
-ROUNDING_MODES = ("floor", "trunc")
 
 
 def _dtype(L, v) -> torch.dtype | None:
@@ -22,19 +21,15 @@ def _dtype(L, v) -> torch.dtype | None:
 
 
 def _rounded_div(L, a, b, mode: str) -> View:
-    """a / b rounded toward -inf (floor) or 0 (trunc). Integer results divide in float64, exact
-    for magnitudes below 2^52 (the quotient's rounding cannot reach the next integer there)."""
+    """a / b rounded toward -inf (floor) or 0 (trunc), as eager rounds it (mpk.ops.moe)."""
     if mode not in ROUNDING_MODES:
         raise Unsupported(f"division with rounding_mode={mode!r} (expected one of {ROUNDING_MODES} or None)")
+    if not any(isinstance(v, View) for v in (a, b)):
+        raise Unsupported("no tensor operand")
     out = L.meta()
-    if is_integral(out.dtype):
-        a, b = ([emit_pointwise(L, "cast", [v], dtype=torch.float64) if isinstance(v, View) else
-                 (v.value if isinstance(v, ScalarConst) else v) for v in (a, b)])
-        if not any(isinstance(v, View) for v in (a, b)):
-            raise Unsupported("no tensor operand")
-        q = emit_pointwise(L, "div", [a, b], dtype=torch.float64)
-        return emit_pointwise(L, "cast", [emit_pointwise(L, mode, [q], dtype=torch.float64)])
-    return emit_pointwise(L, mode, [emit_pointwise(L, "div", [a, b])])
+    # a number becomes a 0-d tensor of the result's dtype, where eager computes with it
+    a, b = (v if isinstance(v, View) else emit_pointwise(L, "cast", [v], shape=(), dtype=out.dtype) for v in (a, b))
+    return L.emit("rounded_div", [a, b], {"mode": mode})
 
 
 @handles(aten.floor_divide.default, aten.floor_divide.Scalar)
