@@ -8,7 +8,7 @@ that produce them.
   run time (BadInputError) instead of growing the output.
 * ``_match_expert_matmul`` (pattern fusion on the ATen graph): a ``bmm`` whose operand is an expert
   weight gathered per row (``W[expert_ids]``, what transformers' ``batched_mm`` experts and plain
-  gather + bmm / matmul MoE code trace to) becomes ``mpk.expert_bmm``: one grouped-GEMM op that
+  gather + bmm / matmul / einsum MoE code trace to) becomes ``mpk.expert_bmm``: one grouped-GEMM op that
   reads each row's expert weight where it sits instead of materialising the gathered copy.
 """
 
