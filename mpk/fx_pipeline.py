@@ -18,6 +18,7 @@ from mpk.compiler import CompiledGraph, compile_graph
 from mpk.errors import MpkError
 from mpk.frontend import find_unsupported, fuse_patterns, lower
 from mpk.frontend.lower import describe_inputs, op_name, source_line
+from mpk.frontend.moe import route_moe
 from mpk.frontend.patterns import route_attention
 from mpk.options import CompileOptions
 
@@ -31,7 +32,8 @@ def pretty_input_name(name: str) -> str:
 
 def trace_inference(gm: GraphModule, example_inputs: Sequence[Any],
                     fw_compiler: Callable[[GraphModule, list[bool] | None, list[str] | None], Callable]) -> Callable:
-    """A Dynamo graph → the functionalized ATen graph mpk compiles: SDPA kept whole, AOTAutograd
+    """A Dynamo graph → the functionalized ATen graph mpk compiles: SDPA kept whole, one_hot and
+    bincount given static sizes (mpk.frontend.moe.route_moe), AOTAutograd
     (parameters lifted, inference only). ``fw_compiler(aten_gm, param_flags, input_names)``
     compiles it (flags and names are None where AOTAutograd's inputs differ from Dynamo's)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in [*gm.parameters(), *example_inputs]
@@ -41,6 +43,7 @@ def trace_inference(gm: GraphModule, example_inputs: Sequence[Any],
         # what backward saves (a layer norm's mean and rstd, which mpk does not compute)
         _no_training(gm, example_inputs)
     route_attention(gm)
+    route_moe(gm)
     dynamo_inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     lifted = [name for name, _ in gm.named_parameters()] + [name for name, _ in gm.named_buffers()]
     names = lifted + [pretty_input_name(str(n.target)) for n in dynamo_inputs]

@@ -7,6 +7,7 @@
 #include "gemm.cuh"
 #include "iteration.cuh"
 #include "linalg.cuh"
+#include "moe.cuh"
 #include "paged_attention.cuh"
 #include "paged_plan.cuh"
 #include "paged_prefill.cuh"

@@ -16,6 +16,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 import mpk.frontend.fused_ops  # noqa: F401  (registers torch.ops.mpk.*)
+from mpk.frontend.moe import _match_expert_matmul
 from mpk.ops.linalg import NORM_SPLIT_MIN_BYTES, NORM_TILE_BYTES
 
 aten = torch.ops.aten
@@ -242,7 +243,8 @@ def _norm_stats_rewriter(gm: GraphModule, num_workers: int, min_bytes: int = 0):
     return match
 
 
-MATCHERS = (_match_rms_norm, _match_rope, _match_silu_mul, _match_matmul_silu_mul, _match_residual_matmul)
+MATCHERS = (_match_rms_norm, _match_rope, _match_silu_mul, _match_matmul_silu_mul, _match_residual_matmul,
+            _match_expert_matmul)
 # CompileOptions.fuse_norm_prologue. Each task normalises its rows of x into shared memory
 # after its gate (rms_norm's roundings: the result equals the unfused pair) and its K loop reads
 # them from there: applying the norm inside the K loop would lengthen the path that sets the
