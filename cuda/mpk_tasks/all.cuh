@@ -2,6 +2,7 @@
 #pragma once
 #include "attention.cuh"
 #include "comm.cuh"
+#include "conv.cuh"
 #include "data_movement.cuh"
 #include "diagnostic.cuh"
 #include "gemm.cuh"
@@ -14,3 +15,4 @@
 #include "rows.cuh"
 #include "sampling.cuh"
 #include "sort.cuh"
+#include "spatial.cuh"
