@@ -44,8 +44,9 @@ def _pool_regions(sig: OpSig, rect: Rect):
     nsp, lead = _nsp(sig), len(sig.out_shape) - _nsp(sig)
     region = list(rect[:lead])
     for d in range(nsp):
-        o0, o1 = rect[lead + d]
-        lo, hi = pool_window(sig, d, o0)[0], pool_window(sig, d, o1 - 1)[1]
+        # a dilated max window's first position need not grow with o (it skips the padding by dil)
+        windows = [pool_window(sig, d, o) for o in range(*rect[lead + d])]
+        lo, hi = min(w[0] for w in windows), max(w[1] for w in windows)
         region.append((lo, max(hi, lo + 1)))
     return [tuple(region)]
 

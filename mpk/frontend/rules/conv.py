@@ -38,9 +38,6 @@ def _convolution(L, node, x: View, w: View, bias: View | None, stride, padding, 
     nsp = w.ndim - 2
     if nsp not in (1, 2, 3):
         raise Unsupported(f"convolution with {nsp} spatial dims (weight of shape {w.shape}); 1, 2 or 3 lower")
-    if any(_dtype(L, v) != _dtype(L, x) for v in (w, bias) if v is not None):
-        raise Unsupported(f"convolution of mixed dtypes (input {_dtype(L, x)}, weight {_dtype(L, w)}"
-                          f"{f', bias {_dtype(L, bias)}' if bias is not None else ''}); one dtype lowers")
     if not _dtype(L, x).is_floating_point:
         raise Unsupported(f"convolution of dtype {_dtype(L, x)} (floating-point dtypes lower)")
     attrs = {"stride": _per_dim(stride, nsp, "stride"), "padding": _per_dim(padding, nsp, "padding"),
