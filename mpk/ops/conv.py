@@ -27,7 +27,7 @@ def _spatial_window(sig: OpSig, d: int, lo: int, hi: int) -> tuple[int, int]:
     spatial dim ``d`` read."""
     s, p, dil = sig.attrs["stride"][d], sig.attrs["padding"][d], sig.attrs["dilation"][d]
     k = sig.in_shapes[1][2 + d]
-    if sig.attrs["transposed"]:  # out o = i·s − p + j·dil: i from ⌈(lo + p − (k−1)·dil)/s⌉ to ⌊(hi − 1 + p)/s⌋
+    if sig.attrs["transposed"]:  # out o = i·s − p + j·dil: i from ⌈(lo + p − (k−1)·dil)/s⌉ to ⌊(hi−1+p)/s⌋
         return -(-(lo + p - (k - 1) * dil) // s), (hi - 1 + p) // s + 1
     return lo * s - p, (hi - 1) * s - p + (k - 1) * dil + 1
 

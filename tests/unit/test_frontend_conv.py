@@ -14,8 +14,8 @@ import random
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch._decomp import get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -52,17 +52,19 @@ def _seed() -> torch.Generator:
 # (x shape, w shape, bias, kwargs); transposed cases name w as (C_in, C_out / groups, k…)
 CONVS = {
     "1d": ((2, 3, 17), (4, 3, 3), True, {}),
-    "1d_stride_pad_dil_groups": ((2, 4, 19), (6, 2, 3), True, dict(stride=2, padding=2, dilation=2, groups=2)),
-    "1d_transposed": ((2, 4, 7), (4, 3, 4), True, dict(stride=3, padding=1, output_padding=2, transposed=True)),
-    "2d_stride_pad_groups": ((2, 4, 9, 10), (6, 2, 3, 3), True, dict(stride=2, padding=1, groups=2)),
-    "2d_dilation_asymmetric": ((1, 3, 12, 11), (5, 3, 3, 2), False, dict(stride=(1, 2), padding=(3, 0), dilation=2)),
-    "2d_depthwise_7x7": ((2, 8, 9, 9), (8, 1, 7, 7), True, dict(padding=3, groups=8)),
-    "2d_padding_beyond_kernel": ((1, 2, 5, 5), (3, 2, 2, 2), True, dict(padding=3)),  # windows of padding only
+    "1d_stride_pad_dil_groups": ((2, 4, 19), (6, 2, 3), True, {"stride": 2, "padding": 2, "dilation": 2, "groups": 2}),
+    "1d_transposed": ((2, 4, 7), (4, 3, 4), True, {"stride": 3, "padding": 1, "output_padding": 2, "transposed": True}),
+    "2d_stride_pad_groups": ((2, 4, 9, 10), (6, 2, 3, 3), True, {"stride": 2, "padding": 1, "groups": 2}),
+    "2d_dilation_asymmetric": ((1, 3, 12, 11), (5, 3, 3, 2), False,
+                               {"stride": (1, 2), "padding": (3, 0), "dilation": 2}),
+    "2d_depthwise_7x7": ((2, 8, 9, 9), (8, 1, 7, 7), True, {"padding": 3, "groups": 8}),
+    "2d_padding_beyond_kernel": ((1, 2, 5, 5), (3, 2, 2, 2), True, {"padding": 3}),  # windows of padding only
     "2d_transposed_groups": ((2, 4, 5, 6), (4, 3, 3, 2), True,
-                             dict(stride=2, padding=1, output_padding=1, groups=2, transposed=True)),
-    "2d_transposed_dilation": ((1, 3, 4, 5), (3, 2, 3, 3), False, dict(stride=(2, 1), dilation=2, transposed=True)),
-    "3d_stride_pad": ((1, 2, 6, 7, 5), (3, 2, 3, 3, 3), True, dict(stride=(1, 2, 1), padding=1)),
-    "3d_transposed": ((1, 2, 3, 4, 3), (2, 3, 2, 2, 2), True, dict(stride=2, transposed=True)),
+                             {"stride": 2, "padding": 1, "output_padding": 1, "groups": 2, "transposed": True}),
+    "2d_transposed_dilation": ((1, 3, 4, 5), (3, 2, 3, 3), False,
+                               {"stride": (2, 1), "dilation": 2, "transposed": True}),
+    "3d_stride_pad": ((1, 2, 6, 7, 5), (3, 2, 3, 3, 3), True, {"stride": (1, 2, 1), "padding": 1}),
+    "3d_transposed": ((1, 2, 3, 4, 3), (2, 3, 2, 2, 2), True, {"stride": 2, "transposed": True}),
 }
 
 
@@ -100,7 +102,8 @@ def test_convolution_matches_eager(name):
     assert relative_error(got, ref) <= rounding_bound(torch.float32, 1, k=k)
 
 
-@pytest.mark.parametrize("name,dtype", [("2d_stride_pad_groups", torch.float64), ("2d_transposed_groups", torch.float64),
+@pytest.mark.parametrize("name,dtype", [("2d_stride_pad_groups", torch.float64),
+                                        ("2d_transposed_groups", torch.float64),
                                         ("2d_depthwise_7x7", torch.bfloat16), ("3d_transposed", torch.bfloat16)])
 def test_convolution_other_dtypes(name, dtype):
     # float64 stays float64; bfloat16 accumulates in float32 and rounds once
