@@ -100,6 +100,14 @@ def _bn_native(L, node, x: View, weight, bias, running_mean, running_var, traini
     return _batch_norm(L, x, weight, bias, running_mean, running_var, eps), _BN_STATS, _BN_STATS
 
 
+@handles(aten._native_batch_norm_legit_functional.default)
+def _bn_functional(L, node, x: View, weight, bias, running_mean, running_var, training, momentum, eps):
+    """What functionalization makes of batch norm that updates its running statistics: those
+    come back unchanged in inference."""
+    out, *_ = _bn_native(L, node, x, weight, bias, running_mean, running_var, training, momentum, eps)
+    return out, _BN_STATS, _BN_STATS, running_mean, running_var
+
+
 @handles(aten.batch_norm.default)
 def _bn(L, node, x: View, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
     if training:
