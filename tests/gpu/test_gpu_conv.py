@@ -136,8 +136,8 @@ def test_inference_batch_norm_matches_eager(dtype):
     got = _compiled(bn, x)
     ref = bn.double()(x.double())
     assert got.dtype == dtype
-    # the statistics' four roundings (in dtype), x·scale and the sum
-    assert relative_error(got, ref) <= rounding_bound(dtype, 6)
+    # var + eps, rsqrt, ·weight, mean·scale, the shift, x·scale and the sum: seven roundings, gain ≤ 1
+    assert relative_error(got, ref) <= rounding_bound(dtype, 7)
 
 
 class BasicBlock(nn.Module):

@@ -225,8 +225,8 @@ def test_inference_batch_norm_matches_eager(nsp, affine):
     x = _rand(*(2, 5) + (6, 5, 4)[:nsp], g=g)
     got = _compiled(bn, x)
     ref = bn.double()(x.double())
-    # rsqrt, the scale, mean·scale, the shift, x·scale and the sum: six roundings
-    assert relative_error(got, ref) <= rounding_bound(torch.float32, 6)
+    # var + eps, rsqrt, ·weight, mean·scale, the shift, x·scale and the sum: seven roundings, gain ≤ 1
+    assert relative_error(got, ref) <= rounding_bound(torch.float32, 7)
 
 
 # --- random tilings ----------------------------------------------------------------------------
