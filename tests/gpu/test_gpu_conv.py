@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpk.testing.conv_models import ConvNeXtBlock, TinyResNet, UNetBlock, randomize_batch_norms
 from mpk.testing.graphs import relative_error
 from mpk.testing.tolerance import rounding_bound
 
@@ -140,74 +141,11 @@ def test_inference_batch_norm_matches_eager(dtype):
     assert relative_error(got, ref) <= rounding_bound(dtype, 7)
 
 
-class BasicBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
-        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
-        self.down = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-                     if stride != 1 or cin != cout else nn.Identity())
-
-    def forward(self, x):
-        return F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))) + self.down(x))
-
-
-class TinyResNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 16, 7, 2, 3, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
-                                  nn.MaxPool2d(3, 2, 1))
-        self.layers = nn.Sequential(BasicBlock(16, 16, 1), BasicBlock(16, 32, 2))
-        self.fc = nn.Linear(32, 10)
-
-    def forward(self, x):
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
-
-
-class UNetBlock(nn.Module):
-    def __init__(self, c: int = 8):
-        super().__init__()
-        self.enc = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
-                                 nn.Conv2d(c, c, 3, padding=1), nn.ReLU())
-        self.mid = nn.Sequential(nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU())
-        self.up = nn.ConvTranspose2d(2 * c, c, 2, stride=2)
-        self.dec = nn.Conv2d(3 * c, c, 3, padding=1)
-        self.head = nn.Conv2d(c, 2, 1)
-
-    def forward(self, x):
-        skip = self.enc(x)
-        mid = self.mid(F.max_pool2d(skip, 2))
-        coarse = F.interpolate(F.avg_pool2d(skip, 2), scale_factor=2, mode="bilinear")
-        y = F.relu(self.dec(torch.cat([skip, self.up(mid), coarse], 1)))
-        return self.head(y + F.interpolate(mid, scale_factor=2, mode="nearest")[:, :y.shape[1]])
-
-
-class ConvNeXtBlock(nn.Module):
-    def __init__(self, c: int = 32):
-        super().__init__()
-        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
-        self.norm = nn.LayerNorm(c, eps=1e-6)
-        self.pw1, self.pw2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
-        self.gamma = nn.Parameter(torch.full((c,), 0.5))
-
-    def forward(self, x):
-        y = self.norm(self.dw(x).permute(0, 2, 3, 1))
-        y = self.gamma * self.pw2(F.gelu(self.pw1(y)))
-        return x + y.permute(0, 3, 1, 2)
-
-
-@pytest.mark.parametrize("model,shape", [(TinyResNet, (2, 3, 64, 64)), (UNetBlock, (2, 3, 32, 32)),
-                                         (ConvNeXtBlock, (2, 32, 14, 14))], ids=["resnet", "unet", "convnext"])
+@pytest.mark.parametrize("model,shape", [(lambda: TinyResNet(16), (2, 3, 64, 64)),
+                                         (lambda: UNetBlock(8), (2, 3, 32, 32)),
+                                         (lambda: ConvNeXtBlock(32), (2, 32, 14, 14))], ids=["resnet", "unet", "convnext"])
 def test_small_models_match_eager(model, shape):
-    m = model()
-    with torch.no_grad():
-        for mod in m.modules():
-            if isinstance(mod, nn.BatchNorm2d):
-                mod.running_mean.normal_(0, 0.1)
-                mod.running_var.uniform_(0.5, 1.5)
-                mod.weight.uniform_(0.5, 1.5)
-                mod.bias.normal_(0, 0.1)
-    m = m.eval().to(DEV)
+    m = randomize_batch_norms(model(), torch.Generator().manual_seed(0)).to(DEV)
     x = torch.randn(shape, device=DEV)
     got = _compiled(m, x)
     with torch.no_grad():

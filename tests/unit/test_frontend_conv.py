@@ -22,6 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from mpk.executors import Interpreter, build
 from mpk.executors.codegen import generate
 from mpk.frontend import fuse_patterns, lower
+from mpk.testing.conv_models import ConvNeXtBlock, TinyResNet, UNetBlock, randomize_batch_norms
 from mpk.testing.graphs import check_dependencies, compile_with, random_partition, relative_error
 from mpk.testing.tolerance import rounding_bound
 
@@ -279,88 +280,12 @@ def test_random_pool_and_upsample_tilings_read_only_their_regions():
 
 # --- small models ------------------------------------------------------------------------------
 
-class BasicBlock(nn.Module):
-    """ResNet's basic block: two 3×3 conv + BN, a strided 1×1 conv + BN shortcut where it downsamples."""
-
-    def __init__(self, cin: int, cout: int, stride: int):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
-        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
-        self.down = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-                     if stride != 1 or cin != cout else nn.Identity())
-
-    def forward(self, x):
-        return F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))) + self.down(x))
-
-
-class TinyResNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 8, 7, 2, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-                                  nn.MaxPool2d(3, 2, 1))
-        self.layers = nn.Sequential(BasicBlock(8, 8, 1), BasicBlock(8, 16, 2))
-        self.fc = nn.Linear(16, 10)
-
-    def forward(self, x):
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
-
-
-class UNetBlock(nn.Module):
-    """One UNet level: a double conv, a max-pooled path down and up again (transposed conv and
-    bilinear upsampling), skip concatenation."""
-
-    def __init__(self, c: int = 4):
-        super().__init__()
-        self.enc = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
-                                 nn.Conv2d(c, c, 3, padding=1), nn.ReLU())
-        self.mid = nn.Sequential(nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU())
-        self.up = nn.ConvTranspose2d(2 * c, c, 2, stride=2)
-        self.dec = nn.Conv2d(3 * c, c, 3, padding=1)
-        self.head = nn.Conv2d(c, 2, 1)
-
-    def forward(self, x):
-        skip = self.enc(x)
-        mid = self.mid(F.max_pool2d(skip, 2))
-        coarse = F.interpolate(F.avg_pool2d(skip, 2), scale_factor=2, mode="bilinear")
-        y = F.relu(self.dec(torch.cat([skip, self.up(mid), coarse], 1)))
-        return self.head(y + F.interpolate(mid, scale_factor=2, mode="nearest")[:, :y.shape[1]])
-
-
-class ConvNeXtBlock(nn.Module):
-    """ConvNeXt's block: depthwise 7×7 conv, LayerNorm over channels, an inverted-bottleneck MLP
-    with GELU, layer scale and the residual."""
-
-    def __init__(self, c: int = 16):
-        super().__init__()
-        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
-        self.norm = nn.LayerNorm(c, eps=1e-6)
-        self.pw1, self.pw2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
-        self.gamma = nn.Parameter(torch.full((c,), 0.5))
-
-    def forward(self, x):
-        y = self.norm(self.dw(x).permute(0, 2, 3, 1))
-        y = self.gamma * self.pw2(F.gelu(self.pw1(y)))
-        return x + y.permute(0, 3, 1, 2)
-
-
-def _randomize(model: nn.Module, g: torch.Generator) -> nn.Module:
-    """Random batch-norm statistics and affine parameters (fresh ones are 0 / 1: the identity)."""
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.1)
-                m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
-                m.weight.copy_(torch.rand(m.num_features, generator=g) + 0.5)
-                m.bias.copy_(torch.randn(m.num_features, generator=g) * 0.1)
-    return model.eval()
-
-
 @pytest.mark.parametrize("model,shape", [(TinyResNet, (2, 3, 32, 32)), (UNetBlock, (2, 3, 16, 16)),
                                          (ConvNeXtBlock, (2, 16, 9, 9))], ids=["resnet", "unet", "convnext"])
 def test_small_models_match_eager(model, shape):
     g = _seed()
-    torch.manual_seed(g.initial_seed())
-    m = _randomize(model(), g)
+    torch.manual_seed(g.initial_seed())  # the layers' own initialisation
+    m = randomize_batch_norms(model(), g)
     x = _rand(*shape, g=g)
     got = _compiled(m, x)
     with torch.no_grad():
