@@ -53,11 +53,6 @@ def _convolution(L, node, x: View, w: View, bias: View | None, stride, padding, 
     return L.emit("conv", inputs, attrs)
 
 
-@handles(aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
-def _conv_nd(L, node, x: View, w: View, bias: View | None = None, stride=1, padding=0, dilation=1, groups=1):
-    return _convolution(L, node, x, w, bias, stride, padding, dilation, False, 0, groups)
-
-
 # --- inference batch norm -------------------------------------------------------------------------
 
 def _batch_norm(L, x: View, weight, bias, mean, var, eps: float) -> View:
@@ -106,14 +101,6 @@ def _bn_functional(L, node, x: View, weight, bias, running_mean, running_var, tr
     come back unchanged in inference."""
     out, *_ = _bn_native(L, node, x, weight, bias, running_mean, running_var, training, momentum, eps)
     return out, _BN_STATS, _BN_STATS, running_mean, running_var
-
-
-@handles(aten.batch_norm.default)
-def _bn(L, node, x: View, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
-    if training:
-        raise Unsupported("batch norm with training=True (batch statistics); mpk compiles inference: call "
-                          "model.eval()")
-    return _batch_norm(L, x, weight, bias, running_mean, running_var, eps)
 
 
 # --- pooling --------------------------------------------------------------------------------------
