@@ -192,6 +192,11 @@ UPSAMPLES = {
     "bilinear_size": ((2, 3, 5, 6), lambda x: F.interpolate(x, size=(11, 7), mode="bilinear")),
     "bilinear_size_align": ((2, 3, 5, 6), lambda x: F.interpolate(x, size=(11, 7), mode="bilinear",
                                                                 align_corners=True)),
+    "nearest_exact2d": ((2, 3, 5, 6), lambda x: F.interpolate(x, scale_factor=1.7, mode="nearest-exact")),
+    "linear1d": ((2, 3, 10), lambda x: F.interpolate(x, size=17, mode="linear")),
+    "trilinear_align": ((1, 2, 3, 4, 5), lambda x: F.interpolate(x, scale_factor=2, mode="trilinear",
+                                                               align_corners=True)),
+    "bicubic": ((2, 3, 5, 6), lambda x: F.interpolate(x, scale_factor=2, mode="bicubic")),
 }
 
 
@@ -203,11 +208,11 @@ def test_upsampling_matches_eager(name):
     if name.startswith("nearest"):  # a pick: exact
         assert torch.equal(got, fn(x))
     else:
-        # the source position s = scale·(o + ½) − ½ is computed in float32 (torch's
-        # decomposition and eager alike) at up to the input's size: its rounding, ≤ u·size,
-        # moves the weights by that, with gain up to the input's size
-        size = max(shape[2:])
-        assert relative_error(got, fn(x.double())) <= rounding_bound(torch.float32, 4 + 2 * size)
+        # per spatial dim, the source position s = scale·(o + ½) − ½ is computed in float32
+        # (torch's decomposition and eager alike) at up to the input's size: its rounding,
+        # ≤ u·size, moves the weights by that; and the weights' and the weighted sum's roundings
+        nsp, size = len(shape) - 2, max(shape[2:])
+        assert relative_error(got, fn(x.double())) <= rounding_bound(torch.float32, nsp * (4 + 2 * size))
 
 
 # --- batch norm --------------------------------------------------------------------------------
