@@ -1,6 +1,6 @@
 """Convolutional networks' ops (issue 65): convolution (1-D/2-D/3-D, stride, padding, dilation,
-groups, transposed, bias), inference batch norm, max / average / adaptive pooling and nearest /
-bilinear upsampling. Each compiles whole in strict mode on the CPU executor and matches a
+groups, transposed, bias), inference batch norm, max / average / adaptive pooling and upsampling
+(nearest, nearest-exact, linear, bilinear, trilinear, bicubic). Each compiles whole in strict mode on the CPU executor and matches a
 float64 eager reference within the rounding bound of its dtype and sum length
 (mpk.testing.tolerance); max pooling and nearest upsampling move elements and are exact. Random
 tilings run on the interpreter with the element-level dependency oracle (each tile reads only its
