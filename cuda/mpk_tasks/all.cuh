@@ -2,6 +2,7 @@
 #pragma once
 #include "attention.cuh"
 #include "comm.cuh"
+#include "conv.cuh"
 #include "data_movement.cuh"
 #include "diagnostic.cuh"
 #include "gemm.cuh"
@@ -15,3 +16,4 @@
 #include "rows.cuh"
 #include "sampling.cuh"
 #include "sort.cuh"
+#include "spatial.cuh"

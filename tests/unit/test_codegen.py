@@ -20,6 +20,7 @@ from mpk.executors import build
 from mpk.executors.codegen import fast_divisor, generate
 from mpk.inspection import compile_module
 from mpk.ops.linalg import op_form
+from mpk.testing.conv_models import UNetBlock, randomize_batch_norms
 from mpk.testing.graphs import compile_with, random_partition, trace_graph
 from mpk.testing.op_zoo import CASES, Zoo, zoo_inputs
 from mpk.testing.random_graphs import random_dag, stamp_graph
@@ -37,6 +38,9 @@ def _graphs():
     past = [torch.randn(1, QWEN3.kv_heads, 5, QWEN3.head_dim) for _ in range(2 * QWEN3.layers)]
     yield "qwen3-toy-decode", compile_module(model, (ids[:1, :1], cos[:1], sin[:1], past), {"num_workers": 16}).tables
     yield "gelu-mlp", compile_module(randomize(GeluMLPBlock(), g), (torch.randn(3, 48),), {"num_workers": 8}).tables
+    # conv, pool, batch norm, upsampling (gathers)
+    unet = randomize_batch_norms(UNetBlock(), torch.Generator().manual_seed(0))
+    yield "unet", compile_module(unet, (torch.randn(1, 3, 8, 8),), {"num_workers": 8}).tables
     args = [torch.randn(4, 8), torch.randn(8, 8)]
     graph = trace_graph(lambda x, w: torch.softmax(torch.relu(x @ w) + x, -1), args)
     yield "chain", compile_with(graph, random_partition(graph, random.Random(0))).tables
