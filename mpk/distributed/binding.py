@@ -42,7 +42,9 @@ class RankBinder:
         self._sources = sorted({s.source for s in sharded.inputs if s.kind == "slice" and not s.state})
         self._states = sorted({s.source for s in sharded.inputs if s.kind == "slice" and s.state})
         self._fulls = [(i, s.source) for i, s in enumerate(sharded.inputs) if s.kind == "full"]
-        self._last: tuple[Any, list[torch.Tensor], list] | None = None  # (sources' keys, args, back)
+        # (sources' keys, args, back, the sources): holding the sources keeps their ids and
+        # addresses from being reused by other tensors while the keys name them
+        self._last: tuple[Any, list[torch.Tensor], list, tuple] | None = None
 
     def _keys(self, full: Sequence[torch.Tensor]) -> tuple:
         return (tuple((id(full[s]), full[s].data_ptr(), full[s]._version) for s in self._sources),
@@ -88,7 +90,7 @@ class RankBinder:
                 args.append(self._made[i][1])
             else:
                 args.append(self._comm(i, spec, device))
-        self._last = (keys, args, back)
+        self._last = (keys, args, back, tuple(full[s] for s in self._sources + self._states))
         return args, back
 
     @staticmethod
