@@ -37,7 +37,8 @@ from mpk.cli import count, page_size as page_size_arg  # noqa: E402
 from mpk.llm import SHAPES as MODELS  # noqa: E402
 from mpk.llm import DecoderLM  # noqa: E402
 from mpk.testing.graphs import relative_error  # noqa: E402
-from mpk.testing.parity import compare_logits, copy_hf_weights, decode_logits, greedy_decode, hf_model  # noqa: E402
+from mpk.testing.parity import (compare_logits, copy_hf_weights, decode_logits, greedy_decode, hf_logits,  # noqa: E402
+                                hf_model)
 from mpk.testing.tp import tp_logits_bound  # noqa: E402
 
 
@@ -79,8 +80,7 @@ def run_model(name: str, args, rank: int, world: int) -> dict | None:
     prompt, forced = tokens[:, :args.prompt_len], slice(args.prompt_len, total)
     row = None
     if rank == 0:
-        with torch.no_grad():
-            ref = hf(input_ids=tokens, use_cache=False).logits.float()[:, forced]
+        ref = hf_logits(hf, tokens)[:, forced]
         hf_tokens = hf_greedy(hf, prompt, args.steps)
         del hf
         gc.collect()
