@@ -128,8 +128,9 @@ def test_random_gemm_grids_are_optimal():
         sig = OpSig(((m, 64), (64, 2 * n if epilogue else n)), (m, n), torch.bfloat16,
                     {"epilogue": epilogue} if epilogue else {})
         gm, gn = _matmul_grid(sig, workers)
-        best = min(_makespan(m, n, cols, g) for g in itertools.product(range(1, min(m, workers) + 1), repeat=2)
-                   if g[0] * g[1] <= workers and g[1] <= n)
+        best = min(_makespan(m, n, cols, g) for g in itertools.product(range(1, min(m, workers) + 1),
+                                                                    range(1, min(n, workers) + 1))
+                   if g[0] * g[1] <= workers)
         assert gm * gn <= workers and _makespan(m, n, cols, (gm, gn)) == best, (m, n, workers, epilogue)
 
 
