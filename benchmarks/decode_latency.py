@@ -179,7 +179,8 @@ def compile_step(model: DecoderLM, batch: int, position: int, page_size: int, op
     keys on the flags)."""
     options = dict(options or {})
     os.environ["MPK_NVCC_FLAGS"] = options.pop("nvcc_flags", _ENV_FLAGS)
-    kv = PagedKVCache(model, batch, position + 1, page_size)
+    # a tensor-parallel rank's cache is rank-local, as the engine's: its step copies nothing
+    kv = PagedKVCache(model, batch, position + 1, page_size, tensor_parallel=options.get("tensor_parallel"))
     kv.grow(position + 1)
     step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
                          options={"executor": "gpu", "sync": False, **options})
@@ -191,7 +192,7 @@ def bench_mpk(model: DecoderLM, batch: int, position: int, page_size: int, profi
     tp = (options or {}).get("tensor_parallel")
     step, kv = compile_step(model, batch, position, page_size, options)
     with torch.no_grad():
-        kv.cache.normal_()
+        kv.local.normal_()
     tokens = torch.randint(0, model.cfg.vocab, (batch,), device="cuda")
     with torch.no_grad():
         step(tokens, *kv.args())  # trace, compile, build

@@ -4,14 +4,17 @@ A ``RankBinder`` holds what it made for one rank, so each is made once: weight s
 from the full weight at the first call and cached; a later call with a different tensor at that
 argument, or one modified in place since — torch's version counter — makes it again), the
 communication buffers (from the SymmetricAllocator, kept for the binder's life: their sequence
-counters and signals carry over from launch to launch) and their peer-address tables. A state
-input (the KV cache) is bound live when the caller passes the rank's shard (its sharded shape);
-given the full tensor, the binder keeps one shard tensor, copies the shard into it when
-another tensor is passed (identity or address) and copies it back after every launch, so the
-caller's tensor always holds the steps' writes; each step then copies the rank's part of the
-whole cache (rank-local caches, which the sharding pass does not accept yet, would avoid it).
-The caller's own in-place writes to the full tensor between launches are not read back: the
-version counter cannot tell them from AOT autograd's copy of the returned state into it.
+counters and signals carry over from launch to launch) and their peer-address tables.
+
+A state input (the KV cache) is bound live, without a copy, when the caller passes the rank's
+shard (its sharded shape) or a full-shaped tensor whose rank slice is contiguous: a
+*rank-local* cache (``rank_local``), whose memory holds only the rank's kv heads and whose
+other heads alias it (the rank never reads them; nothing else may). Given any other full
+tensor, the binder keeps one shard tensor, copies the shard into it when another tensor is
+passed (identity or address) and copies it back after every launch, so the caller's tensor
+always holds the steps' writes — the rank's part of the whole cache, each step. The caller's
+own in-place writes to the full tensor between launches are not read back then: the version
+counter cannot tell them from AOT autograd's copy of the returned state into it.
 
 A call whose sliced sources are the last call's tensors, the weights unmodified since
 (identity, address and version counter; the state sources by identity and address),
@@ -76,8 +79,9 @@ class RankBinder:
                 args.append(full[spec.source])
             elif spec.kind == "slice":
                 src = full[spec.source]
-                if spec.state and tuple(src.shape) == spec.shape:
-                    args.append(src)
+                live = _live_state(spec, src) if spec.state else None
+                if live is not None:
+                    args.append(live)
                     continue
                 key = (src.data_ptr(), src._version, tuple(src.shape))
                 if spec.state and i in self._made:  # the same shard tensor: its address stays bound
@@ -101,6 +105,41 @@ class RankBinder:
             for a, b in spec.ranges:
                 full.narrow(spec.dim, a, b - a).copy_(shard.narrow(spec.dim, at, b - a))
                 at += b - a
+
+
+def _live_state(spec: InputSpec, src: torch.Tensor) -> torch.Tensor | None:
+    """The state input itself, or its rank slice as a view, when that is contiguous (the
+    rank's shard, or a rank-local full-shaped tensor): the launch then writes the caller's
+    memory directly. None when the shard must be copied."""
+    if tuple(src.shape) == spec.shape:
+        return src
+    if len(spec.ranges) != 1:
+        return None
+    a, b = spec.ranges[0]
+    view = src.narrow(spec.dim, a, b - a)
+    return view if view.is_contiguous() else None
+
+
+def rank_local(shape: Sequence[int], dim: int, lo: int, hi: int, dtype: torch.dtype,
+               device: torch.device | str) -> torch.Tensor:
+    """A zero-filled tensor of the full ``shape`` whose memory is only its slice [lo, hi) along
+    ``dim`` (contiguous) and a little slack: the other indices of ``dim`` alias that memory.
+    A rank binds its slice live (``RankBinder``), so a tensor-parallel rank's KV cache costs
+    its share of memory and no copy a step. Only the slice may be read or written: in-place
+    ops over the whole tensor refuse it (overlapping memory), copies through it read aliases."""
+    shape = tuple(int(n) for n in shape)
+    if not (0 <= dim < len(shape) and 0 <= lo < hi <= shape[dim]):
+        raise ValueError(f"slice [{lo}, {hi}) of dim {dim} of shape {shape}; expected 0 ≤ lo < hi ≤ shape[dim]")
+    local = list(shape)
+    local[dim] = hi - lo
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * local[i + 1]
+    # the highest element either view reaches: the full view's (its dim runs past the slice's)
+    # or the slice's, which starts lo rows in
+    reach = max(sum((n - 1) * st for n, st in zip(shape, strides)),
+                lo * strides[dim] + sum((n - 1) * st for n, st in zip(local, strides))) + 1
+    return torch.zeros(reach, dtype=dtype, device=device).as_strided(shape, strides)
 
 
 def sharded_runner(run: Callable[..., list[Any]], sharded: ShardedGraph, allocator: SymmetricAllocator):

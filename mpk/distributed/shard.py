@@ -24,7 +24,8 @@ the backend turns it off under tensor parallelism and the pass refuses a graph t
 **Inputs.** ``ShardedGraph.inputs[i]`` says how the sharded graph's input i derives from the
 caller's full inputs: ``full`` (passed as is), ``slice`` (rows or columns of a full input,
 concatenated ranges along one dim: made once from the full weights and cached by the runner;
-``state``: an input the graph writes in place, the KV cache, bound live), or a communication
+``state``: an input the graph writes in place, the KV cache, bound live: see
+mpk.distributed.binding for a rank-local cache), or a communication
 buffer the runner makes once and keeps: ``symmetric`` (from the SymmetricAllocator: receive
 slots and signals), ``peers`` (``peer_pointers`` of symmetric input ``of``) or ``local``
 (zero-filled int64 sequence counters).
@@ -71,6 +72,22 @@ class InputSpec:
         return out
 
 
+def kv_head_range(kv: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank ``rank``'s kv heads [lo, hi) of ``kv``: its share, or with fewer kv heads than
+    ranks the one its query heads use."""
+    if kv >= world:
+        if kv % world:
+            raise ShardingError(f"kv_heads is {kv}, not divisible by the tensor-parallel degree {world}; "
+                                f"expected a multiple of {world}")
+        k = kv // world
+        return rank * k, (rank + 1) * k
+    if world % kv:
+        raise ShardingError(f"kv_heads is {kv}, fewer than the tensor-parallel degree {world} and not a "
+                            f"divisor of it; expected kv_heads a multiple or a divisor of {world}")
+    j = rank // (world // kv)
+    return j, j + 1
+
+
 def default_comm_tiles(n: int) -> int:
     """Column tiles of a collective over ``n`` columns: up to 8 of ≥ 16 columns (a hidden-size
     all-reduce: its transfers start as the producer's tiles finish), and for wide ones (the LM
@@ -108,14 +125,7 @@ class _Pass:
         return self.rank * k, (self.rank + 1) * k
 
     def kv_range(self, kv: int) -> tuple[int, int]:
-        """This rank's kv heads: its share, or with fewer kv heads than ranks the one its query heads use."""
-        if kv >= self.world:
-            return self.part(kv, "kv_heads")
-        if self.world % kv:
-            raise ShardingError(f"kv_heads is {kv}, fewer than the tensor-parallel degree {self.world} and not a "
-                                f"divisor of it; expected kv_heads a multiple or a divisor of {self.world}")
-        j = self.rank // (self.world // kv)
-        return j, j + 1
+        return kv_head_range(kv, self.rank, self.world)
 
     # --- buffers and views ------------------------------------------------------------------
     def reshape_buffer(self, b: int, shape: tuple[int, ...], spec: InputSpec | None = None) -> None:

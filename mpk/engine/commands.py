@@ -32,8 +32,9 @@ def _engine_flags(p: argparse.ArgumentParser, count: Callable[[int], Callable[[s
     p.add_argument("--seed", type=count(0), default=0,
                    help="the engine's seed, from which each request's sampling seed derives (default %(default)s)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV pages of equal prefixes")
-    p.add_argument("--decode-iterations", type=count(1), default=1,
-                   help="decode iterations per launch when every running sequence decodes (default %(default)s)")
+    p.add_argument("--decode-iterations", type=count(1), default=None,
+                   help="decode iterations per launch when every running sequence decodes (default: 8 on one GPU, "
+                        "else 1)")
     p.add_argument("--tensor-parallel-size", type=count(1), default=1,
                    help="GPUs the model is sharded over, one rank each; the command starts ranks 1…N-1 itself "
                         "(default %(default)s)")

@@ -41,6 +41,16 @@ def free_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+BURST = 8  # decode iterations per launch by default: ~8× fewer launches, tokens streamed per 8
+
+
+def default_decode_iterations(executor: str, tensor_parallel_size: int = 1) -> int:
+    """``LLM``'s ``decode_iterations`` when none is given: ``BURST`` on the GPU executor of one
+    GPU (the multi-step graph runs on one GPU), 1 otherwise (the CPU executors are compute-bound:
+    a launch's host work is a small share of their step)."""
+    return BURST if executor == "gpu" and tensor_parallel_size == 1 else 1
+
+
 class LLM:
     """A model ready to generate: ``generate``, ``chat`` and ``stream``; or request by request
 (as ``mpk serve``'s engine thread does): ``add_request``, ``step``, ``abort``.
@@ -66,9 +76,10 @@ class LLM:
     ``decode_iterations``: when every running sequence decodes and no waiting request can be
     admitted, run up to this many decode iterations in one launch (sampling, stop checks and
     page growth on the device; ``mpk.llm.multistep``), then detokenize, stream and check stop
-    strings from what came back. Default 1 (every step its own launch): a multi-step graph per
-    batch size 1, 2, 4, … ``max_num_seqs`` adds to the compile, and the gain is the host's work
-    per token, which matters on the GPU executor (``stats().launches_per_token`` shows it). A
+    strings from what came back. Default (None): ``default_decode_iterations`` — 8 on the GPU
+    executor of one GPU, where the host's work per token is what it saves
+    (``stats().launches_per_token`` shows it), else 1 (every step its own launch); each
+    multi-step graph (one per batch size 1, 2, 4, … ``max_num_seqs``) adds to the compile. A
     burst is skipped for batches with ``logprobs`` or more than ``mpk.llm.multistep.MAX_STOPS``
     stop token ids (EOS included) in a request.
     """
@@ -78,15 +89,17 @@ class LLM:
                  tensor_parallel_size: int = 1, executor: str | None = None, max_num_batched_tokens: int = 512,
                  num_pages: int | None = None, seed: int = 0, enable_prefix_caching: bool = True,
                  device: str | torch.device | None = None, buckets: Seq[int] | None = None,
-                 decode_iterations: int = 1):
+                 decode_iterations: int | None = None):
         for name, value, least in (("max_num_seqs", max_num_seqs, 1), ("max_model_len", max_model_len, 2),
                                    ("max_num_batched_tokens", max_num_batched_tokens, 1), ("seed", seed, 0),
                                    ("tensor_parallel_size", tensor_parallel_size, 1),
-                                   ("decode_iterations", decode_iterations, 1)):
+                                   ("decode_iterations", 1 if decode_iterations is None else decode_iterations, 1)):
             if not is_count(value, least):
                 raise OptionError(f"{name}={value!r}; expected an int ≥ {least}")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        if decode_iterations is None:
+            decode_iterations = default_decode_iterations(executor or default_executor(device), tensor_parallel_size)
         self.job = None
         if tensor_parallel_size > 1 and decode_iterations > 1:
             raise NotSupportedError(f"decode_iterations={decode_iterations} with tensor_parallel_size="
@@ -130,8 +143,8 @@ class LLM:
         self.max_model_len, self.seed = max_model_len, seed
         per_seq = -(-max_model_len // page_size)
         if num_pages is None:
-            c = self.model.cfg
-            page_bytes = c.layers * 2 * c.kv_heads * page_size * c.head_dim * dtype.itemsize
+            ranks = self.job.world if self.job is not None and executor == "gpu" else 1  # a rank-local cache
+            page_bytes = self.model.cache_bytes_per_page(page_size, ranks)
             fits = int(free_memory(device) * MEMORY_FRACTION.get(device.type, 0.5)) // page_bytes
             num_pages = min(max_num_seqs * per_seq, fits)
         if not is_count(num_pages, per_seq):

@@ -62,7 +62,9 @@ class ModelRunner:
         self.model = model
         # every row may list up to max_model_len's pages (shared prefix pages repeat across rows)
         capacity = max_num_seqs * -(-max_model_len // page_size)
-        self.table = PageTable(model, max_num_seqs, num_pages, page_size, capacity)
+        # a sharded step's cache is rank-local; replicas (the eager executor) hold it whole
+        sharded = tensor_parallel if executor == "gpu" else None
+        self.table = PageTable(model, max_num_seqs, num_pages, page_size, capacity, sharded)
         eager = executor == "eager"
         self.buckets = TokenBuckets(model, self.table, max_num_batched_tokens, buckets, eager=eager,
                                     options=None if eager else self.options(executor, tensor_parallel))

@@ -52,17 +52,26 @@ class PageTable:
     ``lens[b]`` (counting the step's new tokens) and ``new[b]`` new rows (``qo_indptr``, read by
     a ragged step; a decode step ignores it); rows past ``len(pages)`` are empty. A page may
     appear in several rows (a shared prefix), so ``kv_indices`` holds ``capacity`` entries
-    (default ``num_pages``).
+    (default ``num_pages``). Under ``tensor_parallel`` (rank, world) the cache is rank-local
+    (``DecoderLM.new_cache``): only the rank's kv heads are real; ``local`` views the cache's
+    memory this process owns (the whole cache, or those heads).
     """
 
-    def __init__(self, model: DecoderLM, batch: int, num_pages: int, page_size: int, capacity: int | None = None):
+    def __init__(self, model: DecoderLM, batch: int, num_pages: int, page_size: int, capacity: int | None = None,
+                 tensor_parallel: tuple[int, int] | None = None):
         if not is_page_size(page_size):
             raise ValueError(f"page_size {page_size!r}; expected {PAGE_SIZES}")
         if not (is_count(batch, 1) and is_count(num_pages, 1)):
             raise ValueError(f"batch {batch!r}, num_pages {num_pages!r}; expected both ints ≥ 1")
         capacity = num_pages if capacity is None else capacity
         self.batch, self.page_size, self.num_pages, self.capacity = batch, page_size, num_pages, capacity
-        self.cache = model.new_cache(num_pages, page_size)
+        self.cache = model.new_cache(num_pages, page_size, tensor_parallel)
+        self.local = self.cache  # the memory this process owns
+        if tensor_parallel is not None and tensor_parallel[1] > 1:
+            from mpk.distributed.shard import kv_head_range
+
+            lo, hi = kv_head_range(model.cfg.kv_heads, *tensor_parallel)
+            self.local = self.cache.narrow(3, lo, hi - lo)
         # the four table tensors are views of one buffer, so a step's table is one copy; each
         # starts at a multiple of 16 entries (64 bytes: the tasks' vector loads stay aligned)
         sizes = {"kv_indptr": batch + 1, "kv_indices": capacity, "kv_last_page_len": batch, "qo_indptr": batch + 1}
@@ -114,15 +123,17 @@ class PagedKVCache(PageTable):
     writes the table; ``reset`` empties slots. Pages come interleaved across the slots, so a
     sequence's pages are not contiguous (the kernels must follow the table, not assume an
     order). ``lens``: each slot's length; ``new``: the last ``grow``'s counts (qo_indptr).
+    ``tensor_parallel``: as PageTable's.
     """
 
-    def __init__(self, model: DecoderLM, batch: int, max_len: int, page_size: int):
+    def __init__(self, model: DecoderLM, batch: int, max_len: int, page_size: int,
+                 tensor_parallel: tuple[int, int] | None = None):
         if not (is_count(batch, 1) and is_count(max_len, 1)):
             raise ValueError(f"batch {batch!r}, max_len {max_len!r}; expected both ints ≥ 1")
         check_max_len(model, max_len)
         self.max_len = max_len
         self.pages_per_seq = -(-max_len // page_size)
-        super().__init__(model, batch, batch * self.pages_per_seq, page_size)
+        super().__init__(model, batch, batch * self.pages_per_seq, page_size, tensor_parallel=tensor_parallel)
         self.reset()
 
     @property

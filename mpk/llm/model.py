@@ -114,9 +114,24 @@ class DecoderLM(nn.Module):
                 p.copy_(base + scale * torch.randn(p.shape, generator=g))
         return self
 
-    def new_cache(self, num_pages: int, page_size: int) -> torch.Tensor:
+    def new_cache(self, num_pages: int, page_size: int, tensor_parallel: tuple[int, int] | None = None) -> torch.Tensor:
+        """A zero KV cache [layers, 2, num_pages, kv_heads, page_size, head_dim]. Under
+        ``tensor_parallel`` (rank, world) it is rank-local: its memory holds only the rank's kv
+        heads (mpk.distributed.binding.rank_local), which the rank's sharded step writes in place."""
         c, p = self.cfg, self.embed
-        return torch.zeros(c.layers, 2, num_pages, c.kv_heads, page_size, c.head_dim, dtype=p.dtype, device=p.device)
+        shape = (c.layers, 2, num_pages, c.kv_heads, page_size, c.head_dim)
+        if tensor_parallel is None or tensor_parallel[1] == 1:
+            return torch.zeros(shape, dtype=p.dtype, device=p.device)
+        from mpk.distributed.binding import rank_local
+        from mpk.distributed.shard import kv_head_range
+
+        return rank_local(shape, 3, *kv_head_range(c.kv_heads, *tensor_parallel), p.dtype, p.device)
+
+    def cache_bytes_per_page(self, page_size: int, world: int = 1) -> int:
+        """The bytes a page of ``new_cache`` takes on one rank of ``world``."""
+        c = self.cfg
+        kv = c.kv_heads // world if c.kv_heads >= world else 1
+        return c.layers * 2 * kv * page_size * c.head_dim * self.embed.dtype.itemsize
 
 
 LOGITS = ("last", "all")

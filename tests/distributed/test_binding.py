@@ -59,3 +59,38 @@ def test_the_cache_shard_keeps_its_address_and_is_written_back():
     args, _ = binder.bind(full)
     assert args[i] is shard and shard.data_ptr() == args[i].data_ptr()
     assert torch.equal(shard, spec.take(fresh))
+
+
+def test_a_rank_local_cache_is_bound_live_and_holds_only_its_heads():
+    """A cache from ``new_cache(..., tensor_parallel)``: the rank's kv heads are a contiguous
+    slice of the full-shaped tensor, its memory about a share of the whole, and the binder
+    hands the launch that slice itself (no shard copy, nothing to write back)."""
+    step, sharded, binder, names, where = _setup()
+    i, spec = where[names["kv_cache"]], sharded.inputs[where[names["kv_cache"]]]
+    full = step.fresh_args()
+    whole = full[names["kv_cache"]]
+    local = step.model.new_cache(whole.shape[2], whole.shape[4], tensor_parallel=(1, 2))
+    (lo, hi), = spec.ranges
+    assert local.shape == whole.shape and (lo, hi) == (1, 2)
+    share = whole.numel() * (hi - lo) // whole.shape[3]
+    assert share <= local.untyped_storage().nbytes() // local.element_size() <= share + whole[0, 0, 0].numel()
+    mine = local.narrow(3, lo, hi - lo)
+    mine.copy_(whole.narrow(3, lo, hi - lo))
+    full[names["kv_cache"]] = local
+    args, back = binder.bind(full)
+    assert back == [] and args[i].data_ptr() == mine.data_ptr() and args[i].is_contiguous()
+    args[i].normal_()  # what a launch writes lands in the caller's cache
+    assert torch.equal(mine, args[i]) and not torch.equal(mine, whole.narrow(3, lo, hi - lo))
+    again, _ = binder.bind(full)
+    assert again[i] is args[i]
+
+
+def test_rank_local_refuses_a_slice_outside_the_shape():
+    import pytest
+
+    from mpk.distributed.binding import rank_local
+
+    with pytest.raises(ValueError, match=r"slice \[2, 5\) of dim 1"):
+        rank_local((3, 4, 5), 1, 2, 5, torch.float32, "cpu")
+    t = rank_local((3, 4, 5), 1, 2, 4, torch.float32, "cpu")
+    assert t.narrow(1, 2, 2).is_contiguous() and not t.is_contiguous()

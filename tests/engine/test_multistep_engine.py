@@ -10,6 +10,7 @@ import random
 import pytest
 
 from mpk import LLM, SamplingParams
+from mpk.engine.llm import BURST, default_decode_iterations
 from mpk.errors import OptionError
 from mpk.testing.engine import compared_prefix, gap_tolerance, greedy
 
@@ -97,7 +98,15 @@ def test_seeded_sampling_in_bursts_reproduces(checkpoint):
     assert len({tuple(t) for t in runs[0]}) > 1
 
 
-@pytest.mark.parametrize("k", [0, -2, 2.5, "4", True, None])
+@pytest.mark.parametrize("k", [0, -2, 2.5, "4", True])
 def test_bad_decode_iterations_raise(checkpoint, k):
     with pytest.raises(OptionError, match=f"decode_iterations={k!r}; expected an int ≥ 1"):
         LLM(checkpoint, decode_iterations=k, **KW)
+
+
+def test_bursts_are_the_default_on_one_gpu_only(checkpoint):
+    """No ``decode_iterations``: bursts of BURST on the GPU executor of one GPU, single steps
+    on the CPU executors and under tensor parallelism (whose step graph is one GPU's)."""
+    assert [default_decode_iterations(e, tp) for e, tp in (("gpu", 1), ("gpu", 2), ("cpu", 1), ("eager", 1))] \
+        == [BURST, 1, 1, 1] and BURST > 1
+    assert LLM(checkpoint, executor="eager", **KW).runner.decode_iterations == 1
