@@ -19,6 +19,12 @@ own, outermost first:
 
 and the step's GPU time (CUDA events, as ``decode_latency.py``). With ``--cprofile`` the step
 also runs under cProfile and the functions taking most of its own time are printed.
+
+``torchrun --nproc-per-node N benchmarks/host_path.py --tp N``: every rank compiles its shard of
+the step (over a rank-local cache, as the engine does) and runs the same calls (a rank's kernel
+waits for its peers'); rank 0 reports ``step`` and ``step_unguarded`` (the layers below the
+runner differ under tensor parallelism: the binder and the sharded runner wrap the executor)
+and the profile.
 Prints one JSON line per configuration (also appended to ``--out``) and a table last.
 """
 
@@ -39,7 +45,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_latency import add_step_args, compile_step, emit_row, max_len, random_model  # noqa: E402
+from decode_latency import add_step_args, check_tp, compile_step, emit_row, join_tp, max_len, random_model  # noqa: E402
 from peer import require_cuda, time_step  # noqa: E402
 
 from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
@@ -82,13 +88,15 @@ def top_functions(fn: Callable[[], object], calls: int, limit: int) -> list[dict
 
 
 def measure(model, batch: int, position: int, page_size: int, calls: int, rounds: int,
-            cprofile: int) -> dict:
-    step, kv = compile_step(model, batch, position, page_size)
+            cprofile: int, tp: tuple[int, int] | None = None) -> dict:
+    step, kv = compile_step(model, batch, position, page_size, {"tensor_parallel": tp} if tp else None)
     tokens = torch.randint(0, model.cfg.vocab, (batch,), device="cuda")
     with torch.no_grad():
-        kv.cache.normal_()
+        kv.local.normal_()
         step(tokens, *kv.args())  # trace, compile, build
         torch.cuda.synchronize()
+        if tp is not None:
+            return measure_step(lambda: step(tokens, *kv.args()), calls, rounds, cprofile)
         compiled = COMPILED[-1]
         runner = RUNNERS[id(compiled)]
         flat = last_args(runner)
@@ -130,6 +138,19 @@ def measure(model, batch: int, position: int, page_size: int, calls: int, rounds
     return result
 
 
+def measure_step(full: Callable[[], object], calls: int, rounds: int, cprofile: int) -> dict:
+    """The outer layers only (a tensor-parallel rank's step), the rest None."""
+    result = {"gpu_ms": time_step(full, warmup=5, iters=30), "step_us": host_us(full, calls, rounds)}
+    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+        result["step_unguarded_us"] = host_us(full, calls, rounds)
+    result |= dict.fromkeys(("kv_args_us", "runner_us", "launch_us", "bind_us", "driver_us", "driver_plain_us"))
+    result["args"] = len(COMPILED[-1].sharded.inputs)
+    if cprofile:
+        result["top"] = top_functions(full, cprofile, 25)
+    torch._dynamo.reset()
+    return result
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_step_args(ap)
@@ -137,19 +158,40 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7, help="timed blocks per measurement (their median)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="profile N steps under cProfile")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (under torchrun --nproc-per-node N)")
     args = ap.parse_args(argv)
     if args.calls < 1 or args.rounds < 1:
         ap.error(f"--calls {args.calls} and --rounds {args.rounds} must be at least 1")
+    problem = check_tp(args.tp, args.models) if args.tp >= 1 else f"--tp {args.tp}; expected an int ≥ 1"
+    if problem:
+        print(f"host_path.py: {problem}", file=sys.stderr)
+        return 1
     require_cuda("host_path.py")
+    job = join_tp(args.tp)
+    try:
+        return run(args, job)
+    finally:
+        if job is not None:
+            from mpk.distributed.nvshmem import leave
+
+            leave(job)
+
+
+def run(args, job) -> int:
+    tp = (job.rank, job.world) if job is not None else None
+    if tp is not None and tp[0] != 0:  # rank 0 prints and writes the rows (every rank makes the same calls)
+        args.out = None
     device = torch.cuda.get_device_name()
     rows = []
     for name in args.models:
         model = random_model(MODELS[name], max_len(args.position), num_splits=args.num_splits)
         for batch in args.batches:
-            r = measure(model, batch, args.position, args.page_size, args.calls, args.rounds, args.cprofile)
+            r = measure(model, batch, args.position, args.page_size, args.calls, args.rounds, args.cprofile, tp)
             row = {"date": datetime.date.today().isoformat(), "device": device, "model": name, "batch": batch,
-                   "position": args.position, **r}
+                   "position": args.position, "tp": args.tp, **r}
             rows.append(row)
+            if tp is not None and tp[0] != 0:
+                continue
             for t in row.get("top", []):
                 print(f"  {t['own_us']:8.1f} own {t['cum_us']:8.1f} cum µs/step  x{t['calls_per_step']:<6.1f} "
                       f"{t['function']}", flush=True)
@@ -157,13 +199,15 @@ def main(argv=None) -> int:
         del model
         gc.collect()
         torch.cuda.empty_cache()
+    if tp is not None and tp[0] != 0:
+        return 0
     cols = ("step_us", "step_unguarded_us", "kv_args_us", "runner_us", "launch_us", "bind_us", "driver_us",
             "driver_plain_us")
     print(f"\n{'model':12s} {'B':>3s} {'args':>5s} {'gpu ms':>8s} " + " ".join(f"{c[:-3]:>12s}" for c in cols)
           + "   (host µs per call)")
     for r in rows:
         print(f"{r['model']:12s} {r['batch']:3d} {r['args']:5d} {r['gpu_ms']:8.3f} "
-              + " ".join(f"{r[c]:12.1f}" for c in cols))
+              + " ".join(f"{r[c]:12.1f}" if r[c] is not None else f"{'-':>12s}" for c in cols))
     return 0
 
 

@@ -53,15 +53,17 @@ def build_ranks(graph: OpGraph, world: int, num_workers: int = 8, comm_tiles: in
     return out
 
 
-def run_ranks(ranks: Sequence[Rank], full_args: Sequence[torch.Tensor], seed: int = 0,
-              iterations: int = 1) -> list[list[Any]]:
-    """Run every rank's graph on its share of ``full_args`` (the unsharded graph's arguments),
-    interleaved by ``seed``; each rank's graph outputs, in rank order. State inputs passed
-    whole (the KV cache) get the ranks' writes back."""
+def run_ranks(ranks: Sequence[Rank], full_args: Sequence[torch.Tensor] | Sequence[Sequence[torch.Tensor]],
+              seed: int = 0, iterations: int = 1) -> list[list[Any]]:
+    """Run every rank's graph on its share of ``full_args`` (the unsharded graph's arguments,
+    or a list of them per rank: rank-local KV caches), interleaved by ``seed``; each rank's
+    graph outputs, in rank order. State inputs passed whole (the KV cache) get the ranks'
+    writes back; rank-local ones are written in place."""
     rng = random.Random(seed)
+    per_rank = len(full_args) == len(ranks) and all(isinstance(a, (list, tuple)) for a in full_args)
     bound, steps, backs = [], [], []
-    for rank in ranks:
-        args, back = rank.binder.bind(full_args)
+    for r, rank in enumerate(ranks):
+        args, back = rank.binder.bind(full_args[r] if per_rank else full_args)
         bufs, gen = rank.interpreter.start(args, seed=rng.randrange(1 << 30), iterations=iterations)
         bound.append(bufs)
         steps.append(gen)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mpk.distributed.ranks import build_ranks, run_ranks
+from mpk.distributed.shard import kv_head_range
 from mpk.executors import Interpreter
 from mpk.testing.graphs import relative_error
 from mpk.testing.tp import tp_logits_bound, traced_step
@@ -83,3 +84,26 @@ def test_many_uneven_collective_tiles():
     outs = run_ranks(build_ranks(step.compiled.graph, 2, comm_tiles=16), step.fresh_args(), seed=3)
     assert torch.equal(outs[0][-1], outs[1][-1])
     assert relative_error(outs[0][-1], ref) <= tp_logits_bound(step.model.cfg, step.positions, 2)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_rank_local_caches_give_the_full_caches_bits(world):
+    """Each rank over its own rank-local cache (DecoderLM.new_cache(..., tensor_parallel)),
+    holding its kv heads of the same values: the same logits, bit for bit, as the ranks over
+    the full cache, and each rank's heads hold the full cache's appends."""
+    step, _ = _step("qwen3", True)
+    at = [b.name for b in step.compiled.graph.inputs].index("kv_cache")
+    args = step.fresh_args()
+    full = run_ranks(build_ranks(step.compiled.graph, world), args, seed=world)
+    start, per_rank, mine = step.fresh_args()[at], [], []
+    for r in range(world):
+        local = step.model.new_cache(start.shape[2], start.shape[4], tensor_parallel=(r, world))
+        lo, hi = kv_head_range(start.shape[3], r, world)
+        local.narrow(3, lo, hi - lo).copy_(start.narrow(3, lo, hi - lo))
+        per_rank.append([local if i == at else a for i, a in enumerate(step.fresh_args())])
+        mine.append((local, lo, hi))
+    outs = run_ranks(build_ranks(step.compiled.graph, world), per_rank, seed=world)
+    for r in range(world):
+        assert torch.equal(outs[r][-1], full[r][-1]), f"rank {r} of {world}"
+        local, lo, hi = mine[r]
+        assert torch.equal(local.narrow(3, lo, hi - lo), args[at].narrow(3, lo, hi - lo))
