@@ -125,8 +125,8 @@ def rank_local(shape: Sequence[int], dim: int, lo: int, hi: int, dtype: torch.dt
     """A zero-filled tensor of the full ``shape`` whose memory is only its slice [lo, hi) along
     ``dim`` (contiguous) and a little slack: the other indices of ``dim`` alias that memory.
     A rank binds its slice live (``RankBinder``), so a tensor-parallel rank's KV cache costs
-    its share of memory and no copy a step. Only the slice may be read or written: in-place
-    ops over the whole tensor refuse it (overlapping memory), copies through it read aliases."""
+    its share of memory and no copy a step. Only the slice may be read or written: an op over
+    the whole tensor reads or writes the aliases too (PyTorch does not refuse the overlap)."""
     shape = tuple(int(n) for n in shape)
     if not (0 <= dim < len(shape) and 0 <= lo < hi <= shape[dim]):
         raise ValueError(f"slice [{lo}, {hi}) of dim {dim} of shape {shape}; expected 0 ≤ lo < hi ≤ shape[dim]")
