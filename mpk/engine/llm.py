@@ -53,7 +53,7 @@ def default_decode_iterations(executor: str, tensor_parallel_size: int = 1) -> i
 
 class LLM:
     """A model ready to generate: ``generate``, ``chat`` and ``stream``; or request by request
-(as ``mpk serve``'s engine thread does): ``add_request``, ``step``, ``abort``.
+(as ``mpk serve``'s engine process does): ``add_request``, ``step``, ``abort``.
 
     ``model``: a local Hugging Face directory (config.json, *.safetensors, a tokenizer), a
     ``.gguf`` file, or None for mpk's default model. ``max_num_seqs``: sequences per step at
@@ -365,10 +365,7 @@ class LLM:
     def chat_prompt(self, conversation: Conversation) -> tuple[str, list[int]]:
         """(text, token ids) of the prompt the tokenizer's chat template makes of a
         conversation, ready for the assistant's reply."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise MpkError("the tokenizer has no chat template; use generate() with a prompt")
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return chat_prompt(self.tokenizer, conversation)
 
     def _generate(self, prompts: list[tuple[str | None, Any]],
                   params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
@@ -412,6 +409,16 @@ class LLM:
     def prefix_cache_hits(self) -> tuple[int, int]:
         """(pages, tokens) found cached by requests so far."""
         return self.blocks.hit_pages, self.blocks.hit_tokens
+
+
+def chat_prompt(tokenizer: Any, conversation: Conversation) -> tuple[str, list[int]]:
+    """(text, token ids) of the prompt ``tokenizer``'s chat template makes of a conversation,
+    ready for the assistant's reply (``LLM.chat_prompt``; also the server's HTTP process, which
+    holds the tokenizer but not the engine)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise MpkError("the tokenizer has no chat template; use generate() with a prompt")
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _output(seq: Sequence, text: str, token_ids: list[int], logprobs: list | None) -> RequestOutput:

@@ -88,14 +88,16 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
               aliases: tuple[str, ...] = ()) -> FastAPI:
     """The application serving ``engine`` as ``model_name`` (requests may also name it by an
-    alias, e.g. the path given to --model). The engine thread starts and stops with the app."""
-    llm, metrics = engine.llm, engine.metrics
+    alias, e.g. the path given to --model). ``engine`` must be started (its tokenizer and
+    limits are read here); the app stops it when it shuts down."""
+    if engine.info is None:
+        raise MpkError("build_app needs a started engine (AsyncEngine.start)")
+    info, metrics = engine.info, engine.metrics
     names = {model_name, *aliases}
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
         yield
         engine.stop()
 
@@ -130,7 +132,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @v1.get("/models")
     async def models() -> dict:
-        return ModelList(data=[ModelCard(id=model_name, created=created, max_model_len=llm.max_model_len)]).model_dump()
+        card = ModelCard(id=model_name, created=created, max_model_len=info.max_model_len)
+        return ModelList(data=[card]).model_dump()
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -141,7 +144,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 raise ApiError(400, f"prompt: a batch of {len(prompt)} prompts; mpk serve takes one prompt per "
                                "request (send several requests)", param="prompt")
             prompt = prompt[0]
-        ids = llm.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        ids = info.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
         return await _generate(request, body, ids, "prompt", body.logprobs, chat=False)
 
     @v1.post("/chat/completions")
@@ -159,7 +162,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 content = "".join(p["text"] for p in content)
             conversation.append({"role": m.role, "content": content})
         try:
-            _, ids = llm.chat_prompt(conversation)
+            _, ids = info.chat_prompt(conversation)
         except (TemplateError, ValueError, TypeError, MpkError) as e:  # e.g. a template refusing the roles' order
             raise ApiError(400, f"messages: the chat template does not apply ({type(e).__name__}: {e})",
                            param="messages") from None
@@ -181,15 +184,15 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         """Run a checked request: 400 for a prompt that does not fit, 429 when the server is
         full, then the whole response or (``stream``) server-sent events."""
         max_tokens = max_tokens or body.max_tokens
-        room = llm.max_model_len - len(ids)
+        room = info.max_model_len - len(ids)
         if room < 1 or (max_tokens is not None and max_tokens > room):
             asked = f" and max_tokens={max_tokens}" if max_tokens is not None else ""
             raise ApiError(400, f"{prompt_field}: {len(ids)} prompt tokens{asked} exceed the model's context "
-                           f"length, max_model_len={llm.max_model_len} (shorten the prompt or lower max_tokens)",
+                           f"length, max_model_len={info.max_model_len} (shorten the prompt or lower max_tokens)",
                            param=prompt_field if room < 1 else "max_tokens", code="context_length_exceeded")
         params = body.sampling_params(max_tokens or room, top)
         try:
-            params.validate(llm.vocab)
+            params.validate(info.vocab)
         except MpkError as e:
             raise ApiError(400, str(e)) from None
         outputs = engine.generate(ids, params)
@@ -204,7 +207,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             if engine.failure is not None:  # refused because the engine stopped, not for its content
                 raise ApiError(503, admitted.error, kind="server_error")
             raise ApiError(400, f"{prompt_field}: {admitted.error}", param=prompt_field)
-        render = Rendering(llm.tokenizer, chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        render = Rendering(info.tokenizer, chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                            int(time.time()), body.model, len(ids), top)
         if body.stream:
             return StreamingResponse(_sse(outputs, render, body.include_usage), media_type="text/event-stream")

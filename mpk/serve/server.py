@@ -1,6 +1,7 @@
-"""``mpk serve``: load the model, start the engine thread and uvicorn. SIGTERM stops taking
-requests, lets those in flight finish (``DRAIN_SECONDS`` at most) and exits 0; Ctrl-C drains
-the same way, then exits as interrupted (130)."""
+"""``mpk serve``: start the engine process (it loads the model; a model that does not load
+ends ``mpk serve`` with the engine's reason), then uvicorn. SIGTERM stops taking requests, lets
+those in flight finish (``DRAIN_SECONDS`` at most), stops the engine process and exits 0;
+Ctrl-C drains the same way, then exits as interrupted (130)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import uvicorn
@@ -19,9 +21,9 @@ from mpk.serve.engine import AsyncEngine
 from mpk.serve.metrics import Metrics
 
 DRAIN_SECONDS = 30
-# The engine thread's loop is host-bound between device waits; with CPython's default switch
-# interval (5 ms) the event loop's thread, busy streaming to many clients, may hold the GIL that
-# long each time the engine thread wants it back, which stalls the GPU between steps.
+# The thread that reads the engine's per-step messages must get the GIL soon from an event loop
+# busy streaming to many clients: with CPython's default switch interval (5 ms) the messages
+# would wait, and once the pipe is full the engine process waits to send its next step.
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -54,18 +56,20 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
 
-    llm = LLM(ns.model, max_num_seqs=ns.max_num_seqs, max_model_len=ns.max_model_len, page_size=ns.page_size,
-              tensor_parallel_size=ns.tensor_parallel_size, executor=ns.executor,
-              max_num_batched_tokens=ns.max_num_batched_tokens, num_pages=ns.num_pages, seed=ns.seed,
-              enable_prefix_caching=not ns.no_prefix_caching, decode_iterations=ns.decode_iterations)
+    # built in the engine process (under tensor parallelism it is rank 0 and starts the others)
+    build = partial(LLM, ns.model, max_num_seqs=ns.max_num_seqs, max_model_len=ns.max_model_len,
+                    page_size=ns.page_size, tensor_parallel_size=ns.tensor_parallel_size, executor=ns.executor,
+                    max_num_batched_tokens=ns.max_num_batched_tokens, num_pages=ns.num_pages, seed=ns.seed,
+                    enable_prefix_caching=not ns.no_prefix_caching, decode_iterations=ns.decode_iterations)
     name = ns.served_model_name or served_name(ns.model)
-    engine = AsyncEngine(llm, Metrics(), ns.max_queue)
-    app = build_app(engine, name, ns.api_key, aliases=(ns.model,) if ns.model else ())
-    logging.getLogger("mpk.serve").info("serving %s on http://%s:%d", name, ns.host, ns.port)
-    server = _Server(uvicorn.Config(app, host=ns.host, port=ns.port, timeout_graceful_shutdown=DRAIN_SECONDS,
-                                    log_level=ns.log_level))
+    engine = AsyncEngine(build, Metrics(), ns.max_queue)
+    engine.start()  # EngineStartError: the CLI prints the engine's reason and exits 2
     try:
+        app = build_app(engine, name, ns.api_key, aliases=(ns.model,) if ns.model else ())
+        logging.getLogger("mpk.serve").info("serving %s on http://%s:%d", name, ns.host, ns.port)
+        server = _Server(uvicorn.Config(app, host=ns.host, port=ns.port, timeout_graceful_shutdown=DRAIN_SECONDS,
+                                        log_level=ns.log_level))
         server.run()
     finally:
-        llm.close()  # a tensor-parallel job's workers stop with the server
+        engine.stop()  # (the app stopped it already unless uvicorn failed first)
     return 0

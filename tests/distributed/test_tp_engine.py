@@ -6,12 +6,12 @@ next step into ``RankFailedError`` naming it; the server then answers 503."""
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import subprocess
 import textwrap
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -111,31 +111,35 @@ def test_under_torchrun_every_rank_calls_llm_and_rank_0_generates(checkpoint, tm
 
 
 def test_the_server_answers_503_after_a_rank_failed(checkpoint):
+    import psutil
     from fastapi.testclient import TestClient
 
     from mpk.serve.app import build_app
     from mpk.serve.engine import AsyncEngine
     from mpk.serve.metrics import Metrics
 
-    llm = LLM(checkpoint, tensor_parallel_size=2, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
-              executor="eager", device="cpu")
-    engine = AsyncEngine(llm, Metrics(), max_queue=4)
+    # the engine process is rank 0: it starts rank 1, which is therefore its child
+    engine = AsyncEngine(partial(LLM, str(checkpoint), tensor_parallel_size=2, max_model_len=64, max_num_seqs=4,
+                                 max_num_batched_tokens=16, executor="eager", device="cpu"), Metrics(), max_queue=4)
+    engine.start()
     body = {"model": "tiny", "prompt": random_prompt(6), "max_tokens": 4, "temperature": 0}
     try:
-        with TestClient(build_app(engine, "tiny")) as client:  # (its lifespan runs the engine thread)
+        with TestClient(build_app(engine, "tiny")) as client:
             assert client.post("/v1/completions", json=body).status_code == 200
-            llm.job.procs[1].kill()
-            assert llm.job.monitor.wait_failure(10) is not None  # the driver's monitor saw it exit
-            failed = client.post("/v1/completions", json=body)  # its step finds the rank gone
-            assert failed.status_code == 500 and "rank 1" in failed.json()["error"]["message"]
-            engine._thread.join(30)
+            [rank1] = [p for p in psutil.Process(engine.pid).children()
+                       if "mpk.distributed.worker" in " ".join(p.cmdline())]
+            assert rank1.environ()["NVSHMEM_DISABLE_NVLS"] == "1"  # (NVLink multicast off in the job)
+            rank1.kill()
+            # the next step finds the rank gone (its monitor may have reported it already)
+            failed = client.post("/v1/completions", json=body)
+            assert failed.status_code == 503 and "rank 1" in failed.json()["error"]["message"]
             later = client.post("/v1/completions", json=body)
             assert later.status_code == 503 and "the engine stopped" in later.json()["error"]["message"]
             health = client.get("/health")
             assert health.status_code == 503 and "rank 1" in health.json()["status"]
+            psutil.Process(engine.pid).wait(30)  # the engine process exits, its job with it
     finally:
-        llm.close()
-    assert os.environ["NVSHMEM_DISABLE_NVLS"] == "1"
+        engine.stop()
 
 
 @pytest.mark.gpu

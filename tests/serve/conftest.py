@@ -1,6 +1,7 @@
 """Fixtures of the server tests: a tiny random checkpoint (the engine tests' model), servers
-over it started in this process (uvicorn on a free loopback port, in a thread), and torch on
-one thread (tiny steps; several threads on a shared machine only wait on each other)."""
+over it started in this process (uvicorn on a free loopback port, in a thread; the engine in
+its own process, as ``mpk serve`` runs it), and torch on one thread (tiny steps; several
+threads on a shared machine only wait on each other)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,17 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import httpx
 import pytest
 import uvicorn
 
-from mpk.engine.llm import LLM
 from mpk.serve.app import build_app
 from mpk.serve.engine import AsyncEngine
 from mpk.serve.metrics import Metrics
 from mpk.testing.engine import one_thread, seeded_checkpoint
+from mpk.testing.serve import served_llm
 
 MODEL = "tiny"
 MAX_LEN = 256
@@ -42,7 +44,7 @@ def free_port() -> int:
 
 
 class Server:
-    """A running server: ``url``, ``engine`` (its ``llm``), ``metrics()`` (name → value of the
+    """A running server: ``url``, ``engine`` (its ``AsyncEngine``), ``metrics()`` (name → value of the
     unlabelled samples and ``name{label}`` of labelled ones)."""
 
     def __init__(self, url: str, engine: AsyncEngine):
@@ -64,35 +66,28 @@ class Server:
 
 
 @contextmanager
-def serving(model: str | LLM | None, step_delay: float = 0.0, api_key: str | None = None, max_queue: int = 64,
-            **llm_options) -> Iterator[Server]:
-    """A server over ``model`` (a path, None for the default model, or an ``LLM`` it then owns)
-    on a free port until the block ends; ``step_delay``: seconds each engine step is slowed by
-    (so that a request is surely still running)."""
-    options = {"max_num_seqs": 8, "max_model_len": MAX_LEN} | llm_options
-    llm = model if isinstance(model, LLM) else LLM(model, **options)
-    if step_delay:
-        step = llm.step
-
-        def slow_step():
-            time.sleep(step_delay)
-            return step()
-        llm.step = slow_step
-    engine = AsyncEngine(llm, Metrics(), max_queue)
+def serving(model: str | None, api_key: str | None = None, max_queue: int = 64, **options) -> Iterator[Server]:
+    """A server over ``model`` (a path, None for the default model) on a free port until the
+    block ends; ``options``: the ``LLM``'s and ``mpk.testing.serve.served_llm``'s (e.g.
+    ``step_delay``, ``failing_steps``)."""
+    engine = AsyncEngine(partial(served_llm, model, **{"max_num_seqs": 8, "max_model_len": MAX_LEN} | options),
+                         Metrics(), max_queue)
+    engine.start()
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(engine, "default" if model is None else MODEL, api_key),
                                            host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
     try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
         yield Server(f"http://127.0.0.1:{port}", engine)
     finally:
         server.should_exit = True
         thread.join(30)
+        engine.stop()  # (the app's shutdown stopped it, unless the server did not start)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def reference(checkpoint) -> LLM:
-    """An offline engine over the server's model (the server's own belongs to its thread)."""
+    """An offline engine over the server's model (the server's own is in its engine process)."""
     return LLM(checkpoint, max_num_seqs=8, max_model_len=MAX_LEN)
 
 

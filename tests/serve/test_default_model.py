@@ -10,7 +10,7 @@ from mpk import LLM, SamplingParams
 from mpk.errors import MpkError
 from mpk.llm.default_model import default_model_path
 
-from .conftest import MODEL, serving
+from .conftest import serving
 
 
 def _installed() -> bool:
@@ -27,11 +27,11 @@ def test_the_default_model_chats():
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     llm = LLM(None, max_num_seqs=2, max_model_len=256)
     expected = llm.chat([messages], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # before serving
-    with serving(llm) as server:
+    with serving(None, max_num_seqs=2) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
-        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+        out = client.chat.completions.create(model="default", messages=messages, max_tokens=8, temperature=0)
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True))
+            model="default", messages=messages, max_tokens=8, temperature=0, stream=True))
     text = out.choices[0].message.content
     assert text == expected[0].outputs[0].text == streamed
     assert out.usage.completion_tokens == len(expected[0].outputs[0].token_ids) and text.strip()

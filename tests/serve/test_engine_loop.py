@@ -1,5 +1,5 @@
 """The engine primitives the server runs on (``LLM.add_request``, ``step``, ``abort``) and the
-engine thread's handling of a failing step."""
+engine process's handling of a failing step."""
 
 from __future__ import annotations
 
@@ -38,16 +38,7 @@ def test_step_deltas_reassemble_and_abort_frees_pages(checkpoint):
 
 
 def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(checkpoint):
-    llm = LLM(checkpoint, max_num_seqs=4, max_model_len=MAX_LEN)
-    step, calls = llm.step, []
-
-    def fail_once():
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("device lost")
-        return step()
-    llm.step = fail_once
-    with serving(llm) as server:
+    with serving(checkpoint, failing_steps=1, max_num_seqs=4) as server:  # its first step: "device lost"
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
         assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
