@@ -35,7 +35,9 @@ class SamplingParams:
     (0: off) keeps the k most likely tokens, ``top_p`` (1: off) the smallest set whose
     probability reaches p, ``min_p`` (0: off) the tokens at least ``min_p`` × the most likely
     one's probability, and a token is drawn from what is left, renormalised. ``max_tokens``:
-    tokens to generate at most; ``stop``: strings that end the output (not included);
+    tokens to generate at most; ``stop``: strings that end the output (not included; matched
+    against the text as it streams, which holds back bytes that do not yet form a character:
+    a U+FFFD that ends the text appears once a later token follows it or the output ends);
     ``stop_token_ids``: token ids that end it (included in ``token_ids``, like EOS); ``ignore_eos``:
     do not stop at the model's EOS; ``seed``: per-request randomness (None: drawn from the
     engine's seed and the request's index); ``logprobs``: also return that many most likely
