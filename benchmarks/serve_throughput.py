@@ -148,7 +148,11 @@ def kill_under_load(ckpt: Path, args, log_path: Path) -> dict:
             killed = time.monotonic()
             _, alive = psutil.wait_procs(list(ranks.values()), timeout=60)
             exited_s = time.monotonic() - killed if not alive else None
-            health = httpx.get(f"{ns.url}/health", timeout=10)
+            # rank 0 learns of the death from its monitor (about a second): /health until it says so
+            while (health := httpx.get(f"{ns.url}/health", timeout=10)).status_code == 200 \
+                    and time.monotonic() - killed < 30:
+                time.sleep(0.2)
+            unhealthy_s = time.monotonic() - killed
             name = httpx.get(f"{ns.url}/v1/models", timeout=10).json()["data"][0]["id"]
             late = httpx.post(f"{ns.url}/v1/completions", timeout=30,
                               json={"model": name, "prompt": [1, 2, 3], "max_tokens": 4})
@@ -160,7 +164,8 @@ def kill_under_load(ckpt: Path, args, log_path: Path) -> dict:
     text = log_path.read_text(errors="replace")
     return {"kill_rank": args.kill_rank, "kill_after_s": args.kill_after, "concurrency": c,
             "workers_exited_s": exited_s, "workers_still_alive": [p.pid for p in alive],
-            "health_status": health.status_code, "completion_status": late.status_code,
+            "health_status": health.status_code, "unhealthy_after_s": unhealthy_s,
+            "completion_status": late.status_code,
             "load_finished": not load.is_alive(), "load_done_s": answered_s,
             "failed_streams": result.get("failed"), "completed_streams": result.get("completed"),
             "log_names_rank": f"rank {args.kill_rank}" in text, "log_tail": text[-1500:]}

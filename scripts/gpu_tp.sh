@@ -53,7 +53,7 @@ if [[ $PARTS == *" latency "* ]]; then
 fi
 if [[ $PARTS == *" serve "* ]]; then
   timeout 240 python3 benchmarks/serve_throughput.py --tensor-parallel-size "$(( gpus >= 4 ? 4 : 2 ))" --kill-rank 1 \
-    --concurrency 64 --output-len 128 --layers 8 --kill-after 8 --out "$OUT/serve_kill.jsonl" > "$OUT/serve_kill.log" 2>&1
+    --concurrency 64 --output-len 2048 --layers 8 --kill-after 3 --out "$OUT/serve_kill.jsonl" > "$OUT/serve_kill.log" 2>&1
   rc=$(( rc | $? )); tail -2 "$OUT/serve_kill.log"
 fi
 exit $rc

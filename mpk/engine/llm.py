@@ -123,6 +123,7 @@ class LLM:
             raise
         self._next_id = 0
         self._stats = EngineStats()
+        self._compiled: Any = None  # compile()'s report
 
     def _build(self, model: str | os.PathLike | LoadedModel | None, max_num_seqs: int, max_model_len: int,
                page_size: int, dtype: torch.dtype, executor: str, max_num_batched_tokens: int, num_pages: int | None,
@@ -162,6 +163,17 @@ class LLM:
         self.runner = ParallelRunner(self.job, self.model, replace(config, num_pages=num_pages), allocator)
         # the workers are told to stop when this engine goes (at the latest at exit)
         weakref.finalize(self, self.runner.close)
+
+    def compile(self, progress: bool | None = None) -> Any:
+        """Trace and build every graph the engine may run (the token buckets, the decode form and
+        the multi-step graphs), else each is made at its first use: a server calls this before it
+        takes requests, so that no request waits for a trace. Returns the ``CompileReport``
+        (nothing to do, an empty one, when a tensor-parallel job compiled at start-up)."""
+        if self._compiled is None:
+            done = self.runner.buckets.report  # a tensor-parallel job's, or a first step's
+            self._compiled = done if done is not None and self.runner.decode_iterations == 1 \
+                else self.runner.compile(progress)
+        return self._compiled
 
     def close(self) -> None:
         """Stop a tensor-parallel job's workers and leave it (nothing to do on one GPU); the

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -89,6 +90,9 @@ def run_engine(build: Callable[[], LLM], commands: Connection, results: Connecti
         signal.signal(sig, _keep_running)
     try:
         llm = build()
+        start = time.perf_counter()
+        llm.compile(progress=False)  # every graph now: no request waits for a trace
+        log.info("compiled the engine's graphs in %.1f s", time.perf_counter() - start)
     except Exception as e:  # noqa: BLE001 (a bad model path, an OptionError, …: the HTTP process reports it)
         results.send(("start_failed", f"{type(e).__name__}: {e}"))
         return

@@ -227,3 +227,15 @@ def test_mpk_exports_the_engine_lazily():
     assert mpk.LLM is LLM and mpk.SamplingParams is SamplingParams and mpk.RequestOutput.__name__ == "RequestOutput"
     with pytest.raises(AttributeError):
         mpk.NoSuchThing  # noqa: B018
+
+
+def test_compile_makes_every_graph_once_before_the_first_request(checkpoint):
+    """``LLM.compile()`` traces the token buckets and the decode form up front (a server calls
+    it before taking requests); later steps and later calls reuse them."""
+    llm = LLM(checkpoint, executor="cpu", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16)
+    assert llm.runner.buckets.report is None
+    report = llm.compile()
+    assert llm.compile() is report and llm.runner.buckets.report is report
+    assert {"decode"} | {f"T={t}" for t in llm.runner.buckets.buckets} <= {k.split(" ")[0] for k in report.trace_s}
+    out = llm.generate([random_prompt(5)], greedy(3), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3 and llm.runner.buckets.report is report
