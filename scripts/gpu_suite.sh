@@ -2,14 +2,15 @@
 # Everything GPU-side in one call (for the lent device): install, GPU tests (runtime and
 # decode), the runtime benchmarks, then with DECODE=1 the decode benchmarks (task bandwidth and
 # decode latency against the torch peer: about 10 minutes more), short tables last. Logs and
-# JSON go to $OUT (or ./gpu-out); the exit status is non-zero when a test or benchmark failed. PARTS picks a subset (default "decode parity runtime bench",
-# ~9 minutes on an H100 with xdist): the device's 10-minute limit per command fits
-# PARTS="decode parity" and PARTS="runtime bench" as two calls.
+# JSON go to $OUT (or ./gpu-out); the exit status is non-zero when a test or benchmark failed. PARTS picks a subset (default "decode parity breadth runtime bench";
+# without breadth ~9 minutes on an H100 with xdist): the device's 10-minute limit per command fits
+# PARTS="decode parity", PARTS="breadth" (the breadth suite in bf16: ~24 nvcc builds, under
+# xdist) and PARTS="runtime bench" as three calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PARTS=" ${PARTS:-decode parity runtime bench} "
+PARTS=" ${PARTS:-decode parity breadth runtime bench} "
 for part in $PARTS; do
-  case $part in decode|parity|runtime|bench) ;; *) echo "PARTS has $part; expected decode, parity, runtime, bench" >&2; exit 2;; esac
+  case $part in decode|parity|breadth|runtime|bench) ;; *) echo "PARTS has $part; expected decode, parity, breadth, runtime, bench" >&2; exit 2;; esac
 done
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MPK_CACHE_DIR=${MPK_CACHE_DIR:-/tmp/mpk-cache}
@@ -35,7 +36,9 @@ parallel=() threads=$(nproc)
 python3 -c "import xdist" 2>/dev/null && parallel=(-n "$jobs") threads=$(( threads / jobs > 0 ? threads / jobs : 1 ))
 [[ $PARTS == *" decode "* ]] && OMP_NUM_THREADS=$threads run_tests "${parallel[@]}" -k "not qwen3-1.7b" tests/gpu/test_gpu_decode.py
 [[ $PARTS == *" parity "* ]] && run_tests -k "qwen3-1.7b" tests/gpu/test_gpu_decode.py
-[[ $PARTS == *" runtime "* ]] && run_tests tests --deselect tests/gpu/test_gpu_decode.py
+[[ $PARTS == *" breadth "* ]] && OMP_NUM_THREADS=$threads run_tests "${parallel[@]}" tests/gpu/test_gpu_hf_breadth.py
+[[ $PARTS == *" runtime "* ]] && run_tests tests --deselect tests/gpu/test_gpu_decode.py \
+  --ignore tests/gpu/test_gpu_hf_breadth.py
 if [[ $PARTS == *" bench "* ]]; then
   python3 examples/compile_module.py --out "$OUT/example" 2>&1 | tee "$OUT/example.log" | tail -4
   bench_rc=${PIPESTATUS[0]}

@@ -1,5 +1,5 @@
 """Small convolutional networks the tests compile whole: a ResNet (basic blocks, batch norm, max
-and adaptive average pooling, a linear head), a UNet level (pooling down, transposed conv and
+and adaptive average pooling, a linear head; two blocks, or ResNet-18's [2, 2, 2, 2]), a UNet level (pooling down, transposed conv and
 upsampling up, skip concatenation) and a ConvNeXt block (depthwise 7×7 conv, LayerNorm, GELU MLP)."""
 
 from __future__ import annotations
@@ -38,13 +38,29 @@ class TinyResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
 
 
+class ResNet18(TinyResNet):
+    """ResNet-18's layout at width ``c`` (torchvision's has c = 64): the stem, four stages of two
+    basic blocks with c, 2c, 4c, 8c channels (the last three downsample in their first block),
+    global average pooling and a linear classifier."""
+
+    def __init__(self, c: int = 8, classes: int = 10):
+        super().__init__(c, classes)
+        widths = [c, c, 2 * c, 4 * c, 8 * c]
+        self.layers = nn.Sequential(*(BasicBlock(widths[i] if j == 0 else widths[i + 1], widths[i + 1],
+                                                 2 if j == 0 and i > 0 else 1)
+                                      for i in range(4) for j in range(2)))
+        self.fc = nn.Linear(8 * c, classes)
+
+
 class UNetBlock(nn.Module):
     """One UNet level: a double conv, a max-pooled path down and up again (transposed conv;
-    bilinear and nearest upsampling), skip concatenation, a 1×1 head."""
+    bilinear and nearest upsampling), skip concatenation, a 1×1 head. ``norm``: "batch" (batch
+    norm) or "group" (group norm of two groups) after the first conv."""
 
-    def __init__(self, c: int = 4):
+    def __init__(self, c: int = 4, norm: str = "batch"):
         super().__init__()
-        self.enc = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
+        normalize = {"batch": lambda: nn.BatchNorm2d(c), "group": lambda: nn.GroupNorm(2, c)}[norm]()
+        self.enc = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), normalize, nn.ReLU(),
                                  nn.Conv2d(c, c, 3, padding=1), nn.ReLU())
         self.mid = nn.Sequential(nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU())
         self.up = nn.ConvTranspose2d(2 * c, c, 2, stride=2)

@@ -42,7 +42,7 @@ def test_a_part_with_no_tests_selected_passes(tmp_path):
 
 
 @pytest.mark.parametrize("script,env,message", [
-    ("gpu_suite.sh", {"PARTS": "runtime decod"}, "PARTS has decod; expected decode, parity, runtime, bench"),
+    ("gpu_suite.sh", {"PARTS": "runtime decod"}, "PARTS has decod; expected decode, parity, breadth, runtime, bench"),
     ("gpu_decode.sh", {"STAGE": "latnecy"}, "STAGE=latnecy; expected tests, bandwidth, latency, phases or all"),
 ])
 def test_a_misspelt_part_is_named(tmp_path, script, env, message):
