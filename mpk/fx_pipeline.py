@@ -141,7 +141,8 @@ def compile_tables(gm: GraphModule, opts: CompileOptions, param_flags: list[bool
     if opts.tensor_parallel is not None:  # (Tables.rank_free_digest reads the rank from here)
         meta_options["tensor_parallel"] = list(opts.tensor_parallel)
     compiled = compile_graph(graph, opts.partition_workers, opts.partition, meta_options,
-                             scheduler_ctas=opts.scheduler_ctas, fill_sms=opts.fill_sms,
+                             scheduler_ctas=opts.scheduler_ctas, fill_sms=opts.fill_sms, split_k=opts.split_k,
+                             pipelining=opts.pipelining,
                              check=(opts.executor == "cpu" or opts.verify) if check is None else check)
     compiled.sharded = sharded
     return compiled

@@ -97,6 +97,20 @@ class CompileOptions:
                  mpk.distributed.shard.default_comm_tiles). Tile t is sent once the producer's tiles covering it are
                  written, so early tiles' transfers overlap later tiles' matmuls; 1 serialises
                  each collective behind its whole producer (the no-overlap baseline).
+    split_k      K slices of split-K decode projections (mpk.compiler.splitk): a plain
+                 projection of ≤ 16 rows whose input an op produces piecewise along K (the
+                 o-projection over attention heads, the down-projection over the gate·up
+                 projection's columns) becomes S partial-product tasks per column tile, each
+                 reading only its K slice (so it waits only for the producer tiles of that
+                 slice) and writing its own fp32 plane, and one finish task per column tile
+                 that adds the planes in slice order, adds the residual and rounds once
+                 (deterministic). S is capped at K / granule (whole heads, multiples of 32).
+                 None, 0 or 1 (default): off. The CUDA tasks are general (one thread per
+                 output), not bandwidth-grade: for the CPU interpreter and GPU correctness.
+    pipelining   True (default): a task waits only for the producer tiles it reads, so it
+                 overlaps the rest of the ops before it (cross-task pipelining). False, an
+                 ablation: every task waits for all tasks of each op it reads from, as
+                 op-by-op kernels would (mpk.compiler.depend.whole_ops).
     """
 
     executor: str = "cpu"
@@ -116,6 +130,8 @@ class CompileOptions:
     profile_dir: str | None = None
     tensor_parallel: tuple[int, int] | None = None
     comm_tiles: int | None = None
+    split_k: int | None = None
+    pipelining: bool = True
 
     @property
     def partition_workers(self) -> int:
@@ -167,7 +183,7 @@ class CompileOptions:
         n = opts.get("num_workers")
         check_counts(1 if n is None else n, opts.get("scheduler_ctas"))
         _check_cta_bounds(opts["executor"], n, opts.get("scheduler_ctas"))
-        for flag in ("sync", "fuse_norm_prologue", "fuse_rope_attention", "check_races", "verify"):
+        for flag in ("sync", "fuse_norm_prologue", "fuse_rope_attention", "check_races", "verify", "pipelining"):
             if not isinstance(opts.get(flag, False), bool):
                 raise OptionError(f"{flag}={opts[flag]!r}; expected True or False")
         t = opts.get("timeout_s", 30.0)
@@ -196,6 +212,10 @@ class CompileOptions:
         tiles = opts.get("comm_tiles")
         if tiles is not None and (not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1):
             raise OptionError(f"comm_tiles={tiles!r}; expected None or an int ≥ 1 (1: no overlap)")
+        slices = opts.get("split_k")
+        if slices is not None and (not isinstance(slices, int) or isinstance(slices, bool) or slices < 0):
+            raise OptionError(f"split_k={slices!r}; expected None or an int ≥ 0 (K slices of a split-K projection; "
+                              "0 or 1: off)")
         part = opts.get("partition", {})
         if not isinstance(part, Mapping):
             raise OptionError(f"partition={part!r}; expected a dict mapping op name or kind to tile counts")

@@ -16,4 +16,5 @@
 #include "rows.cuh"
 #include "sampling.cuh"
 #include "sort.cuh"
+#include "splitk.cuh"
 #include "spatial.cuh"

@@ -4,6 +4,10 @@ Edge (t1, t2) iff the tile t1 writes intersects a region t2 reads. Each read is 
 its view to exact rects of the buffer; the producer's tiles form a grid, so the overlapping
 tiles are found per dimension by binary search over the grid boundaries (a sorted index) and
 combined — no all-pairs comparison, cost proportional to the edges found.
+
+``whole_ops`` (the ``pipelining=False`` ablation) then widens every edge to the producer's whole
+op: a task waits for all tasks of each op it reads from, as op-by-op kernels would, so no task
+overlaps the op before it.
 """
 
 from __future__ import annotations
@@ -58,4 +62,18 @@ def depend(tg: TaskGraph) -> TaskGraph:
             preds.append(p)
             edges += len(p)
     tg.preds, tg.num_edges = preds, edges
+    return tg
+
+
+def whole_ops(tg: TaskGraph) -> TaskGraph:
+    """Widen each task's predecessors to every task of the ops they belong to (module doc): the
+    baseline without cross-task pipelining. A superset of the exact edges, so still safe."""
+    tasks_of = {t.op_id: tuple(range(t.first_task, t.first_task + t.num_tasks)) for t in tg.tiles}
+    widened: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for i, preds in enumerate(tg.preds):
+        if preds not in widened:
+            ops = sorted({tg.task_op[p] for p in preds})
+            widened[preds] = tuple(t for op in ops for t in tasks_of[op])
+        tg.preds[i] = widened[preds]
+    tg.num_edges = sum(len(p) for p in tg.preds)
     return tg

@@ -1,5 +1,5 @@
 """OpGraph → tables: steps 1–7 in order (7a, placement, just before 7), each a function over the
-task-graph IR, timed."""
+task-graph IR, timed; step 0, the split-K rewrite of the OpGraph, with the ``split_k`` option."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from mpk.compiler.depend import depend
+from mpk.compiler.depend import depend, whole_ops
 from mpk.compiler.fuse import fuse
 from mpk.compiler.linearize import linearize
 from mpk.compiler.modes import assign_modes
@@ -15,6 +15,7 @@ from mpk.compiler.normalize import normalize
 from mpk.compiler.partition import PartitionSpec, decompose
 from mpk.compiler.place import place
 from mpk.compiler.prune import prune
+from mpk.compiler.splitk import split_k as split_k_pass
 from mpk.compiler.tables import Tables, emit
 from mpk.compiler.taskgraph import DUMMY, TaskGraph
 from mpk.compiler.verify import VerifyReport, verify
@@ -81,13 +82,18 @@ class CompiledGraph:
 def compile_graph(graph: OpGraph, num_workers: int = 128,
                   partition: Mapping[str, PartitionSpec] | None = None,
                   options: Mapping[str, Any] | None = None, scheduler_ctas: int | None = None,
-                  fill_sms: int | None = None, check: bool = False) -> CompiledGraph:
+                  fill_sms: int | None = None, check: bool = False, split_k: int | None = None,
+                  pipelining: bool = True) -> CompiledGraph:
     """Run compiler steps 1–7 on ``graph``; deterministic in its inputs. ``num_workers`` sizes
     the default partitioning and is the launch's worker count, unless ``fill_sms`` is given:
     then every one of those SMs not taken by scheduler CTAs is a worker; ``scheduler_ctas``
     (None: 4 when the graph has JIT tasks, else 0) the launch's scheduler CTAs
     (mpk.compiler.place). ``check`` runs the happens-before check (mpk.compiler.verify) on the
-    tables, raising VerifyError; its report lands in ``stats.verified``."""
+    tables, raising VerifyError; its report lands in ``stats.verified``. ``split_k`` ≥ 2 first
+    splits the decode projections whose input is produced piecewise along K into that many
+    accumulation slices (mpk.compiler.splitk); the result's ``graph`` is then the rewritten one.
+    ``pipelining=False`` makes every task wait for all tasks of each op it reads from
+    (mpk.compiler.depend.whole_ops): the ablation baseline without cross-task overlap."""
     seconds: dict[str, float] = {}
 
     def timed(name, fn, *args):
@@ -96,16 +102,24 @@ def compile_graph(graph: OpGraph, num_workers: int = 128,
         seconds[name] = time.perf_counter() - t0
         return out
 
+    if split_k:
+        graph = timed("split_k", split_k_pass, graph, split_k)
     tg = timed("decompose", decompose, graph, num_workers, partition)
     timed("depend", depend, tg)
+    if not pipelining:
+        timed("whole_ops", whole_ops, tg)
     timed("prune", prune, tg)
     timed("fuse", fuse, tg)
     timed("normalize", normalize, tg)
     timed("linearize", linearize, tg)
     timed("modes", assign_modes, tg)
     timed("place", place, tg, num_workers, scheduler_ctas, fill_sms)
-    tables = timed("emit", emit, tg, dict(options or {}, num_workers=num_workers, scheduler_ctas=scheduler_ctas,
-                                          fill_sms=fill_sms))
+    shaping = dict(options or {}, num_workers=num_workers, scheduler_ctas=scheduler_ctas, fill_sms=fill_sms)
+    if split_k:  # (recorded only when on: the default's tables keep their bytes)
+        shaping["split_k"] = split_k
+    if not pipelining:
+        shaping["pipelining"] = False
+    tables = timed("emit", emit, tg, shaping)
     verified = timed("verify", verify, tables) if check else None
     num_dummy = sum(1 for o in tg.task_op if o == DUMMY)
     jit = sum(tg.jit)

@@ -49,6 +49,7 @@ def _graphs():
     yield "qwen3-1.7b-paged-split", _paged_decode_tables(cache_len=1000)  # KV chunks merged by attn_merge
     yield "qwen3-1.7b-paged-unfused", _paged_decode_tables(fuse_rope_attention=False)
     yield "qwen3-bf16-fused-norm", _compiled_decode_tables("qwen3", fuse_norm_prologue=True)
+    yield "qwen3-bf16-split-k", _compiled_decode_tables("qwen3", split_k=2)  # matmul_partial + matmul_finish
     yield "sampling-head", _sampling_head_tables()
     yield "ragged-prefill-bf16", _ragged_tables(torch.bfloat16, [0, 40, 7], [150, 33, 1], splits=2)
     yield "ragged-prefill-fp16-d64", _ragged_tables(torch.float16, [0, 0], [40, 9], head_dim=64, qk_norm=False)

@@ -1,0 +1,66 @@
+// Task family: split-K projections (mpk/ops/splitk.py, whose docstring is the reference).
+// ``matmul_partial`` writes each K slice's fp32 product into its own plane of P [S, M, N];
+// ``matmul_finish`` adds the planes in slice order, scales, adds the bias and rounds once. Both
+// run one thread per output element: correct and deterministic, not bandwidth-grade (a
+// streaming MMA form of the partial task, as linalg.cuh's decode linear over a K range, is
+// issue 66's GPU half). Neither is self-gated: the dispatch opens the gate first.
+#pragma once
+#include "common.cuh"
+
+namespace mpk {
+
+// Boundary s of K's slices (mpk.ops.splitk.slice_bounds): whole granules split evenly, the last
+// slice also taking K's remainder.
+__device__ __forceinline__ long long slice_bound(long long K, long long slices, long long granule, long long s) {
+  return s == slices ? K : s * (K / granule) / slices * granule;
+}
+
+// out [S, M, N] (fp32, or float64 for float64 operands): out[s] = a[:, k_s] @ b[k_s, :] over
+// the tile's slices, rows and columns; inputs a [M, K], b [K, N] (any strides); iparam[0] S,
+// iparam[1] the granule. Each slice's terms are added in k order in fp32.
+__device__ void task_matmul_partial(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const ViewC& a = c.in[0];
+  const ViewC& b = c.in[1];
+  const long long K = a.shape[1], slices = c.iparam[0], granule = c.iparam[1];
+  const void* pa = env.buffers[a.buffer];
+  const void* pb = env.buffers[b.buffer];
+  const long long n = rect_numel(r, 3);
+  for (long long e = threadIdx.x; e < n; e += blockDim.x) {
+    long long idx[3];
+    rect_unravel(r, 3, e, idx);
+    const long long k0 = slice_bound(K, slices, granule, idx[0]), k1 = slice_bound(K, slices, granule, idx[0] + 1);
+    float acc = 0.f;
+    for (long long k = k0; k < k1; ++k) {
+      const long long ia[2] = {idx[1], k}, ib[2] = {k, idx[2]};
+      acc += load_f(pa, a.dtype, view_index(a, ia, 2)) * load_f(pb, b.dtype, view_index(b, ib, 2));
+    }
+    store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, 3), acc);
+  }
+}
+
+// out [M, N] = fparam[0]·(p[0] + … + p[S-1]) + fparam[1]·bias: input 0 the partial products
+// p [S, M, N], optional input 1 the bias broadcast to out. The planes are added in slice order,
+// so the result does not depend on the order the partial tasks finished in.
+__device__ void task_matmul_finish(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const ViewC& p = c.in[0];
+  const long long slices = p.shape[0];
+  const void* pp = env.buffers[p.buffer];
+  const long long n = rect_numel(r, 2);
+  for (long long e = threadIdx.x; e < n; e += blockDim.x) {
+    long long idx[2];
+    rect_unravel(r, 2, e, idx);
+    float acc = 0.f;
+    for (long long s = 0; s < slices; ++s) {
+      const long long ip[3] = {s, idx[0], idx[1]};
+      acc += load_f(pp, p.dtype, view_index(p, ip, 3));
+    }
+    acc *= c.fparam[0];
+    if (c.num_inputs > 1) {
+      const ViewC& bias = c.in[1];
+      acc += c.fparam[1] * load_f(env.buffers[bias.buffer], bias.dtype, view_index(bias, idx, 2));
+    }
+    store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(idx, c.out_shape, 2), acc);
+  }
+}
+
+}  // namespace mpk

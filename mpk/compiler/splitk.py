@@ -1,0 +1,100 @@
+"""Step 0 (with the ``split_k`` option) — split decode projections over K into accumulation tasks.
+
+A projection ``matmul`` qualifies when it is a plain decode linear (no prologue or epilogue; a
+bias — the residual — is fine), 2-d x [M, K] @ W [K, N] with M ≤ LINEAR_ROWS, W a graph input
+(a weight), and x is produced by an op that can split along K: some dim of the producer's
+output that x's K dimension runs over is splittable for the producer's kind (attention's heads
+behind the o-projection, the gate·up projection's columns behind the down-projection; not an
+RMSNorm's rows, whose every tile covers all of K). It becomes ``matmul_partial`` over S slices
+of K, writing fp32 planes [S, M, N], and ``matmul_finish``, which adds them in slice order and
+applies alpha, beta and the bias (mpk/ops/splitk.py). The finish op keeps the projection's
+name and output buffer, so its readers are unchanged; the partial op is named
+``<name>.partial``.
+
+Slices are whole *granules* of K so that their edges fall on the producer's tile edges where
+they can: the producer's unit along K (the elements of K per step of the outermost dim that K
+runs over and the producer may split: head_dim for attention's heads, head_dim × group for a
+single-chunk attention tiled by kv heads, 1 for a projection's columns), rounded up to a
+multiple of 32 when K is one (the decode linear's K step). The producer's own tiles are chosen
+later (decompose), so a slice may still straddle two of them; dependencies stay exact either
+way, since depend intersects each slice task's declared K range with every producer tile.
+A projection of fewer than two granules stays whole; S is capped at K's granules.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+from mpk.ir.opgraph import Op, OpGraph
+from mpk.ir.regions import bounding_box
+from mpk.ir.views import View, identity_view
+from mpk.ops import get_op
+from mpk.ops.linalg import LINEAR_ROWS, linear_form
+from mpk.ops.splitk import accumulation_dtype
+
+K_STEP = 32  # cuda/mpk_tasks/linalg.cuh: the decode linear's K step (K % 32 == 0)
+
+
+def split_k(graph: OpGraph, slices: int | None) -> OpGraph:
+    """``graph`` with every qualifying projection split into ``slices`` K slices (module doc);
+    ``graph`` itself is not modified. ``slices`` None, 0 or 1: ``graph`` unchanged."""
+    if not slices or slices < 2:
+        return graph
+    g = copy.deepcopy(graph)
+    producer = {op.output: op for op in g.ops}
+    ops: list[Op] = []
+    for op in g.ops:
+        granule = _granule(g, op, producer)
+        s = min(slices, op.inputs[0].shape[-1] // granule) if granule else 0
+        if s < 2:
+            ops.append(op)
+            continue
+        a, b, *bias = op.inputs
+        m, n = g.buffers[op.output].shape
+        part = g.add_buffer(f"{op.name}.partial", (s, m, n), accumulation_dtype(g.buffers[op.output].dtype),
+                            "intermediate")
+        ops.append(Op(-1, "matmul_partial", (a, b), part.id, {"slices": s, "granule": granule},
+                      f"{op.name}.partial", op.source))
+        ends = {k: op.attrs[k] for k in ("alpha", "beta") if k in op.attrs}
+        ops.append(Op(-1, "matmul_finish", (identity_view(part.id, part.shape), *bias), op.output, ends, op.name,
+                      op.source))
+    g.ops = ops
+    for i, op in enumerate(g.ops):
+        op.id = i
+    return g
+
+
+def _granule(g: OpGraph, op: Op, producer: dict[int, Op]) -> int | None:
+    """The K granule of a qualifying projection (module doc), None for any other op."""
+    if op.kind != "matmul" or linear_form(op.attrs) != (None, None) or len(g.buffers[op.output].shape) != 2:
+        return None
+    a, b = op.inputs[:2]
+    if a.ndim != 2 or b.ndim != 2 or a.shape[0] > LINEAR_ROWS or g.buffers[b.buffer].role != "input":
+        return None
+    src = producer.get(a.buffer)
+    if src is None or a.shape[1] < 2:
+        return None
+    unit = _producer_unit(g, src, a)
+    if unit is None:
+        return None
+    k = a.shape[1]
+    return math.lcm(unit, K_STEP) if k % K_STEP == 0 else unit
+
+
+def _producer_unit(g: OpGraph, src: Op, a: View) -> int | None:
+    """Elements of K per step of the outermost dim of ``src``'s output that x's K runs over and
+    ``src`` may split (None: no such dim, so every producer tile covers all of K). Found by
+    mapping x's first half along K back to the producer's buffer: the dims whose range shrinks
+    against all of K are the ones K runs over."""
+    from mpk.compiler.partition import op_sig
+
+    m, k = a.shape
+    whole = bounding_box(a.base_regions(((0, m), (0, k))))
+    half = bounding_box(a.base_regions(((0, m), (0, k // 2))))
+    shape = g.buffers[a.buffer].shape
+    splittable = get_op(src.kind).splittable(op_sig(g, src))
+    over_k = [d for d in range(len(shape)) if half[d] != whole[d] and splittable[d]]
+    if not over_k:
+        return None
+    return math.prod(shape[over_k[0] + 1:])
