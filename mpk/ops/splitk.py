@@ -1,4 +1,4 @@
-"""Split-K projections: ``matmul_partial`` and ``matmul_finish`` (issue 66).
+"""Split-K projections: ``matmul_partial`` and ``matmul_finish``.
 
 A decode projection whose input is produced piecewise along K (the o-projection over attention
 heads, the down-projection over the gate·up projection's column tiles) reads the whole K extent

@@ -1,4 +1,4 @@
-"""Issue 65's breadth suite, the models: tiny random-weight builders of transformers' decoder
+"""The breadth suite's models: tiny random-weight builders of transformers' decoder
 LMs, encoders, T5, Whisper's encoder, ViT, CLIP's vision tower and ResNet, and plain torch
 convolutional networks (a ResNet-18-shaped net, a UNet level with group norm, a ConvNeXt
 block), with the inputs each is called with the usual way and the outputs to compare.

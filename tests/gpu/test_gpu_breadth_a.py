@@ -1,4 +1,4 @@
-"""Issue 65's first slice on the GPU (marker ``gpu``; skipped without CUDA): tril / triu (the
+"""tril, baddbmm and friends on the GPU (marker ``gpu``; skipped without CUDA): tril / triu (the
 ``triangle`` task), baddbmm / addbmm (the matmul task's alpha·a @ b + beta·bias), repeat and a
 tensor constant made in forward, in one persistent kernel against eager PyTorch.
 

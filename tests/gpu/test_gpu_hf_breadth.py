@@ -1,4 +1,4 @@
-"""Issue 65's breadth suite on the GPU (marker ``gpu``; skipped without CUDA): every model of
+"""The breadth suite on the GPU (marker ``gpu``; skipped without CUDA): every model of
 ``mpk.testing.breadth_models`` (the list tests/models/test_hf_breadth.py runs on the CPU
 executor) compiled whole in strict mode (``fallback="error"``) on the GPU executor in
 bfloat16 — one persistent kernel, one nvcc build each (~20 s; the builds parallelise under

@@ -1,4 +1,4 @@
-"""Issue 65's breadth suite: Hugging Face models called the usual way compile whole.
+"""The breadth suite: Hugging Face models called the usual way compile whole.
 
 Tiny random-weight configs (1 layer, hidden 32, vocab 96, float32, eval mode) of transformers'
 decoder LMs, encoders and T5 are called as user code calls them — ``model(input_ids,
@@ -14,8 +14,8 @@ runs the same list in bf16 on the GPU). Greedy ``generate`` with
 transformers' static cache (its writes are ``index_copy_`` at the cache positions; a sliding
 layer's ``roll``) compiles whole too. Weights and inputs are fresh each run (the suite's ``MPK_TEST_SEED``).
 
-Tolerance: ``relative_error`` (max |out − ref| / max |ref|) ≤ 1e-5 against eager float32, as
-issue 65 asks. Both implementations round in float32; the first-order bound of
+Tolerance: ``relative_error`` (max |out − ref| / max |ref|) ≤ 1e-5 against eager float32 (the
+suite's contract). Both implementations round in float32; the first-order bound of
 ``mpk.testing.tolerance`` for one layer of these sizes — about 40 roundings of gain ≤ √2 and
 ≈ 350 fp32 sum terms (the projections' hidden/intermediate-long dot products, head_dim-long
 scores, the softmax's and P·V's position sums, the norms' hidden sums), twice for two

@@ -1,4 +1,4 @@
-"""Issue 65, first slice: ``tril`` / ``triu``, ``baddbmm`` / ``addbmm``, tensor constants made
+"""``tril`` / ``triu``, ``baddbmm`` / ``addbmm``, tensor constants made
 inside forward, ``repeat`` / ``tile`` and ``roll`` through ``torch.compile(backend="mpk")`` in strict mode
 (fallback "error") on the CPU interpreter, against eager PyTorch; a causal-mask and a BLOOM-style
 ALiBi snippet; and the generated CUDA of a graph of the new tasks built for sm_90a.
@@ -270,7 +270,7 @@ def test_default_cache_call_compiles_whole(family):
     with torch.no_grad():
         ref = model(ids)
     out = _compiled(model, ids)
-    # float32 against eager float32, as issue 65 asks (1e-5 of the largest |logit|)
+    # float32 against eager float32 (1e-5 of the largest |logit|)
     assert relative_error(out.logits, ref.logits) <= 1e-5
     keys = lambda o: [layer.keys for layer in o.past_key_values.layers]  # noqa: E731
     for k, r in zip(keys(out), keys(ref)):

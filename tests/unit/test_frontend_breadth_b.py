@@ -1,4 +1,4 @@
-"""Scatter-style updates (issue 65): in-place slice writes (``x[:, 2:5] = y``, ``x[:, 3] = y``,
+"""Scatter-style updates: in-place slice writes (``x[:, 2:5] = y``, ``x[:, 3] = y``,
 ``copy_`` into a slice: slice_scatter / select_scatter after functionalization), ``index_put``
 with one 1-D index, ``index_add``, ``index_copy``, ``scatter`` / ``scatter_add`` / ``scatter_reduce``. Each
 compiles whole in strict mode on the CPU executor and equals eager exactly in float32, int64 and

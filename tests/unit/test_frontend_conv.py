@@ -1,4 +1,4 @@
-"""Convolutional networks' ops (issue 65): convolution (1-D/2-D/3-D, stride, padding, dilation,
+"""Convolutional networks' ops: convolution (1-D/2-D/3-D, stride, padding, dilation,
 groups, transposed, bias), inference batch norm, max / average / adaptive pooling and upsampling
 (nearest, nearest-exact, linear, bilinear, trilinear, bicubic). Each compiles whole in strict mode on the CPU executor and matches a
 float64 eager reference within the rounding bound of its dtype and sum length

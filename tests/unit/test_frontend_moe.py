@@ -1,4 +1,4 @@
-"""Mixture-of-experts routing (issue 65): floor_divide and div's rounding modes, one_hot, histc,
+"""Mixture-of-experts routing: floor_divide and div's rounding modes, one_hot, histc,
 bincount (its length static: minlength), the softmax → topk → renormalise routing, and the
 grouped expert GEMM (``expert_matmul``: bmm of a per-row gathered expert weight, fused from
 ``W[ids]`` + bmm / matmul / einsum). Each compiles whole in strict mode on the CPU executor against

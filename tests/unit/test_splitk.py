@@ -1,4 +1,4 @@
-"""Split-K projections (issue 66; mpk/compiler/splitk.py, mpk/ops/splitk.py) on the CPU
+"""Split-K projections (mpk/compiler/splitk.py, mpk/ops/splitk.py) on the CPU
 interpreter: float64-referenced numerics over odd shapes and uneven slices, exact partial
 dependencies in a decode step (an o-projection slice waits only for its heads' attention tasks,
 a down-projection slice only for the gate·up tiles of its columns), a dropped dependency caught
