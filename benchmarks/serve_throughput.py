@@ -71,7 +71,7 @@ def prebuild(args) -> None:
     options = engine_options(args)
     world = options.pop("tensor_parallel_size")
     if world == 1:
-        print(LLM.from_model(model, **options).runner.compile(progress=True), flush=True)
+        print(LLM.from_model(model, **options).compile(progress=True), flush=True)
         return
     from mpk.engine.runner import ModelRunner
 
@@ -174,6 +174,7 @@ def kill_under_load(ckpt: Path, args, log_path: Path) -> dict:
 def offline(ckpt: Path, args) -> dict[int, dict]:
     """The same load through ``LLM.generate``: output tokens/s per concurrency."""
     llm = LLM(str(ckpt), **engine_options(args))
+    llm.compile()  # as the server did before its first request: no trace inside a timed wave
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     llm.generate([[1] * args.input_len], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
