@@ -3,7 +3,7 @@
 // ``matmul_finish`` adds the planes in slice order, scales, adds the bias and rounds once. Both
 // run one thread per output element: correct and deterministic, not bandwidth-grade (a
 // streaming MMA form of the partial task, as linalg.cuh's decode linear over a K range, is
-// issue 66's GPU half). Neither is self-gated: the dispatch opens the gate first.
+// what remains to build). Neither is self-gated: the dispatch opens the gate first.
 #pragma once
 #include "common.cuh"
 

@@ -102,7 +102,7 @@ def compile_graph(graph: OpGraph, num_workers: int = 128,
         seconds[name] = time.perf_counter() - t0
         return out
 
-    if split_k:
+    if split_k and split_k >= 2:
         graph = timed("split_k", split_k_pass, graph, split_k)
     tg = timed("decompose", decompose, graph, num_workers, partition)
     timed("depend", depend, tg)
@@ -115,7 +115,7 @@ def compile_graph(graph: OpGraph, num_workers: int = 128,
     timed("modes", assign_modes, tg)
     timed("place", place, tg, num_workers, scheduler_ctas, fill_sms)
     shaping = dict(options or {}, num_workers=num_workers, scheduler_ctas=scheduler_ctas, fill_sms=fill_sms)
-    if split_k:  # (recorded only when on: the default's tables keep their bytes)
+    if split_k and split_k >= 2:  # (recorded only when on: the default's tables keep their bytes)
         shaping["split_k"] = split_k
     if not pipelining:
         shaping["pipelining"] = False

@@ -185,8 +185,11 @@ def spawn_workers(world: int, target: str, kwargs: Mapping[str, Any], port: int,
     try:
         for rank in range(1, world):
             info = RankInfo(rank, world, rank, host, port)
+            # a session of their own: a Ctrl-C or SIGTERM to rank 0's process group (a terminal,
+            # a container's stop) reaches rank 0 only, which drains and then stops them; a rank 0
+            # that dies is noticed by their monitors
             p = subprocess.Popen([sys.executable, "-m", "mpk.distributed.worker"], stdin=subprocess.PIPE,
-                                 env=env | info.env())
+                                 env=env | info.env(), start_new_session=True)
             procs[rank] = p
             p.stdin.write(spec)
             p.stdin.close()

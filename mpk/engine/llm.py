@@ -167,8 +167,8 @@ class LLM:
     def compile(self, progress: bool | None = None) -> Any:
         """Trace and build every graph the engine may run (the token buckets, the decode form and
         the multi-step graphs), else each is made at its first use: a server calls this before it
-        takes requests, so that no request waits for a trace. Returns the ``CompileReport``
-        (nothing to do, an empty one, when a tensor-parallel job compiled at start-up)."""
+        takes requests, so that no request waits for a trace. Returns the ``CompileReport`` (a
+        tensor-parallel job's is the start-up compile's: nothing is traced again)."""
         if self._compiled is None:
             done = self.runner.buckets.report  # a tensor-parallel job's, or a first step's
             self._compiled = done if done is not None and self.runner.decode_iterations == 1 \

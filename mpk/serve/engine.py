@@ -115,7 +115,8 @@ class AsyncEngine:
             self._close_pipes()
             raise
         if message[0] == "start_failed":
-            self._proc.join()
+            self._proc.join(STOP_SECONDS)
+            _kill_if_alive(self._proc)
             self._close_pipes()
             if message[1] is None:
                 raise EngineStartError(f"the engine process exited (exit code {self._proc.exitcode}) before the "
@@ -160,15 +161,17 @@ class AsyncEngine:
         finished. Closing the generator early (the client left) aborts the request and frees
         its pages. Raises ``QueueFullError`` at the first ``anext`` when the server is full,
         ``EngineStoppedError`` when the engine stopped for good."""
+        self._loop = self._loop or asyncio.get_running_loop()
         if self.failure is not None or self._stopping:
             raise EngineStoppedError(f"the engine stopped: {self.failure or 'the server is shutting down'}")
         if len(self._active) >= self.capacity:
             raise QueueFullError(f"the server holds {len(self._active)} requests, its limit (--max-num-seqs + "
                                  "--max-queue); retry later")
-        self._loop = self._loop or asyncio.get_running_loop()
         key, req = next(self._keys), _Request(ids)
         self._active[key] = req
         self._outbox.put(("add", key, ids, params))
+        if self.failure is not None or self._stopping:  # it stopped meanwhile: its _fail_all may have run already
+            self._fail_all(f"the engine stopped: {self.failure or 'the server is shutting down'}")
         finished = False
         try:
             while not finished:
@@ -187,6 +190,9 @@ class AsyncEngine:
             try:
                 self._commands.send(command)
             except OSError:  # the engine process is gone; the reader reports it
+                return
+            except Exception as e:  # noqa: BLE001 (a command that cannot be sent: nothing later would be)
+                self._stop_for_good(f"sending to the engine process failed: {type(e).__name__}: {e}")
                 return
 
     def _read(self) -> None:

@@ -84,18 +84,24 @@ def run_engine(build: Callable[[], LLM], commands: Connection, results: Connecti
     """The engine process's entry point: ``build()`` the ``LLM`` (picklable: e.g. a
     ``functools.partial`` of ``LLM`` and its options), report it ready or why it did not
     start, then serve ``commands`` until told to stop or the HTTP process is gone."""
-    # A Python handler, not SIG_IGN: ignored signals stay ignored across exec, and the
-    # tensor-parallel workers this process starts must keep the default ones.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _keep_running)
     try:
         llm = build()
-        start = time.perf_counter()
-        llm.compile(progress=False)  # every graph now: no request waits for a trace
-        log.info("compiled the engine's graphs in %.1f s", time.perf_counter() - start)
     except Exception as e:  # noqa: BLE001 (a bad model path, an OptionError, …: the HTTP process reports it)
         results.send(("start_failed", f"{type(e).__name__}: {e}"))
         return
+    try:
+        start = time.perf_counter()
+        llm.compile(progress=False)  # every graph now: no request waits for a trace
+        log.info("compiled the engine's graphs in %.1f s", time.perf_counter() - start)
+    except Exception as e:  # noqa: BLE001
+        llm.close()
+        results.send(("start_failed", f"{type(e).__name__}: {e}"))
+        return
+    # From here on the HTTP process decides when the engine stops (a signal before, while it
+    # loads, ends it as it would any program). A Python handler, not SIG_IGN: ignored signals
+    # stay ignored across exec, and processes this one starts must keep the default ones.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _keep_running)
     try:
         results.send(("ready", EngineInfo(llm.tokenizer, llm.vocab, llm.max_model_len, llm.scheduler.max_num_seqs,
                                           llm.blocks.num_pages)))
