@@ -261,6 +261,18 @@ def join_tp(tp: int):
     return job
 
 
+def run_in_job(tp: int, body) -> int:
+    """``body(job)`` in this rank's job (``join_tp``; None for --tp 1), left afterwards."""
+    job = join_tp(tp)
+    try:
+        return body(job)
+    finally:
+        if job is not None:
+            from mpk.distributed.nvshmem import leave
+
+            leave(job)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -287,14 +299,7 @@ def main(argv=None) -> int:
         print(f"decode_latency.py: {problem}", file=sys.stderr)
         return 1
     require_cuda("decode_latency.py", "benchmarks/prebuild_decode.py builds its kernels without one")
-    job = join_tp(args.tp)
-    try:
-        return run(args, job)
-    finally:
-        if job is not None:
-            from mpk.distributed.nvshmem import leave
-
-            leave(job)
+    return run_in_job(args.tp, lambda job: run(args, job))
 
 
 def run(args, job) -> int:

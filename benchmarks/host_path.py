@@ -45,10 +45,11 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_latency import add_step_args, check_tp, compile_step, emit_row, join_tp, max_len, random_model  # noqa: E402
+from decode_latency import add_step_args, check_tp, compile_step, emit_row, max_len, random_model, run_in_job  # noqa: E402
 from peer import require_cuda, time_step  # noqa: E402
 
 from mpk.backend import COMPILED, RUNNERS, last_args  # noqa: E402
+from mpk.cli import count  # noqa: E402
 from mpk.executors import cuda_driver as drv  # noqa: E402
 from mpk.executors.gpu import THREADS  # noqa: E402
 from mpk.llm import SHAPES as MODELS  # noqa: E402
@@ -158,23 +159,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7, help="timed blocks per measurement (their median)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="profile N steps under cProfile")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (under torchrun --nproc-per-node N)")
+    ap.add_argument("--tp", type=count(1), default=1, help="tensor-parallel degree (under torchrun --nproc-per-node N)")
     args = ap.parse_args(argv)
     if args.calls < 1 or args.rounds < 1:
         ap.error(f"--calls {args.calls} and --rounds {args.rounds} must be at least 1")
-    problem = check_tp(args.tp, args.models) if args.tp >= 1 else f"--tp {args.tp}; expected an int ≥ 1"
+    problem = check_tp(args.tp, args.models)
     if problem:
         print(f"host_path.py: {problem}", file=sys.stderr)
         return 1
     require_cuda("host_path.py")
-    job = join_tp(args.tp)
-    try:
-        return run(args, job)
-    finally:
-        if job is not None:
-            from mpk.distributed.nvshmem import leave
-
-            leave(job)
+    return run_in_job(args.tp, lambda job: run(args, job))
 
 
 def run(args, job) -> int:
