@@ -43,6 +43,7 @@ from mpk.llm import SHAPES as MODELS  # noqa: E402
 from mpk.llm import DecoderLM, PagedKVCache, TokenBuckets, prefill  # noqa: E402
 
 MIXED = [2048, 1024, 512, 512, 256, 128, 64, 64]
+PARTS = ("prompts", "chunk", "skew")
 
 
 def matmul_flops(model: DecoderLM, tokens: int, sequences: int) -> int:
@@ -103,7 +104,7 @@ def bench_model(name: str, args, peak: float | None) -> list[dict]:
         emit_row(row, args.out)
         rows.append(row)
 
-    todo = cases(args.lengths, args.mixed)
+    todo = cases(args.lengths, args.mixed) if "prompts" in args.parts else []
     peers = [{"peer_ms": None, "peer_mode": None, "errors": {}}] * len(todo) if args.skip_peer or args.prebuild else \
         time_peer_prefill(peer_shape(name), [lens for _, lens in todo], compile_mode=args.compile_mode)
     for (case, prompts_len), peer in zip(todo, peers):
@@ -125,8 +126,10 @@ def bench_model(name: str, args, peak: float | None) -> list[dict]:
         gc.collect()
     # decode alone vs decode with a prefill chunk riding in the same step
     B, chunk = args.decode_batch, args.chunk
-    steps = build_steps(model, B + 1, args.position + chunk + 64, args.page_size, [B + chunk], True, args.progress)
-    if not args.prebuild:
+    steps = None
+    if "chunk" in args.parts:
+        steps = build_steps(model, B + 1, args.position + chunk + 64, args.page_size, [B + chunk], True, args.progress)
+    if steps is not None and not args.prebuild:
         g = torch.Generator().manual_seed(2)
         cache = steps.cache
         prefix = [torch.randint(0, cfg.vocab, (args.position,), generator=g).tolist() for _ in range(B)]
@@ -141,7 +144,8 @@ def bench_model(name: str, args, peak: float | None) -> list[dict]:
              "compile_s": steps.report.total_s})
     del steps
     torch._dynamo.reset()
-    skewed_decodes(model, args, add)  # (its rows go through add)
+    if "skew" in args.parts:
+        skewed_decodes(model, args, add)  # (its rows go through add)
     del model
     torch._dynamo.reset()
     gc.collect()
@@ -180,7 +184,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["llama3.2-1b", "qwen3-1.7b", "qwen3-8b"],
                     choices=sorted(MODELS), metavar="MODEL", help=f"any of {', '.join(sorted(MODELS))}")
-    ap.add_argument("--lengths", nargs="+", type=count(1), default=[64, 512, 2048, 8192],
+    ap.add_argument("--lengths", nargs="*", type=count(1), default=[64, 512, 2048, 8192],
                     help="prompt lengths timed at batch 1")
     ap.add_argument("--mixed", nargs="*", type=count(1), default=MIXED,
                     help="prompt lengths prefilled together in one step (none: skip the case)")
@@ -190,6 +194,9 @@ def main(argv=None) -> int:
     ap.add_argument("--position", type=count(1), default=512, help="the decoding sequences' prompt length")
     ap.add_argument("--skew-long", type=count(1), default=16384,
                     help="the long sequence of the skewed decode batch (15 others at --position)")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                    help="which cases: the prompts (--lengths, --mixed), decode with a chunk riding, the skewed decodes "
+                         "(several --prebuild processes with different parts build in parallel)")
     ap.add_argument("--page-size", type=page_size_arg, default=16, help="KV-cache page size")
     ap.add_argument("--compile-mode", default="default", help="the peer's torch.compile mode")
     ap.add_argument("--skip-peer", action="store_true", help="mpk alone")

@@ -2,36 +2,40 @@
 // out [M, N] = alpha·x [M, K]·W [N, K]ᵀ (+ beta·bias), or with the SiLU·mul epilogue
 // silu(x·Wgateᵀ)·(x·Wupᵀ), on Hopper's warpgroup MMA (wgmma). Codegen picks it from the op's
 // row count (mpk/ops/linalg.py: GEMM_MIN_ROWS, gemm_blockers); the decode forms stay in linalg.cuh.
+// A GEMM of too few sub-tiles to fill the workers is split over K (mpk/compiler/splitk.py): this
+// task then writes each K slice's fp32 product (matmul_partial), and matmul_finish adds them.
 //
-// A task computes its tile of the output in sub-tiles of 128 rows × 128 MMA columns (128 output
-// columns, or 64 with SiLU·mul: 64 gate and the matching 64 up rows of W). Warpgroup g (warps
-// 4g … 4g + 3) owns rows 64g … 64g + 63 of a sub-tile: one m64n128k16 wgmma per 16 k, its 64
-// fp32 accumulators a thread in registers. Operands come from shared memory, staged by every
-// thread with cp.async in kGemmStages stages of 64 k (a 128-byte row of each operand row),
+// A task computes its tile of the output in sub-tiles of 128 rows × 128·kSub MMA columns (as many
+// output columns, or half with SiLU·mul: gate, then the matching up rows of W). Warpgroup g (warps
+// 4g … 4g + 3) owns rows 64g … 64g + 63 of a sub-tile: kSub m64n128k16 wgmmas per 16 k, 64 fp32
+// accumulators a thread per MMA block, in registers. Operands come from shared memory, staged by
+// every thread with cp.async in kGemmStages stages of 64 k (a 128-byte row of each operand row),
 // stored in the 128-byte swizzle the wgmma descriptors name (16-byte chunk c of row r at
 // chunk c ^ (r % 8), each stage's tiles 1024-byte aligned). Two stages' copies are in flight
 // while the tensor cores work on a third and finish a fourth: a stage is refilled two k steps
 // after the MMAs that read it were issued, and each warpgroup keeps one MMA batch in flight
 // (wgmma.wait_group 1), so the stage a batch reads is free once the next step's barrier passed.
-// Rows and columns outside the tile, and k past K, are zero-filled (nothing outside the tile's
+// Rows and columns outside the tile, and k past K (or the slice), are zero-filled (nothing outside the tile's
 // declared input regions is read: another task may still be writing it); K must be a multiple
 // of 8 (whole 16-byte chunks). The epilogue stores from the accumulators: alpha·acc +
 // beta·bias (bias of type T, at most 2-d, broadcast by zero strides), or silu(gate)·up with each
 // factor rounded to the output type first, as the unfused projection and silu_mul would.
 #pragma once
 #include "pointwise.cuh"  // silu_times: the SiLU·mul epilogue
+#include "splitk.cuh"     // slice_bound: a partial product's K range
 
 namespace mpk {
 
 constexpr int kGemmRows = 128;  // output rows of a sub-tile: two warpgroups × the MMA's 64
-constexpr int kGemmCols = 128;  // MMA columns (rows of W) of a sub-tile: the MMA's n
+constexpr int kGemmCols = 128;  // MMA columns (rows of W) of an MMA block: the MMA's n
 constexpr int kGemmK = 64;      // k of a stage: 128 bytes of 16-bit elements, the swizzle's row
 constexpr int kGemmStages = 4;
-constexpr int kGemmTileBytes = kGemmRows * kGemmK * 2;  // one operand of a stage: 16 KiB
-constexpr int kGemmStageBytes = 2 * kGemmTileBytes;     // x's rows, then W's
-// the launch's dynamic shared memory a GEMM needs (mpk.ops.linalg.GEMM_SMEM_BYTES): the stages
+constexpr int kGemmTileBytes = kGemmRows * kGemmK * 2;  // x's rows of a stage, or a 128-row block of W's: 16 KiB
+// a stage: x's rows, then W's kSub blocks of 128 rows
+__host__ __device__ constexpr int gemm_stage_bytes(int sub) { return (1 + sub) * kGemmTileBytes; }
+// the launch's dynamic shared memory a GEMM needs (mpk.ops.linalg.gemm_smem_bytes): the stages
 // and up to 1 KiB to align them to the swizzle's 1024-byte period
-constexpr int kGemmSmemBytes = kGemmStages * kGemmStageBytes + 1024;
+__host__ __device__ constexpr int gemm_smem_bytes(int sub) { return kGemmStages * gemm_stage_bytes(sub) + 1024; }
 static_assert(kGemmRows * 8 == 4 * kThreadsPerTask, "a thread copies 4 chunks of each operand per stage");
 
 // A wgmma shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle, its first
@@ -103,133 +107,203 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long l
 #undef MPK_WGMMA_D
 #undef MPK_WGMMA_OPERANDS
 
-// The matmul op's tensor-core task (codegen names the instantiation: T the operands' and output's
-// type, kGlu the SiLU·mul epilogue). Inputs: x [M, K] and W as b = Wᵀ [K, N] (kGlu: [K, 2N], gate
-// then up), both unit-stride along K with 16-byte aligned rows; plain: optional input 2 the bias
-// (T, at most 2-d, broadcast to the output), fparam[0] alpha, fparam[1] beta; kGlu: fparam[0]
-// scales both halves. Inlined, as is the dispatch of a graph that uses it (GpuSpec.in_kernel):
-// ptxas serializes warpgroup MMAs inside any function the kernel calls.
-template <typename T, bool kGlu>
+// The tensor-core task of the matmul op and of matmul_partial (codegen names the instantiation):
+// T the operands' type; kGlu the SiLU·mul epilogue; kSub the 128-column MMA blocks of a sub-tile
+// (1: 128 × 128, 2: 128 × 256, for GEMMs with more than a wave of 128-column sub-tiles: half the
+// loads of x per FLOP); kPlanes the split-K partial form (mpk/ops/splitk.py); kEarlyW: W is a
+// graph input (a weight, which no task writes), so the first sub-tile's first stages of W are
+// requested before the task waits for its inputs (self-gated, as the decode linear).
+//
+// Inputs: x [M, K] and W as b = Wᵀ [K, N] (kGlu: [K, 2N], gate then up), both unit-stride along K
+// with 16-byte aligned rows. Plain: optional input 2 the bias (T, at most 2-d, broadcast to the
+// output), fparam[0] alpha, fparam[1] beta; kGlu: fparam[0] scales both halves; kPlanes: the
+// output is P [S, M, N] in fp32, the tile's rect (slices, rows, columns), iparam[0] S and [1]
+// the granule give each slice's K range (splitk.cuh: slice_bound), and P[s] = x[:, k_s] · Wᵀ[k_s]
+// unscaled (matmul_finish adds the planes, scales and adds the bias). Inlined, as is the dispatch
+// of a graph that uses it (GpuSpec.in_kernel): ptxas serializes warpgroup MMAs inside any
+// function the kernel calls.
+template <typename T, bool kGlu, int kSub, bool kPlanes, bool kEarlyW>
 __device__ __forceinline__ void gemm_task(const OpC& c, const Rect& r, const TaskEnv& env) {
-  if (!acquire_inputs(env)) return;
+  static_assert(kSub == 1 || kSub == 2, "a sub-tile holds one or two 128-column MMA blocks");
+  static_assert(!(kGlu && kPlanes), "a partial product has no epilogue");
+  if constexpr (!kEarlyW) {
+    if (!acquire_inputs(env)) return;
+  }
   constexpr int kDtype = std::is_same_v<T, __nv_bfloat16> ? kBF16 : kF16;
-  constexpr int kOutCols = kGlu ? kGemmCols / 2 : kGemmCols;  // output columns of a sub-tile
+  constexpr int kCols = kGemmCols * kSub;               // MMA columns (rows of W) of a sub-tile
+  constexpr int kOutCols = kGlu ? kCols / 2 : kCols;    // output columns of a sub-tile
+  constexpr int kStageBytes = gemm_stage_bytes(kSub);  // x's rows, then W's kSub blocks of 128 rows
+  constexpr int kRow = kPlanes ? 1 : 0;                 // the rect's row dim (kPlanes: after the slices)
   const ViewC& a = c.in[0];
   const ViewC& b = c.in[1];
-  const long long K = a.shape[1], N = c.out_shape[1];
+  const long long K = a.shape[1], M = c.out_shape[kRow], N = c.out_shape[kRow + 1];
   const T* x = static_cast<const T*>(env.buffers[a.buffer]) + a.offset;
   const T* w = static_cast<const T*>(env.buffers[b.buffer]) + b.offset;
   const long long lda = a.stride[0], ldw = b.stride[1];
-  T* out = static_cast<T*>(env.buffers[c.out_buffer]);
-  const float alpha = c.fparam[0], beta = c.fparam[1];
-  // the bias (a decoder layer's residual): its element (row, col) at row·bs0 + col·bs1
-  const T* bias = nullptr;
-  long long bs0 = 0, bs1 = 0;
-  if (!kGlu && c.num_inputs > 2) {
-    const ViewC& v = c.in[2];
-    bias = static_cast<const T*>(env.buffers[v.buffer]) + v.offset;
-    if (v.ndim >= 1) bs1 = v.shape[v.ndim - 1] == 1 ? 0 : v.stride[v.ndim - 1];
-    if (v.ndim == 2) bs0 = v.shape[0] == 1 ? 0 : v.stride[0];
-  }
+  // (the epilogue's constants — out, alpha, beta, the bias — are read after the K loop: live
+  // across it they would take registers kSub = 2's 128 accumulators need)
 
   char* smem = reinterpret_cast<char*>(norm_tile());
   smem += (1024u - (static_cast<unsigned>(__cvta_generic_to_shared(smem)) & 1023u)) & 1023u;
   const unsigned smem_addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group = warp >> 2;
-  // Copies: thread t moves 16-byte chunk t % 8 of rows t / 8 + 32i (i < 4) of both operands, 8
-  // threads a 128-byte row (coalesced).
+  // Copies: thread t moves 16-byte chunk t % 8 of rows t / 8 + 32i of each operand, 8 threads a
+  // 128-byte row (coalesced); rows 32 apart share their swizzle.
   const int chunk = threadIdx.x & 7, row0 = threadIdx.x >> 3;
-  char* const dst = smem + gemm_chunk_offset(row0, chunk);  // + 32·128·i: rows 32 apart share their swizzle
-  const int ksteps = static_cast<int>((K + kGemmK - 1) / kGemmK);
+  char* const dst = smem + gemm_chunk_offset(row0, chunk);
+  bool early = kEarlyW;  // this sub-tile's first stages of W went out before the gate
 
-  for (long long m0 = r.lo[0]; m0 < r.hi[0]; m0 += kGemmRows) {
-    for (long long n0 = r.lo[1]; n0 < r.hi[1]; n0 += kOutCols) {
-      const long long m_end = min(m0 + kGemmRows, r.hi[0]), n_end = min(n0 + kOutCols, r.hi[1]);
-      const T* src_a[4];
-      const T* src_b[4];
-      bool in_a[4], in_b[4];
+  const long long s_lo = kPlanes ? r.lo[0] : 0, s_hi = kPlanes ? r.hi[0] : 1;
+  for (long long sl = s_lo; sl < s_hi; ++sl) {
+    const long long k_lo = kPlanes ? slice_bound(K, c.iparam[0], c.iparam[1], sl) : 0;
+    const long long k_hi = kPlanes ? slice_bound(K, c.iparam[0], c.iparam[1], sl + 1) : K;
+    const int ksteps = static_cast<int>((k_hi - k_lo + kGemmK - 1) / kGemmK);
+    for (long long m0 = r.lo[kRow]; m0 < r.hi[kRow]; m0 += kGemmRows) {
+      for (long long n0 = r.lo[kRow + 1]; n0 < r.hi[kRow + 1]; n0 += kOutCols) {
+        const long long m_end = min(m0 + kGemmRows, r.hi[kRow]), n_end = min(n0 + kOutCols, r.hi[kRow + 1]);
+        // Thread t's rows of x: m0 + row0 + 32i (i < 4); of W: n0 + row0 + 32i (i < 4·kSub; kGlu:
+        // MMA columns from kOutCols on are the up rows, N rows further). One base address and the
+        // rows left each: per-row pointers would not fit in registers beside kSub = 2's accumulators.
+        const int a_left = static_cast<int>(m_end - m0) - row0, b_left = static_cast<int>(n_end - n0) - row0;
+        const T* const base_a = x + (a_left > 0 ? (m0 + row0) * lda + k_lo : 0) + 8 * chunk;
+        const T* const base_b = w + (b_left > 0 ? (n0 + row0) * ldw + k_lo : 0) + 8 * chunk;
+        const auto k_in = [&](int ks) { return k_lo + static_cast<long long>(ks) * kGemmK + 8 * chunk < k_hi; };
+        const auto load_x = [&](int ks) {
+          char* s = dst + (ks % kGemmStages) * kStageBytes;
+          const bool kin = k_in(ks);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = row0 + 32 * i;
-        in_a[i] = m0 + row < m_end;
-        src_a[i] = x + (in_a[i] ? (m0 + row) * lda : 0) + 8 * chunk;
-        const int col = kGlu ? row % kOutCols : row;  // kGlu: MMA columns 0–63 gate, 64–127 up
-        in_b[i] = n0 + col < n_end;
-        src_b[i] = w + (in_b[i] ? (n0 + col + (kGlu && row >= kOutCols ? N : 0)) * ldw : 0) + 8 * chunk;
-      }
-      const auto load = [&](int ks) {
-        char* s = dst + (ks % kGemmStages) * kGemmStageBytes;
-        const bool k_in = static_cast<long long>(ks) * kGemmK + 8 * chunk < K;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const bool ok_a = in_a[i] && k_in, ok_b = in_b[i] && k_in;
-          cp_async16_or_zero(s + i * 32 * 128, ok_a ? src_a[i] + ks * kGemmK : x, ok_a);
-          cp_async16_or_zero(s + kGemmTileBytes + i * 32 * 128, ok_b ? src_b[i] + ks * kGemmK : w, ok_b);
-        }
-      };
-      float d[64];
-#pragma unroll
-      for (int i = 0; i < 64; ++i) d[i] = 0.f;
-      __syncthreads();  // both warpgroups' MMAs of the previous sub-tile are done with the stages
-#pragma unroll
-      for (int s = 0; s < kGemmStages - 2; ++s) {
-        if (s < ksteps) load(s);
-        cp_async_commit();  // a group per step, empty or not: the waits below count them
-      }
-#pragma unroll 1
-      for (int ks = 0; ks < ksteps; ++ks) {
-        cp_async_wait_pending<kGemmStages - 3>();  // this thread's copies of step ks landed
-        fence_proxy_async_shared();
-        __syncthreads();  // everyone's copies of step ks landed; the MMAs of step ks − 2 are done
-        if (ks + kGemmStages - 2 < ksteps) load(ks + kGemmStages - 2);  // into the stage step ks − 2 read
-        cp_async_commit();
-        const unsigned stage = smem_addr + (ks % kGemmStages) * kGemmStageBytes;
-        fence_accumulators(d);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kGemmK / 16; ++kk) {
-          wgmma_m64n128k16<T>(d, gmma_desc(stage + group * (kGemmTileBytes / 2) + 32 * kk),
-                              gmma_desc(stage + kGemmTileBytes + 32 * kk));
-        }
-        wgmma_commit();
-        wgmma_wait<1>();  // step ks − 1's MMAs are done: its stage is refilled after the next barrier
-        fence_accumulators(d);
-      }
-      wgmma_wait<0>();
-      fence_accumulators(d);
-
-      // lane (g, t) of warp v of warpgroup `group`: rows 64·group + 16v + g (+ 8), columns 8j + 2t (+ 1)
-      const long long row_lo = m0 + 64 * group + 16 * (warp & 3) + (lane >> 2);
-      const int col_in = 2 * (lane & 3);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const long long row = row_lo + 8 * h;
-        if (row >= m_end) continue;
-#pragma unroll
-        for (int j = 0; j < kOutCols / 8; ++j) {
-          const long long col = n0 + 8 * j + col_in;
-          float v[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float acc = d[4 * j + 2 * h + e];
-            if constexpr (kGlu) {  // the up column of the same output column: 64 MMA columns on
-              const float up = d[4 * (j + kOutCols / 8) + 2 * h + e];
-              v[e] = silu_times(round_to(kDtype, acc * alpha), round_to(kDtype, up * alpha), kDtype);
-            } else {
-              v[e] = acc * alpha;
-              if (bias != nullptr && col + e < n_end) v[e] += beta * to_f(bias[row * bs0 + (col + e) * bs1]);
-            }
+          for (int i = 0; i < 4; ++i) {
+            const bool ok = 32 * i < a_left && kin;
+            cp_async16_or_zero(s + i * 32 * 128, ok ? base_a + 32 * i * lda + ks * kGemmK : x, ok);
           }
-          T* o = out + row * N + col;
-          if (col + 1 < n_end && (row * N + col) % 2 == 0) {
-            *reinterpret_cast<uint32_t*>(o) = pack2<T>(v[0], v[1]);
-          } else {
-            if (col < n_end) o[0] = from_f<T>(v[0]);
-            if (col + 1 < n_end) o[1] = from_f<T>(v[1]);
+        };
+        const auto load_w = [&](int ks) {
+          char* s = dst + (ks % kGemmStages) * kStageBytes + kGemmTileBytes;
+          const bool kin = k_in(ks);
+#pragma unroll
+          for (int i = 0; i < 4 * kSub; ++i) {
+            constexpr int kGroups = kOutCols / 32;  // kGlu: row groups of gate, then as many of up
+            const int j = kGlu ? i % kGroups : i;
+            const bool ok = 32 * j < b_left && kin;
+            const T* src = base_b + 32 * j * ldw + (kGlu && i >= kGroups ? N * ldw : 0) + ks * kGemmK;
+            cp_async16_or_zero(s + i * 32 * 128, ok ? src : w, ok);
+          }
+        };
+        float d[kSub][64];
+#pragma unroll
+        for (int j = 0; j < kSub; ++j)
+#pragma unroll
+          for (int i = 0; i < 64; ++i) d[j][i] = 0.f;
+        __syncthreads();  // both warpgroups' MMAs of the previous sub-tile are done with the stages
+        if (early) {
+#pragma unroll
+          for (int s = 0; s < kGemmStages - 2; ++s)
+            if (s < ksteps) load_w(s);
+          if (!acquire_inputs(env)) {
+            cp_async_wait_all();  // nothing may land in shared memory after the task returned
+            return;
+          }
+        }
+#pragma unroll
+        for (int s = 0; s < kGemmStages - 2; ++s) {
+          if (s < ksteps) {
+            load_x(s);
+            if (!early) load_w(s);
+          }
+          cp_async_commit();  // a group per step, empty or not: the waits below count them
+        }
+        early = false;
+#pragma unroll 1
+        for (int ks = 0; ks < ksteps; ++ks) {
+          cp_async_wait_pending<kGemmStages - 3>();  // this thread's copies of step ks landed
+          fence_proxy_async_shared();
+          __syncthreads();  // everyone's copies of step ks landed; the MMAs of step ks − 2 are done
+          if (ks + kGemmStages - 2 < ksteps) {  // into the stage step ks − 2 read
+            load_x(ks + kGemmStages - 2);
+            load_w(ks + kGemmStages - 2);
+          }
+          cp_async_commit();
+          const unsigned stage = smem_addr + (ks % kGemmStages) * kStageBytes;
+#pragma unroll
+          for (int j = 0; j < kSub; ++j) fence_accumulators(d[j]);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kGemmK / 16; ++kk) {
+            const unsigned long long da = gmma_desc(stage + group * (kGemmTileBytes / 2) + 32 * kk);
+#pragma unroll
+            for (int j = 0; j < kSub; ++j)
+              wgmma_m64n128k16<T>(d[j], da, gmma_desc(stage + (1 + j) * kGemmTileBytes + 32 * kk));
+          }
+          wgmma_commit();
+          wgmma_wait<1>();  // step ks − 1's MMAs are done: its stage is refilled after the next barrier
+#pragma unroll
+          for (int j = 0; j < kSub; ++j) fence_accumulators(d[j]);
+        }
+        wgmma_wait<0>();
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) fence_accumulators(d[j]);
+
+        // Accumulator i of MMA block j holds, for lane (g, t) of warp v of warpgroup `group`, row
+        // 64·group + 16v + g + 8·((i >> 1) & 1) and MMA column 128j + 8·(i >> 2) + 2t + (i & 1).
+        // acc(q, h, e): MMA columns 8q + 2t + e of row half h.
+        const auto acc = [&](int q, int h, int e) -> float { return d[q / 16][4 * (q % 16) + 2 * h + e]; };
+        void* const out = env.buffers[c.out_buffer];
+        const float alpha = kPlanes ? 1.f : c.fparam[0], beta = kPlanes ? 0.f : c.fparam[1];
+        // the bias (a decoder layer's residual): its element (row, col) at row·bs0 + col·bs1
+        const T* bias = nullptr;
+        long long bs0 = 0, bs1 = 0;
+        if (!kGlu && !kPlanes && c.num_inputs > 2) {
+          const ViewC& v = c.in[2];
+          bias = static_cast<const T*>(env.buffers[v.buffer]) + v.offset;
+          if (v.ndim >= 1) bs1 = v.shape[v.ndim - 1] == 1 ? 0 : v.stride[v.ndim - 1];
+          if (v.ndim == 2) bs0 = v.shape[0] == 1 ? 0 : v.stride[0];
+        }
+        const long long row_lo = m0 + 64 * group + 16 * (warp & 3) + (lane >> 2);
+        const int col_in = 2 * (lane & 3);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const long long row = row_lo + 8 * h;
+          if (row >= m_end) continue;
+#pragma unroll
+          for (int q = 0; q < kOutCols / 8; ++q) {
+            const long long col = n0 + 8 * q + col_in;
+            float v[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              if constexpr (kGlu) {  // the up column of the same output column: kOutCols MMA columns on
+                v[e] = silu_times(round_to(kDtype, acc(q, h, e) * alpha), round_to(kDtype, acc(q + kOutCols / 8, h, e) * alpha),
+                                  kDtype);
+              } else {
+                v[e] = acc(q, h, e) * alpha;
+                if (bias != nullptr && col + e < n_end) v[e] += beta * to_f(bias[row * bs0 + (col + e) * bs1]);
+              }
+            }
+            const long long at = (kPlanes ? sl * M + row : row) * N + col;
+            const bool pair = col + 1 < n_end && at % 2 == 0;
+            if constexpr (kPlanes) {
+              float* o = static_cast<float*>(out) + at;
+              if (pair) {
+                *reinterpret_cast<float2*>(o) = make_float2(v[0], v[1]);
+              } else {
+                if (col < n_end) o[0] = v[0];
+                if (col + 1 < n_end) o[1] = v[1];
+              }
+            } else {
+              T* o = static_cast<T*>(out) + at;
+              if (pair) {
+                *reinterpret_cast<uint32_t*>(o) = pack2<T>(v[0], v[1]);
+              } else {
+                if (col < n_end) o[0] = from_f<T>(v[0]);
+                if (col + 1 < n_end) o[1] = from_f<T>(v[1]);
+              }
+            }
           }
         }
       }
     }
+  }
+  if (early) {  // the rect held no sub-tile (no work): the gate still opens
+    if (!acquire_inputs(env)) return;
   }
 }
 

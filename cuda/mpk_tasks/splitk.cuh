@@ -1,9 +1,11 @@
 // Task family: split-K projections (mpk/ops/splitk.py, whose docstring is the reference).
 // ``matmul_partial`` writes each K slice's fp32 product into its own plane of P [S, M, N];
 // ``matmul_finish`` adds the planes in slice order, scales, adds the bias and rounds once. Both
-// run one thread per output element: correct and deterministic, not bandwidth-grade (a
-// streaming MMA form of the partial task, as linalg.cuh's decode linear over a K range, is
-// what remains to build). Neither is self-gated: the dispatch opens the gate first.
+// run one thread per output element here: correct and deterministic, not bandwidth-grade. The
+// partial products of a prefill-sized GEMM (more than 16 rows, bf16 or fp16) run on the tensor
+// cores instead (gemm.cuh: gemm_task's kPlanes form); a bandwidth-grade decode form (the decode
+// linear over a K range) remains to build. The partial op is self-gated (the GEMM form requests
+// its weights first), so the general task opens its gate itself; matmul_finish is not.
 #pragma once
 #include "common.cuh"
 
@@ -19,6 +21,7 @@ __device__ __forceinline__ long long slice_bound(long long K, long long slices, 
 // the tile's slices, rows and columns; inputs a [M, K], b [K, N] (any strides); iparam[0] S,
 // iparam[1] the granule. Each slice's terms are added in k order in fp32.
 __device__ void task_matmul_partial(const OpC& c, const Rect& r, const TaskEnv& env) {
+  if (!acquire_inputs(env)) return;
   const ViewC& a = c.in[0];
   const ViewC& b = c.in[1];
   const long long K = a.shape[1], slices = c.iparam[0], granule = c.iparam[1];

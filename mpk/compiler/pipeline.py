@@ -15,6 +15,7 @@ from mpk.compiler.normalize import normalize
 from mpk.compiler.partition import PartitionSpec, decompose
 from mpk.compiler.place import place
 from mpk.compiler.prune import prune
+from mpk.compiler.splitk import split_gemms
 from mpk.compiler.splitk import split_k as split_k_pass
 from mpk.compiler.tables import Tables, emit
 from mpk.compiler.taskgraph import DUMMY, TaskGraph
@@ -91,7 +92,8 @@ def compile_graph(graph: OpGraph, num_workers: int = 128,
     (mpk.compiler.place). ``check`` runs the happens-before check (mpk.compiler.verify) on the
     tables, raising VerifyError; its report lands in ``stats.verified``. ``split_k`` ≥ 2 first
     splits the decode projections whose input is produced piecewise along K into that many
-    accumulation slices (mpk.compiler.splitk); the result's ``graph`` is then the rewritten one.
+    accumulation slices (mpk.compiler.splitk); tensor-core GEMMs too small to fill the workers
+    are always split so (split_gemms); the result's ``graph`` is then the rewritten one.
     ``pipelining=False`` makes every task wait for all tasks of each op it reads from
     (mpk.compiler.depend.whole_ops): the ablation baseline without cross-task overlap."""
     seconds: dict[str, float] = {}
@@ -104,6 +106,7 @@ def compile_graph(graph: OpGraph, num_workers: int = 128,
 
     if split_k and split_k >= 2:
         graph = timed("split_k", split_k_pass, graph, split_k)
+    graph = timed("split_gemms", split_gemms, graph, num_workers)
     tg = timed("decompose", decompose, graph, num_workers, partition)
     timed("depend", depend, tg)
     if not pipelining:

@@ -1,4 +1,6 @@
-"""Step 0 (with the ``split_k`` option) — split decode projections over K into accumulation tasks.
+"""Step 0 — split projections over K into accumulation tasks: decode projections with the
+``split_k`` option (``split_k``), and, always, tensor-core GEMMs too small to fill the workers
+(``split_gemms``).
 
 A projection ``matmul`` qualifies when it is a plain decode linear (no prologue or epilogue; a
 bias — the residual — is fine), 2-d x [M, K] @ W [K, N] with M ≤ LINEAR_ROWS, W a graph input
@@ -19,6 +21,13 @@ multiple of 32 when K is one (the decode linear's K step). The producer's own ti
 later (decompose), so a slice may still straddle two of them; dependencies stay exact either
 way, since depend intersects each slice task's declared K range with every producer tile.
 A projection of fewer than two granules stays whole; S is capped at K's granules.
+
+``split_gemms``: a plain matmul that takes the tensor-core GEMM (more than LINEAR_ROWS rows, bf16
+or fp16 operands as the GEMM reads them) runs one 128 × 128 sub-tile a task at best; with fewer
+than half a wave of sub-tiles, or exactly half (a short prompt's projections, a decode batch of 17 to a few
+hundred sequences) most workers would idle while a few stream the weights. It is split the
+same way into S slices of whole GEMM k steps (64), S·sub-tiles ≤ the workers, each slice at
+least GEMM_SPLIT_MIN_K long; its partial tasks run the GEMM over their slice.
 """
 
 from __future__ import annotations
@@ -30,10 +39,13 @@ from mpk.ir.opgraph import Op, OpGraph
 from mpk.ir.regions import bounding_box
 from mpk.ir.views import View, identity_view
 from mpk.ops import get_op
-from mpk.ops.linalg import LINEAR_ROWS, linear_form
+from mpk.ops.gpu import ViewInfo
+from mpk.ops.linalg import GEMM_COLS, GEMM_MIN_ROWS, GEMM_ROWS, LINEAR_ROWS, gemm_operand_blockers, linear_form
 from mpk.ops.splitk import accumulation_dtype
 
 K_STEP = 32  # cuda/mpk_tasks/linalg.cuh: the decode linear's K step (K % 32 == 0)
+GEMM_K_STEP = 64  # cuda/mpk_tasks/gemm.cuh: kGemmK, the GEMM's k step (a slice's granule)
+GEMM_SPLIT_MIN_K = 256  # a slice's K at least: four k steps, so the GEMM's stages fill before it ends
 
 
 def split_k(graph: OpGraph, slices: int | None) -> OpGraph:
@@ -50,19 +62,75 @@ def split_k(graph: OpGraph, slices: int | None) -> OpGraph:
         if s < 2:
             ops.append(op)
             continue
-        a, b, *bias = op.inputs
-        m, n = g.buffers[op.output].shape
-        part = g.add_buffer(f"{op.name}.partial", (s, m, n), accumulation_dtype(g.buffers[op.output].dtype),
-                            "intermediate")
-        ops.append(Op(-1, "matmul_partial", (a, b), part.id, {"slices": s, "granule": granule},
-                      f"{op.name}.partial", op.source))
-        ends = {k: op.attrs[k] for k in ("alpha", "beta") if k in op.attrs}
-        ops.append(Op(-1, "matmul_finish", (identity_view(part.id, part.shape), *bias), op.output, ends, op.name,
-                      op.source))
+        ops.extend(_split(g, op, s, granule))
     g.ops = ops
     for i, op in enumerate(g.ops):
         op.id = i
     return g
+
+
+def gemm_slices(m: int, n: int, k: int, workers: int) -> int:
+    """K slices of an [m, n] GEMM over ``k``: 1 (whole) when its 128 × 128 sub-tiles fill more than
+    half of ``workers``; else as many as fill the workers, each at least GEMM_SPLIT_MIN_K of K."""
+    subtiles = -(-m // GEMM_ROWS) * -(-n // GEMM_COLS)
+    if 2 * subtiles > workers:
+        return 1
+    return max(1, min(workers // subtiles, k // GEMM_SPLIT_MIN_K))
+
+
+def split_gemms(graph: OpGraph, workers: int) -> OpGraph:
+    """``graph`` with every tensor-core GEMM too small for ``workers`` split over K (module doc);
+    ``graph`` itself is not modified (returned as is when nothing splits)."""
+    picks = {op.id: gemm_slices(*graph.buffers[op.output].shape, op.inputs[0].shape[1], workers)
+             for op in graph.ops if _gemm_splittable(graph, op)}
+    picks = {i: s for i, s in picks.items() if s >= 2}
+    if not picks:
+        return graph
+    g = copy.deepcopy(graph)
+    ops: list[Op] = []
+    for op in g.ops:
+        if op.id in picks:
+            ops.extend(_split(g, op, picks[op.id], GEMM_K_STEP))
+        else:
+            ops.append(op)
+    g.ops = ops
+    for i, op in enumerate(g.ops):
+        op.id = i
+    return g
+
+
+def _split(g: OpGraph, op: Op, s: int, granule: int) -> list[Op]:
+    """``op`` as its partial op over ``s`` slices of ``granule`` and its finish op (module doc)."""
+    a, b, *bias = op.inputs
+    m, n = g.buffers[op.output].shape
+    part = g.add_buffer(f"{op.name}.partial", (s, m, n), accumulation_dtype(g.buffers[op.output].dtype),
+                        "intermediate")
+    ends = {k: op.attrs[k] for k in ("alpha", "beta") if k in op.attrs}
+    return [Op(-1, "matmul_partial", (a, b), part.id, {"slices": s, "granule": granule}, f"{op.name}.partial",
+               op.source),
+            Op(-1, "matmul_finish", (identity_view(part.id, part.shape), *bias), op.output, ends, op.name, op.source)]
+
+
+def _view_info(g: OpGraph, v: View) -> ViewInfo | None:
+    strided = v.strided()
+    if strided is None:
+        return None
+    buf = g.buffers[v.buffer]
+    return ViewInfo(shape=v.shape, strides=strided[0], offset=strided[1], dtype=buf.dtype, buffer=v.buffer,
+                    graph_input=buf.role == "input")
+
+
+def _gemm_splittable(g: OpGraph, op: Op) -> bool:
+    """A plain 2-d matmul the tensor-core GEMM runs (mpk.ops.linalg.linear_path), as a view of
+    the graph sees it."""
+    if op.kind != "matmul" or linear_form(op.attrs) != (None, None) or len(g.buffers[op.output].shape) != 2:
+        return False
+    a, b = op.inputs[:2]
+    if a.ndim != 2 or b.ndim != 2 or a.shape[0] < GEMM_MIN_ROWS:
+        return False
+    va, vb = _view_info(g, a), _view_info(g, b)
+    out = g.buffers[op.output].dtype
+    return va is not None and vb is not None and not gemm_operand_blockers(va, vb, out)
 
 
 def _granule(g: OpGraph, op: Op, producer: dict[int, Op]) -> int | None:

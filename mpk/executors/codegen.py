@@ -30,6 +30,7 @@ from mpk.ops.paged import attention_steps as _attention_steps
 from mpk.ops.pointwise import silu_mul_fast
 from mpk.ops.rows import rms_norm_fast
 from mpk.ops.rows import row_vector_ctype as _row_vector_ctype
+from mpk.ops.splitk import partial_gemm
 
 # An op's constants (mpk::OpC) hold MAX_INPUTS input views, or WIDE_INPUTS in a graph with an op
 # of more (a ragged rope_append with qk-norm: common.cuh's MPK_MAX_INPUTS, defined by the
@@ -113,8 +114,12 @@ def linear_variant(tables: Tables, op: int) -> int:
 
 
 def matmul_path(tables: Tables, op: int) -> str:
-    """The task matmul ``op`` runs: "gemm" (tensor cores), "linear" (decode) or "general" (mpk.ops.linalg.linear_path)."""
-    return linear_path(op_info(tables, op))
+    """The task matmul ``op`` runs: "gemm" (tensor cores), "linear" (decode) or "general"
+    (mpk.ops.linalg.linear_path); of a split-K matmul_partial: "gemm" or "general"."""
+    info = op_info(tables, op)
+    if info.kind == "matmul_partial":
+        return "gemm" if partial_gemm(info) else "general"
+    return linear_path(info)
 
 
 def rms_norm_variant(tables: Tables, op: int) -> int:

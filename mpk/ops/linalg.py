@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from mpk.errors import BAD_TOKEN, BadInputError, bad_input_message
-from mpk.ops.gpu import CTYPES, GpuSpec, OpInfo, Params, all_inputs
+from mpk.ops.gpu import CTYPES, GpuSpec, OpInfo, Params, ViewInfo, all_inputs
 from mpk.ops.registry import OpDef, OpSig, broadcast_region, register
 from mpk.ops.rows import NORM_VECS
 
@@ -357,14 +357,45 @@ def matmul_rows(op: OpInfo) -> int:
 # keep the decode linear and its partitioning.
 GEMM_MIN_ROWS = LINEAR_ROWS + 1
 GEMM_ROWS = 128  # gemm.cuh: kGemmRows, a sub-tile's output rows (two warpgroups × the MMA's 64)
-GEMM_COLS = 128  # gemm.cuh: kGemmCols, a sub-tile's MMA columns (output columns; half of them with silu_mul)
-GEMM_SMEM_BYTES = 4 * 2 * GEMM_ROWS * 64 * 2 + 1024  # gemm.cuh: kGemmSmemBytes (4 stages of 64 k of x and W, alignment)
+GEMM_COLS = 128  # gemm.cuh: kGemmCols, an MMA block's columns (output columns; half of them with silu_mul)
 GEMM_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _gemm_cols(epilogue: str | None) -> int:
-    """Output columns of a GEMM sub-tile: with silu_mul its MMA columns are 64 gate and 64 up."""
-    return GEMM_COLS // 2 if epilogue == "silu_mul" else GEMM_COLS
+def gemm_smem_bytes(sub: int) -> int:
+    """gemm.cuh: gemm_smem_bytes — 4 stages of 64 k of x's 128 rows and W's ``sub`` 128-row
+    blocks, 16-bit elements, plus 1 KiB to align them."""
+    return 4 * (1 + sub) * GEMM_ROWS * 64 * 2 + 1024
+
+
+GEMM_SMEM_BYTES = gemm_smem_bytes(1)  # a GEMM of 128-column sub-tiles
+
+
+def _gemm_cols(epilogue: str | None, sub: int = 1) -> int:
+    """Output columns of a GEMM sub-tile of ``sub`` MMA blocks: with silu_mul half of its MMA
+    columns are gate and half up."""
+    return sub * GEMM_COLS // 2 if epilogue == "silu_mul" else sub * GEMM_COLS
+
+
+def gemm_operand_blockers(a: ViewInfo, b: ViewInfo, out_dtype: torch.dtype, want_out: torch.dtype | None = None) -> list[str]:
+    """Why the GEMM cannot read x = ``a`` [M, K] and Wᵀ = ``b`` [K, N], in words: both of one
+    16-bit dtype (and the output too, unless ``want_out`` names the output dtype the task
+    writes), unit stride along K, 16-byte aligned rows, K % 8 == 0."""
+    K = a.shape[1]
+    why = []
+    dtypes = {a.dtype, b.dtype} | ({out_dtype} if want_out is None else set())
+    if len(dtypes) != 1 or a.dtype not in GEMM_DTYPES:
+        names = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        why.append(f"its operands{'' if want_out is not None else ' and output'} are {names}, not all bfloat16 or "
+                   "all float16")
+    if want_out is not None and out_dtype != want_out:
+        why.append(f"its output is {str(out_dtype).removeprefix('torch.')}, not {str(want_out).removeprefix('torch.')}")
+    if a.strides[1] != 1 or b.strides[0] != 1:
+        why.append("x or W is strided along K")
+    if K % 8:
+        why.append(f"K = {K} is not a multiple of 8 (16-byte copies)")
+    if any(v % 8 for v in (a.offset, a.stride(0), b.offset, b.stride(1))):
+        why.append("rows of x or W are not 16-byte aligned")
+    return why
 
 
 def gemm_blockers(op: OpInfo) -> list[str]:
@@ -381,19 +412,7 @@ def gemm_blockers(op: OpInfo) -> list[str]:
                  "tile; larger inputs keep the RMSNorm an op of its own)")]
     if op.ndim != 2:
         return ["not a 2-d x @ Wᵀ (batched)"]
-    a, b = op.inputs[:2]
-    dtypes = {a.dtype, b.dtype, op.out_dtype}
-    K = a.shape[1]
-    why = []
-    if len(dtypes) != 1 or op.out_dtype not in GEMM_DTYPES:
-        names = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
-        why.append(f"its operands and output are {names}, not all bfloat16 or all float16")
-    if a.strides[1] != 1 or b.strides[0] != 1:
-        why.append("x or W is strided along K")
-    if K % 8:
-        why.append(f"K = {K} is not a multiple of 8 (16-byte copies)")
-    if any(v % 8 for v in (a.offset, a.stride(0), b.offset, b.stride(1))):
-        why.append("rows of x or W are not 16-byte aligned")
+    why = gemm_operand_blockers(op.inputs[0], op.inputs[1], op.out_dtype)
     if epi is None and len(op.inputs) > 2 and (op.inputs[2].dtype != op.out_dtype or op.inputs[2].ndim > 2):
         why.append("its bias (residual) is not a matrix or vector of the output's dtype")
     return why
@@ -414,29 +433,59 @@ def linear_fast(op: OpInfo) -> bool:
     return linear_path(op) == "linear"
 
 
+def gemm_wide(m: int, n: int, epilogue: str | None, workers: int) -> bool:
+    """Whether a GEMM's sub-tiles are 128 × 256 MMA columns (gemm.cuh: kSub 2) rather than
+    128 × 128: when its 128-column sub-tiles are more than one wave of ``workers``, so tiles
+    hold several of them anyway and the wide ones load x half as often per FLOP."""
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    return cdiv(m, GEMM_ROWS) * cdiv(n, _gemm_cols(epilogue)) > workers
+
+
 def _matmul_grid(sig: OpSig, workers: int) -> tuple[int, ...] | None:
     """A tensor-core matmul's tiles: whole GEMM sub-tiles (128 rows × 128 output columns, 64 with
-    silu_mul) in both dims, at most ``workers`` tiles, the most sub-tiles of any tile (a wave's
-    length) the fewest possible, then the fewest tiles; None for a matmul the GEMM does not take
-    by its signature (the split order then: N first)."""
+    silu_mul; twice as wide where ``gemm_wide``) in both dims, at most ``workers`` tiles, the most
+    sub-tiles of any tile (a wave's length) the fewest possible, then the fewest tiles; None for
+    a matmul the GEMM does not take by its signature (the split order then: N first)."""
     pro, epi = linear_form(sig.attrs)
     if (len(sig.out_shape) != 2 or pro or epi == "norm_stats" or sig.out_dtype not in GEMM_DTYPES
             or sig.out_shape[0] < GEMM_MIN_ROWS):
         return None
+    return gemm_grid(*sig.out_shape, _gemm_cols(epi, 2 if gemm_wide(*sig.out_shape, epi, workers) else 1), workers)
 
+
+def gemm_grid(m: int, n: int, cols: int, workers: int) -> tuple[int, int]:
+    """(row tiles, column tiles) of an [m, n] output in whole sub-tiles of GEMM_ROWS × ``cols``:
+    at most ``workers`` tiles, the fewest sub-tiles in the largest tile, then the fewest tiles."""
     def cdiv(a: int, b: int) -> int:
         return -(-a // b)
 
-    (M, N), cols = sig.out_shape, _gemm_cols(epi)
     best = None
-    for gm in range(1, min(cdiv(M, GEMM_ROWS), workers) + 1):
-        per_row = cdiv(cdiv(M, gm), GEMM_ROWS)  # sub-tiles down the tallest tile
-        per_col = cdiv(cdiv(N, min(cdiv(N, cols), workers // gm)), cols)
-        gn = cdiv(N, per_col * cols)  # the fewest column tiles with that many sub-tiles across
+    for gm in range(1, min(cdiv(m, GEMM_ROWS), workers) + 1):
+        per_row = cdiv(cdiv(m, gm), GEMM_ROWS)  # sub-tiles down the tallest tile
+        per_col = cdiv(cdiv(n, min(cdiv(n, cols), workers // gm)), cols)
+        gn = cdiv(n, per_col * cols)  # the fewest column tiles with that many sub-tiles across
         key = (per_row * per_col, gm * gn, -gn)
         if best is None or key < best[0]:
             best = key, (gm, gn)
     return best[1]
+
+
+def gemm_sub(op: OpInfo) -> int:
+    """MMA blocks of the op's GEMM sub-tiles (gemm.cuh: kSub): 2 where its tiles are wider than
+    one 128-column sub-tile (``gemm_wide`` grids), else 1."""
+    return 2 if op.tile_extent(op.ndim - 1) > _gemm_cols(linear_form(op.attrs)[1]) else 1
+
+
+def gemm_instance(op: OpInfo, glu: bool, planes: bool) -> str:
+    """The ``mpk::gemm_task`` instantiation of a GEMM-path op: its operand type, the SiLU·mul
+    epilogue, its sub-tile width, the split-K partial form, and whether W is a graph input (then
+    its first stages are requested before the gate)."""
+    t, w = CTYPES[op.inputs[0].dtype], op.inputs[1]
+    flag = {True: "true", False: "false"}
+    return (f"mpk::gemm_task<{t}, {flag[glu]}, {1 if planes else gemm_sub(op)}, {flag[planes]}, "
+            f"{flag[w.graph_input and not w.carried]}>")
 
 
 def _matmul_params(op: OpInfo) -> Params:
@@ -467,7 +516,7 @@ def _matmul_task(op: OpInfo) -> str:
     epilogue, and whether it takes the bandwidth-grade path."""
     pro, epi = linear_form(op.attrs)
     if linear_path(op) == "gemm":
-        return f"mpk::gemm_task<{CTYPES[op.out_dtype]}, {'true' if epi == 'silu_mul' else 'false'}>"
+        return gemm_instance(op, epi == "silu_mul", planes=False)
     form = " | ".join(_LINEAR_FLAGS[k, v] for k, v in (("prologue", pro), ("epilogue", epi)) if v) or "mpk::kPlain"
     return f"mpk::linear_task<{form}, {'true' if linear_fast(op) else 'false'}>"
 
@@ -477,7 +526,7 @@ def _matmul_smem(op: OpInfo) -> int:
     (decode linear only: norm_tile)."""
     path = linear_path(op)
     if path == "gemm":
-        return GEMM_SMEM_BYTES
+        return gemm_smem_bytes(gemm_sub(op))
     if linear_form(op.attrs)[0] != "rms_norm" or path != "linear":
         return 0
     return op.tile_extent(0) * op.inputs[0].shape[1] * 2
@@ -499,7 +548,7 @@ def _matmul_slow(op: OpInfo) -> str | None:
     return f"({form_name(op.attrs)}, weight {out_in}): {'; '.join(why)}" if why else None
 
 
-# the fast path loads its first weights before the gate; the general one and the GEMM wait for it first
+# the fast path and the GEMM request their first weights before the gate; the general one waits first
 MATMUL_GPU = GpuSpec(params=_matmul_params, task=_matmul_task, self_gated=True, smem_bytes=_matmul_smem,
                      vector_inputs=_matmul_vector_inputs, slow_path=_matmul_slow,
                      in_kernel=lambda op: linear_path(op) == "gemm")

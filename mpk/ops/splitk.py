@@ -15,6 +15,11 @@ of its rows, so each of its tasks waits for every producer tile. The split-K pas
   reads P[:, rows, columns] for all S slices, so it waits for exactly the partial tasks of its
   column tile.
 
+The split-K pass also splits tensor-core GEMMs (more than 16 rows) of too few sub-tiles to fill
+the workers (a short prompt's projections, a decode batch of 17 to a few hundred sequences):
+their partial tasks run the GEMM over a K slice (cuda/mpk_tasks/gemm.cuh, kPlanes), one
+128 × 128 sub-tile a task.
+
 Accumulation is deterministic: every slice writes its own plane of P (no two tasks write one
 element, which the happens-before check and the interpreter's race tracking verify like any
 other write) and one finish task adds the planes in slice order. Atomics into one fp32 tile
@@ -29,6 +34,7 @@ import math
 import torch
 
 from mpk.ops.gpu import GpuSpec, OpInfo, Params
+from mpk.ops.linalg import GEMM_COLS, GEMM_MIN_ROWS, GEMM_ROWS, gemm_instance, gemm_operand_blockers, gemm_smem_bytes
 from mpk.ops.registry import OpDef, OpSig, broadcast_region, register
 
 
@@ -79,6 +85,8 @@ def _partial_cpu(sig: OpSig, rect, xs):
 
 def _partial_grid(sig: OpSig, workers: int) -> tuple[int, ...]:
     s, m, n = sig.out_shape
+    if m >= GEMM_MIN_ROWS:  # the GEMM form: a GEMM sub-tile a task (the pass chose S to fill the workers)
+        return s, -(-m // GEMM_ROWS), -(-n // GEMM_COLS)
     return s, 1, column_tiles(s, m, n, workers)
 
 
@@ -102,7 +110,17 @@ def _finish_cpu(sig: OpSig, rect, xs):
 
 def _finish_grid(sig: OpSig, workers: int) -> tuple[int, ...]:
     m, n = sig.out_shape
+    if m >= GEMM_MIN_ROWS:  # the GEMM form's column tiles, cut along rows until they fill the workers
+        gn = -(-n // GEMM_COLS)
+        return max(1, min(-(-m // 16), workers // gn)), gn
     return 1, column_tiles(sig.in_shapes[0][0], m, n, workers)
+
+
+def partial_gemm(op: OpInfo) -> bool:
+    """Whether a matmul_partial runs on the tensor cores (gemm.cuh, kPlanes): more than
+    LINEAR_ROWS rows, and x, W as the GEMM reads them (mpk.ops.linalg.gemm_operand_blockers)."""
+    return op.out_shape[1] >= GEMM_MIN_ROWS and not gemm_operand_blockers(op.inputs[0], op.inputs[1], op.out_dtype,
+                                                                          want_out=torch.float32)
 
 
 def _partial_params(op: OpInfo) -> Params:
@@ -119,18 +137,28 @@ SLOW_PARTIAL_MIN_BYTES = 1 << 20  # as mpk.ops.linalg.SLOW_LINEAR_MIN_BYTES: a m
 
 
 def _partial_slow(op: OpInfo) -> str | None:
-    """The partial task is one thread per output element (correct, not bandwidth-grade): a
-    model-sized weight is named in a PerformanceWarning."""
+    """The general partial task is one thread per output element (correct, not bandwidth-grade):
+    a model-sized weight off the GEMM form is named in a PerformanceWarning."""
     w = op.inputs[1]
-    if math.prod(w.shape) * w.dtype.itemsize < SLOW_PARTIAL_MIN_BYTES:
+    if partial_gemm(op) or math.prod(w.shape) * w.dtype.itemsize < SLOW_PARTIAL_MIN_BYTES:
         return None
-    return (f"(matmul_partial, weight {w.shape[1]}×{w.shape[0]}): the split-K partial task has no bandwidth-grade "
-            "form yet (split_k is for the CPU interpreter and correctness runs)")
+    return (f"(matmul_partial, weight {w.shape[1]}×{w.shape[0]}): the split-K partial task of a decode projection "
+            "has no bandwidth-grade form yet (split_k is for the CPU interpreter and correctness runs)")
+
+
+def _partial_task(op: OpInfo) -> str:
+    return gemm_instance(op, glu=False, planes=True) if partial_gemm(op) else "mpk::task_matmul_partial"
+
+
+PARTIAL_GPU = GpuSpec(params=_partial_params, task=_partial_task, self_gated=True, slow_path=_partial_slow,
+                      smem_bytes=lambda op: gemm_smem_bytes(1) if partial_gemm(op) else 0,
+                      vector_inputs=lambda op: (0, 1) if partial_gemm(op) else (),
+                      in_kernel=partial_gemm)
 
 
 register(OpDef(
     kind="matmul_partial", type_id=22, input_regions=_partial_regions, cpu=_partial_cpu, default_grid=_partial_grid,
-    gpu=GpuSpec(params=_partial_params, slow_path=_partial_slow),
+    gpu=PARTIAL_GPU,
     doc="out [S, M, N] (fp32, float64 for float64 operands): out[s] = a[:, k_s] @ b[k_s, :], k_s the s-th K slice "
         "(slice_bounds(K, attrs['slices'], attrs['granule'])); a [M, K], b [K, N]",
 ))

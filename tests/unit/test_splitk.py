@@ -3,7 +3,8 @@ interpreter: float64-referenced numerics over odd shapes and uneven slices, exac
 dependencies in a decode step (an o-projection slice waits only for its heads' attention tasks,
 a down-projection slice only for the gate·up tiles of its columns), a dropped dependency caught
 by the happens-before check and the interpreter, whole decode steps with split_k on and off
-agreeing within the rounding bound; and the ablation without cross-task pipelining."""
+agreeing within the rounding bound; the automatic split of tensor-core GEMMs too small to fill
+the workers; and the ablation without cross-task pipelining."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import mpk.compiler.pipeline as pipeline
 from mpk.compiler import compile_graph
 from mpk.compiler.depend import depend, whole_ops
 from mpk.compiler.partition import decompose
-from mpk.compiler.splitk import split_k
+from mpk.compiler.splitk import GEMM_K_STEP, GEMM_SPLIT_MIN_K, gemm_slices, split_gemms, split_k
 from mpk.compiler.verify import verify
 from mpk.errors import OptionError, RaceError, VerifyError
 from mpk.executors import Interpreter
@@ -92,6 +93,81 @@ def test_projections_that_do_not_qualify_stay_whole():
     for off in (None, 0, 1):
         assert split_k(graph, off) is graph
     assert "matmul_partial" in _kinds(split_k(graph, 2)) and "matmul_partial" not in _kinds(graph)
+
+
+def test_gemm_slices_fill_the_workers():
+    """Fresh random GEMM shapes and worker counts: a GEMM whose 128 × 128 sub-tiles fill more than
+    half the workers stays whole; a smaller one takes as many slices as fill the workers, each at least
+    GEMM_SPLIT_MIN_K of K."""
+    assert gemm_slices(64, 2048, 2048, 128) == 8  # a short prompt's o-projection: 16 sub-tiles
+    assert gemm_slices(64, 2048, 6144, 128) == 8 and gemm_slices(64, 4096, 2048, 128) == 4
+    assert gemm_slices(2048, 2048, 2048, 128) == 1 and gemm_slices(64, 2048, 300, 128) == 1
+    rng = random.Random(random.randrange(1 << 30))
+    for _ in range(200):
+        m, n, k, workers = rng.randint(17, 3000), rng.randint(1, 9000), rng.randint(8, 20000), rng.randint(1, 200)
+        s = gemm_slices(m, n, k, workers)
+        subtiles = -(-m // 128) * -(-n // 128)
+        if 2 * subtiles > workers or k < 2 * GEMM_SPLIT_MIN_K:
+            assert s == 1, (m, n, k, workers)
+        else:
+            assert 2 <= s and s * subtiles <= workers and k // s >= GEMM_SPLIT_MIN_K, (m, n, k, workers, s)
+            assert (s + 1) * subtiles > workers or k // (s + 1) < GEMM_SPLIT_MIN_K  # no more would fit
+
+
+@pytest.mark.parametrize("m,k,n,dtype", [
+    (40, 1032, 520, torch.bfloat16),  # K off the 64-k step: the last slice takes the rest
+    (17, 2048, 300, torch.float16),   # the fewest rows the GEMM takes
+    (130, 776, 1000, torch.bfloat16),  # two row sub-tiles
+])
+def test_small_gemms_are_split_and_match_float64(m, k, n, dtype):
+    """A 16-bit projection with a residual, of few sub-tiles: split_gemms makes it partial
+    products over whole 64-k steps (the GEMM's) and a finish, at most the workers' count of
+    tasks; the interpreter's results over random schedules stay within the rounding bound of a
+    K + S term fp32 sum, the residual add and one rounding, and agree across schedules."""
+    args = _projection_args(m, k, n, dtype)
+    graph = trace_graph(_projection, args)
+    assert _kinds(graph) == ["pointwise", "matmul"]
+    workers = 128
+    split = split_gemms(graph, workers)
+    assert _kinds(split) == ["pointwise", "matmul_partial", "matmul_finish"] and _kinds(graph) == ["pointwise", "matmul"]
+    part = split.ops[1]
+    s = part.attrs["slices"]
+    assert s == gemm_slices(m, n, k, workers) >= 2 and part.attrs["granule"] == GEMM_K_STEP
+    bounds = slice_bounds(k, s, GEMM_K_STEP)
+    assert all(b % GEMM_K_STEP == 0 for b in bounds[:-1]) and bounds[-1] == k
+    x, w, r = (t.double() for t in args)
+    ref = (x * 2) @ w.t() + r
+    bound = rounding_bound(dtype, 1, k=k + s)
+    compiled = compile_graph(graph, num_workers=workers, check=True)  # the pass runs inside
+    assert _kinds(compiled.graph) == _kinds(split)
+    grid = compiled.stats.partitions[part.name]
+    assert grid == (s, -(-m // 128), -(-n // 128)) and s * grid[1] * grid[2] <= workers  # a GEMM sub-tile a task
+    rng = random.Random(random.randrange(1 << 30))
+    out, again = (Interpreter(compiled.tables).run(args, seed=rng.randrange(1000))[0] for _ in range(2))
+    assert out.dtype == dtype and relative_error(out, ref) <= bound, (relative_error(out, ref), bound)
+    assert torch.equal(out, again), "the finish sum depends on the schedule"
+
+
+def test_gemms_that_do_not_qualify_stay_whole():
+    """split_gemms leaves alone: GEMMs that fill more than half the workers, decode-sized and float32
+    projections (not the GEMM's), the SiLU·mul form (its epilogue needs the whole sum), and K
+    too short for two slices; a graph with nothing to split comes back as is."""
+    def bf16(*shape):
+        return torch.randn(*shape).bfloat16()
+
+    cases = [((bf16(520, 1024), bf16(2048, 1024)), 128),     # 80 sub-tiles: more than half of 128 workers
+             ((bf16(16, 1024), bf16(2048, 1024)), 128),      # decode rows: the decode linear
+             ((torch.randn(64, 1024), torch.randn(2048, 1024)), 128),  # float32: the general task
+             ((bf16(64, 500), bf16(2048, 500)), 128)]        # K < 2 · GEMM_SPLIT_MIN_K
+    for args, workers in cases:
+        graph = trace_graph(lambda x, w: (x * 2) @ w.t(), args)
+        assert split_gemms(graph, workers) is graph
+    def gate_up(x, w):
+        h = torch.nn.functional.linear(x, w)
+        return torch.nn.functional.silu(h[:, :512]) * h[:, 512:]
+
+    graph = trace_graph(gate_up, (bf16(64, 1024), bf16(2 * 512, 1024)))
+    assert _kinds(graph) == ["matmul"] and split_gemms(graph, 128) is graph
 
 
 def _decode_model(dtype, num_splits: int, **cfg):
