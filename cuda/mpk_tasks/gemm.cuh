@@ -5,10 +5,10 @@
 // A GEMM of too few sub-tiles to fill the workers is split over K (mpk/compiler/splitk.py): this
 // task then writes each K slice's fp32 product (matmul_partial), and matmul_finish adds them.
 //
-// A task computes its tile of the output in sub-tiles of 128 rows × 128·kSub MMA columns (as many
-// output columns, or half with SiLU·mul: gate, then the matching up rows of W). Warpgroup g (warps
-// 4g … 4g + 3) owns rows 64g … 64g + 63 of a sub-tile: kSub m64n128k16 wgmmas per 16 k, 64 fp32
-// accumulators a thread per MMA block, in registers. Operands come from shared memory, staged by
+// A task computes its tile of the output in sub-tiles of 128 rows × 128 MMA columns (128 output
+// columns, or 64 with SiLU·mul: 64 gate and the matching 64 up rows of W). Warpgroup g (warps
+// 4g … 4g + 3) owns rows 64g … 64g + 63 of a sub-tile: one m64n128k16 wgmma per 16 k, its 64
+// fp32 accumulators a thread in registers. Operands come from shared memory, staged by
 // every thread with cp.async in kGemmStages stages of 64 k (a 128-byte row of each operand row),
 // stored in the 128-byte swizzle the wgmma descriptors name (16-byte chunk c of row r at
 // chunk c ^ (r % 8), each stage's tiles 1024-byte aligned). Two stages' copies are in flight
@@ -27,15 +27,14 @@
 namespace mpk {
 
 constexpr int kGemmRows = 128;  // output rows of a sub-tile: two warpgroups × the MMA's 64
-constexpr int kGemmCols = 128;  // MMA columns (rows of W) of an MMA block: the MMA's n
+constexpr int kGemmCols = 128;  // MMA columns (rows of W) of a sub-tile: the MMA's n
 constexpr int kGemmK = 64;      // k of a stage: 128 bytes of 16-bit elements, the swizzle's row
 constexpr int kGemmStages = 4;
-constexpr int kGemmTileBytes = kGemmRows * kGemmK * 2;  // x's rows of a stage, or a 128-row block of W's: 16 KiB
-// a stage: x's rows, then W's kSub blocks of 128 rows
-__host__ __device__ constexpr int gemm_stage_bytes(int sub) { return (1 + sub) * kGemmTileBytes; }
-// the launch's dynamic shared memory a GEMM needs (mpk.ops.linalg.gemm_smem_bytes): the stages
+constexpr int kGemmTileBytes = kGemmRows * kGemmK * 2;  // one operand of a stage: 16 KiB
+constexpr int kGemmStageBytes = 2 * kGemmTileBytes;     // x's rows, then W's
+// the launch's dynamic shared memory a GEMM needs (mpk.ops.linalg.GEMM_SMEM_BYTES): the stages
 // and up to 1 KiB to align them to the swizzle's 1024-byte period
-__host__ __device__ constexpr int gemm_smem_bytes(int sub) { return kGemmStages * gemm_stage_bytes(sub) + 1024; }
+constexpr int kGemmSmemBytes = kGemmStages * kGemmStageBytes + 1024;
 static_assert(kGemmRows * 8 == 4 * kThreadsPerTask, "a thread copies 4 chunks of each operand per stage");
 
 // A wgmma shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle, its first
@@ -108,9 +107,7 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long l
 #undef MPK_WGMMA_OPERANDS
 
 // The tensor-core task of the matmul op and of matmul_partial (codegen names the instantiation):
-// T the operands' type; kGlu the SiLU·mul epilogue; kSub the 128-column MMA blocks of a sub-tile
-// (1: 128 × 128, 2: 128 × 256, for GEMMs with more than a wave of 128-column sub-tiles: half the
-// loads of x per FLOP); kPlanes the split-K partial form (mpk/ops/splitk.py); kEarlyW: W is a
+// T the operands' type; kGlu the SiLU·mul epilogue; kPlanes the split-K partial form (mpk/ops/splitk.py); kEarlyW: W is a
 // graph input (a weight, which no task writes), so the first sub-tile's first stages of W are
 // requested before the task waits for its inputs (self-gated, as the decode linear).
 //
@@ -122,27 +119,21 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long l
 // unscaled (matmul_finish adds the planes, scales and adds the bias). Inlined, as is the dispatch
 // of a graph that uses it (GpuSpec.in_kernel): ptxas serializes warpgroup MMAs inside any
 // function the kernel calls.
-template <typename T, bool kGlu, int kSub, bool kPlanes, bool kEarlyW>
+template <typename T, bool kGlu, bool kPlanes, bool kEarlyW>
 __device__ __forceinline__ void gemm_task(const OpC& c, const Rect& r, const TaskEnv& env) {
-  static_assert(kSub == 1 || kSub == 2, "a sub-tile holds one or two 128-column MMA blocks");
   static_assert(!(kGlu && kPlanes), "a partial product has no epilogue");
   if constexpr (!kEarlyW) {
     if (!acquire_inputs(env)) return;
   }
   constexpr int kDtype = std::is_same_v<T, __nv_bfloat16> ? kBF16 : kF16;
-  constexpr int kCols = kGemmCols * kSub;               // MMA columns (rows of W) of a sub-tile
-  constexpr int kOutCols = kGlu ? kCols / 2 : kCols;    // output columns of a sub-tile
-  constexpr int kStageBytes = gemm_stage_bytes(kSub);  // x's rows, then W's kSub blocks of 128 rows
-  constexpr int kRow = kPlanes ? 1 : 0;                 // the rect's row dim (kPlanes: after the slices)
+  constexpr int kOutCols = kGlu ? kGemmCols / 2 : kGemmCols;  // output columns of a sub-tile
+  constexpr int kRow = kPlanes ? 1 : 0;  // the rect's row dim (kPlanes: after the slices)
   const ViewC& a = c.in[0];
   const ViewC& b = c.in[1];
   const long long K = a.shape[1], M = c.out_shape[kRow], N = c.out_shape[kRow + 1];
   const T* x = static_cast<const T*>(env.buffers[a.buffer]) + a.offset;
   const T* w = static_cast<const T*>(env.buffers[b.buffer]) + b.offset;
   const long long lda = a.stride[0], ldw = b.stride[1];
-  // (the epilogue's constants — out, alpha, beta, the bias — are read after the K loop: live
-  // across it they would take registers kSub = 2's 128 accumulators need)
-
   char* smem = reinterpret_cast<char*>(norm_tile());
   smem += (1024u - (static_cast<unsigned>(__cvta_generic_to_shared(smem)) & 1023u)) & 1023u;
   const unsigned smem_addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -161,15 +152,15 @@ __device__ __forceinline__ void gemm_task(const OpC& c, const Rect& r, const Tas
     for (long long m0 = r.lo[kRow]; m0 < r.hi[kRow]; m0 += kGemmRows) {
       for (long long n0 = r.lo[kRow + 1]; n0 < r.hi[kRow + 1]; n0 += kOutCols) {
         const long long m_end = min(m0 + kGemmRows, r.hi[kRow]), n_end = min(n0 + kOutCols, r.hi[kRow + 1]);
-        // Thread t's rows of x: m0 + row0 + 32i (i < 4); of W: n0 + row0 + 32i (i < 4·kSub; kGlu:
-        // MMA columns from kOutCols on are the up rows, N rows further). One base address and the
-        // rows left each: per-row pointers would not fit in registers beside kSub = 2's accumulators.
+        // Thread t's rows of x: m0 + row0 + 32i (i < 4); of W: n0 + row0 + 32i (i < 4; kGlu: MMA
+        // columns from kOutCols on are the up rows, N rows further). One base address and the
+        // rows left each, rather than a pointer per row: fewer registers.
         const int a_left = static_cast<int>(m_end - m0) - row0, b_left = static_cast<int>(n_end - n0) - row0;
         const T* const base_a = x + (a_left > 0 ? (m0 + row0) * lda + k_lo : 0) + 8 * chunk;
         const T* const base_b = w + (b_left > 0 ? (n0 + row0) * ldw + k_lo : 0) + 8 * chunk;
         const auto k_in = [&](int ks) { return k_lo + static_cast<long long>(ks) * kGemmK + 8 * chunk < k_hi; };
         const auto load_x = [&](int ks) {
-          char* s = dst + (ks % kGemmStages) * kStageBytes;
+          char* s = dst + (ks % kGemmStages) * kGemmStageBytes;
           const bool kin = k_in(ks);
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
@@ -178,10 +169,10 @@ __device__ __forceinline__ void gemm_task(const OpC& c, const Rect& r, const Tas
           }
         };
         const auto load_w = [&](int ks) {
-          char* s = dst + (ks % kGemmStages) * kStageBytes + kGemmTileBytes;
+          char* s = dst + (ks % kGemmStages) * kGemmStageBytes + kGemmTileBytes;
           const bool kin = k_in(ks);
 #pragma unroll
-          for (int i = 0; i < 4 * kSub; ++i) {
+          for (int i = 0; i < 4; ++i) {
             constexpr int kGroups = kOutCols / 32;  // kGlu: row groups of gate, then as many of up
             const int j = kGlu ? i % kGroups : i;
             const bool ok = 32 * j < b_left && kin;
@@ -189,11 +180,9 @@ __device__ __forceinline__ void gemm_task(const OpC& c, const Rect& r, const Tas
             cp_async16_or_zero(s + i * 32 * 128, ok ? src : w, ok);
           }
         };
-        float d[kSub][64];
+        float d[64];
 #pragma unroll
-        for (int j = 0; j < kSub; ++j)
-#pragma unroll
-          for (int i = 0; i < 64; ++i) d[j][i] = 0.f;
+        for (int i = 0; i < 64; ++i) d[i] = 0.f;
         __syncthreads();  // both warpgroups' MMAs of the previous sub-tile are done with the stages
         if (early) {
 #pragma unroll
@@ -223,30 +212,25 @@ __device__ __forceinline__ void gemm_task(const OpC& c, const Rect& r, const Tas
             load_w(ks + kGemmStages - 2);
           }
           cp_async_commit();
-          const unsigned stage = smem_addr + (ks % kGemmStages) * kStageBytes;
-#pragma unroll
-          for (int j = 0; j < kSub; ++j) fence_accumulators(d[j]);
+          const unsigned stage = smem_addr + (ks % kGemmStages) * kGemmStageBytes;
+          fence_accumulators(d);
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < kGemmK / 16; ++kk) {
-            const unsigned long long da = gmma_desc(stage + group * (kGemmTileBytes / 2) + 32 * kk);
-#pragma unroll
-            for (int j = 0; j < kSub; ++j)
-              wgmma_m64n128k16<T>(d[j], da, gmma_desc(stage + (1 + j) * kGemmTileBytes + 32 * kk));
+            wgmma_m64n128k16<T>(d, gmma_desc(stage + group * (kGemmTileBytes / 2) + 32 * kk),
+                                gmma_desc(stage + kGemmTileBytes + 32 * kk));
           }
           wgmma_commit();
           wgmma_wait<1>();  // step ks − 1's MMAs are done: its stage is refilled after the next barrier
-#pragma unroll
-          for (int j = 0; j < kSub; ++j) fence_accumulators(d[j]);
+          fence_accumulators(d);
         }
         wgmma_wait<0>();
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) fence_accumulators(d[j]);
+        fence_accumulators(d);
 
-        // Accumulator i of MMA block j holds, for lane (g, t) of warp v of warpgroup `group`, row
-        // 64·group + 16v + g + 8·((i >> 1) & 1) and MMA column 128j + 8·(i >> 2) + 2t + (i & 1).
-        // acc(q, h, e): MMA columns 8q + 2t + e of row half h.
-        const auto acc = [&](int q, int h, int e) -> float { return d[q / 16][4 * (q % 16) + 2 * h + e]; };
+        // Accumulator i holds, for lane (g, t) of warp v of warpgroup `group`, row
+        // 64·group + 16v + g + 8·((i >> 1) & 1) and MMA column 8·(i >> 2) + 2t + (i & 1).
+        // acc(q, h, e): MMA column 8q + 2t + e of row half h.
+        const auto acc = [&](int q, int h, int e) -> float { return d[4 * q + 2 * h + e]; };
         void* const out = env.buffers[c.out_buffer];
         const float alpha = kPlanes ? 1.f : c.fparam[0], beta = kPlanes ? 0.f : c.fparam[1];
         // the bias (a decoder layer's residual): its element (row, col) at row·bs0 + col·bs1

@@ -41,10 +41,56 @@ __device__ void task_matmul_partial(const OpC& c, const Rect& r, const TaskEnv& 
   }
 }
 
+// The fast form of matmul_finish (variant 1: mpk.ops.splitk.finish_fast): p contiguous fp32, the
+// tile's columns in whole groups of 4. A thread adds 4 adjacent columns of a row over the planes,
+// 8 planes' loads in flight before the first add: one load at a time, a thread would wait on L2
+// once for every plane of every element.
+__device__ __forceinline__ void matmul_finish_fast(const OpC& c, const Rect& r, const TaskEnv& env) {
+  const ViewC& p = c.in[0];
+  const int slices = static_cast<int>(p.shape[0]);
+  const long long N = p.shape[2], plane = p.shape[1] * N;
+  const float* pp = static_cast<const float*>(env.buffers[p.buffer]) + p.offset;
+  const int cols4 = static_cast<int>((r.hi[1] - r.lo[1]) / 4);
+  const int n = static_cast<int>(r.hi[0] - r.lo[0]) * cols4;
+  void* out = env.buffers[c.out_buffer];
+  for (int e = threadIdx.x; e < n; e += blockDim.x) {
+    const long long row = r.lo[0] + e / cols4, col = r.lo[1] + 4 * (e % cols4);
+    const float* src = pp + row * N + col;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s0 = 0; s0 < slices; s0 += 8) {
+      float4 v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        v[j] = s0 + j < slices ? *reinterpret_cast<const float4*>(src + (s0 + j) * plane) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {  // in slice order (the zeros past the last slice change nothing)
+        acc[0] += v[j].x;
+        acc[1] += v[j].y;
+        acc[2] += v[j].z;
+        acc[3] += v[j].w;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float o = acc[i] * c.fparam[0];
+      if (c.num_inputs > 1) {
+        const ViewC& bias = c.in[1];
+        const long long idx[2] = {row, col + i};
+        o += c.fparam[1] * load_f(env.buffers[bias.buffer], bias.dtype, view_index(bias, idx, 2));
+      }
+      store_f(out, c.out_dtype, row * N + col + i, o);
+    }
+  }
+}
+
 // out [M, N] = fparam[0]·(p[0] + … + p[S-1]) + fparam[1]·bias: input 0 the partial products
 // p [S, M, N], optional input 1 the bias broadcast to out. The planes are added in slice order,
 // so the result does not depend on the order the partial tasks finished in.
 __device__ void task_matmul_finish(const OpC& c, const Rect& r, const TaskEnv& env) {
+  if (c.variant == 1) {
+    matmul_finish_fast(c, r, env);
+    return;
+  }
   const ViewC& p = c.in[0];
   const long long slices = p.shape[0];
   const void* pp = env.buffers[p.buffer];

@@ -25,6 +25,9 @@ class PinnedWriter:
         self.dst = dst
         self._slots = [torch.empty_like(dst, device="cpu").pin_memory() for _ in range(self.SLOTS)] if dst.is_cuda \
             else []
+        # a meta destination (graphs traced to build their kernels, nothing run): a host array to
+        # write, which nothing reads
+        self._scratch = torch.empty_like(dst, device="cpu") if dst.is_meta else dst
         self._done: list[torch.cuda.Event | None] = [None] * len(self._slots)
         self._i = 0
 
@@ -32,7 +35,7 @@ class PinnedWriter:
         """The array the next ``flush`` writes (its contents are the previous use's: write every
         element that matters)."""
         if not self._slots:
-            return self.dst.numpy()
+            return self._scratch.numpy()
         done = self._done[self._i]
         if done is not None:
             done.synchronize()

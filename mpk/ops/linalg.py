@@ -357,23 +357,14 @@ def matmul_rows(op: OpInfo) -> int:
 # keep the decode linear and its partitioning.
 GEMM_MIN_ROWS = LINEAR_ROWS + 1
 GEMM_ROWS = 128  # gemm.cuh: kGemmRows, a sub-tile's output rows (two warpgroups × the MMA's 64)
-GEMM_COLS = 128  # gemm.cuh: kGemmCols, an MMA block's columns (output columns; half of them with silu_mul)
+GEMM_COLS = 128  # gemm.cuh: kGemmCols, a sub-tile's MMA columns (output columns; half of them with silu_mul)
+GEMM_SMEM_BYTES = 4 * 2 * GEMM_ROWS * 64 * 2 + 1024  # gemm.cuh: kGemmSmemBytes (4 stages of 64 k of x and W, alignment)
 GEMM_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def gemm_smem_bytes(sub: int) -> int:
-    """gemm.cuh: gemm_smem_bytes — 4 stages of 64 k of x's 128 rows and W's ``sub`` 128-row
-    blocks, 16-bit elements, plus 1 KiB to align them."""
-    return 4 * (1 + sub) * GEMM_ROWS * 64 * 2 + 1024
-
-
-GEMM_SMEM_BYTES = gemm_smem_bytes(1)  # a GEMM of 128-column sub-tiles
-
-
-def _gemm_cols(epilogue: str | None, sub: int = 1) -> int:
-    """Output columns of a GEMM sub-tile of ``sub`` MMA blocks: with silu_mul half of its MMA
-    columns are gate and half up."""
-    return sub * GEMM_COLS // 2 if epilogue == "silu_mul" else sub * GEMM_COLS
+def _gemm_cols(epilogue: str | None) -> int:
+    """Output columns of a GEMM sub-tile: with silu_mul its MMA columns are 64 gate and 64 up."""
+    return GEMM_COLS // 2 if epilogue == "silu_mul" else GEMM_COLS
 
 
 def gemm_operand_blockers(a: ViewInfo, b: ViewInfo, out_dtype: torch.dtype, want_out: torch.dtype | None = None) -> list[str]:
@@ -433,26 +424,16 @@ def linear_fast(op: OpInfo) -> bool:
     return linear_path(op) == "linear"
 
 
-def gemm_wide(m: int, n: int, epilogue: str | None, workers: int) -> bool:
-    """Whether a GEMM's sub-tiles are 128 × 256 MMA columns (gemm.cuh: kSub 2) rather than
-    128 × 128: when its 128-column sub-tiles are more than one wave of ``workers``, so tiles
-    hold several of them anyway and the wide ones load x half as often per FLOP."""
-    def cdiv(a: int, b: int) -> int:
-        return -(-a // b)
-
-    return cdiv(m, GEMM_ROWS) * cdiv(n, _gemm_cols(epilogue)) > workers
-
-
 def _matmul_grid(sig: OpSig, workers: int) -> tuple[int, ...] | None:
     """A tensor-core matmul's tiles: whole GEMM sub-tiles (128 rows × 128 output columns, 64 with
-    silu_mul; twice as wide where ``gemm_wide``) in both dims, at most ``workers`` tiles, the most
+    silu_mul) in both dims, at most ``workers`` tiles, the most
     sub-tiles of any tile (a wave's length) the fewest possible, then the fewest tiles; None for
     a matmul the GEMM does not take by its signature (the split order then: N first)."""
     pro, epi = linear_form(sig.attrs)
     if (len(sig.out_shape) != 2 or pro or epi == "norm_stats" or sig.out_dtype not in GEMM_DTYPES
             or sig.out_shape[0] < GEMM_MIN_ROWS):
         return None
-    return gemm_grid(*sig.out_shape, _gemm_cols(epi, 2 if gemm_wide(*sig.out_shape, epi, workers) else 1), workers)
+    return gemm_grid(*sig.out_shape, _gemm_cols(epi), workers)
 
 
 def gemm_grid(m: int, n: int, cols: int, workers: int) -> tuple[int, int]:
@@ -472,20 +453,13 @@ def gemm_grid(m: int, n: int, cols: int, workers: int) -> tuple[int, int]:
     return best[1]
 
 
-def gemm_sub(op: OpInfo) -> int:
-    """MMA blocks of the op's GEMM sub-tiles (gemm.cuh: kSub): 2 where its tiles are wider than
-    one 128-column sub-tile (``gemm_wide`` grids), else 1."""
-    return 2 if op.tile_extent(op.ndim - 1) > _gemm_cols(linear_form(op.attrs)[1]) else 1
-
-
 def gemm_instance(op: OpInfo, glu: bool, planes: bool) -> str:
     """The ``mpk::gemm_task`` instantiation of a GEMM-path op: its operand type, the SiLU·mul
-    epilogue, its sub-tile width, the split-K partial form, and whether W is a graph input (then
-    its first stages are requested before the gate)."""
+    epilogue, the split-K partial form, and whether W is a graph input (then its first stages
+    are requested before the gate)."""
     t, w = CTYPES[op.inputs[0].dtype], op.inputs[1]
     flag = {True: "true", False: "false"}
-    return (f"mpk::gemm_task<{t}, {flag[glu]}, {1 if planes else gemm_sub(op)}, {flag[planes]}, "
-            f"{flag[w.graph_input and not w.carried]}>")
+    return f"mpk::gemm_task<{t}, {flag[glu]}, {flag[planes]}, {flag[w.graph_input and not w.carried]}>"
 
 
 def _matmul_params(op: OpInfo) -> Params:
@@ -526,7 +500,7 @@ def _matmul_smem(op: OpInfo) -> int:
     (decode linear only: norm_tile)."""
     path = linear_path(op)
     if path == "gemm":
-        return gemm_smem_bytes(gemm_sub(op))
+        return GEMM_SMEM_BYTES
     if linear_form(op.attrs)[0] != "rms_norm" or path != "linear":
         return 0
     return op.tile_extent(0) * op.inputs[0].shape[1] * 2

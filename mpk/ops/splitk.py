@@ -34,7 +34,7 @@ import math
 import torch
 
 from mpk.ops.gpu import GpuSpec, OpInfo, Params
-from mpk.ops.linalg import GEMM_COLS, GEMM_MIN_ROWS, GEMM_ROWS, gemm_instance, gemm_operand_blockers, gemm_smem_bytes
+from mpk.ops.linalg import GEMM_COLS, GEMM_MIN_ROWS, GEMM_ROWS, GEMM_SMEM_BYTES, gemm_instance, gemm_operand_blockers
 from mpk.ops.registry import OpDef, OpSig, broadcast_region, register
 
 
@@ -146,12 +146,22 @@ def _partial_slow(op: OpInfo) -> str | None:
             "has no bandwidth-grade form yet (split_k is for the CPU interpreter and correctness runs)")
 
 
+def finish_fast(op: OpInfo) -> bool:
+    """Whether a matmul_finish takes the fast form (splitk.cuh: matmul_finish_fast): its planes
+    contiguous fp32 and every tile's columns whole groups of 4 (N a multiple of 4 × the column
+    tiles)."""
+    p = op.inputs[0]
+    s, m, n = p.shape
+    return (p.dtype == torch.float32 and p.strides == (m * n, n, 1) and p.offset % 4 == 0
+            and n % (4 * op.grid[1]) == 0)
+
+
 def _partial_task(op: OpInfo) -> str:
     return gemm_instance(op, glu=False, planes=True) if partial_gemm(op) else "mpk::task_matmul_partial"
 
 
 PARTIAL_GPU = GpuSpec(params=_partial_params, task=_partial_task, self_gated=True, slow_path=_partial_slow,
-                      smem_bytes=lambda op: gemm_smem_bytes(1) if partial_gemm(op) else 0,
+                      smem_bytes=lambda op: GEMM_SMEM_BYTES if partial_gemm(op) else 0,
                       vector_inputs=lambda op: (0, 1) if partial_gemm(op) else (),
                       in_kernel=partial_gemm)
 
@@ -165,7 +175,7 @@ register(OpDef(
 
 register(OpDef(
     kind="matmul_finish", type_id=23, input_regions=_finish_regions, cpu=_finish_cpu, default_grid=_finish_grid,
-    gpu=GpuSpec(params=_finish_params),
+    gpu=GpuSpec(params=_finish_params, variant=lambda op: int(finish_fast(op))),
     doc="out [M, N] = alpha·(p[0] + … + p[S-1]) + beta·bias, summed in slice order in p's dtype and rounded once; "
         "p [S, M, N] a matmul_partial's output, bias (optional) broadcast to out",
 ))

@@ -2,9 +2,8 @@
 CUDA): projections of more than 16 rows through ``torch.compile(backend="mpk")`` against float64
 references on fresh random inputs, M, N and K off the 128 × 128 × 64 tile, bf16 and fp16, plain
 (with a residual, a bias vector, alpha and beta) and with the SiLU·mul epilogue, tiles of one
-and of several sub-tiles; wide sub-tiles (128 × 256 MMA columns) for GEMMs beyond a wave of
-128-column ones, and the split-K partial products of GEMMs too small to fill the workers. Each
-case is one nvcc build."""
+and of several sub-tiles; and the split-K partial products of GEMMs too small to fill the
+workers. Each case is one nvcc build."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import torch
 from mpk.backend import COMPILED
 from mpk.compiler.splitk import gemm_slices
 from mpk.executors.codegen import generate, matmul_path
-from mpk.ops.linalg import gemm_wide
 from mpk.testing.graphs import relative_error
 from mpk.testing.tolerance import SILU_GAIN, rounding_bound
 
@@ -54,7 +52,7 @@ class _Plain(torch.nn.Module):
 # last one's rows partial; 3 slices); 40 rows (one sub-tile a third full; 4 slices); tiles of
 # 3 × 3 sub-tiles starting at odd columns (scalar stores at the odd bounds; K too short to
 # split); addmm's bias vector with alpha and beta (whole); a short prompt's o-projection (16
-# sub-tiles: 8 slices); wide sub-tiles (128 × 256), M and N off them
+# sub-tiles: 8 slices); 2100 × 2100 whole (289 sub-tiles)
 @pytest.mark.parametrize("m,n,k,dtype,extra,tiles", [
     (300, 1000, 776, torch.bfloat16, "residual", None),
     (2049, 256, 4096, torch.bfloat16, None, None),
@@ -75,14 +73,16 @@ def test_gemm_matches_float64(m, n, k, dtype, extra, tiles):
     elif extra == "addmm":
         ref = 2.0 * ref + 0.5 * mod.bias.double()
     tables = COMPILED[-1].tables
-    slices = 1 if tiles else gemm_slices(m, n, k, int(tables.meta["placement"]["num_workers"]))
+    slices = tables.meta["ops"][0]["attrs"].get("slices", 1)
+    workers = int(tables.meta["placement"]["num_workers"])
+    assert slices == (1 if tiles else gemm_slices(m, n, k, workers))  # (a given partition: the tiles named)
     # one rounding of the fp32 result (the bias or residual added in fp32), a K + S-term fp32 sum
     assert relative_error(out, ref) <= rounding_bound(dtype, 1, k + slices - 1)
     kinds = [o["kind"] for o in tables.meta["ops"]]
     assert kinds == (["matmul_partial", "matmul_finish"] if slices > 1 else ["matmul"])
     assert matmul_path(tables, 0) == "gemm"
-    wide = slices == 1 and not tiles and gemm_wide(m, n, None, int(tables.meta["placement"]["num_workers"]))
-    assert (", 2, false, " in generate(tables)) == wide
+    assert ("mpk::gemm_task<" + ("__half" if dtype == torch.float16 else "__nv_bfloat16") + ", false, true, true>"
+            in generate(tables)) == (slices > 1)
 
 
 class _GateUp(torch.nn.Module):

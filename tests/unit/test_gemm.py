@@ -20,7 +20,7 @@ from mpk.errors import PerformanceWarning
 from mpk.executors import build
 from mpk.executors.codegen import dynamic_smem_bytes, generate, matmul_path
 from mpk.inspection import compile_module
-from mpk.ops.linalg import GEMM_MIN_ROWS, GEMM_ROWS, LINEAR_ROWS, _gemm_cols, _matmul_grid, gemm_smem_bytes, gemm_wide
+from mpk.ops.linalg import GEMM_COLS, GEMM_MIN_ROWS, GEMM_ROWS, GEMM_SMEM_BYTES, LINEAR_ROWS, _matmul_grid
 from mpk.ops.registry import OpSig
 
 needs_nvcc = pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed")
@@ -64,27 +64,16 @@ def test_codegen_picks_the_gemm_from_the_row_count(rows):
     else:
         assert kinds == ["matmul_partial", "matmul_finish", "matmul"] and paths == ["gemm", "gemm"]
         assert "linear_task" not in src and "__forceinline__ void mpk_execute_task" in src
-        # <T, SiLU·mul, MMA blocks a sub-tile, partial planes, W requested before the gate>
-        assert "mpk::gemm_task<__nv_bfloat16, false, 1, true, true>" in src
-        assert "mpk::gemm_task<__nv_bfloat16, true, 1, false, true>" in src
-        assert dynamic_smem_bytes(tables) == gemm_smem_bytes(1)
-
-
-def test_wide_gemms_take_two_mma_blocks_a_sub_tile():
-    """More than a wave of 128-column sub-tiles: the tiles are cut in 128 × 256 sub-tiles
-    (128 output columns with SiLU·mul), whose stages need more shared memory."""
-    tables = _tables(2048, 2048, 512, 3000)
-    src = generate(tables)
-    assert [o["kind"] for o in tables.meta["ops"]] == ["matmul", "matmul"]
-    assert "mpk::gemm_task<__nv_bfloat16, false, 2, false, true>" in src
-    assert "mpk::gemm_task<__nv_bfloat16, true, 2, false, true>" in src
-    assert dynamic_smem_bytes(tables) == gemm_smem_bytes(2) <= 227 * 1024 - 16 * 1024
+        # <T, SiLU·mul, partial planes, W requested before the gate>
+        assert "mpk::gemm_task<__nv_bfloat16, false, true, true>" in src
+        assert "mpk::gemm_task<__nv_bfloat16, true, false, true>" in src
+        assert dynamic_smem_bytes(tables) == GEMM_SMEM_BYTES
 
 
 def test_gemm_takes_fp16_and_names_what_keeps_a_projection_off_it():
     """float16 takes the GEMM too (its own instantiation); float32, and K off whole 16-byte
     copies, run the general task, with a PerformanceWarning naming why for model-sized weights."""
-    assert "mpk::gemm_task<__half, true, 1, false, true>" in generate(_tables(64, 256, 64, 128, torch.float16))
+    assert "mpk::gemm_task<__half, true, false, true>" in generate(_tables(64, 256, 64, 128, torch.float16))
     for dtype, k, why in [(torch.float32, 512, "its operands and output are float32, not all bfloat16 or all float16"),
                           (torch.bfloat16, 1020, "K = 1020 is not a multiple of 8 (16-byte copies)")]:
         tables = _tables(64, 1024, k, 512, dtype)
@@ -106,20 +95,19 @@ def _makespan(m: int, n: int, cols: int, grid: tuple[int, int]) -> int:
 @pytest.mark.parametrize("m,n,epilogue,workers,want", [
     (300, 1000, None, 132, (3, 8)),  # 24 tiles of about 100 × 125: one sub-tile each
     (2049, 256, None, 132, (17, 2)),  # 2049 rows: 17 row tiles of ≤ 121
-    (2048, 2048, None, 132, (16, 8)),  # 256 sub-tiles of 128 columns: 128 wide ones of 256
+    (2048, 2048, None, 132, (8, 16)),  # 256 sub-tiles in 128 tiles of 2
     (40, 4096, None, 128, (1, 32)),  # few rows: one row tile
     (520, 1040, "silu_mul", 132, (5, 17)),  # SiLU·mul sub-tiles hold 64 output columns
 ])
 def test_gemm_grid_cuts_whole_sub_tiles(m, n, epilogue, workers, want):
     """The default grid of a GEMM-sized matmul: tiles of whole sub-tiles (128 rows × 128
-    output columns, 64 with SiLU·mul, twice as wide beyond one wave of those), at most one per
-    worker, the largest tile as few sub-tiles as any grid allows — checked against every
-    grid — then the fewest tiles."""
+    output columns, 64 with SiLU·mul), at most one per worker, the largest tile as few
+    sub-tiles as any grid allows — checked against every grid — then the fewest tiles."""
     sig = OpSig(((m, 64), (64, 2 * n if epilogue else n)), (m, n), torch.bfloat16,
                 {"epilogue": epilogue} if epilogue else {})
     grid = _matmul_grid(sig, workers)
     assert grid == want
-    cols = _gemm_cols(epilogue, 2 if gemm_wide(m, n, epilogue, workers) else 1)
+    cols = GEMM_COLS // 2 if epilogue else GEMM_COLS
     best = min(_makespan(m, n, cols, (gm, gn)) for gm in range(1, m + 1) for gn in range(1, n + 1) if gm * gn <= workers)
     assert _makespan(m, n, cols, grid) == best and grid[0] * grid[1] <= workers
 
@@ -141,7 +129,7 @@ def test_random_gemm_grids_are_optimal():
     for _ in range(40):
         m, n, workers = rng.randint(GEMM_MIN_ROWS, 5000), rng.randint(1, 5000), rng.randint(1, 200)
         epilogue = rng.choice([None, "silu_mul"])
-        cols = _gemm_cols(epilogue, 2 if gemm_wide(m, n, epilogue, workers) else 1)
+        cols = GEMM_COLS // 2 if epilogue else GEMM_COLS
         sig = OpSig(((m, 64), (64, 2 * n if epilogue else n)), (m, n), torch.bfloat16,
                     {"epilogue": epilogue} if epilogue else {})
         gm, gn = _matmul_grid(sig, workers)
@@ -169,15 +157,15 @@ def test_gemm_grids_match_eager_on_the_cpu_interpreter():
 @pytest.mark.slow
 def test_gemm_kernels_of_odd_shapes_compile_unserialized(tmp_path):
     """M, N, K off the tile (300 × 1000 × 776, its gate·up of 520 columns; 2049 × 256 × 4096;
-    both with the plain projection split over K) in bf16 and fp16, and wide sub-tiles
-    (2048 × 2048 × 512) build for sm_90a; ptxas keeps the warpgroup MMAs asynchronous (no C7510
+    both with the plain projection split over K) in bf16 and fp16, and 2048 × 2048 × 512 (whole)
+    build for sm_90a; ptxas keeps the warpgroup MMAs asynchronous (no C7510
     serialization warning) and spills nothing."""
     for i, (shape, dtype) in enumerate([((300, 1000, 776, 520), torch.bfloat16), ((2049, 256, 4096, 128), torch.float16),
                                         ((2048, 2048, 512, 3000), torch.bfloat16)]):
         with warnings.catch_warnings():
             warnings.simplefilter("error", PerformanceWarning)
             src = generate(_tables(*shape, dtype))
-        assert src.count("mpk::gemm_task<") == 2
+        assert src.count("mpk::gemm_task<") == 2 and ("true, true>" in src) == (i < 2)  # split: planes
         path = tmp_path / f"gemm{i}.cu"
         path.write_text(src)
         res = subprocess.run([build.nvcc_path(), *build.nvcc_flags(), *[f"-I{d}" for d in build.include_dirs()],
