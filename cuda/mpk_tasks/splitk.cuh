@@ -43,9 +43,10 @@ __device__ void task_matmul_partial(const OpC& c, const Rect& r, const TaskEnv& 
 
 // The fast form of matmul_finish (variant 1: mpk.ops.splitk.finish_fast): p contiguous fp32, the
 // tile's columns in whole groups of 4. A thread adds 4 adjacent columns of a row over the planes,
-// 8 planes' loads in flight before the first add: one load at a time, a thread would wait on L2
-// once for every plane of every element.
+// for two such groups at a time, 8 planes of both loaded before the first add: one load at a time,
+// a thread would wait on L2 once for every plane of every element.
 __device__ __forceinline__ void matmul_finish_fast(const OpC& c, const Rect& r, const TaskEnv& env) {
+  constexpr int kGroups = 2, kPlanes = 8;
   const ViewC& p = c.in[0];
   const int slices = static_cast<int>(p.shape[0]);
   const long long N = p.shape[2], plane = p.shape[1] * N;
@@ -53,32 +54,45 @@ __device__ __forceinline__ void matmul_finish_fast(const OpC& c, const Rect& r, 
   const int cols4 = static_cast<int>((r.hi[1] - r.lo[1]) / 4);
   const int n = static_cast<int>(r.hi[0] - r.lo[0]) * cols4;
   void* out = env.buffers[c.out_buffer];
-  for (int e = threadIdx.x; e < n; e += blockDim.x) {
-    const long long row = r.lo[0] + e / cols4, col = r.lo[1] + 4 * (e % cols4);
-    const float* src = pp + row * N + col;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s0 = 0; s0 < slices; s0 += 8) {
-      float4 v[8];
+  for (int e0 = threadIdx.x; e0 < n; e0 += kGroups * blockDim.x) {
+    long long at[kGroups];  // each group's first element in [M, N]; −1: past the tile
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
-        v[j] = s0 + j < slices ? *reinterpret_cast<const float4*>(src + (s0 + j) * plane) : make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int g = 0; g < kGroups; ++g) {
+      const int e = e0 + g * blockDim.x;
+      at[g] = e < n ? (r.lo[0] + e / cols4) * N + r.lo[1] + 4 * (e % cols4) : -1;
+    }
+    float acc[kGroups][4] = {};
+    for (int s0 = 0; s0 < slices; s0 += kPlanes) {
+      float4 v[kGroups][kPlanes];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {  // in slice order (the zeros past the last slice change nothing)
-        acc[0] += v[j].x;
-        acc[1] += v[j].y;
-        acc[2] += v[j].z;
-        acc[3] += v[j].w;
-      }
+      for (int g = 0; g < kGroups; ++g)
+#pragma unroll
+        for (int j = 0; j < kPlanes; ++j)
+          v[g][j] = at[g] >= 0 && s0 + j < slices ? *reinterpret_cast<const float4*>(pp + (s0 + j) * plane + at[g])
+                                                  : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g)
+#pragma unroll
+        for (int j = 0; j < kPlanes; ++j) {  // in slice order (the zeros past the last slice change nothing)
+          acc[g][0] += v[g][j].x;
+          acc[g][1] += v[g][j].y;
+          acc[g][2] += v[g][j].z;
+          acc[g][3] += v[g][j].w;
+        }
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float o = acc[i] * c.fparam[0];
-      if (c.num_inputs > 1) {
-        const ViewC& bias = c.in[1];
-        const long long idx[2] = {row, col + i};
-        o += c.fparam[1] * load_f(env.buffers[bias.buffer], bias.dtype, view_index(bias, idx, 2));
+    for (int g = 0; g < kGroups; ++g) {
+      if (at[g] < 0) continue;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float o = acc[g][i] * c.fparam[0];
+        if (c.num_inputs > 1) {
+          const ViewC& bias = c.in[1];
+          const long long idx[2] = {at[g] / N, at[g] % N + i};
+          o += c.fparam[1] * load_f(env.buffers[bias.buffer], bias.dtype, view_index(bias, idx, 2));
+        }
+        store_f(out, c.out_dtype, at[g] + i, o);
       }
-      store_f(out, c.out_dtype, row * N + col + i, o);
     }
   }
 }

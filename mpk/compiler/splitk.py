@@ -23,9 +23,9 @@ way, since depend intersects each slice task's declared K range with every produ
 A projection of fewer than two granules stays whole; S is capped at K's granules.
 
 ``split_gemms``: a plain matmul that takes the tensor-core GEMM (more than LINEAR_ROWS rows, bf16
-or fp16 operands as the GEMM reads them) runs one 128 × 128 sub-tile a task at best; with fewer
-than half a wave of sub-tiles, or exactly half (a short prompt's projections, a decode batch of 17 to a few
-hundred sequences) most workers would idle while a few stream the weights. It is split the
+or fp16 operands as the GEMM reads them) runs one 128 × 128 sub-tile a task at best; with a
+quarter of a wave of sub-tiles or fewer (a short prompt's projections, a decode batch of 17 to
+a few hundred sequences) most workers would idle while a few stream the weights. It is split the
 same way into S slices of whole GEMM k steps (64), S·sub-tiles ≤ the workers, each slice at
 least GEMM_SPLIT_MIN_K long; its partial tasks run the GEMM over their slice.
 """
@@ -71,9 +71,10 @@ def split_k(graph: OpGraph, slices: int | None) -> OpGraph:
 
 def gemm_slices(m: int, n: int, k: int, workers: int) -> int:
     """K slices of an [m, n] GEMM over ``k``: 1 (whole) when its 128 × 128 sub-tiles fill more than
-    half of ``workers``; else as many as fill the workers, each at least GEMM_SPLIT_MIN_K of K."""
+    a quarter of ``workers``; else as many as fill the workers, each at least GEMM_SPLIT_MIN_K of
+    K. (Two slices cost more than they gain: the planes' fp32 traffic and the finish's hop.)"""
     subtiles = -(-m // GEMM_ROWS) * -(-n // GEMM_COLS)
-    if 2 * subtiles > workers:
+    if 4 * subtiles > workers:
         return 1
     return max(1, min(workers // subtiles, k // GEMM_SPLIT_MIN_K))
 

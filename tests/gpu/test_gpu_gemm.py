@@ -49,7 +49,7 @@ class _Plain(torch.nn.Module):
 
 # (m, n, k, dtype, extra, tiles): 300 × 1000 × 776 off the tile everywhere (24 sub-tiles: split
 # over K into 3 slices, the last one 200 long); 2049 rows over K = 4096 (17 row sub-tiles, the
-# last one's rows partial; 3 slices); 40 rows (one sub-tile a third full; 4 slices); tiles of
+# last one's rows partial; whole); 40 rows (one sub-tile a third full; 4 slices); tiles of
 # 3 × 3 sub-tiles starting at odd columns (scalar stores at the odd bounds; K too short to
 # split); addmm's bias vector with alpha and beta (whole); a short prompt's o-projection (16
 # sub-tiles: 8 slices); 2100 × 2100 whole (289 sub-tiles)

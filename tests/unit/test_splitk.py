@@ -97,17 +97,18 @@ def test_projections_that_do_not_qualify_stay_whole():
 
 def test_gemm_slices_fill_the_workers():
     """Fresh random GEMM shapes and worker counts: a GEMM whose 128 × 128 sub-tiles fill more than
-    half the workers stays whole; a smaller one takes as many slices as fill the workers, each at least
+    a quarter of the workers stays whole; a smaller one takes as many slices as fill the workers, each at least
     GEMM_SPLIT_MIN_K of K."""
     assert gemm_slices(64, 2048, 2048, 128) == 8  # a short prompt's o-projection: 16 sub-tiles
     assert gemm_slices(64, 2048, 6144, 128) == 8 and gemm_slices(64, 4096, 2048, 128) == 4
     assert gemm_slices(2048, 2048, 2048, 128) == 1 and gemm_slices(64, 2048, 300, 128) == 1
+    assert gemm_slices(512, 2048, 2048, 128) == 1 and gemm_slices(256, 2048, 2048, 128) == 4
     rng = random.Random(random.randrange(1 << 30))
     for _ in range(200):
         m, n, k, workers = rng.randint(17, 3000), rng.randint(1, 9000), rng.randint(8, 20000), rng.randint(1, 200)
         s = gemm_slices(m, n, k, workers)
         subtiles = -(-m // 128) * -(-n // 128)
-        if 2 * subtiles > workers or k < 2 * GEMM_SPLIT_MIN_K:
+        if 4 * subtiles > workers or k < 2 * GEMM_SPLIT_MIN_K:
             assert s == 1, (m, n, k, workers)
         else:
             assert 2 <= s and s * subtiles <= workers and k // s >= GEMM_SPLIT_MIN_K, (m, n, k, workers, s)
@@ -149,13 +150,13 @@ def test_small_gemms_are_split_and_match_float64(m, k, n, dtype):
 
 
 def test_gemms_that_do_not_qualify_stay_whole():
-    """split_gemms leaves alone: GEMMs that fill more than half the workers, decode-sized and float32
+    """split_gemms leaves alone: GEMMs that fill more than a quarter of the workers, decode-sized and float32
     projections (not the GEMM's), the SiLU·mul form (its epilogue needs the whole sum), and K
     too short for two slices; a graph with nothing to split comes back as is."""
     def bf16(*shape):
         return torch.randn(*shape).bfloat16()
 
-    cases = [((bf16(520, 1024), bf16(2048, 1024)), 128),     # 80 sub-tiles: more than half of 128 workers
+    cases = [((bf16(300, 1024), bf16(2048, 1024)), 128),     # 48 sub-tiles: more than a quarter of 128 workers
              ((bf16(16, 1024), bf16(2048, 1024)), 128),      # decode rows: the decode linear
              ((torch.randn(64, 1024), torch.randn(2048, 1024)), 128),  # float32: the general task
              ((bf16(64, 500), bf16(2048, 500)), 128)]        # K < 2 · GEMM_SPLIT_MIN_K
