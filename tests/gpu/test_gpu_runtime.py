@@ -31,6 +31,7 @@ from mpk.executors.timeline import breakdown, timeline_svg
 from mpk.testing.decode import random_decode_step, random_decoder
 from mpk.testing.graphs import compile_with, random_partition, random_program, relative_error, trace_graph
 from mpk.testing.random_graphs import force_jit, random_dag, stamp_graph, stamp_inputs
+from mpk.testing.tolerance import attention_bound
 from mpk.testing.toy_models import LLAMA, QWEN3, Config, GeluMLPBlock, randomize
 
 pytestmark = pytest.mark.gpu
@@ -415,3 +416,25 @@ def test_an_executor_dropped_while_its_launch_runs_keeps_what_the_launch_uses():
     other = _gpu(stamp_graph(preds, 1))
     other.run(stamp_inputs(other.t, 1, DEV))
     assert not any(d is done for d, _ in gpu._DROPPED)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_rows_with_every_key_masked_give_zeros(dtype):
+    """A boolean mask that hides every key from some query rows (a left-padded prompt's padding
+    rows under a causal mask): those rows are zeros, as torch's SDPA gives, and the others match
+    it within attention's bound (the output's rounding; D- and Sk-term fp32 sums)."""
+    b, h, s, d = 2, 3, 9, 32
+    q, k, v = (torch.randn(b, h, s, d, device="cuda").to(dtype) for _ in range(3))
+    pad = random.randint(1, s // 2)
+    keep = torch.ones(b, s, dtype=torch.bool, device="cuda")
+    keep[0, :pad] = False
+    mask = (keep[:, None, None, :] & torch.ones(s, s, dtype=torch.bool, device="cuda").tril())
+
+    def attend(q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    out = torch.compile(attend, backend="mpk", fullgraph=True, dynamic=False,
+                        options={"executor": "gpu", "fallback": "error"})(q, k, v, mask)
+    ref = attend(q.double(), k.double(), v.double(), mask)
+    assert torch.equal(out[0, :, :pad], torch.zeros_like(out[0, :, :pad])) and not out.isnan().any()
+    assert relative_error(out, ref) <= attention_bound(dtype, d, s, p_rounded=False)
