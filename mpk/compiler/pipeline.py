@@ -106,7 +106,7 @@ def compile_graph(graph: OpGraph, num_workers: int = 128,
 
     if split_k and split_k >= 2:
         graph = timed("split_k", split_k_pass, graph, split_k)
-    graph = timed("split_gemms", split_gemms, graph, num_workers)
+    graph = timed("split_gemms", split_gemms, graph, num_workers, partition)
     tg = timed("decompose", decompose, graph, num_workers, partition)
     timed("depend", depend, tg)
     if not pipelining:

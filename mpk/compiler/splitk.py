@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from mpk.ir.opgraph import Op, OpGraph
 from mpk.ir.regions import bounding_box
@@ -79,11 +81,13 @@ def gemm_slices(m: int, n: int, k: int, workers: int) -> int:
     return max(1, min(workers // subtiles, k // GEMM_SPLIT_MIN_K))
 
 
-def split_gemms(graph: OpGraph, workers: int) -> OpGraph:
+def split_gemms(graph: OpGraph, workers: int, partition: Mapping[str, Any] | None = None) -> OpGraph:
     """``graph`` with every tensor-core GEMM too small for ``workers`` split over K (module doc);
-    ``graph`` itself is not modified (returned as is when nothing splits)."""
+    ``graph`` itself is not modified (returned as is when nothing splits). A matmul the
+    ``partition`` overrides name (by its name or its kind) keeps the tiles they give."""
+    named = set(partition or ())
     picks = {op.id: gemm_slices(*graph.buffers[op.output].shape, op.inputs[0].shape[1], workers)
-             for op in graph.ops if _gemm_splittable(graph, op)}
+             for op in graph.ops if _gemm_splittable(graph, op) and not {op.name, op.kind} & named}
     picks = {i: s for i, s in picks.items() if s >= 2}
     if not picks:
         return graph

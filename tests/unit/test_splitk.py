@@ -169,6 +169,11 @@ def test_gemms_that_do_not_qualify_stay_whole():
 
     graph = trace_graph(gate_up, (bf16(64, 1024), bf16(2 * 512, 1024)))
     assert _kinds(graph) == ["matmul"] and split_gemms(graph, 128) is graph
+    # a projection the partition overrides name keeps the tiles given
+    graph = trace_graph(lambda x, w: (x * 2) @ w.t(), (bf16(64, 1024), bf16(2048, 1024)))
+    name = graph.ops[1].name
+    assert "matmul_partial" in _kinds(split_gemms(graph, 128, {"pointwise": [2, 1]}))
+    assert split_gemms(graph, 128, {"matmul": [1, 4]}) is graph and split_gemms(graph, 128, {name: [1, 4]}) is graph
 
 
 def _decode_model(dtype, num_splits: int, **cfg):
