@@ -260,10 +260,12 @@ def test_more_graphs_than_dynamos_recompile_limit(ran_rows):
     assert len(COMPILED) == start + 4 and ran_rows == [4, 2, 1]  # (one token: the decode graph, batch 1)
 
 
-def test_gpu_compile_traces_every_graph_then_builds_them_together(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_gpu_compile_traces_every_graph_then_builds_them_together(monkeypatch, device):
     """With the GPU executor, compile() traces the buckets and the decode form without running
     anything (no executor, no CUDA needed) and hands all their generated sources to one parallel
-    build (here captured instead of run by nvcc)."""
+    build (here captured instead of run by nvcc); also for a model and cache on the meta device,
+    as the benchmarks' --prebuild traces them (nothing allocated)."""
     import warnings
 
     from mpk.executors import build
@@ -271,7 +273,7 @@ def test_gpu_compile_traces_every_graph_then_builds_them_together(monkeypatch):
     built: list[list[str]] = []
     monkeypatch.setattr(build, "prebuild", lambda sources, **kw: built.append(sources) or [])
     cfg = small("qwen3", layers=1, head_dim=64)  # (the GPU's paged attention takes head dims 64, 128, 256)
-    model = DecoderLM(cfg, torch.bfloat16, max_len=64)
+    model = DecoderLM(cfg, torch.bfloat16, device, max_len=64)
     kv = PagedKVCache(model, 2, 64, 16)
     steps = TokenBuckets(model, kv, buckets=[4, 16], options={"executor": "gpu", "num_workers": 16})
     with warnings.catch_warnings():
