@@ -8,16 +8,16 @@
 // A task computes its tile of the output in sub-tiles of 128 rows × 128 MMA columns (128 output
 // columns, or 64 with SiLU·mul: 64 gate and the matching 64 up rows of W). Warpgroup g (warps
 // 4g … 4g + 3) owns rows 64g … 64g + 63 of a sub-tile: one m64n128k16 wgmma per 16 k, its 64
-// fp32 accumulators a thread in registers. Operands come from shared memory, staged by
-// every thread with cp.async in kGemmStages stages of 64 k (a 128-byte row of each operand row),
+// fp32 accumulators a thread in registers. Operands come from shared memory, staged by every
+// thread with cp.async in kGemmStages stages of 64 k (a 128-byte row of each operand row),
 // stored in the 128-byte swizzle the wgmma descriptors name (16-byte chunk c of row r at
 // chunk c ^ (r % 8), each stage's tiles 1024-byte aligned). Two stages' copies are in flight
 // while the tensor cores work on a third and finish a fourth: a stage is refilled two k steps
 // after the MMAs that read it were issued, and each warpgroup keeps one MMA batch in flight
 // (wgmma.wait_group 1), so the stage a batch reads is free once the next step's barrier passed.
-// Rows and columns outside the tile, and k past K (or the slice), are zero-filled (nothing outside the tile's
-// declared input regions is read: another task may still be writing it); K must be a multiple
-// of 8 (whole 16-byte chunks). The epilogue stores from the accumulators: alpha·acc +
+// Rows and columns outside the tile, and k past K (or the slice), are zero-filled (nothing
+// outside the tile's declared input regions is read: another task may still be writing it); K
+// must be a multiple of 8 (whole 16-byte chunks). The epilogue stores from the accumulators: alpha·acc +
 // beta·bias (bias of type T, at most 2-d, broadcast by zero strides), or silu(gate)·up with each
 // factor rounded to the output type first, as the unfused projection and silu_mul would.
 #pragma once
@@ -107,9 +107,10 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long l
 #undef MPK_WGMMA_OPERANDS
 
 // The tensor-core task of the matmul op and of matmul_partial (codegen names the instantiation):
-// T the operands' type; kGlu the SiLU·mul epilogue; kPlanes the split-K partial form (mpk/ops/splitk.py); kEarlyW: W is a
-// graph input (a weight, which no task writes), so the first sub-tile's first stages of W are
-// requested before the task waits for its inputs (self-gated, as the decode linear).
+// T the operands' type; kGlu the SiLU·mul epilogue; kPlanes the split-K partial form
+// (mpk/ops/splitk.py); kEarlyW: W is a graph input (a weight, which no task writes), so the first
+// sub-tile's first stages of W are requested before the task waits for its inputs (self-gated,
+// as the decode linear).
 //
 // Inputs: x [M, K] and W as b = Wᵀ [K, N] (kGlu: [K, 2N], gate then up), both unit-stride along K
 // with 16-byte aligned rows. Plain: optional input 2 the bias (T, at most 2-d, broadcast to the
@@ -255,8 +256,8 @@ __device__ __forceinline__ void gemm_task(const OpC& c, const Rect& r, const Tas
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               if constexpr (kGlu) {  // the up column of the same output column: kOutCols MMA columns on
-                v[e] = silu_times(round_to(kDtype, acc(q, h, e) * alpha), round_to(kDtype, acc(q + kOutCols / 8, h, e) * alpha),
-                                  kDtype);
+                const float gate = acc(q, h, e) * alpha, up = acc(q + kOutCols / 8, h, e) * alpha;
+                v[e] = silu_times(round_to(kDtype, gate), round_to(kDtype, up), kDtype);
               } else {
                 v[e] = acc(q, h, e) * alpha;
                 if (bias != nullptr && col + e < n_end) v[e] += beta * to_f(bias[row * bs0 + (col + e) * bs1]);

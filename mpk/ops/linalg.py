@@ -367,7 +367,8 @@ def _gemm_cols(epilogue: str | None) -> int:
     return GEMM_COLS // 2 if epilogue == "silu_mul" else GEMM_COLS
 
 
-def gemm_operand_blockers(a: ViewInfo, b: ViewInfo, out_dtype: torch.dtype, want_out: torch.dtype | None = None) -> list[str]:
+def gemm_operand_blockers(a: ViewInfo, b: ViewInfo, out_dtype: torch.dtype,
+                          want_out: torch.dtype | None = None) -> list[str]:
     """Why the GEMM cannot read x = ``a`` [M, K] and Wᵀ = ``b`` [K, N], in words: both of one
     16-bit dtype (and the output too, unless ``want_out`` names the output dtype the task
     writes), unit stride along K, 16-byte aligned rows, K % 8 == 0."""
