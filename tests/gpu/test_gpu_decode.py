@@ -23,6 +23,7 @@ from mpk.testing.decode import (
     dense_paged_attention,
     norm_fusions,
     random_page_table,
+    small_config,
 )
 from mpk.testing.graphs import op_forms, relative_error
 from mpk.testing.parity import compare_logits, decode_logits, hf_logits, hf_twin
@@ -815,3 +816,36 @@ def test_bf16_decode_agrees_with_transformers(name, options):
     # as close to the float32 truth as transformers' own bf16 run is (median over steps)
     assert vs_hf["median_rel"] <= 1.25 * hf_own["median_rel"], (vs_hf, hf_own)
     assert math.isfinite(vs_hf["max_rel"])
+
+
+def test_split_k_steps_match_whole_ones():
+    """Decode steps of a small bf16 qwen3 (3 sequences) on the GPU with the o- and
+    down-projections split over K (the split_k option: the decode partial task and the finish's
+    fast form) against the same steps whole: logits and caches within twice a step's rounding
+    bound (split-K reorders fp32 sums and rounds each projection once)."""
+    from mpk.testing.tolerance import decoder_logits_bound
+
+    rows = 3
+    cfg = small_config("qwen3", head_dim=64, hidden=256, inter=512)
+    model = DecoderLM(cfg, torch.bfloat16, DEV).randomize(seed=random.randrange(1 << 30))
+    tokens = torch.randint(0, cfg.vocab, (3, rows), device=DEV)
+    outs: list[list[torch.Tensor]] = []
+    caches, kinds = [], []
+    for split in (None, 4):  # one after the other: each compiles on its first step
+        step = torch.compile(model, backend="mpk", fullgraph=True, dynamic=False,
+                             options={"executor": "gpu", "split_k": split})
+        kv = PagedKVCache(model, rows, 64, 16)
+        with torch.no_grad():
+            out = []
+            for t in range(3):
+                kv.grow([1, 6, 11] if t == 0 else 1)
+                out.append(step(tokens[t], *kv.args()).float())
+        kinds.append([o["kind"] for o in COMPILED[-1].tables.meta["ops"]])
+        outs.append(out)
+        caches.append(kv.cache.float())
+        torch._dynamo.reset()
+    assert "matmul_partial" not in kinds[0] and kinds[1].count("matmul_partial") == 2 * cfg.layers
+    bound = 2 * decoder_logits_bound(cfg, 14, torch.bfloat16)
+    for a, b in zip(outs[1], outs[0]):
+        assert relative_error(a, b) <= bound, (relative_error(a, b), bound)
+    assert relative_error(caches[1], caches[0]) <= bound
