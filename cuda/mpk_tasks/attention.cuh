@@ -67,9 +67,9 @@ __device__ void task_attention(const OpC& c, const Rect& r, const TaskEnv& env) 
       const long long j = lane + 32LL * i;
       if (j < dv) {
         long long oi[4] = {b, h, s, j};
-        // a row whose every key is masked gives zeros, as torch's SDPA does (a left-padded prompt's
-        // padding rows), not the NaN of 0 / 0
-        store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(oi, c.out_shape, 4), l > 0.f ? acc[i] / l : 0.f);
+        // a row whose every key is masked (l == 0: any kept key adds at least 1) gives zeros, as
+        // torch's SDPA does (a left-padded prompt's padding rows); a NaN score stays NaN
+        store_f(env.buffers[c.out_buffer], c.out_dtype, ravel(oi, c.out_shape, 4), l == 0.f ? 0.f : acc[i] / l);
       }
     }
   }

@@ -141,10 +141,13 @@ def _clone(L, node, x: View, *args, **kwargs):
 @handles(aten._to_copy, prims.convert_element_type)
 def _to(L, node, x: View, *args, **kwargs):
     dtype = L.meta().dtype
-    src = node.args[0].meta["val"]
-    # A scalar moved to another device (a cache's constant moved to the model's device in forward)
-    # is its value, which the executor holds where it runs; a larger transfer is the caller's.
-    if kwargs.get("device") is not None and kwargs["device"] != src.device and src.numel() != 1:
+    src = node.args[0]
+    # A one-element constant moved to another device (a cache's constant moved to the model's
+    # device in forward) is its value, which the executor holds where it runs. An argument
+    # stays where the caller put it (the executor takes arguments on its device only), and a
+    # transfer the caller gets back is the caller's to make.
+    moved = kwargs.get("device") is not None and kwargs["device"] != src.meta["val"].device
+    if moved and (src.meta["val"].numel() != 1 or src.op == "placeholder" or _reaches_output(node)):
         raise Unsupported(f"a device transfer to {kwargs['device']} inside the graph")
     if dtype == L.graph.buffers[x.buffer].dtype:  # `.to(dtype, copy=True)` of its own dtype: a copy
         return fresh(L, node, x)
