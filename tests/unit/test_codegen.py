@@ -79,7 +79,8 @@ GRAPHS = {
     "ragged-prefill-fp16-d64": lambda: _ragged_tables(torch.float16, [0, 0], [40, 9], head_dim=64, qk_norm=False),
     "ragged-mixed-fp32": lambda: _ragged_tables(torch.float32, [0, 40, 7], [5, 1, 1], splits=2),
     # every elementwise function, reduction, softmax form
-    **{f"elementwise-{str(dtype)[6:]}": _elementwise(dtype) for dtype in (torch.float32, torch.bfloat16, torch.float64)},
+    **{f"elementwise-{str(dtype)[6:]}": _elementwise(dtype)
+       for dtype in (torch.float32, torch.bfloat16, torch.float64)},
 }
 
 
