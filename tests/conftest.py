@@ -12,6 +12,13 @@ def pytest_configure(config):
     # seeds Python's and torch's global generators from it and its own id (below), so a failure's
     # random draws replay with MPK_TEST_SEED=<the seed its report names>, in any order or worker.
     os.environ.setdefault("MPK_TEST_SEED", str(random.SystemRandom().randrange(1 << 31)))
+    # Under pytest-xdist each worker takes its share of the cores, and so do the processes it
+    # starts: torch's threads of several processes on the same cores only wait on each other.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
 def pytest_terminal_summary(terminalreporter):
