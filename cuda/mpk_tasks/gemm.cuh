@@ -143,7 +143,7 @@ __device__ __forceinline__ void gemm_task(const OpC& c, const Rect& r, const Tas
   // 128-byte row (coalesced); rows 32 apart share their swizzle.
   const int chunk = threadIdx.x & 7, row0 = threadIdx.x >> 3;
   char* const dst = smem + gemm_chunk_offset(row0, chunk);
-  bool early = kEarlyW;  // the gate is still to be waited for, after this sub-tile's first W loads
+  bool early = kEarlyW;  // this sub-tile's first stages of W went out before the gate
 
   const long long s_lo = kPlanes ? r.lo[0] : 0, s_hi = kPlanes ? r.hi[0] : 1;
   for (long long sl = s_lo; sl < s_hi; ++sl) {
@@ -185,13 +185,10 @@ __device__ __forceinline__ void gemm_task(const OpC& c, const Rect& r, const Tas
 #pragma unroll
         for (int i = 0; i < 64; ++i) d[i] = 0.f;
         __syncthreads();  // both warpgroups' MMAs of the previous sub-tile are done with the stages
-        // warp 0 loads nothing before the gate: its thread 0 polls the gate, and a poll queues
-        // behind its own warp's loads in flight (common.cuh: the gate warp)
-        const bool early_w = early && warp != 0;
         if (early) {
 #pragma unroll
           for (int s = 0; s < kGemmStages - 2; ++s)
-            if (s < ksteps && early_w) load_w(s);
+            if (s < ksteps) load_w(s);
           if (!acquire_inputs(env)) {
             cp_async_wait_all();  // nothing may land in shared memory after the task returned
             return;
@@ -201,7 +198,7 @@ __device__ __forceinline__ void gemm_task(const OpC& c, const Rect& r, const Tas
         for (int s = 0; s < kGemmStages - 2; ++s) {
           if (s < ksteps) {
             load_x(s);
-            if (!early_w) load_w(s);
+            if (!early) load_w(s);
           }
           cp_async_commit();  // a group per step, empty or not: the waits below count them
         }
