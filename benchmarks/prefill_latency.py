@@ -17,7 +17,9 @@ FLOPs (``matmul_flops``; attention's excluded) over the step's time, against the
 measured by cuBLAS in the same run.
 
 ``--prebuild`` traces every step and builds its kernels into ``$MPK_CACHE_DIR`` without a GPU
-(as ``prebuild_decode.py`` does for the decode benchmark). Prints one JSON line per case (also
+(as ``prebuild_decode.py`` does for the decode benchmark); ``--parts`` and ``--lengths`` pick
+the cases, so several ``--prebuild`` processes (a length each) build in parallel. The timed run
+must use the same ``--skew-long``, ``--chunk`` and ``--position`` (they size the model's tables). Prints one JSON line per case (also
 appended to ``--out``) and a table last.
 """
 
