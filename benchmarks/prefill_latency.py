@@ -18,8 +18,10 @@ measured by cuBLAS in the same run.
 
 ``--prebuild`` traces every step and builds its kernels into ``$MPK_CACHE_DIR`` without a GPU
 (as ``prebuild_decode.py`` does for the decode benchmark); ``--parts`` and ``--lengths`` pick
-the cases, so several ``--prebuild`` processes (a length each) build in parallel. The timed run
-must use the same ``--skew-long``, ``--chunk`` and ``--position`` (they size the model's tables). Prints one JSON line per case (also
+the cases, so several ``--prebuild`` processes (a length each) build in parallel. The model's
+length is the longest of ``--lengths``, ``--mixed``, ``--chunk`` + ``--position`` and
+``--skew-long`` (16,384 by default, the longest): a process whose longest differs from the timed
+run's builds other kernels. Prints one JSON line per case (also
 appended to ``--out``) and a table last.
 """
 
