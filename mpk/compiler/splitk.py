@@ -52,23 +52,17 @@ GEMM_SPLIT_MIN_K = 256  # a slice's K at least: four k steps, so the GEMM's stag
 
 def split_k(graph: OpGraph, slices: int | None) -> OpGraph:
     """``graph`` with every qualifying projection split into ``slices`` K slices (module doc);
-    ``graph`` itself is not modified. ``slices`` None, 0 or 1: ``graph`` unchanged."""
+    ``graph`` itself is not modified (returned as is when nothing splits). ``slices`` None, 0
+    or 1: ``graph`` unchanged."""
     if not slices or slices < 2:
         return graph
-    g = copy.deepcopy(graph)
-    producer = {op.output: op for op in g.ops}
-    ops: list[Op] = []
-    for op in g.ops:
-        granule = _granule(g, op, producer)
-        s = min(slices, op.inputs[0].shape[-1] // granule) if granule else 0
-        if s < 2:
-            ops.append(op)
-            continue
-        ops.extend(_split(g, op, s, granule))
-    g.ops = ops
-    for i, op in enumerate(g.ops):
-        op.id = i
-    return g
+    producer = {op.output: op for op in graph.ops}
+    picks = {}
+    for op in graph.ops:
+        granule = _granule(graph, op, producer)
+        if granule and min(slices, op.inputs[0].shape[-1] // granule) >= 2:
+            picks[op.id] = min(slices, op.inputs[0].shape[-1] // granule), granule
+    return _rewrite(graph, picks)
 
 
 def gemm_slices(m: int, n: int, k: int, workers: int) -> int:
@@ -86,18 +80,24 @@ def split_gemms(graph: OpGraph, workers: int, partition: Mapping[str, Any] | Non
     ``graph`` itself is not modified (returned as is when nothing splits). A matmul the
     ``partition`` overrides name (by its name or its kind) keeps the tiles they give."""
     named = set(partition or ())
-    picks = {op.id: gemm_slices(*graph.buffers[op.output].shape, op.inputs[0].shape[1], workers)
-             for op in graph.ops if _gemm_splittable(graph, op) and not {op.name, op.kind} & named}
-    picks = {i: s for i, s in picks.items() if s >= 2}
+    picks = {}
+    for op in graph.ops:
+        if _gemm_splittable(graph, op) and not {op.name, op.kind} & named:
+            s = gemm_slices(*graph.buffers[op.output].shape, op.inputs[0].shape[1], workers)
+            if s >= 2:
+                picks[op.id] = s, GEMM_K_STEP
+    return _rewrite(graph, picks)
+
+
+def _rewrite(graph: OpGraph, picks: dict[int, tuple[int, int]]) -> OpGraph:
+    """A copy of ``graph`` with each op of ``picks`` (id → (slices, granule)) split (``_split``),
+    ops renumbered; ``graph`` itself when ``picks`` is empty."""
     if not picks:
         return graph
     g = copy.deepcopy(graph)
     ops: list[Op] = []
     for op in g.ops:
-        if op.id in picks:
-            ops.extend(_split(g, op, picks[op.id], GEMM_K_STEP))
-        else:
-            ops.append(op)
+        ops.extend(_split(g, op, *picks[op.id]) if op.id in picks else [op])
     g.ops = ops
     for i, op in enumerate(g.ops):
         op.id = i
@@ -116,6 +116,12 @@ def _split(g: OpGraph, op: Op, s: int, granule: int) -> list[Op]:
             Op(-1, "matmul_finish", (identity_view(part.id, part.shape), *bias), op.output, ends, op.name, op.source)]
 
 
+def _plain_2d(g: OpGraph, op: Op) -> bool:
+    """A plain matmul (no prologue or epilogue) x [M, K] @ W [K, N] into a 2-d output."""
+    return (op.kind == "matmul" and linear_form(op.attrs) == (None, None) and len(g.buffers[op.output].shape) == 2
+            and op.inputs[0].ndim == 2 and op.inputs[1].ndim == 2)
+
+
 def _view_info(g: OpGraph, v: View) -> ViewInfo | None:
     strided = v.strided()
     if strided is None:
@@ -128,11 +134,9 @@ def _view_info(g: OpGraph, v: View) -> ViewInfo | None:
 def _gemm_splittable(g: OpGraph, op: Op) -> bool:
     """A plain 2-d matmul the tensor-core GEMM runs (mpk.ops.linalg.linear_path), as a view of
     the graph sees it."""
-    if op.kind != "matmul" or linear_form(op.attrs) != (None, None) or len(g.buffers[op.output].shape) != 2:
+    if not _plain_2d(g, op) or op.inputs[0].shape[0] < GEMM_MIN_ROWS:
         return False
     a, b = op.inputs[:2]
-    if a.ndim != 2 or b.ndim != 2 or a.shape[0] < GEMM_MIN_ROWS:
-        return False
     va, vb = _view_info(g, a), _view_info(g, b)
     out = g.buffers[op.output].dtype
     return va is not None and vb is not None and not gemm_operand_blockers(va, vb, out)
@@ -140,10 +144,10 @@ def _gemm_splittable(g: OpGraph, op: Op) -> bool:
 
 def _granule(g: OpGraph, op: Op, producer: dict[int, Op]) -> int | None:
     """The K granule of a qualifying projection (module doc), None for any other op."""
-    if op.kind != "matmul" or linear_form(op.attrs) != (None, None) or len(g.buffers[op.output].shape) != 2:
+    if not _plain_2d(g, op):
         return None
     a, b = op.inputs[:2]
-    if a.ndim != 2 or b.ndim != 2 or a.shape[0] > LINEAR_ROWS or g.buffers[b.buffer].role != "input":
+    if a.shape[0] > LINEAR_ROWS or g.buffers[b.buffer].role != "input":
         return None
     src = producer.get(a.buffer)
     if src is None or a.shape[1] < 2:
