@@ -427,27 +427,23 @@ def linear_fast(op: OpInfo) -> bool:
 
 def _matmul_grid(sig: OpSig, workers: int) -> tuple[int, ...] | None:
     """A tensor-core matmul's tiles: whole GEMM sub-tiles (128 rows × 128 output columns, 64 with
-    silu_mul) in both dims, at most ``workers`` tiles, the most
-    sub-tiles of any tile (a wave's length) the fewest possible, then the fewest tiles; None for
-    a matmul the GEMM does not take by its signature (the split order then: N first)."""
+    silu_mul) in both dims, at most ``workers`` tiles, the most sub-tiles of any tile (a wave's
+    length) the fewest possible, then the fewest tiles; None for a matmul the GEMM does not take
+    by its signature (the split order then: N first)."""
     pro, epi = linear_form(sig.attrs)
     if (len(sig.out_shape) != 2 or pro or epi == "norm_stats" or sig.out_dtype not in GEMM_DTYPES
             or sig.out_shape[0] < GEMM_MIN_ROWS):
         return None
-    return gemm_grid(*sig.out_shape, _gemm_cols(epi), workers)
 
-
-def gemm_grid(m: int, n: int, cols: int, workers: int) -> tuple[int, int]:
-    """(row tiles, column tiles) of an [m, n] output in whole sub-tiles of GEMM_ROWS × ``cols``:
-    at most ``workers`` tiles, the fewest sub-tiles in the largest tile, then the fewest tiles."""
     def cdiv(a: int, b: int) -> int:
         return -(-a // b)
 
+    (M, N), cols = sig.out_shape, _gemm_cols(epi)
     best = None
-    for gm in range(1, min(cdiv(m, GEMM_ROWS), workers) + 1):
-        per_row = cdiv(cdiv(m, gm), GEMM_ROWS)  # sub-tiles down the tallest tile
-        per_col = cdiv(cdiv(n, min(cdiv(n, cols), workers // gm)), cols)
-        gn = cdiv(n, per_col * cols)  # the fewest column tiles with that many sub-tiles across
+    for gm in range(1, min(cdiv(M, GEMM_ROWS), workers) + 1):
+        per_row = cdiv(cdiv(M, gm), GEMM_ROWS)  # sub-tiles down the tallest tile
+        per_col = cdiv(cdiv(N, min(cdiv(N, cols), workers // gm)), cols)
+        gn = cdiv(N, per_col * cols)  # the fewest column tiles with that many sub-tiles across
         key = (per_row * per_col, gm * gn, -gn)
         if best is None or key < best[0]:
             best = key, (gm, gn)

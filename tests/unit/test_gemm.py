@@ -157,10 +157,9 @@ def test_gemm_grids_match_eager_on_the_cpu_interpreter():
 @pytest.mark.slow
 def test_gemm_kernels_of_odd_shapes_compile_unserialized(tmp_path):
     """M, N, K off the tile (300 × 1000 × 776, its gate·up of 520 columns, the plain projection
-    split over K; 2049 × 256 × 4096) in bf16 and fp16, and 2048 × 2048 × 512 build for sm_90a; ptxas keeps the warpgroup MMAs asynchronous (no C7510
-    serialization warning) and spills nothing."""
-    for i, (shape, dtype) in enumerate([((300, 1000, 776, 520), torch.bfloat16), ((2049, 256, 4096, 128), torch.float16),
-                                        ((2048, 2048, 512, 3000), torch.bfloat16)]):
+    split over K; 2049 × 256 × 4096, whole) in bf16 and fp16 build for sm_90a; ptxas keeps the
+    warpgroup MMAs asynchronous (no C7510 serialization warning) and spills nothing."""
+    for i, (shape, dtype) in enumerate([((300, 1000, 776, 520), torch.bfloat16), ((2049, 256, 4096, 128), torch.float16)]):
         with warnings.catch_warnings():
             warnings.simplefilter("error", PerformanceWarning)
             src = generate(_tables(*shape, dtype))
