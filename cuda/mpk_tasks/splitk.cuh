@@ -55,13 +55,11 @@ __device__ __forceinline__ void matmul_finish_fast(const OpC& c, const Rect& r, 
   const int n = static_cast<int>(r.hi[0] - r.lo[0]) * cols4;
   void* out = env.buffers[c.out_buffer];
   for (int e0 = threadIdx.x; e0 < n; e0 += kGroups * blockDim.x) {
-    long long row[kGroups], col[kGroups], at[kGroups];  // each group's first element; at −1: past the tile
+    long long at[kGroups];  // each group's first element in [M, N]; −1: past the tile
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
       const int e = e0 + g * blockDim.x;
-      row[g] = r.lo[0] + e / cols4;
-      col[g] = r.lo[1] + 4 * (e % cols4);
-      at[g] = e < n ? row[g] * N + col[g] : -1;
+      at[g] = e < n ? (r.lo[0] + e / cols4) * N + r.lo[1] + 4 * (e % cols4) : -1;
     }
     float acc[kGroups][4] = {};
     for (int s0 = 0; s0 < slices; s0 += kPlanes) {
@@ -90,7 +88,7 @@ __device__ __forceinline__ void matmul_finish_fast(const OpC& c, const Rect& r, 
         float o = acc[g][i] * c.fparam[0];
         if (c.num_inputs > 1) {
           const ViewC& bias = c.in[1];
-          const long long idx[2] = {row[g], col[g] + i};
+          const long long idx[2] = {at[g] / N, at[g] % N + i};
           o += c.fparam[1] * load_f(env.buffers[bias.buffer], bias.dtype, view_index(bias, idx, 2));
         }
         store_f(out, c.out_dtype, at[g] + i, o);

@@ -110,10 +110,8 @@ def _finish_cpu(sig: OpSig, rect, xs):
 
 def _finish_grid(sig: OpSig, workers: int) -> tuple[int, ...]:
     m, n = sig.out_shape
-    if m >= GEMM_MIN_ROWS:  # about the GEMM form's column tiles, cut along rows until they fill the workers
+    if m >= GEMM_MIN_ROWS:  # the GEMM form's column tiles, cut along rows until they fill the workers
         gn = -(-n // GEMM_COLS)
-        # the fewest tiles at least that many whose widths are whole groups of 4 (the fast form)
-        gn = next((g for g in range(gn, min(n // 4, 4 * gn) + 1) if n % (4 * g) == 0), gn)
         return max(1, min(-(-m // 16), workers // gn)), gn
     return 1, column_tiles(sig.in_shapes[0][0], m, n, workers)
 
