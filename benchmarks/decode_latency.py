@@ -65,15 +65,15 @@ def peer_shape(name: str) -> Shape:
                  c.rope_theta, c.eps)
 
 
-def breakdown(compiled, trace_path: Path | None = None) -> dict:
+def breakdown(compiled, trace_path: Path | None = None, profile_capacity: int = 4096) -> dict:
     """Per op kind: summed spans of its ops in one profiled step (µs), plus the rest; the
     median task duration per kind (``mpk.executors.timeline.breakdown``) and one layer's
     stages. ``trace_path``: also write the Perfetto trace there and its timeline beside it
-    (``.svg``)."""
+    (``.svg``); ``profile_capacity``: records a worker holds."""
     from mpk.executors.gpu import GpuExecutor
 
     runner = RUNNERS[id(compiled)]
-    ex = GpuExecutor(compiled.tables, profile=True, profile_capacity=4096)
+    ex = GpuExecutor(compiled.tables, profile=True, profile_capacity=profile_capacity)
     ex.run(last_args(runner))
     doc = ex.trace(trace_path)
     if trace_path is not None:

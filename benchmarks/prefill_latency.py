@@ -14,7 +14,8 @@ riding in it (the decode TPOT a chunked prefill costs); and a decode step of 16 
 ``--skew-long`` positions long and 15 short, in the decode form (each sequence split alike) and
 as a ragged step (attention's balanced split, ``skewed_decodes``). ``model TFLOP/s`` counts the matmuls'
 FLOPs (``matmul_flops``; attention's excluded) over the step's time, against the dense bf16 peak
-measured by cuBLAS in the same run.
+measured by cuBLAS in the same run. ``--profile``: each prompt case's step once more under the
+in-kernel profiler, its time split by op kind (``decode_latency.breakdown``) in the row.
 
 ``--prebuild`` traces every step and builds its kernels into ``$MPK_CACHE_DIR`` without a GPU
 (as ``prebuild_decode.py`` does for the decode benchmark); ``--parts`` and ``--lengths`` pick
@@ -37,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_latency import emit_row, peer_shape  # noqa: E402
+from decode_latency import breakdown, emit_row, peer_shape  # noqa: E402
 from gemm_tflops import dense_peak_tflops  # noqa: E402
 from peer import require_cuda, time_peer_prefill  # noqa: E402
 
@@ -121,10 +122,15 @@ def bench_model(name: str, args, peak: float | None) -> list[dict]:
         ms = timed_steps(steps.cache.reset, lambda s=steps, p=prompts: s.step(p))
         tokens = sum(prompts_len)
         tflops = matmul_flops(model, tokens, len(prompts_len)) / (ms * 1e-3) / 1e12
-        add({"case": case, "lengths": prompts_len, "tokens": tokens, "mpk_ms": ms,
-             "compile_s": steps.report.total_s, "peer_ms": peer["peer_ms"], "peer_mode": peer["peer_mode"],
-             "peer_errors": peer["errors"], "speedup": peer["peer_ms"] / ms if peer["peer_ms"] else None,
-             "model_tflops": tflops, "peak_fraction": tflops / peak if peak else None})
+        row = {"case": case, "lengths": prompts_len, "tokens": tokens, "mpk_ms": ms,
+               "compile_s": steps.report.total_s, "peer_ms": peer["peer_ms"], "peer_mode": peer["peer_mode"],
+               "peer_errors": peer["errors"], "speedup": peer["peer_ms"] / ms if peer["peer_ms"] else None,
+               "model_tflops": tflops, "peak_fraction": tflops / peak if peak else None}
+        if args.profile:
+            steps.cache.reset()
+            steps.cache.grow(prompts_len)  # the step's table as the timed steps had it; the profiled run re-launches it
+            row["breakdown"] = breakdown(steps._compiled[tokens], profile_capacity=1 << 15)
+        add(row)
         del steps
         torch._dynamo.reset()  # a graph per case: Dynamo's recompile limit counts every shape traced
         gc.collect()
@@ -207,6 +213,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prebuild", action="store_true",
                     help="trace the steps and build their kernels into $MPK_CACHE_DIR (no GPU needed), time nothing")
     ap.add_argument("--progress", action="store_true", help="progress bars while tracing and building")
+    ap.add_argument("--profile", action="store_true", help="per-op-kind breakdown of each prompt case's step")
     ap.add_argument("--out", type=Path, default=None, help="append the rows as JSON lines to this file")
     args = ap.parse_args(argv)
     if not args.prebuild:
@@ -231,6 +238,9 @@ def main(argv=None) -> int:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         print(f"{r['model']:12s} {r['case']:18s} {r['tokens']:6d} {r['mpk_ms']:8.3f} "
               f"{r['peer_ms'] or float('nan'):8.3f} {sp:>8s} {r['model_tflops']:8.1f} {r['peak_fraction']:7.2f}")
+        if "breakdown" in r:
+            kinds = {k: v for k, v in r["breakdown"].items() if isinstance(v, float)}
+            print("    " + ", ".join(f"{k} {v / 1e3:.2f}" for k, v in kinds.items()) + " (ms)")
     return 0
 
 

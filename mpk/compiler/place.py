@@ -4,7 +4,11 @@ executors run the compiler's placement and decide none of their own.
 
 Policy: AOT tasks go round-robin over the workers in linear order, so each queue is in linear
 (topological) order and a worker never waits on a task queued behind it; consecutive tasks of
-an op land on different workers. JIT tasks are not placed: scheduler warps hand them to
+an op land on different workers. An op whose tiles differ in work (``OpDef.tile_cost``: causal
+attention over a prompt's rows) has its run of tasks dealt longest first, each to the least
+loaded worker (LPT), and round-robin resumes after the run where it would have: the op's
+events may each launch a whole wave of tiles (one per kv head), which round-robin would give
+each worker the same rows of every head. JIT tasks are not placed: scheduler warps hand them to
 workers at run time. Scheduler CTAs default to ``DEFAULT_SCHEDULER_CTAS`` when the graph has
 JIT tasks and to none otherwise (every CTA is then a worker). The worker count is the
 ``num_workers`` option, or, left to its default on a CUDA machine, every SM the scheduler CTAs
@@ -14,12 +18,14 @@ leave (a graph without JIT tasks then works on every SM). A CTA holds
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mpk.errors import OptionError
+from mpk.ops import get_op
 
 if TYPE_CHECKING:
     from mpk.compiler.taskgraph import TaskGraph
@@ -54,10 +60,13 @@ def check_counts(num_workers: object, scheduler_ctas: object) -> None:
 
 
 def placement(jit: np.ndarray, num_workers: int, scheduler_ctas: int | None = None,
-              fill_sms: int | None = None) -> Placement:
+              fill_sms: int | None = None, costs: np.ndarray | None = None,
+              groups: np.ndarray | None = None) -> Placement:
     """The placement of tasks whose JIT flags, in linear order, are ``jit``. ``fill_sms``:
     instead of ``num_workers``, every one of that many SMs not taken by scheduler CTAs is a
-    worker (options.num_workers left to its default: the launch fills the device)."""
+    worker (options.num_workers left to its default: the launch fills the device). ``costs``
+    (NaN: none) and ``groups`` (the op of each task), in linear order: a run of consecutive AOT
+    tasks of one group with costs is dealt by LPT."""
     check_counts(num_workers, scheduler_ctas)
     jit = np.asarray(jit, dtype=bool)
     n_jit = int(jit.sum())
@@ -74,16 +83,49 @@ def placement(jit: np.ndarray, num_workers: int, scheduler_ctas: int | None = No
                           f"gives a scheduler more than {MAX_WORKERS_PER_SCHEDULER} workers; raise scheduler_ctas "
                           f"to at least {-(-num_workers // (MAX_WORKERS_PER_SCHEDULER * SCHED_WARPS_PER_CTA))}")
     aot = np.nonzero(~jit)[0].astype(np.int32)
-    queues = [aot[w::num_workers] for w in range(num_workers)]
+    worker = np.arange(len(aot)) % num_workers
+    if costs is not None:
+        _deal_costly_runs(worker, np.asarray(costs, float)[aot], np.asarray(groups)[aot], num_workers)
+    queues = [aot[worker == w] for w in range(num_workers)]
     offsets = np.zeros(num_workers + 1, np.int32)
     offsets[1:] = np.cumsum([len(q) for q in queues])
     tasks = np.concatenate(queues + [np.zeros(0, np.int32)]).astype(np.int32)
     return Placement(num_workers, scheduler_ctas, warps, offsets, tasks)
 
 
+def _deal_costly_runs(worker: np.ndarray, cost: np.ndarray, group: np.ndarray, num_workers: int) -> None:
+    """Reassign, in place, each maximal run of consecutive tasks of one group with finite costs:
+    longest first, each to the least loaded worker (ties: the one round-robin reaches first)."""
+    k, n = 0, len(cost)
+    while k < n:
+        if not np.isfinite(cost[k]):
+            k += 1
+            continue
+        end = k + 1
+        while end < n and group[end] == group[k] and np.isfinite(cost[end]):
+            end += 1
+        first = int(worker[k])
+        heap = [(0.0, (w - first) % num_workers, w) for w in range(num_workers)]
+        for i in sorted(range(k, end), key=lambda i: (-cost[i], i)):
+            load, turn, w = heapq.heappop(heap)
+            worker[i] = w
+            heapq.heappush(heap, (load + float(cost[i]), turn, w))
+        k = end
+
+
 def place(tg: "TaskGraph", num_workers: int, scheduler_ctas: int | None = None,
           fill_sms: int | None = None) -> "TaskGraph":
     """Step 7a on the task graph (after linearize and modes): sets ``tg.placement``."""
-    tg.placement = placement(np.array([tg.jit[t] for t in tg.task_order], dtype=bool), num_workers, scheduler_ctas,
-                             fill_sms)
+    order = tg.task_order
+    costs = np.full(len(order), np.nan)
+    for tiles in tg.tiles:
+        cost = get_op(tg.graph.ops[tiles.op_id].kind).tile_cost
+        if cost is not None:
+            first = tiles.first_task
+            for i in range(tiles.num_tasks):
+                costs[first + i] = cost(tiles.sig, tiles.tile_rect(i))
+    linear_costs = costs[order] if len(order) else costs
+    groups = np.array([tg.task_op[t] for t in order], dtype=np.int64)
+    tg.placement = placement(np.array([tg.jit[t] for t in order], dtype=bool), num_workers, scheduler_ctas,
+                             fill_sms, linear_costs if np.isfinite(linear_costs).any() else None, groups)
     return tg

@@ -117,7 +117,7 @@ def attention_steps(op: OpInfo) -> int:
 # (K and V rows of 8192 / D positions) in the scratch area and the next step's in dynamic shared
 # memory, so that one step's copies fly while the warps attend to the other.
 PREFILL_STAGE_BYTES = 32768
-PREFILL_MAX_GROUP = 8  # attn_prefill packs a block of ⌊8 / G⌋ rows' G heads into a warp's 8 MMA rows
+PREFILL_MAX_GROUP = 8  # attn_prefill packs a block of ⌊16 / G⌋ rows' G heads into a warp's 16 MMA rows
 
 
 def _attention_smem(op: OpInfo) -> int:
@@ -546,15 +546,16 @@ def chunk_bounds(n: int, c: int, C: int, rope: bool) -> tuple[int, int]:
 
 
 DECODE_ROWS = 16  # a ragged step of at most this many token rows is taken for a batch of decodes
-MMA_ROWS = 64  # query rows (token rows × group) of a ragged tile on the tensor cores: 8 warps × 8 (attn_prefill)
+MMA_ROWS = 64  # query rows (token rows × group) a ragged tile holds at least: half a pass of attn_prefill (8 warps × 16)
 
 
 def rows_per_tile(tokens: int, group: int) -> int:
     """R, the fewest token rows a ragged attention tile holds (``attrs['rows']``). A step of up
     to ``DECODE_ROWS`` rows is mostly decodes, whose rows share no K/V: one row a tile spreads
     them over the most workers. A prefill's rows share their sequence's K/V: R·G = ``MMA_ROWS``
-    query rows fill the tensor-core task's 8 warps (attn_prefill), which read each K/V row once
-    for all of them."""
+    query rows, half a pass of the tensor-core task (attn_prefill: its 8 warps read each K/V row
+    once for all of them, two warps a block here, each half the positions), keep the tiles of
+    a few hundred tokens as many as the workers."""
     return 1 if tokens <= DECODE_ROWS else max(1, MMA_ROWS // group)
 
 
@@ -742,18 +743,40 @@ def _partial_min_tile(sig: OpSig) -> int:
     return sig.attrs["rows"] * G * width if sig.attrs.get("ragged") else 1
 
 
-def _balanced_grid(sig: OpSig, workers: int) -> tuple[int, ...] | None:
-    """Balanced: a tile per (row block, kv head, item slot), so that a tile is one item."""
-    if not sig.attrs.get("balanced"):
+PREFILL_TILES_PER_WORKER = 8
+
+
+def _attention_grid(sig: OpSig, workers: int) -> tuple[int, ...] | None:
+    """Balanced: a tile per (row block, kv head, item slot), so that a tile is one item.
+    Ragged with one chunk (a prefill's rows): a causal row's work grows with its position, so
+    one tile a worker leaves the workers of the last rows working longest; tiles of at least
+    ``attrs['rows']`` rows, up to ``PREFILL_TILES_PER_WORKER`` per worker, kv heads fastest, dealt
+    round-robin (mpk.compiler.place), give each worker rows spread over the whole prompt. A
+    tile's passes over its sequence's K/V are as many as its rows need either way: finer tiles
+    cost only their tasks' start-up. Otherwise the default grid (None)."""
+    if sig.attrs.get("balanced"):
+        S, KV, C = sig.out_shape[:3]
+        return (S // sig.attrs["rows"], KV, C, 1, 1)
+    if not (sig.attrs.get("ragged") and sig.attrs.get("final")):
         return None
-    S, KV, C = sig.out_shape[:3]
-    return (S // sig.attrs["rows"], KV, C, 1, 1)
+    T, KV = sig.out_shape[:2]
+    blocks = max(1, min(T // max(1, sig.attrs["rows"]), PREFILL_TILES_PER_WORKER * workers // KV))
+    return (blocks, KV, 1, 1)
+
+
+def _attention_cost(sig: OpSig, rect) -> float:
+    """A prefill tile's work (ragged, one chunk): its rows times their mean position, as if the
+    step were one prompt (its rows' sequences are run-time data); NaN (alike) otherwise."""
+    if not (sig.attrs.get("ragged") and sig.attrs.get("final") and sig.attrs.get("rows", 1) > 1):
+        return math.nan
+    (a, b) = rect[0]
+    return (b - a) * (a + b + 1) / 2
 
 
 register(OpDef(
     kind="attn_partial", type_id=31, input_regions=_partial_regions, cpu=_partial_cpu, gpu=ATTN_PARTIAL_GPU,
-    splittable=_chunk_splits, split_order=_chunk_order, default_grid=_balanced_grid,
-    min_tile_elems=_partial_min_tile, long_tasks=True, key_spaces=_partial_keys,
+    splittable=_chunk_splits, split_order=_chunk_order, default_grid=_attention_grid,
+    min_tile_elems=_partial_min_tile, long_tasks=True, key_spaces=_partial_keys, tile_cost=_attention_cost,
     doc="partial (O, lse) of G query heads over one KV chunk of a paged sequence (final: O, one chunk)",
 ))
 

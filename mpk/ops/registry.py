@@ -63,6 +63,10 @@ class OpDef:
     # its tasks take several µs however small their tile (a chain of dependent loads: paged
     # attention), so a narrow op of this kind holds its workers long (partition.py)
     long_tasks: bool = False
+    # a tile's work relative to the op's other tiles, where it varies (causal attention rows: with
+    # their position); placement deals such an op's tasks to the least loaded workers instead of
+    # round-robin (mpk.compiler.place). None, or NaN for a signature: alike.
+    tile_cost: Callable[[OpSig, Rect], float] | None = None
     gpu: GpuSpec | None = None  # None: no CUDA task (codegen refuses the kind)
     doc: str = ""
     # What a tile writes into its inputs in place (graph inputs: the KV-cache append), as

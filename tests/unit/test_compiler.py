@@ -536,6 +536,29 @@ def test_placement_round_robins_aot_tasks_in_linear_order():
     assert tables.worker_offsets.tolist() == [0, len(aot[0::3]), len(aot[0::3]) + len(aot[1::3]), len(aot)]
 
 
+def test_placement_deals_a_run_of_costly_tasks_longest_first():
+    """A run of one op's tasks with costs goes to the least loaded worker, longest first (LPT:
+    at most 4/3 of the best maximum load, here within the longest task of the mean); tasks
+    before and after it keep round-robin's workers; queues stay in linear order."""
+    from mpk.compiler.place import placement
+
+    rng = np.random.default_rng(int(torch.randint(0, 2**31, ())))
+    W, n = 5, 60
+    jit = np.zeros(n, bool)
+    costs = np.full(n, np.nan)
+    costs[7:47] = rng.uniform(1, 100, 40)
+    groups = np.where(np.isnan(costs), np.arange(n) + 1000, 3)
+    p = placement(jit, W, costs=costs, groups=groups)
+    queues = [p.worker_tasks[p.worker_offsets[w]: p.worker_offsets[w + 1]] for w in range(W)]
+    worker = {int(t): w for w, q in enumerate(queues) for t in q}
+    assert all((np.diff(q) > 0).all() for q in queues)
+    assert all(worker[t] == t % W for t in [*range(7), *range(47, n)])
+    load = np.zeros(W)
+    for t in range(7, 47):
+        load[worker[t]] += costs[t]
+    assert load.max() - costs[7:47].sum() / W <= costs[7:47].max()
+
+
 def test_jit_graph_gets_scheduler_ctas_and_their_option_is_checked():
     model, args = _qwen()
     tables = compile_module(model, args, {"num_workers": 6, "scheduler_ctas": 1}).tables

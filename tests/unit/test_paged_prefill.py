@@ -223,6 +223,44 @@ def test_compiled_prefill_tiles_hold_blocks_of_rows():
     assert grid[1] == 2 and case.batch.tokens // grid[0] >= rows, grid
 
 
+def test_prefill_attention_tiles_are_dealt_by_their_causal_work():
+    """A one-prompt prefill's attention: up to PREFILL_TILES_PER_WORKER tiles a worker, whose
+    work grows with their rows' positions, dealt so that no worker's summed tile cost is over
+    1.1× the mean (round-robin gave the worker of the last rows of every kv head twice the
+    mean); each queue stays in linear order. The step matches float64."""
+    from mpk.compiler.partition import split_bounds
+    from mpk.compiler.tables import validate_placement
+    from mpk.ops.paged import PREFILL_TILES_PER_WORKER, _attention_cost
+
+    g = _gen()
+    workers = 32  # as many as a kv head's row blocks: round-robin gives each worker one block of every head
+    case = random_case(ragged_batch([0], [512], 16, g), 8, 2, 64, qk_norm=False, g=g)
+    cache = case.cache.clone()
+    with torch.no_grad():
+        q, out = _compile(case, 1, num_workers=workers)(*case.args(cache))
+    check_ragged(case, q, out, cache)
+    compiled = COMPILED[-1]
+    tables = compiled.tables
+    validate_placement(tables)
+    attn = next(op for op in compiled.graph.ops if op.kind == "attn_partial")
+    grid, T = attn.partition, case.batch.tokens
+    assert grid[1] == 2 and grid[0] == min(T // attn.attrs["rows"], PREFILL_TILES_PER_WORKER * workers // 2)
+    sig = registry.OpSig((), (), torch.float32, attn.attrs)
+    bounds = split_bounds(T, grid[0])
+    load = [0.0] * workers
+    costs = []
+    for w, queue in enumerate(tables.worker_queues()):
+        for t in queue:
+            if tables.tasks["op"][t] == attn.id:
+                block = int(tables.tasks["tile"][t]) // grid[1]
+                c = _attention_cost(sig, ((bounds[block], bounds[block + 1]),))
+                load[w] += c
+                costs.append(c)
+    assert len(costs) == grid[0] * grid[1]
+    mean = sum(costs) / workers
+    assert max(load) <= 1.1 * mean, (load, mean)
+
+
 def test_verify_flags_attention_not_ordered_after_other_rows_appends(monkeypatch):
     """A ragged attention tile reads k/v that rope_append tiles of other rows append: its q
     region over every row of its kv heads' groups is what orders it after them. The compiled
