@@ -96,75 +96,234 @@ __device__ __forceinline__ long long row_position(long long pos, const ViewC& cs
   return -1;
 }
 
+// rope_append's ragged form (prefill, mixed steps): tiles of up to thousands of token rows by a
+// head or a few, so the task must be bound by bandwidth, not by each row's latency.
+// - Rows: the tile's rows fall into 8·⌈R / 256⌉ groups of equal size (at most 32 rows), warp w
+//   taking groups w, w + 8, …; lane l resolves row l of the warp's group once, when the group's
+//   first copies are issued (under the copies of the group before): ragged_row, row_position
+//   and, where the tile appends k/v, the page at the row's position (a faulty row or page is
+//   reported as decode reports it). The position and page (−1: a padding or faulty row, a page
+//   outside the cache) stay in the lane's registers, read by shuffle.
+// - Units: a group is a stream of head rows (D elements), row by row: the row's cos | sin row,
+//   its q heads, then k and v of each kv head. A warp's eighth of the scratch area holds two
+//   stages of kStage units: the warp copies a batch into one with 16-byte cp.async while it
+//   computes the batch before from the other (kilobytes in flight per warp, no registers held
+//   for them). Lane u works out unit u of a batch (what it is, where it is read and written)
+//   once for its copies and its computation.
+// - Compute: a head as decode computes it (RopeRow, from shared memory: the same roundings and
+//   reduction order, so bit for bit the same results), with the cos/sin of the row's cos | sin
+//   unit (in registers for its heads) and the norm weights loaded once a task. A padding row
+//   (or one whose position is not followed) gets a zero q and appends nothing; a bad page skips
+//   the row's k/v.
+template <int kPer, typename T, typename I>
+__device__ __forceinline__ void rope_append_rows(const OpC& c, const Rect& r, const TaskEnv& env) {
+  constexpr int D = 32 * kPer, kHalf = kPer / 2, kVec = 16 / static_cast<int>(sizeof(T)), kPieces = D / kVec;
+  constexpr int kWarps = kThreadsPerTask / 32;
+  constexpr int kStage = static_cast<int>(kScratchFloats * sizeof(float) / (2 * kWarps * D * sizeof(T)));
+  constexpr int kRounds = (kStage * kPieces + 31) / 32;  // a stage's copies over the warp's lanes
+  static_assert(kStage >= 1 && kStage <= 32, "a lane works out each unit of a stage");
+  enum : int { kSkip, kCosSin, kQ, kK, kV, kZero };  // what a unit is (kZero: a padding row's q)
+  const ViewC &qkv = c.in[0], &cs = c.in[1], &indptr = c.in[2], &indices = c.in[3], &last = c.in[4],
+              &cache = c.in[5];
+  const bool qk_norm = c.iparam[4] != 0;
+  const float eps = c.fparam[0];
+  const ViewC& qo = c.in[qk_norm ? 8 : 6];
+  const int H = static_cast<int>(c.iparam[0]), KV = static_cast<int>(c.iparam[1]);
+  const int page_size = static_cast<int>(c.iparam[3]), shift = log2_pow2(page_size);
+  const int group = H / KV, h0 = static_cast<int>(r.lo[1]), nq = static_cast<int>(r.hi[1]) - h0;
+  const int kv0 = (h0 + group - 1) / group, nkv = (h0 + nq + group - 1) / group - kv0;
+  const int per_row = 1 + nq + 2 * nkv;  // units a row
+  if (!qo_ok<I>(env, qo, c.out_shape[0], c.out_buffer)) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int R = static_cast<int>(r.hi[0] - r.lo[0]), groups = kWarps * ((R + kWarps * 32 - 1) / (kWarps * 32));
+  const int g = (R + groups - 1) / groups, ng = (R + g - 1) / g;  // rows a group, groups
+  float wq[kPer], wk[kPer];
+  {
+    const ViewC &qn = c.in[6], &kn = c.in[7];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      wq[i] = qk_norm ? to_f(static_cast<const T*>(env.buffers[qn.buffer])[qn.offset + lane + 32 * i]) : 1.f;
+      wk[i] = qk_norm && nkv > 0 ? to_f(static_cast<const T*>(env.buffers[kn.buffer])[kn.offset + lane + 32 * i]) : 1.f;
+    }
+  }
+  const T* const rows_in = static_cast<const T*>(env.buffers[qkv.buffer]) + qkv.offset;
+  const T* const cs_in = static_cast<const T*>(env.buffers[cs.buffer]) + cs.offset;
+  T* const q_out = static_cast<T*>(env.buffers[c.out_buffer]);
+  T* const stages = reinterpret_cast<T*>(scratch()) + warp * 2 * kStage * D;
+
+  int k = warp, v = 0;      // the next batch: group k's units from v on
+  int pos = -1, page = -1;  // lane l: row l of group k (resolve)
+  const auto resolve = [&] {
+    pos = page = -1;
+    const long long t = r.lo[0] + static_cast<long long>(k) * g + lane;
+    if (lane >= min(g, R - k * g)) return;
+    const RaggedRow row = ragged_row<I>(env, indptr, indices, last, qo, t, page_size, c.out_buffer);
+    const long long p = row.pos >= 0 ? row_position(row.pos, cs, c.out_buffer, t) : -1;
+    if (p < 0) return;
+    pos = static_cast<int>(p);
+    if (nkv == 0) return;
+    const SeqPages<I> pages(env, indices, row.span.first_page, shift);
+    const long long pg = pages(p);
+    if (page_ok(pg, cache.shape[2]))
+      page = static_cast<int>(pg);
+    else
+      report_bad_page(pages, row.span.first_page, row.span.len, cache.shape[2], c.out_buffer);
+  };
+  // a stage's unit count, and lane u's unit's kind and destination (two named sets: an array
+  // indexed by the stage would live in local memory)
+  int n0 = 0, n1 = 0, kind0 = kSkip, kind1 = kSkip;
+  unsigned long long dst0 = 0, dst1 = 0;
+  // copies the batch at (k, v) into stage s, then moves (k, v) on
+  const auto issue = [&](int s) {
+    if (v == 0) resolve();
+    const int units = min(g, R - k * g) * per_row, n = min(kStage, units - v);
+    const int u = v + lane, row = u / per_row, j = u - row * per_row - 1;  // j: −1 cos|sin, then the heads
+    const int p = __shfl_sync(0xffffffffu, pos, row & 31), pg = __shfl_sync(0xffffffffu, page, row & 31);
+    const long long t = r.lo[0] + static_cast<long long>(k) * g + row;
+    int kind = kSkip;
+    const T* src = nullptr;
+    T* dst = nullptr;
+    if (lane < n) {
+      if (j < 0) {
+        if (p >= 0) {
+          kind = kCosSin;
+          src = cs_in + p * cs.stride[0];
+        }
+      } else if (j < nq) {
+        kind = p >= 0 ? kQ : kZero;
+        src = p >= 0 ? rows_in + t * qkv.stride[0] + static_cast<long long>(h0 + j) * D : nullptr;
+        dst = q_out + (t * H + h0 + j) * D;
+      } else if (pg >= 0) {  // k, then v, of kv head kv0 + jj / 2
+        const int jj = j - nq, kv = jj & 1, head = kv0 + (jj >> 1);
+        kind = kv ? kV : kK;
+        src = rows_in + t * qkv.stride[0] + static_cast<long long>(H + kv * KV + head) * D;
+        dst = cache_slot<T>(env, cache, c.iparam[5], kv, pg, head, p, page_size);
+      }
+    }
+    T* const stage = stages + s * kStage * D;
+    const auto from = reinterpret_cast<unsigned long long>(src);
+#pragma unroll
+    for (int i = 0; i < kRounds; ++i) {
+      const int piece = lane + 32 * i, at = piece / kPieces, e = piece % kPieces;
+      const T* const a = reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, from, at & 31));
+      if (at < n && a != nullptr) cp_async16(stage + at * D + e * kVec, a + e * kVec);
+    }
+    cp_async_commit();
+    (s ? n1 : n0) = n;
+    (s ? kind1 : kind0) = kind;
+    (s ? dst1 : dst0) = reinterpret_cast<unsigned long long>(dst);
+    v += n;
+    if (v == units) {
+      v = 0;
+      k += kWarps;
+    }
+  };
+  float ch[kHalf], sh[kHalf];  // the cos and sin of the row being computed at lane l's frequencies l + 32·i
+  const auto compute = [&](int s) {
+    const T* const stage = stages + s * kStage * D;
+    const int n = s ? n1 : n0, kinds = s ? kind1 : kind0;
+    const unsigned long long dsts = s ? dst1 : dst0;
+#pragma unroll 1
+    for (int i = 0; i < n; ++i) {
+      const int kind = __shfl_sync(0xffffffffu, kinds, i);
+      const T* const unit = stage + i * D;
+      T* const dst = reinterpret_cast<T*>(__shfl_sync(0xffffffffu, dsts, i));
+      if (kind == kCosSin) {
+#pragma unroll
+        for (int e = 0; e < kHalf; ++e) {
+          ch[e] = to_f(unit[lane + 32 * e]);
+          sh[e] = to_f(unit[lane + 32 * e + D / 2]);
+        }
+      } else if (kind != kSkip) {
+        RopeRow<kPer, T> x;
+        if (kind == kZero) {
+#pragma unroll
+          for (int e = 0; e < kPer; ++e) x.x[e] = 0.f;
+        } else {
+          x.load(unit);
+        }
+        if (kind == kQ || kind == kK) {
+#pragma unroll
+          for (int e = 0; e < kPer; ++e) {
+            x.w[e] = kind == kQ ? wq[e] : wk[e];
+            x.cv[e] = ch[e % kHalf];
+            x.sv[e] = sh[e % kHalf];
+          }
+          x.rotate(qk_norm, eps);
+        }
+        x.store(dst);
+      }
+    }
+  };
+  // issue a batch, then compute the one before it (in the other stage) under its copies
+  for (int s = 0, pending = 0;; s ^= 1, pending = 1) {
+    const bool more = k < ng;
+    if (more) issue(s);
+    if (pending) {
+      if (more)
+        cp_async_wait_pending<1>();
+      else
+        cp_async_wait_pending<0>();
+      __syncwarp();
+      compute(s ^ 1);
+      __syncwarp();  // the stage is copied into next
+    }
+    if (!more) break;
+  }
+  __syncthreads();  // the next task may use the scratch area
+}
+
 // inputs: qkv [T, (H+2KV)·D], cos_sin [P, D] (cos | sin), kv_indptr, kv_indices,
 // kv_last_page_len, kv_cache, q_norm [D], k_norm [D] (when iparam[4]), then qo_indptr
 // (kRagged); output q [T, H, D]. iparam: heads, kv_heads, head_dim, page_size, qk_norm, layer;
-// fparam[0] eps. Decode: row b is sequence b at its last position; kRagged: each row's sequence
-// by binary search over qo_indptr (ragged_row), whose order every warp checks first; a padding
-// row gets a zero q and appends nothing.
-// A tile covers query heads [h0, h1) and appends the k/v of the kv heads whose group starts
-// in it (mpk/ops/paged.py: kv_heads_of_tile). One warp per (row, head); lane l holds dims
-// l + 32·i, so the rotate-half partner of a dim sits in the same lane. Two round trips: the
-// page-table entries, then the row, the norm weight, cos/sin and the page at the token's
-// position together.
+// fparam[0] eps. A tile covers rows [r.lo[0], r.hi[0]) and query heads [h0, h1) and appends
+// the k/v of the kv heads whose group starts in it (mpk/ops/paged.py: kv_heads_of_tile).
+// Decode (row b is sequence b at its last position): one warp per (row, head); lane l holds
+// dims l + 32·i, so the rotate-half partner of a dim sits in the same lane. Two round trips:
+// the page-table entries, then the row, the norm weight, cos/sin and the page at the token's
+// position together — the shortest path for the tiny tiles of small batches.
+// kRagged: rope_append_rows.
 template <int kPer, typename T, typename I, bool kRagged = false>
 __device__ __noinline__ void rope_append_impl(const OpC& c, const Rect& r, const TaskEnv& env) {
-  constexpr int D = 32 * kPer;
-  const ViewC &qkv = c.in[0], &cs = c.in[1], &indptr = c.in[2], &indices = c.in[3], &last = c.in[4],
-              &cache = c.in[5];
-  const int H = static_cast<int>(c.iparam[0]), KV = static_cast<int>(c.iparam[1]);
-  const int page_size = static_cast<int>(c.iparam[3]), shift = log2_pow2(page_size);
-  const bool qk_norm = c.iparam[4] != 0;
-  const int group = H / KV, h0 = static_cast<int>(r.lo[1]), h1 = static_cast<int>(r.hi[1]);
-  const int kv0 = (h0 + group - 1) / group, kv1 = (h1 + group - 1) / group;
-  const int per_row = (h1 - h0) + 2 * (kv1 - kv0);
-  const int rows = static_cast<int>(r.hi[0] - r.lo[0]) * per_row;
   if constexpr (kRagged) {
-    if (!qo_ok<I>(env, c.in[qk_norm ? 8 : 6], c.out_shape[0], c.out_buffer)) return;
-  }
-  for (int job = threadIdx.x >> 5; job < rows; job += blockDim.x >> 5) {
-    const long long b = r.lo[0] + job / per_row;
-    const int j = job % per_row, jj = j - (h1 - h0);
-    const int head = j < h1 - h0 ? h0 + j : H + (jj & 1) * KV + kv0 + jj / 2;  // q, else k / v of a kv head
-    const bool rotate = head < H + KV, norm = qk_norm && rotate;
-    const T* row = static_cast<const T*>(env.buffers[qkv.buffer]) + qkv.offset + b * qkv.stride[0] +
-                   static_cast<long long>(head) * D;
-    const T* wn = norm ? static_cast<const T*>(env.buffers[c.in[head < H ? 6 : 7].buffer]) + c.in[head < H ? 6 : 7].offset
-                       : nullptr;
-    long long pos = -1;
-    const SeqSpan s = [&] {
-      if constexpr (kRagged) {
-        const RaggedRow row = ragged_row<I>(env, indptr, indices, last, c.in[qk_norm ? 8 : 6], b, page_size,
-                                            c.out_buffer);
-        pos = row.pos >= 0 ? row_position(row.pos, cs, c.out_buffer, b) : -1;
-        return row.span;
-      } else {
-        const SeqSpan span = seq_span<I>(env, indptr, indices, last, b, page_size, c.out_buffer);
-        pos = rope_position(span, cs, c.out_buffer, b);
-        return span;
+    rope_append_rows<kPer, T, I>(c, r, env);
+  } else {
+    constexpr int D = 32 * kPer;
+    const ViewC &qkv = c.in[0], &cs = c.in[1], &indptr = c.in[2], &indices = c.in[3], &last = c.in[4],
+                &cache = c.in[5];
+    const int H = static_cast<int>(c.iparam[0]), KV = static_cast<int>(c.iparam[1]);
+    const int page_size = static_cast<int>(c.iparam[3]), shift = log2_pow2(page_size);
+    const bool qk_norm = c.iparam[4] != 0;
+    const int group = H / KV, h0 = static_cast<int>(r.lo[1]), h1 = static_cast<int>(r.hi[1]);
+    const int kv0 = (h0 + group - 1) / group, kv1 = (h1 + group - 1) / group;
+    const int per_row = (h1 - h0) + 2 * (kv1 - kv0);
+    const int rows = static_cast<int>(r.hi[0] - r.lo[0]) * per_row;
+    for (int job = threadIdx.x >> 5; job < rows; job += blockDim.x >> 5) {
+      const long long b = r.lo[0] + job / per_row;
+      const int j = job % per_row, jj = j - (h1 - h0);
+      const int head = j < h1 - h0 ? h0 + j : H + (jj & 1) * KV + kv0 + jj / 2;  // q, else k / v of a kv head
+      const bool rotate = head < H + KV, norm = qk_norm && rotate;
+      const T* row = static_cast<const T*>(env.buffers[qkv.buffer]) + qkv.offset + b * qkv.stride[0] +
+                     static_cast<long long>(head) * D;
+      const T* wn = norm ? static_cast<const T*>(env.buffers[c.in[head < H ? 6 : 7].buffer]) + c.in[head < H ? 6 : 7].offset
+                         : nullptr;
+      const SeqSpan s = seq_span<I>(env, indptr, indices, last, b, page_size, c.out_buffer);
+      const long long pos = rope_position(s, cs, c.out_buffer, b);
+      if (pos < 0) continue;
+      RopeRow<kPer, T> x;
+      x.load_consts(wn, rotate ? static_cast<const T*>(env.buffers[cs.buffer]) + cs.offset + pos * cs.stride[0] : nullptr);
+      x.load(row);
+      const long long page = head >= H ? page_of<I>(env, indices, s.first_page, pos, shift) : 0;
+      if (!page_ok(page, cache.shape[2])) {
+        report_bad_page(SeqPages<I>(env, indices, s.first_page, shift), s.first_page, s.len, cache.shape[2],
+                        c.out_buffer);
+        continue;
       }
-    }();
-    if (pos < 0) {
-      if (kRagged && head < H) {  // padding (or a row not followed): zero q, no append
-        T* out = static_cast<T*>(env.buffers[c.out_buffer]) + (b * H + head) * static_cast<long long>(D);
-#pragma unroll
-        for (int i = 0; i < kPer; ++i) out[(threadIdx.x & 31) + 32 * i] = from_f<T>(0.f);
-      }
-      continue;
+      if (rotate) x.rotate(norm, c.fparam[0]);
+      const int kv = head < H + KV ? 0 : 1;
+      x.store(head < H ? static_cast<T*>(env.buffers[c.out_buffer]) + (b * H + head) * static_cast<long long>(D)
+                       : cache_slot<T>(env, cache, c.iparam[5], kv, page, head - H - kv * KV, pos, page_size));
     }
-    RopeRow<kPer, T> x;
-    x.load_consts(wn, rotate ? static_cast<const T*>(env.buffers[cs.buffer]) + cs.offset + pos * cs.stride[0] : nullptr);
-    x.load(row);
-    const long long page = head >= H ? page_of<I>(env, indices, s.first_page, pos, shift) : 0;
-    if (!page_ok(page, cache.shape[2])) {
-      report_bad_page(SeqPages<I>(env, indices, s.first_page, shift), s.first_page, s.len, cache.shape[2],
-                      c.out_buffer);
-      continue;
-    }
-    if (rotate) x.rotate(norm, c.fparam[0]);
-    const int kv = head < H + KV ? 0 : 1;
-    x.store(head < H ? static_cast<T*>(env.buffers[c.out_buffer]) + (b * H + head) * static_cast<long long>(D)
-                     : cache_slot<T>(env, cache, c.iparam[5], kv, page, head - H - kv * KV, pos, page_size));
   }
 }
 

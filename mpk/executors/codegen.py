@@ -192,7 +192,8 @@ def dynamic_smem_bytes(tables: Tables) -> int:
 def aligned_inputs(tables: Tables) -> set[int]:
     """Input buffers that tasks read with vector loads (each spec's ``vector_inputs``: the
     fast linear, rms_norm and silu_mul operands, long rows of reduce and softmax, paged
-    attention's q and cache): the executor refuses them at addresses not 16-byte aligned."""
+    attention's q and cache, the ragged rope_append's qkv and cos/sin): the executor refuses
+    them at addresses not 16-byte aligned."""
     need: set[int] = set()
     for i in range(len(tables.ops)):
         info = op_info(tables, i)

@@ -141,9 +141,10 @@ def _rope_append_task(op: OpInfo) -> str:
         raise op.error(f"rope_append needs a head dim that is a multiple of 64 and at most 256, got {D}")
     floats = len(views) - ragged  # qo_indptr (ragged) last
     ctype = one_ctype(op, [views[i] for i in (0, 1, 5, *range(6, floats))], True)
+    vec = 16 // DTYPE_SIZE[ctype] if ragged else 1  # the ragged task copies qkv and cos_sin rows in 16-byte pieces
     for what, i in (("qkv", 0), ("cos_sin", 1), ("kv_cache", 5), ("q_norm", 6), ("k_norm", 7)):
         if i < floats:
-            check_contiguous(op, what, views[i], 1)
+            check_contiguous(op, what, views[i], vec if i < 2 else 1)
     index = index_ctype(op, list(views[2:5]) + ([views[-1]] if ragged else []))
     return f"mpk::rope_append_impl<{D // 32}, {ctype}, {index}{', true' if ragged else ''}>"
 
@@ -220,7 +221,8 @@ def _attrs_params(ints: tuple[str, ...], floats: tuple[str, ...]) -> Callable[[O
 
 
 ROPE_APPEND_GPU = GpuSpec(params=_attrs_params(("heads", "kv_heads", "head_dim", "page_size", "qk_norm", "layer"),
-                                               ("eps",)), task=_rope_append_task)
+                                               ("eps",)), task=_rope_append_task,
+                          vector_inputs=lambda op: (0, 1) if op.attrs.get("ragged") else ())  # (ragged: qkv, cos_sin)
 def _attn_params(op: OpInfo) -> Params:
     """layer, page_size (and the ragged form's rows a block: the balanced split's R); scale."""
     rows = [int(op.attrs["rows"])] if op.attrs.get("ragged") else []
