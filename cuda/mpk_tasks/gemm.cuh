@@ -15,8 +15,6 @@
 // while the tensor cores work on a third and finish a fourth: a stage is refilled two k steps
 // after the MMAs that read it were issued, and each warpgroup keeps one MMA batch in flight
 // (wgmma.wait_group 1), so the stage a batch reads is free once the next step's barrier passed.
-// The copies are one stream over the task's sub-tiles: the next sub-tile's first stages are in
-// flight while the current one's last MMAs and its stores run.
 // Rows and columns outside the tile, and k past K (or the slice), are zero-filled (nothing
 // outside the tile's declared input regions is read: another task may still be writing it); K
 // must be a multiple of 8 (whole 16-byte chunks). The epilogue stores from the accumulators: alpha·acc +
@@ -145,197 +143,152 @@ __device__ __forceinline__ void gemm_task(const OpC& c, const Rect& r, const Tas
   // 128-byte row (coalesced); rows 32 apart share their swizzle.
   const int chunk = threadIdx.x & 7, row0 = threadIdx.x >> 3;
   char* const dst = smem + gemm_chunk_offset(row0, chunk);
+  bool early = kEarlyW;  // this sub-tile's first stages of W went out before the gate
+
   const long long s_lo = kPlanes ? r.lo[0] : 0, s_hi = kPlanes ? r.hi[0] : 1;
-  const long long m_lo = r.lo[kRow], m_hi = r.hi[kRow], n_lo = r.lo[kRow + 1], n_hi = r.hi[kRow + 1];
-  if (s_lo >= s_hi || m_lo >= m_hi || n_lo >= n_hi) {  // no sub-tile (no work): the gate still opens
-    if constexpr (kEarlyW) acquire_inputs(env);
-    return;
-  }
-  const auto k_lo_of = [&](long long sl) { return kPlanes ? slice_bound(K, c.iparam[0], c.iparam[1], sl) : 0; };
-  const auto k_hi_of = [&](long long sl) { return kPlanes ? slice_bound(K, c.iparam[0], c.iparam[1], sl + 1) : K; };
-  const auto steps_of = [&](long long sl) { return static_cast<int>((k_hi_of(sl) - k_lo_of(sl) + kGemmK - 1) / kGemmK); };
-  // The rect's sub-tiles in order (slices, then rows, then columns); sl == s_hi past the last.
-  struct Tile {
-    long long sl, m0, n0;
-  };
-  const auto next_tile = [&](Tile& t) {
-    if ((t.n0 += kOutCols) < n_hi) return;
-    t.n0 = n_lo;
-    if ((t.m0 += kGemmRows) < m_hi) return;
-    t.m0 = m_lo;
-    ++t.sl;
-  };
-
-  // The copies run kGemmStages − 2 k steps ahead of the MMAs as one stream over the sub-tiles,
-  // so a sub-tile's first stages land while the previous one finishes and stores. Feed: the
-  // next step to copy — step k of `steps` of sub-tile `at`, thread t's rows of x from base_a
-  // (m0 + row0 + 32i, i < 4, a_left of them in the tile) and of W from base_b (n0 + row0 + 32i;
-  // kGlu: MMA columns from kOutCols on are the up rows, N rows further). One base address and
-  // the rows left each, rather than a pointer per row: fewer registers.
-  struct Feed {
-    Tile at;
-    long long k_lo, k_hi;
-    int k, steps, a_left, b_left;
-    const T* base_a;
-    const T* base_b;
-  };
-  const auto set_feed = [&](Feed& f) {
-    f.k_lo = k_lo_of(f.at.sl);
-    f.k_hi = k_hi_of(f.at.sl);
-    f.k = 0;
-    f.steps = static_cast<int>((f.k_hi - f.k_lo + kGemmK - 1) / kGemmK);
-    f.a_left = static_cast<int>(min(f.at.m0 + kGemmRows, m_hi) - f.at.m0) - row0;
-    f.b_left = static_cast<int>(min(f.at.n0 + kOutCols, n_hi) - f.at.n0) - row0;
-    f.base_a = x + (f.a_left > 0 ? (f.at.m0 + row0) * lda + f.k_lo : 0) + 8 * chunk;
-    f.base_b = w + (f.b_left > 0 ? (f.at.n0 + row0) * ldw + f.k_lo : 0) + 8 * chunk;
-  };
-  const auto advance = [&](Feed& f) {  // to the next step, past sub-tiles of none
-    if (++f.k < f.steps) return;
-    do {
-      next_tile(f.at);
-      if (f.at.sl < s_hi) set_feed(f);
-    } while (f.at.sl < s_hi && f.steps == 0);
-  };
-  const auto k_in = [&](const Feed& f) { return f.k_lo + static_cast<long long>(f.k) * kGemmK + 8 * chunk < f.k_hi; };
-  const auto load_x = [&](const Feed& f, int stage) {
-    char* s = dst + stage * kGemmStageBytes;
-    const bool kin = k_in(f);
+  for (long long sl = s_lo; sl < s_hi; ++sl) {
+    const long long k_lo = kPlanes ? slice_bound(K, c.iparam[0], c.iparam[1], sl) : 0;
+    const long long k_hi = kPlanes ? slice_bound(K, c.iparam[0], c.iparam[1], sl + 1) : K;
+    const int ksteps = static_cast<int>((k_hi - k_lo + kGemmK - 1) / kGemmK);
+    for (long long m0 = r.lo[kRow]; m0 < r.hi[kRow]; m0 += kGemmRows) {
+      for (long long n0 = r.lo[kRow + 1]; n0 < r.hi[kRow + 1]; n0 += kOutCols) {
+        const long long m_end = min(m0 + kGemmRows, r.hi[kRow]), n_end = min(n0 + kOutCols, r.hi[kRow + 1]);
+        // Thread t's rows of x: m0 + row0 + 32i (i < 4); of W: n0 + row0 + 32i (i < 4; kGlu: MMA
+        // columns from kOutCols on are the up rows, N rows further). One base address and the
+        // rows left each, rather than a pointer per row: fewer registers.
+        const int a_left = static_cast<int>(m_end - m0) - row0, b_left = static_cast<int>(n_end - n0) - row0;
+        const T* const base_a = x + (a_left > 0 ? (m0 + row0) * lda + k_lo : 0) + 8 * chunk;
+        const T* const base_b = w + (b_left > 0 ? (n0 + row0) * ldw + k_lo : 0) + 8 * chunk;
+        const auto k_in = [&](int ks) { return k_lo + static_cast<long long>(ks) * kGemmK + 8 * chunk < k_hi; };
+        const auto load_x = [&](int ks) {
+          char* s = dst + (ks % kGemmStages) * kGemmStageBytes;
+          const bool kin = k_in(ks);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const bool ok = 32 * i < f.a_left && kin;
-      cp_async16_or_zero(s + i * 32 * 128, ok ? f.base_a + 32 * i * lda + f.k * kGemmK : x, ok);
-    }
-  };
-  const auto load_w = [&](const Feed& f, int stage) {
-    char* s = dst + stage * kGemmStageBytes + kGemmTileBytes;
-    const bool kin = k_in(f);
+          for (int i = 0; i < 4; ++i) {
+            const bool ok = 32 * i < a_left && kin;
+            cp_async16_or_zero(s + i * 32 * 128, ok ? base_a + 32 * i * lda + ks * kGemmK : x, ok);
+          }
+        };
+        const auto load_w = [&](int ks) {
+          char* s = dst + (ks % kGemmStages) * kGemmStageBytes + kGemmTileBytes;
+          const bool kin = k_in(ks);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      constexpr int kGroups = kOutCols / 32;  // kGlu: row groups of gate, then as many of up
-      const int j = kGlu ? i % kGroups : i;
-      const bool ok = 32 * j < f.b_left && kin;
-      const T* src = f.base_b + 32 * j * ldw + (kGlu && i >= kGroups ? N * ldw : 0) + f.k * kGemmK;
-      cp_async16_or_zero(s + i * 32 * 128, ok ? src : w, ok);
-    }
-  };
-
-  Feed f;
-  f.at = Tile{s_lo, m_lo, n_lo};
-  set_feed(f);
-  if (f.steps == 0) advance(f);  // (f.k = 0 is past a sub-tile of no steps)
-  if constexpr (kEarlyW) {  // W's first stages before the gate
-    Feed e = f;
+          for (int i = 0; i < 4; ++i) {
+            constexpr int kGroups = kOutCols / 32;  // kGlu: row groups of gate, then as many of up
+            const int j = kGlu ? i % kGroups : i;
+            const bool ok = 32 * j < b_left && kin;
+            const T* src = base_b + 32 * j * ldw + (kGlu && i >= kGroups ? N * ldw : 0) + ks * kGemmK;
+            cp_async16_or_zero(s + i * 32 * 128, ok ? src : w, ok);
+          }
+        };
+        float d[64];
 #pragma unroll
-    for (int s = 0; s < kGemmStages - 2; ++s) {
-      if (e.at.sl < s_hi) {
-        load_w(e, s);
-        advance(e);
-      }
-    }
-    if (!acquire_inputs(env)) {
-      cp_async_wait_all();  // nothing may land in shared memory after the task returned
-      return;
-    }
-  }
+        for (int i = 0; i < 64; ++i) d[i] = 0.f;
+        __syncthreads();  // both warpgroups' MMAs of the previous sub-tile are done with the stages
+        if (early) {
 #pragma unroll
-  for (int s = 0; s < kGemmStages - 2; ++s) {
-    if (f.at.sl < s_hi) {
-      load_x(f, s);
-      if (!kEarlyW) load_w(f, s);
-      advance(f);
-    }
-    cp_async_commit();  // a group per step, empty or not: the waits below count them
-  }
-
-  void* const out = env.buffers[c.out_buffer];
-  const float alpha = kPlanes ? 1.f : c.fparam[0], beta = kPlanes ? 0.f : c.fparam[1];
-  // the bias (a decoder layer's residual): its element (row, col) at row·bs0 + col·bs1
-  const T* bias = nullptr;
-  long long bs0 = 0, bs1 = 0;
-  if (!kGlu && !kPlanes && c.num_inputs > 2) {
-    const ViewC& v = c.in[2];
-    bias = static_cast<const T*>(env.buffers[v.buffer]) + v.offset;
-    if (v.ndim >= 1) bs1 = v.shape[v.ndim - 1] == 1 ? 0 : v.stride[v.ndim - 1];
-    if (v.ndim == 2) bs0 = v.shape[0] == 1 ? 0 : v.stride[0];
-  }
-  int g = 0;  // the stream's step: its stage g % kGemmStages
-  for (Tile t{s_lo, m_lo, n_lo}; t.sl < s_hi; next_tile(t)) {
-    float d[64];
+          for (int s = 0; s < kGemmStages - 2; ++s)
+            if (s < ksteps) load_w(s);
+          if (!acquire_inputs(env)) {
+            cp_async_wait_all();  // nothing may land in shared memory after the task returned
+            return;
+          }
+        }
 #pragma unroll
-    for (int i = 0; i < 64; ++i) d[i] = 0.f;
-    const int ksteps = steps_of(t.sl);
+        for (int s = 0; s < kGemmStages - 2; ++s) {
+          if (s < ksteps) {
+            load_x(s);
+            if (!early) load_w(s);
+          }
+          cp_async_commit();  // a group per step, empty or not: the waits below count them
+        }
+        early = false;
 #pragma unroll 1
-    for (int ks = 0; ks < ksteps; ++ks, ++g) {
-      cp_async_wait_pending<kGemmStages - 3>();  // this thread's copies of step g landed
-      fence_proxy_async_shared();
-      __syncthreads();  // everyone's copies of step g landed; the MMAs of step g − 2 are done
-      if (f.at.sl < s_hi) {  // into the stage step g − 2 read
-        load_x(f, (g + kGemmStages - 2) % kGemmStages);
-        load_w(f, (g + kGemmStages - 2) % kGemmStages);
-        advance(f);
-      }
-      cp_async_commit();
-      const unsigned stage = smem_addr + (g % kGemmStages) * kGemmStageBytes;
-      fence_accumulators(d);
-      wgmma_fence();
+        for (int ks = 0; ks < ksteps; ++ks) {
+          cp_async_wait_pending<kGemmStages - 3>();  // this thread's copies of step ks landed
+          fence_proxy_async_shared();
+          __syncthreads();  // everyone's copies of step ks landed; the MMAs of step ks − 2 are done
+          if (ks + kGemmStages - 2 < ksteps) {  // into the stage step ks − 2 read
+            load_x(ks + kGemmStages - 2);
+            load_w(ks + kGemmStages - 2);
+          }
+          cp_async_commit();
+          const unsigned stage = smem_addr + (ks % kGemmStages) * kGemmStageBytes;
+          fence_accumulators(d);
+          wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kGemmK / 16; ++kk) {
-        wgmma_m64n128k16<T>(d, gmma_desc(stage + group * (kGemmTileBytes / 2) + 32 * kk),
-                            gmma_desc(stage + kGemmTileBytes + 32 * kk));
-      }
-      wgmma_commit();
-      wgmma_wait<1>();  // step g − 1's MMAs are done: its stage is refilled after the next barrier
-      fence_accumulators(d);
-    }
-    wgmma_wait<0>();
-    fence_accumulators(d);
+          for (int kk = 0; kk < kGemmK / 16; ++kk) {
+            wgmma_m64n128k16<T>(d, gmma_desc(stage + group * (kGemmTileBytes / 2) + 32 * kk),
+                                gmma_desc(stage + kGemmTileBytes + 32 * kk));
+          }
+          wgmma_commit();
+          wgmma_wait<1>();  // step ks − 1's MMAs are done: its stage is refilled after the next barrier
+          fence_accumulators(d);
+        }
+        wgmma_wait<0>();
+        fence_accumulators(d);
 
-    // Accumulator i holds, for lane (g, t) of warp v of warpgroup `group`, row
-    // 64·group + 16v + g + 8·((i >> 1) & 1) and MMA column 8·(i >> 2) + 2t + (i & 1).
-    // acc(q, h, e): MMA column 8q + 2t + e of row half h.
-    const auto acc = [&](int q, int h, int e) -> float { return d[4 * q + 2 * h + e]; };
-    const long long m_end = min(t.m0 + kGemmRows, m_hi), n_end = min(t.n0 + kOutCols, n_hi);
-    const long long row_lo = t.m0 + 64 * group + 16 * (warp & 3) + (lane >> 2);
-    const int col_in = 2 * (lane & 3);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const long long row = row_lo + 8 * h;
-      if (row >= m_end) continue;
-#pragma unroll
-      for (int q = 0; q < kOutCols / 8; ++q) {
-        const long long col = t.n0 + 8 * q + col_in;
-        float v[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          if constexpr (kGlu) {  // the up column of the same output column: kOutCols MMA columns on
-            const float gate = acc(q, h, e) * alpha, up = acc(q + kOutCols / 8, h, e) * alpha;
-            v[e] = silu_times(round_to(kDtype, gate), round_to(kDtype, up), kDtype);
-          } else {
-            v[e] = acc(q, h, e) * alpha;
-            if (bias != nullptr && col + e < n_end) v[e] += beta * to_f(bias[row * bs0 + (col + e) * bs1]);
-          }
+        // Accumulator i holds, for lane (g, t) of warp v of warpgroup `group`, row
+        // 64·group + 16v + g + 8·((i >> 1) & 1) and MMA column 8·(i >> 2) + 2t + (i & 1).
+        // acc(q, h, e): MMA column 8q + 2t + e of row half h.
+        const auto acc = [&](int q, int h, int e) -> float { return d[4 * q + 2 * h + e]; };
+        void* const out = env.buffers[c.out_buffer];
+        const float alpha = kPlanes ? 1.f : c.fparam[0], beta = kPlanes ? 0.f : c.fparam[1];
+        // the bias (a decoder layer's residual): its element (row, col) at row·bs0 + col·bs1
+        const T* bias = nullptr;
+        long long bs0 = 0, bs1 = 0;
+        if (!kGlu && !kPlanes && c.num_inputs > 2) {
+          const ViewC& v = c.in[2];
+          bias = static_cast<const T*>(env.buffers[v.buffer]) + v.offset;
+          if (v.ndim >= 1) bs1 = v.shape[v.ndim - 1] == 1 ? 0 : v.stride[v.ndim - 1];
+          if (v.ndim == 2) bs0 = v.shape[0] == 1 ? 0 : v.stride[0];
         }
-        const long long at = (kPlanes ? t.sl * M + row : row) * N + col;
-        const bool pair = col + 1 < n_end && at % 2 == 0;
-        if constexpr (kPlanes) {
-          float* o = static_cast<float*>(out) + at;
-          if (pair) {
-            *reinterpret_cast<float2*>(o) = make_float2(v[0], v[1]);
-          } else {
-            if (col < n_end) o[0] = v[0];
-            if (col + 1 < n_end) o[1] = v[1];
-          }
-        } else {
-          T* o = static_cast<T*>(out) + at;
-          if (pair) {
-            *reinterpret_cast<uint32_t*>(o) = pack2<T>(v[0], v[1]);
-          } else {
-            if (col < n_end) o[0] = from_f<T>(v[0]);
-            if (col + 1 < n_end) o[1] = from_f<T>(v[1]);
+        const long long row_lo = m0 + 64 * group + 16 * (warp & 3) + (lane >> 2);
+        const int col_in = 2 * (lane & 3);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const long long row = row_lo + 8 * h;
+          if (row >= m_end) continue;
+#pragma unroll
+          for (int q = 0; q < kOutCols / 8; ++q) {
+            const long long col = n0 + 8 * q + col_in;
+            float v[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              if constexpr (kGlu) {  // the up column of the same output column: kOutCols MMA columns on
+                const float gate = acc(q, h, e) * alpha, up = acc(q + kOutCols / 8, h, e) * alpha;
+                v[e] = silu_times(round_to(kDtype, gate), round_to(kDtype, up), kDtype);
+              } else {
+                v[e] = acc(q, h, e) * alpha;
+                if (bias != nullptr && col + e < n_end) v[e] += beta * to_f(bias[row * bs0 + (col + e) * bs1]);
+              }
+            }
+            const long long at = (kPlanes ? sl * M + row : row) * N + col;
+            const bool pair = col + 1 < n_end && at % 2 == 0;
+            if constexpr (kPlanes) {
+              float* o = static_cast<float*>(out) + at;
+              if (pair) {
+                *reinterpret_cast<float2*>(o) = make_float2(v[0], v[1]);
+              } else {
+                if (col < n_end) o[0] = v[0];
+                if (col + 1 < n_end) o[1] = v[1];
+              }
+            } else {
+              T* o = static_cast<T*>(out) + at;
+              if (pair) {
+                *reinterpret_cast<uint32_t*>(o) = pack2<T>(v[0], v[1]);
+              } else {
+                if (col < n_end) o[0] = from_f<T>(v[0]);
+                if (col + 1 < n_end) o[1] = from_f<T>(v[1]);
+              }
+            }
           }
         }
       }
     }
+  }
+  if (early) {  // the rect held no sub-tile (no work): the gate still opens
+    if (!acquire_inputs(env)) return;
   }
 }
 
