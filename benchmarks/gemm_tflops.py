@@ -9,7 +9,7 @@ same operands (cuBLAS), timed over back-to-back calls. Reported: TFLOP/s (2·M·
 projection) of each and their share of the dense bf16 peak measured in the same run as the best
 cuBLAS TFLOP/s over large square GEMMs.
 
-``--prebuild`` (a machine with nvcc and no GPU): trace the cases on the CPU and build their
+``--prebuild`` (a machine with nvcc, with or without a GPU): trace the cases and build their
 kernels into ``$MPK_CACHE_DIR``, for carrying to the device (as task_bandwidth.py).
 """
 
@@ -58,9 +58,8 @@ def dense_peak_tflops(sizes: tuple[int, ...] = PEAK_SIZES) -> float:
 
 
 def prebuild(models: list[str], rows: list[int]) -> None:
-    """Trace every case on the CPU and build its kernel into the cubin cache."""
-    from mpk.backend import COMPILED
-    from mpk.errors import ExecutorUnavailableError
+    """Trace every case (on meta tensors, nothing runs) and build its kernel into the cubin cache."""
+    from mpk.backend import TracedOnly, trace_only
     from mpk.executors import build
     from mpk.executors.codegen import generate
 
@@ -69,12 +68,12 @@ def prebuild(models: list[str], rows: list[int]) -> None:
         for m in rows:
             for n, k in projection_shapes(name).values():
                 fn = torch.compile(linear, backend="mpk", fullgraph=True, dynamic=False, options={"executor": "gpu"})
-                COMPILED.clear()
                 try:
-                    fn(torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16))
-                except ExecutorUnavailableError:
-                    pass  # compiled, then refused to run without CUDA: the tables are what we came for
-                sources.append(generate(COMPILED[-1].tables))
+                    with trace_only():
+                        fn(torch.zeros(m, k, dtype=torch.bfloat16, device="meta"),
+                           torch.zeros(n, k, dtype=torch.bfloat16, device="meta"))
+                except TracedOnly as traced:
+                    sources.append(generate(traced.compiled.tables))
                 torch._dynamo.reset()
     print(f"built {len(build.prebuild(sources))} cubins into {build.cache_dir()}")
 
