@@ -439,9 +439,16 @@ def _rope_rows(a: dict, dtype: torch.dtype, rows, heads, xs, append: bool, token
     return torch.where(live[:, None, None], q, 0.0).to(dtype)
 
 
+def _rope_append_order(sig: OpSig) -> list[int]:
+    """Decode: heads first. Ragged: rows first, so that every tile rotates all heads of its rows
+    and appends all their kv heads (split by heads, the tiles holding a kv group's k/v would do
+    twice the others' work)."""
+    return [0, 1] if sig.attrs.get("ragged") else [1, 0]
+
+
 register(OpDef(
     kind="rope_append", type_id=15, input_regions=_rope_append_regions, cpu=_rope_append_cpu, gpu=ROPE_APPEND_GPU,
-    splittable=lambda sig: (True, True, False), split_order=lambda sig: [1, 0], min_tile_elems=1,
+    splittable=lambda sig: (True, True, False), split_order=_rope_append_order, min_tile_elems=1,
     inplace_writes=_rope_append_writes, key_spaces=_rope_append_keys,
     doc="q = rope(qk_norm(q)); cache[p] ← (rope(qk_norm(k)), v) for the kv heads the tile owns (p: each row's "
         "position; decode: len − 1)",

@@ -138,17 +138,29 @@ def _clone(L, node, x: View, *args, **kwargs):
     return fresh(L, node, x)
 
 
+def _is_model_device(graph, device: torch.device) -> bool:
+    """Whether ``device`` is where the graph's inputs of more than one element all are."""
+    devices = {n.meta["val"].device for n in graph.nodes if n.op == "placeholder"
+               and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].numel() > 1}
+    return len(devices) == 1 and _same_device(next(iter(devices)), device)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Equal, an unnamed index standing for the current one (``.to("cuda")``)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 @handles(aten._to_copy, prims.convert_element_type)
 def _to(L, node, x: View, *args, **kwargs):
     dtype = L.meta().dtype
     src = node.args[0]
-    # A one-element constant moved to another device (a cache's constant moved to the model's
-    # device in forward) is its value, which the executor holds where it runs. An argument
-    # stays where the caller put it (the executor takes arguments on its device only), and a
-    # transfer the caller gets back is the caller's to make.
-    moved = kwargs.get("device") is not None and kwargs["device"] != src.meta["val"].device
-    if moved and (src.meta["val"].numel() != 1 or src.op == "placeholder" or _reaches_output(node)):
-        raise Unsupported(f"a device transfer to {kwargs['device']} inside the graph")
+    # A one-element tensor moved to the device of the graph's other inputs (a cache's constant
+    # moved to the model's device in forward) is its value, which the executor holds where it
+    # runs, as it holds the model. Any other transfer is the caller's to make.
+    target = kwargs.get("device")
+    if target is not None and torch.device(target) != src.meta["val"].device:
+        if src.meta["val"].numel() != 1 or not _is_model_device(node.graph, torch.device(target)):
+            raise Unsupported(f"a device transfer to {target} inside the graph")
     if dtype == L.graph.buffers[x.buffer].dtype:  # `.to(dtype, copy=True)` of its own dtype: a copy
         return fresh(L, node, x)
     return emit_pointwise(L, "cast", [x])
