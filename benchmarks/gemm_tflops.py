@@ -74,6 +74,8 @@ def prebuild(models: list[str], rows: list[int]) -> None:
                            torch.zeros(n, k, dtype=torch.bfloat16, device="meta"))
                 except TracedOnly as traced:
                     sources.append(generate(traced.compiled.tables))
+                else:
+                    raise RuntimeError(f"{name} M={m}: the projection ran instead of being traced (not the mpk backend?)")
                 torch._dynamo.reset()
     print(f"built {len(build.prebuild(sources))} cubins into {build.cache_dir()}")
 

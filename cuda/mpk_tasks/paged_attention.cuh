@@ -135,7 +135,9 @@ __device__ __forceinline__ void rope_append_rows(const OpC& c, const Rect& r, co
   const int per_row = 1 + nq + 2 * nkv;  // units a row
   if (!qo_ok<I>(env, qo, c.out_shape[0], c.out_buffer)) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int R = static_cast<int>(r.hi[0] - r.lo[0]), groups = kWarps * ((R + kWarps * 32 - 1) / (kWarps * 32));
+  const int R = static_cast<int>(r.hi[0] - r.lo[0]);
+  if (R <= 0) return;  // no rows (partitioning makes no such tile)
+  const int groups = kWarps * ((R + kWarps * 32 - 1) / (kWarps * 32));
   const int g = (R + groups - 1) / groups, ng = (R + g - 1) / g;  // rows a group, groups
   float wq[kPer], wk[kPer];
   {

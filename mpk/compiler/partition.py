@@ -9,7 +9,8 @@ override gives the tile count per output dim, by op name or by op kind.
 One exception, for placement: an op right after a *narrow* op of long tasks whose output it
 reads (a kind with ``long_tasks``, num_workers/4 to num_workers/2 tasks: decode attention of 8
 kv heads at batch 4–8) aims at the workers that op leaves free. AOT tasks are placed round-robin
-in linear order (step 7a, mpk/compiler/place.py), so its tasks then land on none of the narrow
+in linear order (step 7a, mpk/compiler/place.py; an op dealt by ``tile_cost`` takes the same
+workers when it has no more tasks than workers), so its tasks then land on none of the narrow
 op's workers, which come back from their long tasks last and would open its stage late. Fewer
 tiles make every task longer, so this holds only while a task's extra input stays within
 ``NARROW_EXTRA_BYTES`` (80 KiB, a small share of a task's time at a worker's share of HBM

@@ -85,7 +85,8 @@ def placement(jit: np.ndarray, num_workers: int, scheduler_ctas: int | None = No
     aot = np.nonzero(~jit)[0].astype(np.int32)
     worker = np.arange(len(aot)) % num_workers
     if costs is not None:
-        _deal_costly_runs(worker, np.asarray(costs, float)[aot], np.asarray(groups)[aot], num_workers)
+        groups = np.zeros(len(jit), np.int64) if groups is None else np.asarray(groups)
+        _deal_costly_runs(worker, np.asarray(costs, float)[aot], groups[aot], num_workers)
     queues = [aot[worker == w] for w in range(num_workers)]
     offsets = np.zeros(num_workers + 1, np.int32)
     offsets[1:] = np.cumsum([len(q) for q in queues])
@@ -120,7 +121,8 @@ def place(tg: "TaskGraph", num_workers: int, scheduler_ctas: int | None = None,
     costs = np.full(len(order), np.nan)
     for tiles in tg.tiles:
         cost = get_op(tg.graph.ops[tiles.op_id].kind).tile_cost
-        if cost is not None:
+        # (NaN for the op's signature: alike, whatever the tile)
+        if cost is not None and np.isfinite(cost(tiles.sig, tiles.tile_rect(0))):
             first = tiles.first_task
             for i in range(tiles.num_tasks):
                 costs[first + i] = cost(tiles.sig, tiles.tile_rect(i))

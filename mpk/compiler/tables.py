@@ -427,7 +427,8 @@ def validate_placement(tables: Tables) -> None:
 def place_tables(tables: Tables, num_workers: int, scheduler_ctas: int | None = None) -> Tables:
     """Emitted ``tables`` placed anew (a copy sharing the other arrays): for tables whose task
     modes changed after emit (``mpk.testing.random_graphs.force_jit``) and for runs of one
-    graph on several worker counts (runtime tests and benchmarks)."""
+    graph on several worker counts (runtime tests and benchmarks). Round-robin only: the tables
+    keep no tile costs, so an op the compiler dealt by cost (``OpDef.tile_cost``) is not."""
     p = placement((tables.tasks["flags"] & FLAG_JIT) != 0, num_workers, scheduler_ctas)
     return replace(tables, worker_offsets=p.worker_offsets, worker_tasks=p.worker_tasks,
                    meta={**tables.meta, "placement": p.meta()})

@@ -563,8 +563,8 @@ def rows_per_tile(tokens: int, group: int) -> int:
     to ``DECODE_ROWS`` rows is mostly decodes, whose rows share no K/V: one row a tile spreads
     them over the most workers. A prefill's rows share their sequence's K/V: R·G = ``MMA_ROWS``
     query rows, half a pass of the tensor-core task (attn_prefill: its 8 warps read each K/V row
-    once for all of them, two warps a block here, each half the positions), keep the tiles of
-    a few hundred tokens as many as the workers."""
+    once for all of them; where G divides 16, two warps a block here, each half the positions),
+    keep the tiles of a few hundred tokens as many as the workers."""
     return 1 if tokens <= DECODE_ROWS else max(1, MMA_ROWS // group)
 
 
@@ -759,10 +759,10 @@ def _attention_grid(sig: OpSig, workers: int) -> tuple[int, ...] | None:
     """Balanced: a tile per (row block, kv head, item slot), so that a tile is one item.
     Ragged with one chunk (a prefill's rows): a causal row's work grows with its position, so
     one tile a worker leaves the workers of the last rows working longest; tiles of at least
-    ``attrs['rows']`` rows, up to ``PREFILL_TILES_PER_WORKER`` per worker, kv heads fastest, dealt
-    round-robin (mpk.compiler.place), give each worker rows spread over the whole prompt. A
-    tile's passes over its sequence's K/V are as many as its rows need either way: finer tiles
-    cost only their tasks' start-up. Otherwise the default grid (None)."""
+    ``attrs['rows']`` rows, up to ``PREFILL_TILES_PER_WORKER`` per worker, dealt by their work
+    (``_attention_cost``, mpk.compiler.place), give each worker an even share. A tile's passes
+    over its sequence's K/V are as many as its rows need either way: finer tiles cost only their
+    tasks' start-up. Otherwise the default grid (None)."""
     if sig.attrs.get("balanced"):
         S, KV, C = sig.out_shape[:3]
         return (S // sig.attrs["rows"], KV, C, 1, 1)

@@ -177,7 +177,10 @@ def test_stop_conditions_and_finish_reasons(checkpoint):
     stop = next(c for c in text[3:] if c != "\ufffd")
     out = llm.generate([prompt], greedy(30, stop=["never there", stop]), use_tqdm=False)[0].outputs[0]
     assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, text[:text.index(stop)])
-    assert out.token_ids == full.token_ids[:len(out.token_ids)] and len(out.token_ids) < 30
+    # generation ends at the first token whose text completes the stop string (the last one,
+    # where the string first shows in the last token's text)
+    ends = next(k for k in range(1, 31) if stop in llm.tokenizer.decode(full.token_ids[:k], skip_special_tokens=True))
+    assert out.token_ids == full.token_ids[:ends]
 
 
 def test_stream_yields_what_generate_returns(checkpoint):

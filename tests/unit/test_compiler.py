@@ -557,6 +557,10 @@ def test_placement_deals_a_run_of_costly_tasks_longest_first():
     for t in range(7, 47):
         load[worker[t]] += costs[t]
     assert load.max() - costs[7:47].sum() / W <= costs[7:47].max()
+    # longest first: the long task last in linear order still gets a worker of its own
+    p = placement(np.zeros(5, bool), 2, costs=np.array([1.0, 1, 1, 1, 4]), groups=np.zeros(5, int))
+    assert sorted(p.worker_tasks[p.worker_offsets[w]: p.worker_offsets[w + 1]].tolist() for w in range(2)) == \
+        [[0, 1, 2, 3], [4]]
 
 
 def test_jit_graph_gets_scheduler_ctas_and_their_option_is_checked():

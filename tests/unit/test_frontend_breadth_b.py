@@ -244,3 +244,22 @@ def test_scatter_tasks_compile_for_sm90a(tmp_path, monkeypatch):
     assert "task_slice_scatter" in src and "task_scatter" in src
     cubin = build.build_cubin(src, "sm_90a", tile_kernel=True)
     assert cubin.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_a_device_transfer_lowers_only_to_where_the_graphs_inputs_are():
+    """The device-transfer rule's helpers: devices match with an unnamed index standing for any;
+    the model's device is where every input of more than one element is (none when they are on
+    two devices)."""
+    from torch.fx import Graph
+
+    from mpk.frontend.rules.views import _is_model_device, _same_device
+
+    assert _same_device(torch.device("cuda"), torch.device("cuda:0"))
+    assert not _same_device(torch.device("cuda:1"), torch.device("cuda:0"))
+    assert not _same_device(torch.device("cpu"), torch.device("cuda"))
+    g = Graph()
+    for name, val in (("x", torch.empty(4, 8, device="meta")), ("s", torch.empty((), device="cpu"))):
+        g.placeholder(name).meta["val"] = val
+    assert _is_model_device(g, torch.device("meta")) and not _is_model_device(g, torch.device("cpu"))
+    g.placeholder("y").meta["val"] = torch.empty(3, device="cpu")
+    assert not _is_model_device(g, torch.device("meta")) and not _is_model_device(g, torch.device("cpu"))

@@ -154,12 +154,14 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 def _to(L, node, x: View, *args, **kwargs):
     dtype = L.meta().dtype
     src = node.args[0]
-    # A one-element tensor moved to the device of the graph's other inputs (a cache's constant
+    # A one-element constant moved to the device of the graph's other inputs (a cache's constant
     # moved to the model's device in forward) is its value, which the executor holds where it
-    # runs, as it holds the model. Any other transfer is the caller's to make.
+    # runs, as it holds the model. An argument stays where the caller put it (the executor takes
+    # arguments on its device only); any other transfer is the caller's to make.
     target = kwargs.get("device")
-    if target is not None and torch.device(target) != src.meta["val"].device:
-        if src.meta["val"].numel() != 1 or not _is_model_device(node.graph, torch.device(target)):
+    if target is not None and not _same_device(torch.device(target), src.meta["val"].device):
+        if (src.meta["val"].numel() != 1 or src.op == "placeholder"
+                or not _is_model_device(node.graph, torch.device(target))):
             raise Unsupported(f"a device transfer to {target} inside the graph")
     if dtype == L.graph.buffers[x.buffer].dtype:  # `.to(dtype, copy=True)` of its own dtype: a copy
         return fresh(L, node, x)
