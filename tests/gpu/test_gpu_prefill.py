@@ -43,10 +43,13 @@ def _run(case: RaggedCase, splits: int):
 
 
 # (prompts or mixed, page size, heads, kv heads, head dim, qk-norm, splits): G = 1, 2, 4 (Qwen3-8B-like
-# 32/8 at d = 128), 8; one chunk (the tasks write O) and several (merged)
+# 32/8 at d = 128), 8, and G = 5, 6, 7, which leave some of a warp's 16 MMA rows unused; one
+# chunk (the tasks write O) and several (merged)
 BLOCK_CASES = [("prompts", 1, 8, 8, 64, False, 1), ("prompts", 16, 16, 8, 128, True, 2),
                ("prompts", 256, 32, 8, 128, True, 1), ("prompts", 16, 16, 2, 64, False, 3),
-               ("mixed", 16, 32, 8, 128, True, 2), ("mixed", 1, 16, 2, 64, True, 1)]
+               ("mixed", 16, 32, 8, 128, True, 2), ("mixed", 1, 16, 2, 64, True, 1),
+               ("prompts", 16, 28, 4, 64, False, 1), ("mixed", 16, 40, 8, 128, True, 2),
+               ("prompts", 1, 12, 2, 64, True, 3)]
 
 
 @pytest.mark.parametrize("rows,page_size,heads,kv_heads,dim,qk_norm,splits", BLOCK_CASES)
@@ -62,15 +65,18 @@ def test_ragged_step_on_the_tensor_cores_matches_float64(rows, page_size, heads,
     check_ragged(case, q, out, cache, p_rounded=True)
 
 
-@pytest.mark.parametrize("dtype,prefix,new", [(torch.float32, MIXED_PREFIX, MIXED_NEW),
-                                              (BF, [40, 300, 0, 5], [1, 1, 9, 0])],
-                         ids=["fp32-cuda-cores", "bf16-few-rows"])
-def test_ragged_step_row_by_row_matches_float64(dtype, prefix, new):
+@pytest.mark.parametrize("dtype,prefix,new,dim", [(torch.float32, MIXED_PREFIX, MIXED_NEW, 128),
+                                                  (BF, [40, 300, 0, 5], [1, 1, 9, 0], 128),
+                                                  (BF, MIXED_PREFIX, MIXED_NEW, 256)],
+                         ids=["fp32-cuda-cores", "bf16-few-rows", "bf16-dim256"])
+def test_ragged_step_row_by_row_matches_float64(dtype, prefix, new, dim):
     """The row-by-row attention (attn_partial kRagged): fp32 (the CUDA cores) over a mixed
-    batch, and a bf16 step of at most DECODE_ROWS rows (one row a tile; the tensor cores over
-    each row's G heads) of decodes and a short prefill; two chunks, merged."""
+    batch, a bf16 step of at most DECODE_ROWS rows (one row a tile; the tensor cores over each
+    row's G heads) of decodes and a short prefill, and a bf16 mixed batch of head dim 256 (no
+    tensor-core block form; rope_append's widest rows); two chunks, merged."""
     g = _gen()
-    case = random_case(ragged_batch(prefix, new, 16, g, padding=2), 16, 4, 128, True, g, dtype)
+    heads, kv_heads = (16, 4) if dim == 128 else (8, 2)
+    case = random_case(ragged_batch(prefix, new, 16, g, padding=2), heads, kv_heads, dim, True, g, dtype)
     q, out, cache, task = _run(case, 2)
     assert task == "attn_partial"
     check_ragged(case, q, out, cache, p_rounded=dtype == BF)
