@@ -15,7 +15,8 @@ riding in it (the decode TPOT a chunked prefill costs); and a decode step of 16 
 as a ragged step (attention's balanced split, ``skewed_decodes``). ``model TFLOP/s`` counts the matmuls'
 FLOPs (``matmul_flops``; attention's excluded) over the step's time, against the dense bf16 peak
 measured by cuBLAS in the same run. ``--profile``: each prompt case's step once more under the
-in-kernel profiler, its time split by op kind (``decode_latency.breakdown``) in the row.
+in-kernel profiler, its time split by op kind and one layer's stages (``decode_latency.breakdown``)
+in the row; the table shows the stages.
 
 ``--prebuild`` traces every step and builds its kernels into ``$MPK_CACHE_DIR`` without a GPU
 (as ``prebuild_decode.py`` does for the decode benchmark); ``--parts`` and ``--lengths`` pick
@@ -238,9 +239,9 @@ def main(argv=None) -> int:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         print(f"{r['model']:12s} {r['case']:18s} {r['tokens']:6d} {r['mpk_ms']:8.3f} "
               f"{r['peer_ms'] or float('nan'):8.3f} {sp:>8s} {r['model_tflops']:8.1f} {r['peak_fraction']:7.2f}")
-        if "breakdown" in r:
-            kinds = {k: v for k, v in r["breakdown"].items() if isinstance(v, float)}
-            print("    " + ", ".join(f"{k} {v / 1e3:.2f}" for k, v in kinds.items()) + " (ms)")
+        if "breakdown" in r:  # one layer's stages (the kinds' summed spans overlap: a stage's tasks wait at gates)
+            print("    one layer, µs (span / median task / slowest task): " + " | ".join(
+                f"{st['kind']} {st['span']:.0f}/{st['median']:.0f}/{st['max']:.0f}" for st in r["breakdown"]["stages"][:8]))
     return 0
 
 
