@@ -101,11 +101,16 @@ __device__ void task_slice_scatter(const OpC& c, const Rect& r, const TaskEnv& e
   }
 }
 
-enum ScatterReduce : int { kScatterNone = 0, kScatterSum = 1, kScatterAmax = 2, kScatterAmin = 3 };
+enum ScatterReduce : int {
+  kScatterNone = 0, kScatterSum = 1, kScatterAmax = 2, kScatterAmin = 3, kScatterProd = 4, kScatterMean = 5
+};
 
 // One output element of ``scatter``: base's value with every entry that lands on it folded in,
 // in entry order (eager's loop), in T (float for float32 and 16-bit floats, double for float64,
-// long long for integers, exactly).
+// long long for integers, exactly). Mean: the sum over the entries (and base's value with
+// include_self) divided by their count, integers by floor division as eager's; a 16-bit mean
+// sums in float and rounds once, where eager's 16-bit path rounds in an order of its own (a
+// rounding step or two apart).
 template <typename T>
 __device__ __forceinline__ void scatter_elem(const OpC& c, const TaskEnv& env, long long* idx, long long o) {
   const ViewC& base = c.in[0];
@@ -116,6 +121,7 @@ __device__ __forceinline__ void scatter_elem(const OpC& c, const TaskEnv& env, l
   const long long target = idx[dim], n = c.out_shape[dim];
   T acc = load_as<T>(env.buffers[base.buffer], base.dtype, view_index(base, idx, c.ndim));
   bool hit = false;
+  long long count = include_self ? 1 : 0;  // mean's divisor
   bool inside = true;  // an element-wise index covers this output line (it may be smaller than base)
   if (!line)
     for (int d = 0; d < c.ndim; ++d) inside = inside && (d == dim || idx[d] < index.shape[d]);
@@ -134,18 +140,29 @@ __device__ __forceinline__ void scatter_elem(const OpC& c, const TaskEnv& env, l
     if (t != target) continue;
     const T v = load_as<T>(env.buffers[src.buffer], src.dtype, view_index(src, at, c.ndim));
     if (!hit && !include_self) {  // eager starts such an element from the reduction's identity
-      if (reduce == kScatterSum) acc = T(0);
+      if (reduce == kScatterSum || reduce == kScatterMean) acc = T(0);
+      else if (reduce == kScatterProd) acc = T(1);
       else if (reduce != kScatterNone) acc = v;
     }
     hit = true;
+    ++count;
     if (reduce == kScatterNone) acc = v;
-    else if (reduce == kScatterSum) acc = acc + v;
+    else if (reduce == kScatterSum || reduce == kScatterMean) acc = acc + v;
+    else if (reduce == kScatterProd) acc = acc * v;
     else if (reduce == kScatterAmax) acc = (v > acc || v != v) ? v : acc;  // NaN propagates, as torch's max
     else acc = (v < acc || v != v) ? v : acc;
     // a 1-D index (index_add, index_put) rounds a 16-bit sum to its dtype at every step, as
     // eager's loop does; torch.scatter_add / scatter_reduce sum in float and round once
     if constexpr (std::is_same_v<T, float>)
       if (line) acc = round_to(c.out_dtype, acc);
+  }
+  if (reduce == kScatterMean && hit) {
+    if constexpr (std::is_same_v<T, long long>) {
+      const long long q = acc / count;  // floor division, as eager's integer mean
+      acc = q - ((acc % count != 0) && ((acc < 0) != (count < 0)) ? 1 : 0);
+    } else {
+      acc = acc / static_cast<T>(count);
+    }
   }
   store_as<T>(env.buffers[c.out_buffer], c.out_dtype, o, acc);
 }

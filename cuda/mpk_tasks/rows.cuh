@@ -265,37 +265,51 @@ __device__ void task_softmax(const OpC& c, const Rect& r, const TaskEnv& env) {
   }
 }
 
-// cumsum over the last dim: a warp per row walks it 32 elements at a time, an inclusive warp
-// scan of each chunk plus the carry of the chunks before — in float32 for floats (torch's
-// accumulation type for float, half and bfloat16) and 64-bit integers for integer results.
-template <typename T>
+// cumsum (kProd: cumprod) over the last dim: a warp per row walks it 32 elements at a time, an
+// inclusive warp scan of each chunk combined with the carry of the chunks before — in float32
+// for floats (torch's accumulation type for float, half and bfloat16) and 64-bit integers for
+// integer results (a product wraps as eager's does).
+template <typename T, bool kProd>
 __device__ __forceinline__ void cumsum_rows(const OpC& c, const Rect& r, const TaskEnv& env) {
   const long long len = c.out_shape[c.ndim - 1];
   const ViewC& x = c.in[0];
   void* out = env.buffers[c.out_buffer];
+  const auto fold = [](T a, T b) -> T {
+    if constexpr (!kProd) return a + b;
+    else if constexpr (std::is_integral_v<T>)  // wraps (well defined unsigned), as eager's product
+      return static_cast<T>(static_cast<unsigned long long>(a) * static_cast<unsigned long long>(b));
+    else return a * b;
+  };
   MPK_FOR_ROWS(c, r, idx) {
-    T carry = 0;
+    T carry = kProd ? 1 : 0;
     for (long long j0 = 0; j0 < len; j0 += 32) {
       const long long j = j0 + lane;
-      T v = 0;
+      T v = kProd ? 1 : 0;
       if (j < len) {
         idx[c.ndim - 1] = j;
         v = load_as<T>(env.buffers[x.buffer], x.dtype, view_index(x, idx, c.ndim));
       }
       for (int o = 1; o < 32; o <<= 1) {
         const T u = __shfl_up_sync(0xffffffffu, v, o);
-        if (lane >= o) v += u;
+        if (lane >= o) v = fold(u, v);
       }
-      v += carry;
+      v = fold(carry, v);
       if (j < len) store_as(out, c.out_dtype, ravel(idx, c.out_shape, c.ndim), v);
       carry = __shfl_sync(0xffffffffu, v, 31);
     }
   }
 }
 
+// iparam[0]: cumprod
 __device__ void task_cumsum(const OpC& c, const Rect& r, const TaskEnv& env) {
-  if (is_int(c.out_dtype)) cumsum_rows<long long>(c, r, env);
-  else cumsum_rows<float>(c, r, env);
+  const bool prod = c.iparam[0] != 0;
+  if (is_int(c.out_dtype)) {
+    if (prod) cumsum_rows<long long, true>(c, r, env);
+    else cumsum_rows<long long, false>(c, r, env);
+  } else {
+    if (prod) cumsum_rows<float, true>(c, r, env);
+    else cumsum_rows<float, false>(c, r, env);
+  }
 }
 
 // (m, s) ⊕ (om, os) for softmax's running (max, Σ e^(x − max)); an empty side has m = −inf,

@@ -176,7 +176,7 @@ register(OpDef(
 ))
 
 
-SCATTER_REDUCES = ("none", "sum", "amax", "amin")  # the CUDA task's iparam[1] is the position
+SCATTER_REDUCES = ("none", "sum", "amax", "amin", "prod", "mean")  # the CUDA task's iparam[1] is the position
 
 
 def _scatter_index_region(sig: OpSig, rect):

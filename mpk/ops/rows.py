@@ -139,12 +139,14 @@ register(OpDef(
 
 
 def _cumsum_cpu(sig: OpSig, rect, xs):
-    return torch.cumsum(xs[0], dim=-1).to(sig.out_dtype)
+    return (torch.cumprod if sig.attrs.get("prod") else torch.cumsum)(xs[0], dim=-1).to(sig.out_dtype)
 
 
 register(OpDef(
-    kind="cumsum", type_id=16, input_regions=_row_regions, cpu=_cumsum_cpu, gpu=GpuSpec(),
-    splittable=all_but_last, min_tile_elems=256, doc="out = cumsum(x, dim=-1) (integers exactly, in 64 bits)",
+    kind="cumsum", type_id=16, input_regions=_row_regions, cpu=_cumsum_cpu,
+    gpu=GpuSpec(params=lambda op: ([int(bool(op.attrs.get("prod")))], [])),
+    splittable=all_but_last, min_tile_elems=256,
+    doc="out = cumsum(x, dim=-1), or cumprod where attrs['prod'] (integers exactly, in 64 bits, wrapping as eager's)",
 ))
 
 

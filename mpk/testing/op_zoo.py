@@ -93,6 +93,9 @@ CASES = {
     "stack": lambda x, y, *_: torch.stack([x, y], 1),
     "cumsum": lambda x, y, i, j, k, v: (x.cumsum(-1), y.cumsum(0), (x > 0).cumsum(1), k.cumsum(-1),
                                         i.cumsum(2), x.cumsum(1, dtype=torch.float64).float(), v.cumsum(-1)),
+    # (integer products of up to 10 factors of |k| ≤ 6 stay below 2^26; i's wrap in 64 bits, as eager's)
+    "cumprod": lambda x, y, i, j, k, v: (x.cumprod(-1), (y * 0.5 + 1).cumprod(0), k.cumprod(-1), i.cumprod(2),
+                                         (x > 0).cumprod(1)),
     "group_norm": lambda x, y, *_: (F.group_norm(x.reshape(2, 12, 10), 3, y.flatten()[:12] + 1, y.flatten()[12:24]),
                                     F.group_norm(x.reshape(4, 6, 10), 2)),
     "pixel_shuffle": lambda x, y, *_: F.pixel_shuffle(x.reshape(1, 4, 6, 10), 2) * 2,

@@ -1,4 +1,4 @@
-"""Elementwise ops, reductions over any dims, (log-)softmax and cumsum over any dim, norms,
+"""Elementwise ops, reductions over any dims, (log-)softmax and cumsum/cumprod over any dim, norms,
 shuffles, indexing and padding through ``torch.compile(backend="mpk")`` against eager PyTorch on
 the same inputs (for bfloat16 eager on the CPU, which accumulates as mpk does): float32 within
 1e-5 of the reference's largest |value| (the CPU interpreter computes each tile with PyTorch;

@@ -93,6 +93,18 @@ def scatter_amax_exclude_self(x, i, s):
     return x.scatter_reduce(1, i, s, "amax", include_self=False)
 
 
+def scatter_prod(x, i, s):
+    return x.scatter_reduce(1, i, s, "prod")
+
+
+def scatter_mean(x, i, s):
+    return x.scatter_reduce(1, i, s, "mean")
+
+
+def scatter_mean_exclude_self(x, i, s):
+    return x.scatter_reduce(1, i, s, "mean", include_self=False)
+
+
 def scatter(x, i, s):
     return (x - 2).scatter(0, i, s)
 
@@ -122,7 +134,8 @@ def _patterns(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator):
     yield index_copy, (x, torch.randperm(n1, generator=g)[:k], _rand((n0, k) + rest, dtype, g))
     src_shape = (max(1, n0 - 1), n1 + 3) + rest  # the index covers part of the base (dim 0) and repeats along dim 1
     dup, src = torch.randint(0, n1, src_shape, generator=g), _rand(src_shape, dtype, g)
-    for fn in (scatter_add, scatter_sum_exclude_self, scatter_amax, scatter_amax_exclude_self):
+    for fn in (scatter_add, scatter_sum_exclude_self, scatter_amax, scatter_amax_exclude_self, scatter_prod,
+               scatter_mean, scatter_mean_exclude_self):
         yield fn, (x, dup, src)
     # scatter without a reduction: distinct targets along dim 0 in every column
     cols = n1 * (1 if not rest else int(torch.tensor(rest).prod()))

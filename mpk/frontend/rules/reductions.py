@@ -1,4 +1,4 @@
-"""Rules for reductions over any dims, (log-)softmax, cumsum, sort/topk and the row ops:
+"""Rules for reductions over any dims, (log-)softmax, cumsum/cumprod, sort/topk and the row ops:
 norms, RoPE and SiLU·mul."""
 
 from __future__ import annotations
@@ -135,6 +135,11 @@ def _softmax(L, node, x: View, dim, half_to_float=False, **kwargs):
 @handles(aten.cumsum.default)
 def _cumsum(L, node, x: View, dim, *, dtype=None):
     return _row_op(L, "cumsum", _cast_for(L, x, dtype), dim)
+
+
+@handles(aten.cumprod.default)
+def _cumprod(L, node, x: View, dim, *, dtype=None):
+    return _row_op(L, "cumsum", _cast_for(L, x, dtype), dim, {"prod": True})
 
 
 def _sorted(L, x: View, dim, k: int, descending: bool) -> tuple[View, View]:

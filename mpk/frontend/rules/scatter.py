@@ -111,8 +111,8 @@ def _scatter(L, node, base: View, dim, index: View, src, reduce=None, include_se
             raise Unsupported(f"scatter with reduce={reduce!r} ('add' lowers)")
         reduce = "sum"
     elif node.target is aten.scatter_reduce.two:
-        if reduce not in ("sum", "amax", "amin"):
-            raise Unsupported(f"scatter_reduce with reduce={reduce!r} (sum, amax, amin lower)")
+        if reduce not in ("sum", "prod", "mean", "amax", "amin"):
+            raise Unsupported(f"scatter_reduce with reduce={reduce!r} (sum, prod, mean, amax, amin lower)")
     else:
         reduce = "none"
     if base.ndim == 0:
