@@ -27,7 +27,7 @@ def _fills_and_scalars(x, y, i, j, k, v):
 
 def _indexing(x, y, i, j, k, v):
     """gather, index_select, x[i], x[i, j] (negative entries from the end; index tensors that
-    broadcast, adjacent or apart) and constant padding."""
+    broadcast, adjacent or apart), constant, reflect and replicate padding."""
     rows = k.abs().clamp(max=5).long()
     return (torch.gather(x, 1, rows), torch.index_select(x, 2, k[0, 0, :5].abs()), x[:, k[0, 0, :4].clamp(-6, 5)],
             x[k[0, :2, :3].clamp(-4, 3)], i[..., rows[0, 0, :3]], F.pad(x, (1, 2)),
@@ -35,7 +35,9 @@ def _indexing(x, y, i, j, k, v):
             torch.gather(x[0, 0, 0], 0, k[0, 0, 0].clamp(0, 0).long()),
             x[k[:, :1, :1].clamp(-4, 3), k[:1, :, :1].clamp(-6, 5)],  # two index tensors, broadcast
             x[k[0, 0, :3].clamp(0, 3), :, k[1, 1, :3].clamp(-10, 9)],  # apart: their shape comes first
-            x[:, k[0, :2, :2].clamp(0, 5), k[1, :2, :1].clamp(-10, 9)], x.new_ones(2, 3) + x.new_zeros(3).sum())
+            x[:, k[0, :2, :2].clamp(0, 5), k[1, :2, :1].clamp(-10, 9)], x.new_ones(2, 3) + x.new_zeros(3).sum(),
+            F.pad(x, (3, 9), mode="reflect"), F.pad(x, (2, 1, 5, 0), mode="replicate"),
+            F.pad(x.unsqueeze(0), (1, 2, 0, 3, 3, 1), mode="reflect"), F.pad(i, (4, 2), mode="replicate"))
 
 
 def _sorting(x, y, i, j, k, v):

@@ -93,6 +93,49 @@ def _cat(L, node, tensors, dim=0):
     return L.emit("cat", tensors, {"dim": d})
 
 
+CAT_INPUTS = 8  # codegen.MAX_INPUTS: the most pieces one cat op joins
+
+
+def _cat_all(L, pieces: list[View], d: int, dtype: torch.dtype) -> View:
+    """The pieces joined along dim d, by cats of at most ``CAT_INPUTS`` pieces (a tree of them)."""
+    while len(pieces) > 1:
+        groups = [pieces[i:i + CAT_INPUTS] for i in range(0, len(pieces), CAT_INPUTS)]
+        pieces = [g[0] if len(g) == 1 else
+                  L.emit("cat", g, {"dim": d}, shape=g[0].shape[:d] + (sum(p.shape[d] for p in g),) + g[0].shape[d + 1:],
+                         dtype=dtype) for g in groups]
+    return pieces[0]
+
+
+@handles(aten.reflection_pad1d.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default,
+         aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default)
+def _mirror_pad(L, node, x: View, pad):
+    """Reflect padding (position −i reads i, n − 1 + i reads n − 1 − i) or replicate padding
+    (the edge entry repeated), one dim at a time from the last (pad holds (left, right) pairs
+    from the last dim backwards; the dims are independent, so the corners come out as eager's):
+    a cat of x with its mirrored entries (slices of one entry each) or its edge entries
+    (a slice of one entry, expanded)."""
+    reflect = "reflection" in node.target.overloadpacket.__name__
+    for i in range(len(pad) // 2):
+        d = x.ndim - 1 - i
+        lo, hi, n = pad[2 * i], pad[2 * i + 1], x.shape[d]
+        if lo < 0 or hi < 0 or (reflect and max(lo, hi) >= n) or (not reflect and n == 0 and lo + hi):
+            raise Unsupported(f"{'reflect' if reflect else 'replicate'} pad {list(pad)} of dim {d}'s {n} entries "
+                              f"(expected pads >= 0{', each below the dim' if reflect else ''})")
+        if not lo and not hi:
+            continue
+
+        def entry(at: int, width: int = 1) -> View:
+            one = slice_view(x, d, at, at + 1, 1)
+            return one if width == 1 else one.then(("expand", one.shape[:d] + (width,) + one.shape[d + 1:]))
+
+        if reflect:
+            pieces = [entry(j) for j in range(lo, 0, -1)] + [x] + [entry(n - 2 - j) for j in range(hi)]
+        else:
+            pieces = ([entry(0, lo)] if lo else []) + [x] + ([entry(n - 1, hi)] if hi else [])
+        x = _cat_all(L, pieces, d, L.meta().dtype)
+    return fresh(L, node, x) if not any(pad) else x
+
+
 @handles(aten.roll.default)
 def _roll(L, node, x: View, shifts, dims=()):
     """``x.roll(shifts, dims)`` (a sliding-window cache's shift): along each dim the last
