@@ -1,6 +1,6 @@
 """Scatter-style updates: in-place slice writes (``x[:, 2:5] = y``, ``x[:, 3] = y``,
 ``copy_`` into a slice: slice_scatter / select_scatter after functionalization), ``index_put``
-with one 1-D index, ``index_add``, ``index_copy``, ``scatter`` / ``scatter_add`` / ``scatter_reduce``. Each
+with one 1-D index or a boolean mask and one value, ``index_add``, ``index_copy``, ``scatter`` / ``scatter_add`` / ``scatter_reduce``. Each
 compiles whole in strict mode on the CPU executor and equals eager exactly in float32, int64 and
 bfloat16 (the ops move data, and sums fold in eager's entry order and rounding); random tilings run on the interpreter under several
 schedules with the compiler's happens-before check and the element-level dependency oracle;
@@ -65,6 +65,22 @@ def index_put_accumulate(x, i, v):
     return (x + 1).index_put((i,), v, accumulate=True)
 
 
+def masked_assign(x, m, v):
+    x = x * 2
+    x[m] = v  # index_put with a boolean mask: one value for every masked position
+    return x
+
+
+def masked_assign_dim1(x, m, v):
+    x = x + 1
+    x[:, m] = v
+    return x
+
+
+def masked_accumulate(x, m, v):
+    return (x - 1).index_put((m,), v, accumulate=True)
+
+
 def index_put_dim1_accumulate(x, i, v):
     return aten.index_put(x + 1, [None, i], v, True)  # x[:, i] += v, duplicates summed
 
@@ -126,6 +142,10 @@ def _patterns(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator):
     i = torch.randperm(n0, generator=g)[:k]
     i = torch.where(torch.rand(k, generator=g) < 0.5, i - n0, i)  # negative indices count from the end
     yield index_assign, (x, i, _rand((k,) + shape[1:], dtype, g))
+    m, v = torch.rand(shape, generator=g) < 0.5, _rand((), dtype, g)
+    yield masked_assign, (x, m, v)
+    yield masked_assign_dim1, (x, m[0, :, *(0 for _ in rest)], v)
+    yield masked_accumulate, (x, m[:, :, *(0 for _ in rest)] if rest else m, v)
     k = 2 * max(n0, n1) + 1  # more entries than positions: duplicates for sure
     yield index_put_accumulate, (x, torch.randint(0, n0, (k,), generator=g), _rand((k,) + shape[1:], dtype, g))
     yield index_put_dim1_accumulate, (x, torch.randint(0, n1, (k,), generator=g), _rand((n0, k) + rest, dtype, g))
@@ -231,8 +251,8 @@ def test_unsupported_forms_are_refused_with_the_reason():
 
     x, m, v = torch.randn(4, 6), torch.randn(4, 6) > 0, torch.randn(())
     torch._dynamo.reset()
-    with pytest.raises(BackendCompilerFailed, match="boolean mask"):
-        torch.compile(lambda x, m, v: x.index_put((m,), v), backend="mpk", options=OPTS)(x, m, v)
+    with pytest.raises(BackendCompilerFailed, match="boolean mask .* lowers for one mask and one value"):
+        torch.compile(lambda x, m, v: x.index_put((m,), v.expand(3)), backend="mpk", options=OPTS)(x, m, v)
     torch._dynamo.reset()
     with pytest.raises(BackendCompilerFailed, match="alpha"):
         torch.compile(lambda x, i: x.index_add(0, i, x[:2], alpha=2), backend="mpk", options=OPTS)(x, torch.tensor([0, 0]))

@@ -5,6 +5,8 @@ buffer whole)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mpk.frontend.rules.pointwise import emit_pointwise
@@ -65,11 +67,30 @@ def _line_src(src: View, base: View, dim: int, entries: int) -> View:
     return src
 
 
+def _masked_put(L, base: View, d: int, mask: View, values: View, accumulate: bool) -> View:
+    """``x[..., mask] = v`` with one value for every masked position: where(mask, v, x) (with
+    accumulate, x + where(mask, v, 0)), the mask broadcast over base's dims after it."""
+    if mask.shape != base.shape[d:d + mask.ndim]:
+        raise Unsupported(f"index_put with a boolean mask of shape {mask.shape} at dim {d} of {base.shape}")
+    shape = (1,) * d + mask.shape + (1,) * (base.ndim - d - mask.ndim)
+    cond = mask.then(("reshape", shape)).then(("expand", base.shape))
+    value = values.then(("reshape", (1,) * base.ndim)).then(("expand", base.shape))
+    dtype = L.graph.buffers[base.buffer].dtype
+    if accumulate:
+        return emit_pointwise(L, "add", [base, emit_pointwise(L, "where", [cond, value, 0], shape=base.shape,
+                                                              dtype=dtype)], shape=base.shape, dtype=dtype)
+    return emit_pointwise(L, "where", [cond, value, base], shape=base.shape, dtype=dtype)
+
+
 @handles(aten.index_put.default)
 def _index_put(L, node, base: View, indices, values: View, accumulate=False):
     picked = [(d, i) for d, i in enumerate(indices) if i is not None]
-    if any(isinstance(i, View) and L.graph.buffers[i.buffer].dtype == torch.bool for _, i in picked):
-        raise Unsupported("index_put with a boolean mask (x[mask] = v): its positions are data-dependent")
+    masks = [(d, i) for d, i in picked if isinstance(i, View) and L.graph.buffers[i.buffer].dtype == torch.bool]
+    if masks:
+        if len(picked) == 1 and isinstance(values, View) and math.prod(values.shape) == 1:
+            return _masked_put(L, base, masks[0][0], masks[0][1], values, bool(accumulate))
+        raise Unsupported("index_put with a boolean mask (x[mask] = v) lowers for one mask and one value; "
+                          "values for each masked position are data-dependent")
     if len(picked) != 1 or not isinstance(picked[0][1], View) or picked[0][1].ndim != 1:
         raise Unsupported("index_put lowers with one 1-D integer index tensor (x[..., idx] = v); got "
                           f"{len(picked)} index tensors of {[i.ndim for _, i in picked if isinstance(i, View)]} dims")
