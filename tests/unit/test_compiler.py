@@ -191,25 +191,25 @@ def test_default_executor_without_cuda_warns_once(monkeypatch):
     assert sum("CUDA is not available" in str(w.message) for w in rec) == 1
 
 
-class _Cumprod(nn.Module):
+class _LogCumSumExp(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(8, 8)
 
     def forward(self, x):
         y = torch.relu(self.lin(x))
-        return torch.cumprod(y, dim=-1) * 2 + y  # aten.cumprod has no mpk lowering
+        return torch.logcumsumexp(y, dim=-1) * 2 + y  # aten.logcumsumexp has no mpk lowering
 
 
 def test_unsupported_op_error_names_op_shapes_and_source():
     with pytest.raises(Exception) as info:
         with torch.no_grad():
-            torch.compile(_Cumprod(), backend="mpk", options={"executor": "cpu"})(torch.randn(3, 8))
+            torch.compile(_LogCumSumExp(), backend="mpk", options={"executor": "cpu"})(torch.randn(3, 8))
     msg = str(info.value)
     assert "UnsupportedOpError" in msg or isinstance(info.value, UnsupportedOpError)
-    assert "aten::cumprod" in msg
+    assert "aten::logcumsumexp" in msg
     assert "(3, 8) float32" in msg
-    assert re.search(r"test_compiler\.py:\d+: return torch\.cumprod", msg), msg
+    assert re.search(r"test_compiler\.py:\d+: return torch\.logcumsumexp", msg), msg
     assert "fallback" in msg
 
 
@@ -222,7 +222,7 @@ def test_unsupported_op_in_a_torch_module_names_the_module():
 
 
 def test_eager_fallback_runs_the_rest_in_mpk():
-    model = _Cumprod().eval()
+    model = _LogCumSumExp().eval()
     x = torch.randn(3, 8)
     from mpk.backend import COMPILED
     before = len(COMPILED)
@@ -231,8 +231,8 @@ def test_eager_fallback_runs_the_rest_in_mpk():
         out = torch.compile(model, backend="mpk", options={"executor": "cpu", "fallback": "eager"})(x)
         ref = model(x)
     assert relative_error(out, ref) <= 1e-5
-    assert any("aten::cumprod" in str(w.message) and "eager" in str(w.message) for w in rec)
-    assert len(COMPILED) - before == 2  # the parts before and after cumprod are mpk graphs
+    assert any("aten::logcumsumexp" in str(w.message) and "eager" in str(w.message) for w in rec)
+    assert len(COMPILED) - before == 2  # the parts before and after logcumsumexp are mpk graphs
 
 
 def test_bit_views_are_not_lowered_as_reshapes():
@@ -283,11 +283,11 @@ def test_compile_module_dumps_and_refuses_what_it_cannot_honour(tmp_path):
     compiled = compile_module(nn.Linear(8, 8), (torch.randn(2, 8),), {"debug_dir": str(tmp_path)})
     assert (tmp_path / "graph.summary.txt").read_text().strip() and (tmp_path / "graph.tables").exists()
     assert compiled.stats.tasks_per_op
-    with pytest.raises(UnsupportedOpError, match=r"aten::cumprod .*\n.*needs the whole graph lowered") as info:
-        compile_module(_Cumprod(), (torch.randn(3, 8),))
+    with pytest.raises(UnsupportedOpError, match=r"aten::logcumsumexp .*\n.*needs the whole graph lowered") as info:
+        compile_module(_LogCumSumExp(), (torch.randn(3, 8),))
     assert "fallback" not in str(info.value)
     with pytest.raises(OptionError, match="fallback='eager': compile_module .* expected 'error'"):
-        compile_module(_Cumprod(), (torch.randn(3, 8),), {"fallback": "eager"})
+        compile_module(_LogCumSumExp(), (torch.randn(3, 8),), {"fallback": "eager"})
 
 
 def test_compile_module_leaves_the_callers_compiled_models_alone():
