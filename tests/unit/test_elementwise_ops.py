@@ -281,3 +281,18 @@ def test_hugging_face_models_compile_whole(name, executor):
     field = "logits" if hasattr(ref, "logits") else "last_hidden_state"
     assert relative_error(getattr(out, field).cpu(), getattr(ref, field).cpu()) <= F32_TOL
     assert len(COMPILED) - before == 1
+
+
+def test_a_cat_of_more_pieces_than_a_task_takes_is_a_tree_of_cats():
+    """torch.cat of 11 tensors: cats of at most 8 inputs each (a CUDA task's views), joined
+    again; the result is eager's and the generated CUDA accepts every op."""
+    from mpk.backend import COMPILED
+    from mpk.executors.codegen import generate
+
+    xs = [torch.randn(3, i + 1) for i in range(11)]
+    torch._dynamo.reset()
+    out = torch.compile(lambda *xs: torch.cat([x * 2 for x in xs], 1), backend="mpk",
+                        options={"executor": "cpu"})(*xs)
+    assert torch.equal(out, torch.cat([x * 2 for x in xs], 1))
+    cats = [len(op.inputs) for op in COMPILED[-1].graph.ops if op.kind == "cat"]
+    assert sorted(cats) == [2, 3, 8] and "cat" in generate(COMPILED[-1].tables)

@@ -90,16 +90,16 @@ def _cat(L, node, tensors, dim=0):
     # empty 1-d pieces join anything (torch.cat's legacy rule); all of them empty: an empty result
     tensors = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)] or tensors[:1]
     d = norm_dim(dim, tensors[0].ndim)
-    return L.emit("cat", tensors, {"dim": d})
+    return L.emit("cat", tensors, {"dim": d}) if len(tensors) <= MAX_INPUTS else _cat_all(L, tensors, d, L.meta().dtype)
 
 
-CAT_INPUTS = 8  # codegen.MAX_INPUTS: the most pieces one cat op joins
+MAX_INPUTS = 8  # codegen.MAX_INPUTS: the most inputs a CUDA task takes (in most graphs)
 
 
 def _cat_all(L, pieces: list[View], d: int, dtype: torch.dtype) -> View:
-    """The pieces joined along dim d, by cats of at most ``CAT_INPUTS`` pieces (a tree of them)."""
+    """The pieces joined along dim d, by cats of at most ``MAX_INPUTS`` pieces (a tree of them)."""
     while len(pieces) > 1:
-        groups = [pieces[i:i + CAT_INPUTS] for i in range(0, len(pieces), CAT_INPUTS)]
+        groups = [pieces[i:i + MAX_INPUTS] for i in range(0, len(pieces), MAX_INPUTS)]
         pieces = [g[0] if len(g) == 1 else
                   L.emit("cat", g, {"dim": d}, shape=g[0].shape[:d] + (sum(p.shape[d] for p in g),) + g[0].shape[d + 1:],
                          dtype=dtype) for g in groups]
@@ -168,7 +168,7 @@ def _triangle(L, node, x: View, diagonal: int = 0):
         raise Unsupported(f"{node.target.overloadpacket.__name__} of a {x.ndim}-d tensor (it needs at least 2 dims)")
     return L.emit("triangle", [x], {"diagonal": int(diagonal), "upper": node.target is aten.triu.default})
 
-MAX_INDEX_TENSORS = 7  # codegen.MAX_INPUTS, less x
+MAX_INDEX_TENSORS = MAX_INPUTS - 1  # less x
 
 
 @handles(aten.gather.default)
